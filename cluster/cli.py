@@ -1,0 +1,121 @@
+"""The `tandem` command line: `generate` (offline, through the engine), and the cluster commands
+(`up`, `chat`, `status`, ...) as they land. Errors a user can fix print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.request import InvalidRequestError
+
+
+def _read_prompt_file(path: str) -> list[dict]:
+    reqs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise InvalidRequestError(f"{path}:{n}: each line must be a JSON object")
+            keys = [k for k in ("prompt", "messages", "prompt_token_ids") if k in obj]
+            if len(keys) != 1:
+                raise InvalidRequestError(f"{path}:{n}: give exactly one of prompt, messages, prompt_token_ids")
+            allowed = {"prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
+                       "top_k", "seed", "stop", "ignore_eos", "request_id"}
+            unknown = set(obj) - allowed
+            if unknown:
+                raise InvalidRequestError(f"{path}:{n}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+            reqs.append(obj)
+    if not reqs:
+        raise InvalidRequestError(f"{path}: no requests")
+    return reqs
+
+
+def cmd_generate(args) -> int:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+
+    if args.prompt_file:
+        reqs = _read_prompt_file(args.prompt_file)
+    else:
+        reqs = [{"prompt": args.prompt}]
+    for r in reqs:
+        if args.max_tokens is not None:
+            r.setdefault("max_tokens", args.max_tokens)
+        if args.temperature is not None:
+            r.setdefault("temperature", args.temperature)
+        if args.seed is not None:
+            r.setdefault("seed", args.seed)
+    cache = CacheConfig(num_blocks=args.num_blocks) if args.num_blocks else CacheConfig()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache))
+    # validate everything before running anything
+    from engine.request import SamplingParams
+    for r in reqs:
+        sp = SamplingParams(**{k: (tuple(v) if k == "stop" else v) for k, v in r.items()
+                               if k in SamplingParams.__dataclass_fields__})
+        engine.validate(engine.tokenize(r.get("prompt"), r.get("prompt_token_ids"), r.get("messages")), sp)
+    if args.json or len(reqs) > 1:
+        for res in engine.generate(reqs):
+            if args.json:
+                print(json.dumps(res))
+            else:
+                print(res["text"])
+        return 0
+    # one prompt, human output: stream as tokens arrive
+    r = reqs[0]
+    from engine.request import SamplingParams as SP
+    sp = SP(**{k: v for k, v in r.items() if k in SP.__dataclass_fields__})
+    engine.add_request("cli", prompt=r.get("prompt"), sampling=sp)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="run prompts offline through the engine")
+    g.add_argument("--model", default="smollm2-135m")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file", help="JSON Lines: prompt | messages | prompt_token_ids, + sampling fields")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--json", action="store_true", help="one JSON object per request, in input order")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--num-blocks", type=int, help="KV cache size in blocks (default: from memory)")
+    g.set_defaults(func=cmd_generate)
+
+    from cluster import commands  # the cluster commands register themselves
+    commands.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InvalidRequestError as e:
+        print(f"tandem: invalid request: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Cluster configuration: one YAML file, flags override; each component gets only its own part.
+
+    model: {name: smollm2-135m, dtype: float32, device: cpu}
+    cache: {block_size: 16, num_blocks: null, ...}       # engine.config.CacheConfig
+    scheduler: {max_num_seqs: 256, ...}                  # engine.config.SchedulerConfig
+    prefill: {replicas: 1, resource_name: tandem_prefill, num_gpus: 0, ...}
+    decode:  {replicas: 1, resource_name: tandem_decode, num_gpus: 0, local_prefill_threshold: 256}
+    router:  {host: 127.0.0.1, port: 50051, redis_url: null, session_ttl_s: 3600}
+
+`load_config(path, overrides)` merges the file over the defaults, then dotted overrides
+(`{"prefill.replicas": 2}`) over that, and validates everything on construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replicas: int = 1
+    # The Ray custom resource every actor of this pool asks for (0.001 of it, so many fit a node when
+    # a node offers 1). On KubeRay each worker group advertises its pool's resource, so pending
+    # actors make Ray's autoscaler add pods to the right group. Empty: ask for no custom resource.
+    resource_name: str = ""
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+    # decode pool only: prompts whose uncached part is at most this many tokens are prefilled by the
+    # decode actor itself; math.inf is the colocated mode.
+    local_prefill_threshold: float = 256
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ConfigError(f"pool: replicas must be >= 0, got {self.replicas}")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ConfigError("pool: num_gpus and num_cpus must be >= 0")
+        if self.local_prefill_threshold < 0:
+            raise ConfigError("pool: local_prefill_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    session_ttl_s: float = 3600.0
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_request_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"router: port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prefill: PoolConfig = field(default_factory=lambda: PoolConfig(resource_name="tandem_prefill"))
+    decode: PoolConfig = field(default_factory=lambda: PoolConfig(resource_name="tandem_decode"))
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _build(cls, values: dict[str, Any], where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {sorted(unknown)} in {where or 'top level'}; "
+                          f"known: {sorted(names)}")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"config: {where}: {e}") from None
+
+
+def _inf(v: Any) -> Any:
+    return math.inf if isinstance(v, str) and v.lower() in ("inf", "infinity", ".inf") else v
+
+
+def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    e = cfg.engine
+    return {
+        "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed},
+        "cache": dataclasses.asdict(e.cache),
+        "scheduler": dataclasses.asdict(e.scheduler),
+        "prefill": dataclasses.asdict(cfg.prefill),
+        "decode": dataclasses.asdict(cfg.decode),
+        "router": dataclasses.asdict(cfg.router),
+    }
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Defaults, then the YAML file at `path`, then dotted `overrides` whose value is not None."""
+    data = config_to_dict(ClusterConfig())
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {path} must hold a mapping at the top level")
+        unknown = set(loaded) - set(data)
+        if unknown:
+            raise ConfigError(f"config: unknown section(s) {sorted(unknown)} in {path}; known: {sorted(data)}")
+        data = _merge(data, loaded)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        if section not in data or not key:
+            raise ConfigError(f"config: bad override {dotted!r}")
+        data[section][key] = value
+    m = data["model"]
+    engine = _build(EngineConfig, {
+        "model": m.pop("name"), **m,
+        "cache": _build(CacheConfig, data["cache"], "cache"),
+        "scheduler": _build(SchedulerConfig, data["scheduler"], "scheduler"),
+    }, "model")
+    pools = {p: _build(PoolConfig, {k: _inf(v) for k, v in data[p].items()}, p) for p in ("prefill", "decode")}
+    return ClusterConfig(engine=engine, router=_build(RouterConfig, data["router"], "router"), **pools)

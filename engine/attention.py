@@ -1,0 +1,94 @@
+"""Paged attention: the plain-torch reference that the GPU kernels are tested against, and the CPU path.
+
+The KV cache of one layer is two tensors `k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim]`. A batch step is flattened ("varlen"): the new tokens of every sequence are concatenated,
+`query_start_loc` marks where each sequence's tokens begin, and `seq_lens` is each sequence's whole
+KV length after this step (cached prefix + new tokens). Token j of sequence b sits at position
+`seq_lens[b] - query_lens[b] + j` and attends causally to KV positions [0, that position]. The same
+call serves prefill with a cached prefix, decode (one query token per sequence) and the speculative
+verifier (1 + k query tokens per sequence), in any mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, rows padded with 0
+    query_lens_cpu: list[int]  # host copies, so the torch path never synchronises
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V ([T, num_kv_heads, head_dim]) into their cache slots, in place."""
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, bs, H, D] + one block-table row -> [length, H, D] contiguous KV of one sequence."""
+    block_size = cache.shape[1]
+    n = (length + block_size - 1) // block_size
+    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V are read through the block table
+    (the new tokens' K/V must already be written). Grouped-query heads share K/V."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if meta.decode_only and meta.num_seqs > 1:
+        # one padded batched call: [B, H, 1, D] against [B, H, L, D] with a length mask
+        B, L = meta.num_seqs, meta.max_seq_len
+        block_size = k_cache.shape[1]
+        n = (L + block_size - 1) // block_size
+        tables = meta.block_tables[:, :n].long()
+        k = k_cache[tables].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)[:, :L]
+        lens = meta.seq_lens[:, None].to(k.device)
+        mask = torch.arange(L, device=k.device)[None, :] < lens  # [B, L]
+        qb = q.view(B, num_heads, 1, -1)
+        kb = k.transpose(1, 2).repeat_interleave(group, dim=1)
+        vb = v.transpose(1, 2).repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale)
+        return o.view(B, num_heads, -1)
+    start = 0
+    for b in range(meta.num_seqs):
+        q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        k = _gather_kv(k_cache, meta.block_tables[b], kv_len).transpose(0, 1)
+        v = _gather_kv(v_cache, meta.block_tables[b], kv_len).transpose(0, 1)
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale)
+        else:
+            # causal with an offset: query j may see keys [0, kv_len - q_len + j]
+            qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            kpos = torch.arange(kv_len, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=kpos <= qpos, scale=scale)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out

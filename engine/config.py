@@ -1,0 +1,156 @@
+"""Engine configuration: frozen dataclasses validated on construction; no torch import.
+
+`ModelConfig` is the architecture (what a checkpoint's config.json says); `CacheConfig`,
+`SchedulerConfig` and `EngineConfig` are the deployment's knobs. Presets for the `*-random` models
+live here so every process agrees on their shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 style: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2, SmolLM2)."""
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers' LlamaConfig reads back to the same architecture."""
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per element byte count is the cache dtype's; this is elements per token (K and V, all layers)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# Real shapes with seeded random weights, and a tiny config for tests.
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b-random": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "smollm2-135m-random": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # GQA, Llama-3 rope scaling and untied embeddings, small enough for every CPU test.
+    "tiny-random": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling={**LLAMA3_ROPE_SCALING, "original_max_position_embeddings": 256},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,)),
+}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: size the cache from `max_cache_bytes` (CPU) or the free device memory fraction (GPU).
+    num_blocks: int | None = None
+    max_cache_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"cache: block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"cache: num_blocks must be >= 2, got {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("cache: gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in the running batch
+    max_num_batched_tokens: int = 2048  # per-step token budget; prompts beyond it are chunked
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("scheduler: max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"
+    seed: int = 0  # for `*-random` weights
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"engine: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,226 @@
+"""The engine: requests in, tokens out. One step is schedule -> run -> postprocess.
+
+Knows token ids and text only at its edges: `add_request` takes a prompt, token ids or chat
+messages and validates them before any KV is allocated; `step` returns, per request that advanced,
+the new token ids, the new text and, when it ends, the finish reason and usage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockAllocator
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, num_blocks_for
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer
+from engine.weights import load_model
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # positions run through the model (prompt chunks, decode, drafts)
+    preemptions: int = 0
+    per_request_computed: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
+        self.config = config
+        if model is None:
+            model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.seed)
+        self.model, self.tokenizer = model, tokenizer
+        self.model_config = model.config
+        # the cache follows the model's own dtype and device (a caller may hand in a model)
+        weight = model.embed_tokens.weight
+        dtype, device = weight.dtype, weight.device
+        bs = config.cache.block_size
+        bytes_per_block = int(torch.Size(model.kv_cache_shape(1, bs)).numel()) * dtype.itemsize
+        num_blocks = num_blocks_for(config.cache, bytes_per_block, device)
+        self.kv_cache = KVCache(model.kv_cache_shape(num_blocks, bs), dtype, device)
+        self.allocator = BlockAllocator(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.max_model_len = model.config.max_position_embeddings
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
+        self.runner = ModelRunner(model, self.kv_cache, device)
+        self.sampler = Sampler()
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 messages: list[dict[str, str]] | None = None) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if prompt is not None:
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        return list(prompt_token_ids)
+
+    def validate(self, ids: list[int], sampling: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the model's context is "
+                                      f"{self.max_model_len}, leaving no room for output")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        need = self.allocator.blocks_needed(len(ids) + sampling.max_tokens)
+        if need > self.allocator.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {need} KV blocks but this worker's cache holds "
+                f"{self.allocator.num_blocks}; send a shorter prompt or lower max_tokens")
+
+    def add_request(self, request_id: str | None = None, *, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None, messages: list[dict[str, str]] | None = None,
+                    sampling: SamplingParams | None = None) -> Request:
+        sampling = sampling or SamplingParams()
+        ids = self.tokenize(prompt, prompt_token_ids, messages)
+        self.validate(ids, sampling)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, sampling, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        self.scheduler.add(req)
+        self.detok[rid] = IncrementalDetokenizer(self.tokenizer, ids)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self._release(request_id)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _release(self, rid: str) -> None:
+        self.sampler.release(rid)
+        self.detok.pop(rid, None)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if sched.empty:
+            return []
+        batch = self.runner.prepare(sched)
+        logits = self.runner.execute(batch)
+        self.stats.steps += 1
+        self.stats.tokens_computed += sched.num_tokens
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            self.stats.per_request_computed[rid] = self.stats.per_request_computed.get(rid, 0) + s.num_new_tokens
+        params = [(rid, self.scheduler.requests[rid].sampling) for rid, _ in batch.logits_owner]
+        tokens = self.sampler.sample(logits, params) if params else []
+        sampled = {rid: [t] for (rid, _), t in zip(batch.logits_owner, tokens)}
+        produced = self.scheduler.update_from_output(sched, sampled)
+        return [self._postprocess(req, new) for req, new in produced]
+
+    def _postprocess(self, req: Request, new: list[int]) -> RequestOutput:
+        detok = self.detok[req.request_id]
+        detok.add(new)
+        if req.finished:
+            detok.flush()
+        stops = req.sampling.stop
+        end = len(detok.text)
+        if stops:
+            hit = self._find_stop(detok.text, stops, detok.emitted)
+            if hit is not None:
+                detok.text = detok.text[:hit]
+                end = hit
+                if not req.finished:
+                    self.scheduler.finish(req, FinishReason.STOP)
+            elif not req.finished:
+                # hold back what could be the start of a stop string completed by later tokens
+                end = max(detok.emitted, end - (max(map(len, stops)) - 1))
+        text = detok.text[detok.emitted:end]
+        detok.emitted = max(detok.emitted, end)
+        out = RequestOutput(req.request_id, new, text)
+        if req.finished:
+            out.finished, out.finish_reason = True, req.finish_reason
+            out.usage = self.usage(req)
+            self._release(req.request_id)
+        return out
+
+    @staticmethod
+    def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
+        best = None
+        for s in stops:
+            i = text.find(s, max(0, new_from - len(s) + 1))  # only where it can newly appear
+            if i >= 0 and (best is None or i < best):
+                best = i
+        return best
+
+    @staticmethod
+    def usage(req: Request) -> Usage:
+        return Usage(prompt_tokens=req.num_prompt_tokens, cached_prompt_tokens=req.num_cached_prompt_tokens,
+                     completion_tokens=len(req.output_token_ids), draft_tokens=req.num_draft_tokens,
+                     accepted_draft_tokens=req.num_accepted_draft_tokens)
+
+    # ---- offline ----------------------------------------------------------------------------
+    def generate(self, requests: list[dict[str, Any]], arrivals: list[int] | None = None) -> list[dict[str, Any]]:
+        """Run requests (dicts with prompt / prompt_token_ids / messages and sampling fields)
+        through continuous batching; request i joins at step `arrivals[i]` (default 0).
+        Returns one dict per request, in input order."""
+        arrivals = arrivals or [0] * len(requests)
+        pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        results: dict[str, dict[str, Any]] = {}
+        order: list[str] = []
+        step = 0
+        while pending or self.has_unfinished():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                r = requests[i]
+                sp = SamplingParams(**{k: (tuple(v) if k == "stop" else v) for k, v in r.items()
+                                       if k in SamplingParams.__dataclass_fields__})
+                req = self.add_request(r.get("request_id", f"gen-{i}"), prompt=r.get("prompt"),
+                                       prompt_token_ids=r.get("prompt_token_ids"), messages=r.get("messages"),
+                                       sampling=sp)
+                order.append(req.request_id)
+                results[req.request_id] = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
+                                           "token_ids": [], "text": ""}
+            for out in self.step():
+                res = results[out.request_id]
+                res["token_ids"].extend(out.new_token_ids)
+                res["text"] += out.new_text
+                if out.finished:
+                    res["finish_reason"] = out.finish_reason.value
+                    res["usage"] = vars(out.usage)
+            step += 1
+        return [results[rid] for rid in order]

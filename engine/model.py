@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2-style without biases, SmolLM2) over a paged cache.
+
+Single-device and batch-flattened: `forward(input_ids [T], positions [T], kv_cache, meta)` runs
+every scheduled token of every sequence in one pass; attention reads through the block table
+(engine.attention). Weights use Hugging Face names, with q/k/v and gate/up fused at load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from engine.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 style frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old / lo, old / hi
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv = rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [P, D/2]
+        # [P, D]: cos in the first half, sin in the second (the layout the Triton kernel reads too)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]; rotate-half (NeoX) layout as in Hugging Face Llama
+        cs = self.cos_sin[positions]
+        half = cs.shape[-1] // 2
+        cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
+        sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
+
+        def rot(x):
+            xf = x.float()
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+        return rot(q), rot(k)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta, ops) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta, ops):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TorchOps:
+    """The plain-torch attention path (CPU, and the reference for the GPU kernels)."""
+    write_kv = staticmethod(write_kv_torch)
+    attention = staticmethod(paged_attention_torch)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.ops = TorchOps()
+
+    # The cache layout is the model's: Llama keeps K and V per layer. [L, 2, blocks, block_size, Hkv, D]
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, layer_done=None) -> torch.Tensor:
+        """-> final hidden states [T, hidden]. `layer_done(layer)` is called after each layer's KV
+        is written (the prefill actor starts sending that layer then)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_cache, meta, self.ops)
+            if layer_done is not None:
+                layer_done(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_hf_state_dict(self, tensors) -> None:
+        """Load from Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight` ...)."""
+        cfg = self.config
+        get = lambda name: tensors[name]  # noqa: E731
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+            self.norm.weight.copy_(get("model.norm.weight"))
+            if not cfg.tie_word_embeddings:
+                self.lm_head.weight.copy_(get("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.self_attn.qkv_proj.weight.copy_(torch.cat(
+                    [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
+                layer.self_attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
+                layer.mlp.gate_up_proj.weight.copy_(torch.cat(
+                    [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0))
+                layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

@@ -1,0 +1,190 @@
+"""Continuous batching under a per-step token budget. Pure Python, no torch.
+
+Each step: running requests first (in admission order), each asking for the tokens it still has
+to compute (1 when decoding, the rest of its prompt when part-way through a chunked prefill, 1 + k
+with speculative drafts); then waiting requests in FIFO order while the budget and the batch size
+allow, their cached prefix taken from the block allocator. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it goes back to the front of the
+queue to be recomputed later (its computed prefix usually survives in the prefix cache).
+
+`schedule()` decides; `update_from_output()` applies what the model produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockAllocator
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # positions computed this step, from request.num_computed_tokens on
+    num_draft_tokens: int = 0  # trailing positions that are speculative drafts (not yet output)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (so logits are needed)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens + self.num_draft_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int):
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # ---- admission --------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Finish (or abort) a request wherever it is; its blocks go back to the allocator."""
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.allocator.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+        return req
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self, drafts: dict[str, int] | None = None) -> SchedulerOutput:
+        """`drafts`: request id -> number of draft tokens appended to that running request's
+        input this step (speculative decoding); they need KV slots like any other token."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        drafts = drafts or {}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            k = drafts.get(req.request_id, 0)
+            num_new = req.num_tokens + k - req.num_computed_tokens
+            if num_new > budget:  # chunk a long prefill; drafts are all-or-nothing
+                if k:
+                    k, num_new = 0, req.num_tokens - req.num_computed_tokens
+                num_new = min(num_new, budget)
+            while not self.allocator.grow(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.allocator.num_admit_tokens(req)
+            num_new = req.num_tokens - cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill and self.running:
+                    break
+                num_new = budget
+            if not self.allocator.admit(req, num_new):
+                break
+            if not req.admitted_once:
+                req.num_cached_prompt_tokens = req.num_computed_tokens
+                req.admitted_once = True
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.allocator.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           num_rejected: dict[str, int] | None = None) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts, append sampled tokens, finish on EOS / max_tokens / context.
+
+        `sampled[rid]`: new output tokens of a request that sampled this step (accepted drafts plus
+        one); `num_rejected[rid]`: draft positions whose KV must be rolled back.
+        Returns (request, new tokens) for every request that produced tokens, in batch order."""
+        num_rejected = num_rejected or {}
+        produced: list[tuple[Request, list[int]]] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.finished:
+                continue
+            req.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
+            new = sampled.get(req.request_id)
+            if new is None:
+                self.allocator.register_full_blocks(req)
+                continue
+            # accepted drafts are now computed positions; their KV is valid
+            accepted = len(new) - 1
+            req.num_computed_tokens += accepted
+            rejected = num_rejected.get(req.request_id, s.num_draft_tokens - accepted)
+            kept = self._append(req, new)
+            produced.append((req, kept))
+            if rejected or accepted:
+                self.allocator.truncate(req, max(req.num_computed_tokens, req.num_tokens))
+            if not req.finished:
+                self.allocator.register_full_blocks(req)
+        return produced
+
+    def _append(self, req: Request, new: list[int]) -> list[int]:
+        kept: list[int] = []
+        sp = req.sampling
+        for tok in new:
+            req.output_token_ids.append(tok)
+            kept.append(tok)
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                self.finish(req, FinishReason.STOP)
+                break
+            if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, FinishReason.LENGTH)
+                break
+        if req.finished and len(kept) < len(new):
+            pass  # tokens past a stop are dropped; their KV is freed with the request
+        return kept

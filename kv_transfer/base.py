@@ -1,0 +1,209 @@
+"""The contract of a KV transfer: what moves (`TransferSpec`), the states it passes through
+(`TransferState`), how it fails (typed errors), and the two ends (`KVSender`, `KVReceiver`).
+
+A transfer moves the KV of some layers of one request from blocks of the sender's cache into
+blocks the receiver reserved, layer by layer, in the order of `spec.layers`. The owner of each end
+learns of the end of a transfer by polling; blocks are handed back through `on_release`, which the
+transport calls exactly once per transfer, on the owner's thread, from inside poll/wait/abort/reap:
+
+- receiver: on FAILED or ABORTED (on DONE the blocks now hold the request's KV and stay reserved);
+- sender: on every terminal state (DONE, FAILED, ABORTED): the transport no longer reads the blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+ReleaseCallback = Callable[[str], None]
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"            # registered, no layer has moved yet
+    TRANSFERRING = "transferring"  # at least one layer moved, not all
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: peer gone, protocol violation, layout mismatch."""
+
+
+class KVTransferTimeout(KVTransferError):
+    """A wait ran past its deadline (slow or hung peer, or the caller's own timeout)."""
+
+
+class KVTransferAborted(KVTransferError):
+    """One side aborted the transfer."""
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    timeout_s: float = 30.0          # longest wait for one message once a transfer has started
+    start_timeout_s: float = 120.0   # longest wait from expect() to the first layer (prefill queue)
+    connect_timeout_s: float = 60.0  # pair-group rendezvous, including the peer joining
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "start_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv transfer config: {name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Move `layers` (in this order) of `request_id` from `src_block_ids` of `sender_id`'s cache
+    into `dst_block_ids` of `receiver_id`'s cache; the blocks cover `num_tokens` token positions.
+    Both ends get the same spec (the router hands it to both); src and dst ids pair up by index.
+    `request_id` names one attempt: a retry or another chunk of chunked prefill gets its own id
+    (e.g. "req-7/2"), so late data of an old attempt can never land in the new one's blocks."""
+    request_id: str
+    sender_id: str
+    receiver_id: str
+    layers: tuple[int, ...]
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        object.__setattr__(self, "src_block_ids", tuple(int(x) for x in self.src_block_ids))
+        object.__setattr__(self, "dst_block_ids", tuple(int(x) for x in self.dst_block_ids))
+        if not self.request_id or len(self.request_id) > 256:
+            raise ValueError(f"transfer spec: request_id must be 1..256 chars, got {self.request_id!r}")
+        if not self.sender_id or not self.receiver_id or self.sender_id == self.receiver_id:
+            raise ValueError(f"transfer spec: need two distinct actor ids, got "
+                             f"{self.sender_id!r} -> {self.receiver_id!r}")
+        if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
+            raise ValueError(f"transfer spec: layers must be distinct and >= 0, got {self.layers}")
+        if len(self.src_block_ids) != len(self.dst_block_ids) or not self.src_block_ids:
+            raise ValueError(f"transfer spec: {len(self.src_block_ids)} src blocks vs "
+                             f"{len(self.dst_block_ids)} dst blocks")
+        if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
+            raise ValueError("transfer spec: dst block ids repeat")
+        if self.num_tokens < 0:
+            raise ValueError(f"transfer spec: num_tokens must be >= 0, got {self.num_tokens}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def to_msg(self) -> dict[str, Any]:
+        """A msgpack-able dict (ints, strings, lists)."""
+        return {"request_id": self.request_id, "sender_id": self.sender_id,
+                "receiver_id": self.receiver_id, "layers": list(self.layers),
+                "src_block_ids": list(self.src_block_ids), "dst_block_ids": list(self.dst_block_ids),
+                "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> "TransferSpec":
+        return cls(**{k: msg[k] for k in ("request_id", "sender_id", "receiver_id", "layers",
+                                          "src_block_ids", "dst_block_ids", "num_tokens")})
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """The KV cache of one actor, layout-agnostic: the transport only gathers and scatters whole
+    blocks of one layer. Llama: a block of a layer is [2, block_size, Hkv, D]; an MLA cache would
+    have one latent per token instead."""
+    num_layers: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def gather_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """Contiguous copy of those blocks of `layer`, blocks on dim 0: `block_payload_shape(n)`."""
+        ...
+
+    def scatter_blocks(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write `data` (shaped like `gather_blocks`' result) into those blocks of `layer`."""
+        ...
+
+    def block_payload_shape(self, n_blocks: int) -> tuple[int, ...]:
+        ...
+
+
+class KVSender(abc.ABC):
+    """The prefill end. `begin(spec)` registers a transfer; `send_layer` queues one layer as soon
+    as its KV is written (prefill streams layer L while computing L+1) and returns at once; the
+    bytes move on a background thread per peer. `send(spec)` is begin + every layer."""
+
+    @abc.abstractmethod
+    def begin(self, spec: TransferSpec) -> None: ...
+
+    @abc.abstractmethod
+    def send_layer(self, request_id: str, layer: int, ready_event: Any = None) -> None:
+        """Queue `layer`, which must be the next one of the spec's layers. `ready_event`: a CUDA
+        event recorded after the layer's KV was written; the copy waits on it on a side stream
+        (None: the caller's current stream at this call). Ignored on CPU."""
+
+    def send(self, spec: TransferSpec) -> None:
+        self.begin(spec)
+        for layer in spec.layers:
+            self.send_layer(spec.request_id, layer)
+
+    @abc.abstractmethod
+    def poll(self, request_id: str) -> TransferState:
+        """Non-blocking. Raises KeyError for an unknown (or long-forgotten) request."""
+
+    @abc.abstractmethod
+    def progress(self, request_id: str) -> tuple[int, int]:
+        """(layers whose data has left, layers in the spec)."""
+
+    @abc.abstractmethod
+    def wait(self, request_id: str, timeout: float) -> TransferState:
+        """Block until terminal; DONE is returned, FAILED/ABORTED raise the typed error. On
+        timeout the transfer fails (KVTransferTimeout) and its blocks are released."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop sending; the receiver learns in-band and releases its blocks. Idempotent."""
+
+    @abc.abstractmethod
+    def reap(self) -> list[tuple[str, TransferState]]:
+        """Run pending release callbacks; return transfers that became terminal since last reap."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(abc.ABC):
+    """The decode end. `expect(spec)` posts the receive of a transfer into reserved blocks; layers
+    must arrive in the spec's order and are scattered as they arrive, on a background thread."""
+
+    @abc.abstractmethod
+    def expect(self, spec: TransferSpec) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self, request_id: str) -> TransferState:
+        """Non-blocking; also fails transfers past their deadline (KVTransferTimeout)."""
+
+    @abc.abstractmethod
+    def progress(self, request_id: str) -> tuple[int, int]:
+        """(layers received, layers expected)."""
+
+    @abc.abstractmethod
+    def wait(self, request_id: str, timeout: float) -> TransferState:
+        """Block until terminal; DONE is returned, FAILED/ABORTED raise the typed error. On
+        timeout the transfer fails (KVTransferTimeout) and on_release runs."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Release the blocks now (on_release runs before this returns, unless a layer is being
+        scattered into them at this instant: then right after it lands, at the next poll/reap);
+        late data for the request is discarded and the sender is told to stop. Idempotent."""
+
+    @abc.abstractmethod
+    def reap(self) -> list[tuple[str, TransferState]]:
+        """Run pending release callbacks, fail expired transfers; return transfers that became
+        terminal since the last reap (the decode loop admits DONE ones)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

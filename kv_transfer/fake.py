@@ -1,0 +1,169 @@
+"""An in-process transport for unit tests: queues stand in for the network, so the real sender and
+receiver state machines run unchanged, in one process, with no torch.distributed.
+
+Faults are injected per direction: `delay_s` (a slow peer: each layer leaves that much later) and
+`die_after_layers` (the sender dies after that many layers: both ends see the link break), plus
+`kill(actor_id)` for a peer that dies at an arbitrary moment.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
+                              ReleaseCallback)
+from kv_transfer.link import decode_frame, encode_frame
+from kv_transfer.receiver import LayerStreamReceiver
+from kv_transfer.sender import LayerStreamSender
+
+_CLOSED = object()
+
+
+@dataclass
+class LinkFaults:
+    delay_s: float = 0.0                 # before each layer frame leaves the sender
+    die_after_layers: int | None = None  # the pipe breaks once this many layers' data went out
+
+
+class _Pipe:
+    """One direction, sender -> receiver; both ends' links share it."""
+
+    def __init__(self, sender_id: str, receiver_id: str, faults: LinkFaults):
+        self.sender_id, self.receiver_id, self.faults = sender_id, receiver_id, faults
+        self.items: queue.Queue = queue.Queue()
+        self.layers_sent = 0
+        self.dead = False
+
+    def kill(self) -> None:
+        self.dead = True
+        self.items.put(_CLOSED)
+
+
+class FakeNetwork:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pipes: dict[tuple[str, str], _Pipe] = {}
+        self._faults: dict[tuple[str, str], LinkFaults] = {}
+        self._aborts: set[tuple[str, str, str]] = set()
+        self.links_created = 0
+
+    def connector(self, actor_id: str) -> "FakeConnector":
+        return FakeConnector(self, actor_id)
+
+    def set_faults(self, sender_id: str, receiver_id: str, *, delay_s: float = 0.0,
+                   die_after_layers: int | None = None) -> None:
+        with self._lock:
+            self._faults[(sender_id, receiver_id)] = LinkFaults(delay_s, die_after_layers)
+            pipe = self._pipes.get((sender_id, receiver_id))
+            if pipe is not None:
+                pipe.faults = self._faults[(sender_id, receiver_id)]
+
+    def kill(self, actor_id: str) -> None:
+        """The actor dies: every pipe it is on breaks."""
+        with self._lock:
+            for key, pipe in list(self._pipes.items()):
+                if actor_id in key:
+                    pipe.kill()
+                    del self._pipes[key]
+
+    def _pipe(self, sender_id: str, receiver_id: str) -> _Pipe:
+        with self._lock:
+            pipe = self._pipes.get((sender_id, receiver_id))
+            if pipe is None or pipe.dead:
+                faults = self._faults.get((sender_id, receiver_id), LinkFaults())
+                pipe = self._pipes[(sender_id, receiver_id)] = _Pipe(sender_id, receiver_id, faults)
+                self.links_created += 1
+            return pipe
+
+    def _is_current(self, pipe: _Pipe) -> bool:
+        with self._lock:
+            return not pipe.dead and self._pipes.get((pipe.sender_id, pipe.receiver_id)) is pipe
+
+
+class FakeLink:
+    def __init__(self, pipe: _Pipe, peer_id: str, device: torch.device):
+        self.pipe, self.peer_id, self.device = pipe, peer_id, device
+
+    def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
+        if msg["op"] == "layer" and self.pipe.faults.delay_s:
+            time.sleep(self.pipe.faults.delay_s)
+        self._put(encode_frame(msg))
+
+    def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        self._put(tensor.detach().clone())
+        self.pipe.layers_sent += 1
+        die = self.pipe.faults.die_after_layers
+        if die is not None and self.pipe.layers_sent >= die:
+            self.pipe.kill()
+
+    def recv_frame(self, timeout: float | None) -> dict[str, Any]:
+        return decode_frame(self._get(timeout))
+
+    def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        item = self._get(timeout)
+        if item.shape != tensor.shape or item.dtype != tensor.dtype:
+            raise KVTransferError(f"fake link: got {tuple(item.shape)} {item.dtype}, "
+                                  f"posted {tuple(tensor.shape)} {tensor.dtype}")
+        tensor.copy_(item)
+
+    def close(self, broken: bool) -> None:
+        self.pipe.kill()
+
+    def _put(self, item: torch.Tensor) -> None:
+        if self.pipe.dead:
+            raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
+        self.pipe.items.put(item)
+
+    def _get(self, timeout: float | None) -> torch.Tensor:
+        if self.pipe.dead and self.pipe.items.empty():
+            raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
+        try:
+            item = self.pipe.items.get(timeout=timeout)
+        except queue.Empty:
+            raise KVTransferTimeout(f"fake link to {self.peer_id!r}: nothing in {timeout}s") from None
+        if item is _CLOSED:
+            self.pipe.items.put(_CLOSED)       # stays closed for every later reader
+            raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
+        return item
+
+
+class FakeConnector:
+    def __init__(self, network: FakeNetwork, actor_id: str, device: torch.device | str = "cpu"):
+        self.network, self.self_id, self.device = network, actor_id, torch.device(device)
+
+    def connect(self, peer_id: str, as_sender: bool) -> FakeLink:
+        key = (self.self_id, peer_id) if as_sender else (peer_id, self.self_id)
+        return FakeLink(self.network._pipe(*key), peer_id, self.device)
+
+    def is_current(self, link: FakeLink) -> bool:
+        return self.network._is_current(link.pipe)
+
+    def post_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
+        self.network._aborts.add((sender_id, receiver_id, request_id))
+
+    def abort_posted(self, sender_id: str, receiver_id: str, request_id: str) -> bool:
+        return (sender_id, receiver_id, request_id) in self.network._aborts
+
+    def clear_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
+        self.network._aborts.discard((sender_id, receiver_id, request_id))
+
+
+def make_fake_pair(sender_store: BlockStore, receiver_store: BlockStore, *,
+                   network: FakeNetwork | None = None, sender_id: str = "prefill-0",
+                   receiver_id: str = "decode-0", config: KVTransferConfig = KVTransferConfig(),
+                   on_sender_release: ReleaseCallback | None = None,
+                   on_receiver_release: ReleaseCallback | None = None,
+                   ) -> tuple[LayerStreamSender, LayerStreamReceiver, FakeNetwork]:
+    """A sender and a receiver joined by a FakeNetwork (a new one unless given)."""
+    network = network or FakeNetwork()
+    sender = LayerStreamSender(sender_store, network.connector(sender_id), config,
+                               on_release=on_sender_release or (lambda _rid: None))
+    receiver = LayerStreamReceiver(receiver_store, network.connector(receiver_id), config,
+                                   on_release=on_receiver_release or (lambda _rid: None))
+    return sender, receiver, network

@@ -1,0 +1,83 @@
+"""What a transport backend provides to the layer-streaming sender and receiver: an ordered,
+reliable pipe to one peer (`PeerLink`) and a way to open pipes and pass out-of-band abort notices
+(`Connector`); plus the control-frame encoding both backends share.
+
+A link carries, sender to receiver only, a sequence of control frames (small msgpack dicts in a
+fixed-size uint8 CPU tensor) each optionally followed by one data tensor. A link that raised is
+broken for good: its owner closes it (`close(broken=True)`) and connects again later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgpack
+import torch
+
+FRAME_BYTES = 1024          # one control frame: 4-byte little-endian length, then msgpack
+_LEN_BYTES = 4
+
+
+def encode_frame(msg: dict[str, Any]) -> torch.Tensor:
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > FRAME_BYTES - _LEN_BYTES:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {FRAME_BYTES - _LEN_BYTES}")
+    raw = len(body).to_bytes(_LEN_BYTES, "little") + body
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return frame
+
+
+def decode_frame(frame: torch.Tensor) -> dict[str, Any]:
+    raw = frame.numpy().tobytes()
+    n = int.from_bytes(raw[:_LEN_BYTES], "little")
+    if not 0 < n <= FRAME_BYTES - _LEN_BYTES:
+        raise ValueError(f"corrupt control frame (length {n})")
+    msg = msgpack.unpackb(raw[_LEN_BYTES:_LEN_BYTES + n], raw=False)
+    if not isinstance(msg, dict) or "op" not in msg:
+        raise ValueError(f"corrupt control frame: {msg!r:.200}")
+    return msg
+
+
+class PeerLink(Protocol):
+    """One direction between two actors. Every method raises KVTransferTimeout past its timeout
+    and KVTransferError when the peer is gone; after that the link is unusable."""
+    peer_id: str
+    device: torch.device
+
+    def send_frame(self, msg: dict[str, Any], timeout: float) -> None: ...
+
+    def recv_frame(self, timeout: float | None) -> dict[str, Any]:
+        """None: wait until a frame arrives or the link closes (an idle receiver posts this)."""
+        ...
+
+    def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        """On CUDA, ordered after the work already queued on the caller's current stream."""
+        ...
+
+    def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        """Fill `tensor` in place; on CUDA, the data is complete when this returns."""
+        ...
+
+    def close(self, broken: bool) -> None:
+        """Free the link; `broken`: it failed, so the pair must rendezvous afresh next time."""
+        ...
+
+
+class Connector(Protocol):
+    """How one actor (`self_id`) reaches its peers."""
+    self_id: str
+
+    def connect(self, peer_id: str, as_sender: bool) -> PeerLink:
+        """Open (or rendezvous) the link; blocks until the peer joins or the connect timeout."""
+        ...
+
+    def is_current(self, link: PeerLink) -> bool:
+        """False when the peer restarted or either side rebuilt the pair since `link` was made."""
+        ...
+
+    def post_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None: ...
+
+    def abort_posted(self, sender_id: str, receiver_id: str, request_id: str) -> bool: ...
+
+    def clear_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None: ...

@@ -1,0 +1,326 @@
+"""torch.distributed point-to-point links between actors: gloo between CPU caches, NCCL between GPU
+caches, one code path (the backend follows the cache's device).
+
+Pairs, not a world: each (sender id, receiver id) gets its own 2-rank group, made on first use and
+cached, the sender rank 0 (a pair is directional: on NCCL, one communicator carrying sends both
+ways between the same two ranks could deadlock). The process groups are built directly (`ProcessGroupGloo(store, rank,
+2, timeout)`, `ProcessGroupNCCL(store, rank, 2, options)`) so no process-global default group is
+touched and one actor can hold any number of pairs. Rendezvous goes through one TCPStore that the
+controller hosts, under a per-pair PrefixStore:
+
+    kv/nonce/<actor id>                          each process's incarnation (uuid), set at start
+    kv/pair/<sender>/<receiver>/<r nonce>/gens   generation counter (store.add by the sender)
+    kv/pair/.../offer                            the generation the sender is rendezvousing on
+    kv/pair/.../g<gen>/{gloo,nccl}/...           that generation's group rendezvous keys
+    kv/pair/.../g<gen>/broken                    set by a receiver that gave that generation up
+    kv/abort/<sender>/<receiver>/<request id>    a receiver's abort, read by the sender
+
+The sender picks each generation (a fresh counter value per connect) and offers it; the receiver
+joins the newest offer it has not used before. So a restarted sender (same id, new process) or a
+rebuilt link never meets stale keys: the receiver waits for an offer newer than the generation that
+broke. A restarted receiver has a new nonce, hence a fresh key space; the sender checks the
+receiver's nonce and the `broken` mark before each transfer, so it rebuilds instead of failing.
+
+Control frames always travel on the gloo group (CPU): an idle receiver keeps a frame receive posted
+there, which costs a blocked thread, where on NCCL it would be a kernel spinning on the GPU. On GPU
+actors the data goes on a second, NCCL, group of the same pair, only after its frame announced it.
+The store is used for rendezvous and the rare abort notice, never per layer: it is one central
+server and each lookup is a round trip to it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
+                              ReleaseCallback)
+from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
+from kv_transfer.receiver import LayerStreamReceiver
+from kv_transfer.sender import LayerStreamSender
+
+_TAG_FRAME, _TAG_DATA = 1, 2
+_IDLE_WAIT_S = 7 * 24 * 3600.0        # "forever" for a receive posted while idle
+_NCCL_POLL_S = 50e-6
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def start_rendezvous_store(host: str = "127.0.0.1", port: int = 0,
+                           timeout_s: float = 300.0) -> tuple[dist.TCPStore, int]:
+    """Host the store (the controller does this once); workers get "host:port"."""
+    store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, store.port
+
+
+def connect_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class DistLink:
+    """One pair's groups, seen from one side. `ctrl` is gloo; `data` is `ctrl` on CPU, NCCL on GPU."""
+
+    def __init__(self, connector: "DistConnector", peer_id: str, receiver_nonce: str, base: str,
+                 gen: int, rank: int, ctrl: Any, data: Any):
+        self.connector, self.peer_id, self.receiver_nonce = connector, peer_id, receiver_nonce
+        self.base, self.gen, self.rank, self.peer_rank = base, gen, rank, 1 - rank
+        self.ctrl, self.data = ctrl, data
+        self.device = connector.device
+        self.backend = connector.backend
+        self._closed = False
+
+    def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
+        self._wait(lambda: self.ctrl.send([encode_frame(msg)], self.peer_rank, _TAG_FRAME),
+                   timeout, "gloo", "control frame send")
+
+    def recv_frame(self, timeout: float | None) -> dict[str, Any]:
+        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self._wait(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
+                   _IDLE_WAIT_S if timeout is None else timeout, "gloo", "control frame receive")
+        try:
+            return decode_frame(buf)
+        except ValueError as exc:
+            raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
+
+    def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        self._wait(lambda: self.data.send([tensor], self.peer_rank, _TAG_DATA),
+                   timeout, self.backend, f"send of {tensor.numel() * tensor.element_size()} B")
+
+    def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
+        self._wait(lambda: self.data.recv([tensor], self.peer_rank, _TAG_DATA),
+                   timeout, self.backend, f"receive of {tensor.numel() * tensor.element_size()} B")
+
+    def close(self, broken: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if broken and self.rank == 1:     # tell the sender, which checks before each transfer
+            self.connector._mark_broken(self.base, self.gen)
+        if self.data is not self.ctrl:
+            _abort_nccl(self.data)
+        # Dropping the last reference destroys the gloo context, which closes its sockets: that is
+        # what wakes the peer's posted receive (ProcessGroupGloo.abort() does not, in torch 2.13).
+        self.ctrl = self.data = None
+        self.connector._forget(self)
+        gc.collect()
+
+    def _wait(self, post, timeout: float, backend: str, what: str) -> None:
+        if self._closed:
+            raise KVTransferError(f"link to {self.peer_id!r} is closed")
+        start = time.monotonic()
+        work, failure = None, None
+        try:
+            work = post()
+            if backend == "gloo":
+                work.wait(timedelta(seconds=timeout))
+            else:       # NCCL's wait() only orders streams; poll the host-visible completion
+                while not work.is_completed():
+                    if time.monotonic() - start > timeout:
+                        raise TimeoutError("NCCL op not complete")
+                    time.sleep(_NCCL_POLL_S)
+                work.wait()          # raises the op's error, if any
+        except Exception as exc:     # keep no traceback alive: it would pin the group's sockets
+            failure = (isinstance(exc, TimeoutError) or "Timed out" in str(exc), str(exc)[:300])
+        work = None
+        if failure is not None:
+            waited = time.monotonic() - start
+            msg = f"link to {self.peer_id!r}: {what} failed after {waited:.3g}s: {failure[1]}"
+            if failure[0] or waited >= timeout:
+                raise KVTransferTimeout(msg)
+            raise KVTransferError(msg)
+
+
+class DistConnector:
+    """One per actor process; owns its pair groups. Thread-safe."""
+
+    def __init__(self, self_id: str, store: dist.Store | str, device: torch.device | str,
+                 config: KVTransferConfig = KVTransferConfig()):
+        self.self_id = self_id
+        self.config = config
+        self.store = connect_store(store, config.connect_timeout_s) if isinstance(store, str) else store
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        self.nonce = uuid.uuid4().hex[:12]
+        self.store.set(f"kv/nonce/{self_id}", self.nonce)
+        self.links_created = 0
+        self._joined: dict[str, int] = {}     # receiver: peer -> last generation joined
+        self._live: list[DistLink] = []
+        self._lock = threading.Lock()
+
+    def group_count(self) -> int:
+        """Pairs currently connected (each is one gloo group, plus one NCCL group on GPU)."""
+        with self._lock:
+            return len(self._live)
+
+    def connect(self, peer_id: str, as_sender: bool) -> DistLink:
+        timeout = self.config.connect_timeout_s
+        try:
+            if as_sender:
+                receiver_nonce = self._get(f"kv/nonce/{peer_id}", timeout)
+                base = f"kv/pair/{self.self_id}/{peer_id}/{receiver_nonce}"
+                gen = int(self.store.add(f"{base}/gens", 1))
+                self.store.set(f"{base}/offer", str(gen))
+            else:
+                receiver_nonce = self.nonce
+                base = f"kv/pair/{peer_id}/{self.self_id}/{receiver_nonce}"
+                gen = self._newer_offer(base, self._joined.get(peer_id, 0), timeout)
+                self._joined[peer_id] = gen
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise KVTransferError(f"rendezvous with {peer_id!r}: store: {exc}") from None
+        rank = 0 if as_sender else 1
+        prefix = f"{base}/g{gen}/"
+        try:
+            ctrl = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo", self.store), rank, 2,
+                                         timedelta(seconds=timeout))
+            data = ctrl if self.backend == "gloo" else _nccl_group(
+                dist.PrefixStore(prefix + "nccl", self.store), rank, timeout)
+            link = DistLink(self, peer_id, receiver_nonce, base, gen, rank, ctrl, data)
+        except Exception as exc:
+            if as_sender:      # withdraw the offer, so a receiver arriving later waits for the next
+                self._withdraw_offer(base, gen)
+            raise KVTransferError(f"rendezvous with {peer_id!r} (generation {gen}) failed: "
+                                  f"{str(exc)[:300]}") from None
+        if self.backend == "nccl":     # make the NCCL communicator now, not on the first layer
+            probe = torch.zeros(1, device=self.device)
+            try:
+                (link.send_data if as_sender else link.recv_data)(probe, timeout)
+            except KVTransferError:
+                link.close(broken=True)
+                raise
+        with self._lock:
+            self._live.append(link)
+            self.links_created += 1
+        return link
+
+    def is_current(self, link: DistLink) -> bool:
+        """Sender side, once per transfer: two store lookups."""
+        try:
+            return (self.store.get(f"kv/nonce/{link.peer_id}").decode() == link.receiver_nonce
+                    and not self.store.check([f"{link.base}/g{link.gen}/broken"]))
+        except Exception:
+            return False
+
+    def post_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
+        self.store.set(_abort_key(sender_id, receiver_id, request_id), "1")
+
+    def abort_posted(self, sender_id: str, receiver_id: str, request_id: str) -> bool:
+        try:
+            return self.store.check([_abort_key(sender_id, receiver_id, request_id)])
+        except Exception:
+            return False
+
+    def clear_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
+        self.store.delete_key(_abort_key(sender_id, receiver_id, request_id))
+
+    def _get(self, key: str, timeout: float) -> str:
+        self.store.wait([key], timedelta(seconds=timeout))
+        return self.store.get(key).decode()
+
+    def _newer_offer(self, base: str, used: int, timeout: float) -> int:
+        """Receiver: wait until the sender offers a generation newer than the last one we used."""
+        deadline = time.monotonic() + timeout
+        key = f"{base}/offer"
+        while True:
+            if self.store.check([key]):
+                gen = int(self.store.get(key))
+                if gen > used:
+                    return gen
+            if time.monotonic() > deadline:
+                raise KVTransferTimeout(f"rendezvous: no new offer under {base} in {timeout:.3g}s")
+            time.sleep(0.01)
+
+    def _withdraw_offer(self, base: str, gen: int) -> None:
+        try:
+            self.store.compare_set(f"{base}/offer", str(gen), "0")
+        except Exception:
+            pass
+
+    def _mark_broken(self, base: str, gen: int) -> None:
+        try:
+            self.store.set(f"{base}/g{gen}/broken", "1")
+        except Exception:
+            pass
+
+    def _forget(self, link: DistLink) -> None:
+        with self._lock:
+            self._live = [x for x in self._live if x is not link]
+
+
+def make_dist_sender(actor_id: str, store: BlockStore, rendezvous: "dist.Store | str | DistConnector",
+                     config: KVTransferConfig = KVTransferConfig(),
+                     on_release: ReleaseCallback | None = None) -> LayerStreamSender:
+    """`rendezvous`: "host:port" of the controller's store, a store, or this actor's connector
+    (one DistConnector per actor process: a second one would publish a second nonce)."""
+    return LayerStreamSender(store, _connector(actor_id, rendezvous, store, config), config,
+                             on_release=on_release or (lambda _rid: None))
+
+
+def make_dist_receiver(actor_id: str, store: BlockStore, rendezvous: "dist.Store | str | DistConnector",
+                       config: KVTransferConfig = KVTransferConfig(),
+                       on_release: ReleaseCallback | None = None) -> LayerStreamReceiver:
+    return LayerStreamReceiver(store, _connector(actor_id, rendezvous, store, config), config,
+                               on_release=on_release or (lambda _rid: None))
+
+
+def _connector(actor_id: str, rendezvous: Any, store: BlockStore,
+               config: KVTransferConfig) -> DistConnector:
+    if isinstance(rendezvous, DistConnector):
+        if rendezvous.self_id != actor_id or rendezvous.device != store.device:
+            raise ValueError(f"connector is for {rendezvous.self_id!r} on {rendezvous.device}")
+        return rendezvous
+    return DistConnector(actor_id, rendezvous, store.device, config)
+
+
+def _abort_key(sender_id: str, receiver_id: str, request_id: str) -> str:
+    return f"kv/abort/{sender_id}/{receiver_id}/{request_id}"
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _nccl_group(store: dist.Store, rank: int, timeout_s: float) -> Any:
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timedelta(seconds=4 * timeout_s)
+    # We time every op out ourselves and abort the pair; the NCCL watchdog's default reaction to a
+    # hung op is to tear the whole process down, which would take the actor's other work with it.
+    with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def _abort_nccl(pg: Any) -> None:
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:
+                continue

@@ -1,0 +1,122 @@
+# Post-processed by protos/generate.py (grpcio-tools 1.85.1)
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_DEAD: _ClassVar[WorkerState]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+WORKER_STATE_DEAD: WorkerState
+
+class GetClusterStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    pool: str
+    pid: int
+    node: str
+    state: WorkerState
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+
+class Pool(_message.Message):
+    __slots__ = ("name", "size", "target", "min", "max", "draining", "workers", "target_pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    target: int
+    min: int
+    max: int
+    draining: int
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    target_pinned: bool
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., target: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., draining: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., target_pinned: _Optional[bool] = ...) -> None: ...
+
+class ClusterTotals(_message.Message):
+    __slots__ = ("workers", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    def __init__(self, workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+
+class AutoscalerDecision(_message.Message):
+    __slots__ = ("at_unix_s", "prefill_target", "decode_target", "reasons")
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    at_unix_s: float
+    prefill_target: int
+    decode_target: int
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, at_unix_s: _Optional[float] = ..., prefill_target: _Optional[int] = ..., decode_target: _Optional[int] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("pools", "totals", "last_decision")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[Pool]
+    totals: ClusterTotals
+    last_decision: AutoscalerDecision
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., totals: _Optional[_Union[ClusterTotals, _Mapping]] = ..., last_decision: _Optional[_Union[AutoscalerDecision, _Mapping]] = ...) -> None: ...
+
+class SetPoolBoundsRequest(_message.Message):
+    __slots__ = ("pool", "min", "max", "target")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    min: int
+    max: int
+    target: int
+    def __init__(self, pool: _Optional[str] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...

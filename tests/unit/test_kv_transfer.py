@@ -1,0 +1,279 @@
+"""KV transfer over the in-process fake transport: the real sender/receiver state machines, no Ray,
+no torch.distributed groups."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import msgpack
+import pytest
+import torch
+
+from kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
+                              KVTransferTimeout, TransferSpec, TransferState)
+from kv_transfer.fake import make_fake_pair
+from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
+from kv_transfer.testing import TensorBlockStore
+from kv_transfer.torch_dist import backend_for
+
+FAST = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0)
+SRC, DST = (3, 0, 7), (5, 9, 1)
+
+
+def make_spec(rid: str = "req-1", layers=(0, 1, 2, 3), src=SRC, dst=DST) -> TransferSpec:
+    return TransferSpec(request_id=rid, sender_id="prefill-0", receiver_id="decode-0",
+                        layers=tuple(layers), src_block_ids=src, dst_block_ids=dst,
+                        num_tokens=4 * len(src) - 1)
+
+
+class Releases:
+    """Release callback that records calls and the thread they ran on."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.threads: set[int] = set()
+
+    def __call__(self, rid: str) -> None:
+        self.calls[rid] += 1
+        self.threads.add(threading.get_ident())
+
+
+@pytest.fixture
+def pair():
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(0))
+    dst = TensorBlockStore(num_blocks=12)
+    s_rel, r_rel = Releases(), Releases()
+    sender, receiver, net = make_fake_pair(src, dst, config=FAST, on_sender_release=s_rel,
+                                           on_receiver_release=r_rel)
+    yield sender, receiver, net, src, dst, s_rel, r_rel
+    sender.close()
+    receiver.close()
+
+
+def until(cond, timeout: float = 3.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def assert_layer_copied(src, dst, layer, src_ids=SRC, dst_ids=DST) -> None:
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(dst.block(layer, d), src.block(layer, s)), (layer, s, d)
+
+
+def test_spec_msgpack_round_trip_and_validation():
+    spec = make_spec()
+    assert TransferSpec.from_msg(msgpack.unpackb(msgpack.packb(spec.to_msg()))) == spec
+    with pytest.raises(ValueError):
+        make_spec(src=(1, 2), dst=(3,))
+    with pytest.raises(ValueError):
+        make_spec(layers=(0, 0))
+    with pytest.raises(ValueError):
+        make_spec(dst=(4, 4, 5))
+    with pytest.raises(ValueError):
+        TransferSpec("r", "a", "a", (0,), (1,), (1,), 1)
+
+
+def test_control_frame_round_trip():
+    msg = {"op": "layer", "rid": "r" * 200, "idx": 3, "layer": 7, "shape": [3, 2, 4, 2, 8]}
+    frame = encode_frame(msg)
+    assert frame.shape == (FRAME_BYTES,) and frame.dtype == torch.uint8
+    assert decode_frame(frame) == msg
+    with pytest.raises(ValueError):
+        encode_frame({"op": "x", "blob": "y" * FRAME_BYTES})
+
+
+def test_layers_stream_in_order_bit_exact_into_dst_blocks(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.begin(spec)
+    assert receiver.poll(spec.request_id) is TransferState.WAITING
+    for n, layer in enumerate(spec.layers, start=1):
+        sender.send_layer(spec.request_id, layer)
+        until(lambda: receiver.progress(spec.request_id)[0] == n)
+        assert_layer_copied(src, dst, layer)
+        if n < spec.num_layers:
+            assert receiver.poll(spec.request_id) is TransferState.TRANSFERRING
+            assert dst.cache[layer + 1].abs().sum() == 0          # later layers not yet written
+    assert receiver.wait(spec.request_id, timeout=2) is TransferState.DONE
+    assert sender.wait(spec.request_id, timeout=2) is TransferState.DONE
+    untouched = [b for b in range(12) if b not in DST]
+    assert dst.cache[:, :, untouched].abs().sum() == 0
+    assert receiver.reap() == [(spec.request_id, TransferState.DONE)]
+    assert r_rel.calls == Counter()                  # DONE: the blocks stay with the request
+    assert s_rel.calls == Counter({spec.request_id: 1})  # sender's blocks are free to go
+    assert s_rel.threads == {threading.get_ident()}      # callbacks run on the owner's thread
+
+
+def test_second_transfer_reuses_the_link_and_interleaves(pair):
+    sender, receiver, net, src, dst, *_ = pair
+    a = make_spec("a", layers=(0, 1, 2, 3), src=(0, 1), dst=(2, 3))
+    b = make_spec("b", layers=(1, 3), src=(4, 5, 6), dst=(7, 8, 11))
+    for s in (a, b):
+        receiver.expect(s)
+        sender.begin(s)
+    for la, lb in [(0, 1), (1, 3)]:
+        sender.send_layer("a", la)
+        sender.send_layer("b", lb)
+    sender.send_layer("a", 2)
+    sender.send_layer("a", 3)
+    assert receiver.wait("a", 2) is TransferState.DONE and receiver.wait("b", 2) is TransferState.DONE
+    for layer in range(4):
+        assert_layer_copied(src, dst, layer, (0, 1), (2, 3))
+    for layer in (1, 3):
+        assert_layer_copied(src, dst, layer, (4, 5, 6), (7, 8, 11))
+    assert net.links_created == 1
+
+
+def test_send_layer_out_of_order_is_refused(pair):
+    sender, receiver, *_ = pair
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.begin(spec)
+    with pytest.raises(ValueError):
+        sender.send_layer(spec.request_id, 1)
+    with pytest.raises(KeyError):
+        sender.send_layer("nope", 0)
+
+
+def test_receiver_abort_mid_transfer_frees_blocks_on_both_sides(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    net.set_faults("prefill-0", "decode-0", delay_s=0.05)     # a slow prefill
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.send(spec)
+    until(lambda: receiver.progress(spec.request_id)[0] >= 1)
+    receiver.abort(spec.request_id)
+    assert r_rel.calls == Counter({spec.request_id: 1})       # released before abort() returns
+    assert receiver.poll(spec.request_id) is TransferState.ABORTED
+    with pytest.raises(KVTransferAborted):
+        sender.wait(spec.request_id, timeout=2)                # the sender learned and stopped
+    assert s_rel.calls == Counter({spec.request_id: 1})
+    receiver.abort(spec.request_id)                            # idempotent
+    sender.abort(spec.request_id)
+    time.sleep(0.15)
+    assert dst.cache[3, :, list(DST)].abs().sum() == 0         # nothing landed after the abort
+    assert r_rel.calls[spec.request_id] == 1 and s_rel.calls[spec.request_id] == 1
+
+
+def test_sender_abort_reaches_the_receiver(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.begin(spec)
+    sender.send_layer(spec.request_id, 0)
+    until(lambda: receiver.progress(spec.request_id)[0] == 1)
+    sender.abort(spec.request_id)
+    assert s_rel.calls == Counter({spec.request_id: 1})
+    with pytest.raises(KVTransferAborted):
+        receiver.wait(spec.request_id, timeout=2)
+    assert r_rel.calls == Counter({spec.request_id: 1})
+    sender.send_layer(spec.request_id, 1)                      # prefill finishing its layers: ignored
+    assert sender.poll(spec.request_id) is TransferState.ABORTED
+
+
+def test_slow_peer_times_out_and_releases(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    net.set_faults("prefill-0", "decode-0", delay_s=0.6)      # > timeout_s between layers
+    spec = make_spec(layers=(0, 1))
+    receiver.expect(spec)
+    sender.send(spec)
+    until(lambda: receiver.progress(spec.request_id)[0] == 1)
+    with pytest.raises(KVTransferTimeout):
+        receiver.wait(spec.request_id, timeout=5)
+    assert receiver.poll(spec.request_id) is TransferState.FAILED
+    assert r_rel.calls == Counter({spec.request_id: 1})
+    # the late layer is dropped, not written into released blocks
+    until(lambda: sender.poll(spec.request_id).terminal)
+    time.sleep(0.05)
+    assert dst.cache[1, :, list(DST)].abs().sum() == 0
+
+
+def test_caller_wait_timeout_fails_the_transfer(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    spec = make_spec()
+    receiver.expect(spec)                                       # the sender never starts
+    t0 = time.monotonic()
+    with pytest.raises(KVTransferTimeout):
+        receiver.wait(spec.request_id, timeout=0.1)
+    assert time.monotonic() - t0 < 1
+    assert receiver.poll(spec.request_id) is TransferState.FAILED
+    assert r_rel.calls == Counter({spec.request_id: 1})
+    assert receiver.reap() == [(spec.request_id, TransferState.FAILED)]
+
+
+def test_peer_dies_after_layer_k_fails_both_sides(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    net.set_faults("prefill-0", "decode-0", die_after_layers=2)
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.send(spec)
+    with pytest.raises(KVTransferError) as info:
+        receiver.wait(spec.request_id, timeout=2)
+    assert not isinstance(info.value, KVTransferAborted)
+    assert receiver.progress(spec.request_id) == (2, 4)
+    with pytest.raises(KVTransferError):
+        sender.wait(spec.request_id, timeout=2)
+    assert r_rel.calls == Counter({spec.request_id: 1})
+    assert s_rel.calls == Counter({spec.request_id: 1})
+    # the pair reconnects for the next transfer
+    net.set_faults("prefill-0", "decode-0")
+    again = make_spec("req-2")
+    receiver.expect(again)
+    sender.send(again)
+    assert receiver.wait("req-2", timeout=2) is TransferState.DONE
+    assert net.links_created == 2
+
+
+def test_data_before_expect_fails_the_later_expect(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    first = make_spec("first", layers=(0,))
+    receiver.expect(first)                          # opens the link
+    early = make_spec("early", layers=(0,))
+    sender.send(early)
+    sender.send(first)
+    assert receiver.wait("first", 2) is TransferState.DONE
+    receiver.expect(early)
+    assert receiver.poll("early") is TransferState.FAILED
+    assert r_rel.calls == Counter({"early": 1})
+
+
+def test_layout_mismatch_fails_cleanly():
+    src = TensorBlockStore(num_blocks=12, head_dim=8, generator=torch.Generator().manual_seed(1))
+    dst = TensorBlockStore(num_blocks=12, head_dim=16)
+    rel = Releases()
+    sender, receiver, _ = make_fake_pair(src, dst, config=FAST, on_receiver_release=rel)
+    spec = make_spec(layers=(0,))
+    receiver.expect(spec)
+    sender.send(spec)
+    with pytest.raises(KVTransferError, match="layout mismatch"):
+        receiver.wait(spec.request_id, 2)
+    assert rel.calls == Counter({spec.request_id: 1})
+    assert dst.cache.abs().sum() == 0
+    sender.close()
+    receiver.close()
+
+
+def test_backend_follows_the_cache_device():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+    assert backend_for("cuda") == "nccl"
+
+
+def test_close_fails_unfinished_transfers_and_releases(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    spec = make_spec()
+    receiver.expect(spec)
+    sender.begin(spec)
+    sender.send_layer(spec.request_id, 0)
+    until(lambda: sender.progress(spec.request_id) == (1, 4))
+    receiver.close()
+    sender.close()
+    assert receiver.poll(spec.request_id) is TransferState.FAILED
+    assert sender.poll(spec.request_id) is TransferState.FAILED
+    assert r_rel.calls == Counter({spec.request_id: 1})
+    assert s_rel.calls == Counter({spec.request_id: 1})
