@@ -1,8 +1,8 @@
 """Engine configuration: frozen dataclasses validated on construction; no torch import.
 
 `ModelConfig` is the architecture (what a checkpoint's config.json says); `CacheConfig`,
-`SchedulerConfig` and `EngineConfig` are the deployment's knobs. Presets for the `*-random` models
-live here so every process agrees on their shapes.
+`SchedulerConfig`, `SpeculativeConfig` and `EngineConfig` are the deployment's knobs. Presets for
+the `*-random` models live here so every process agrees on their shapes.
 """
 
 from __future__ import annotations
@@ -143,6 +143,58 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes draft tokens, how many, and when to stop bothering.
+
+    `method`: "off"; "ngram" (prompt lookup: the tokens that followed the most recent earlier
+    occurrence of the sequence's last `max_n`..`min_n` tokens); "draft" (a smaller model with the
+    same vocabulary: `draft_model` names one, or, with `draft_model` None, the target's own first
+    `draft_num_layers` layers + final norm + LM head, weights shared)."""
+    method: str = "off"  # off | ngram | draft
+    num_tokens: int = 5  # k: the most drafts per sequence per step
+    min_n: int = 2
+    max_n: int = 5
+    draft_model: str | None = None
+    draft_num_layers: int | None = None
+    draft_num_blocks: int | None = None  # the draft's own KV cache; None: as many blocks as the target's
+    # length policy (engine.speculative.policy): a step verifies at most this many tokens (1 + k
+    # per sequence, summed); past it the forward is compute-bound and drafts cost more than they
+    # save. None: 256 on GPUs, 32 on CPUs.
+    max_verify_tokens: int | None = None
+    initial_acceptance: float = 0.7  # per-token acceptance assumed for a new sequence
+    ema_decay: float = 0.8  # weight of the past in the acceptance estimate, per verify step
+    min_draft_gain: float = 0.3  # draft position j is proposed only if acceptance**j reaches this
+    probe_interval: int = 16  # steps a sequence stays off before it is probed again
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram", "draft"):
+            raise ConfigError(f"speculative: method must be off, ngram or draft, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 64:
+            raise ConfigError(f"speculative: num_tokens must be in [1, 64], got {self.num_tokens}")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ConfigError(f"speculative: need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if self.method == "draft" and self.draft_model is None and not self.draft_num_layers:
+            raise ConfigError("speculative: method 'draft' needs draft_model or draft_num_layers")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ConfigError(f"speculative: draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.draft_num_blocks is not None and self.draft_num_blocks < 2:
+            raise ConfigError(f"speculative: draft_num_blocks must be >= 2, got {self.draft_num_blocks}")
+        if self.max_verify_tokens is not None and self.max_verify_tokens < 1:
+            raise ConfigError(f"speculative: max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
+        for name in ("initial_acceptance", "min_draft_gain"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"speculative: {name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"speculative: ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.probe_interval < 1:
+            raise ConfigError(f"speculative: probe_interval must be >= 1, got {self.probe_interval}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -150,6 +202,7 @@ class EngineConfig:
     seed: int = 0  # for `*-random` weights
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

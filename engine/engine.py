@@ -49,10 +49,18 @@ class EngineStats:
     tokens_computed: int = 0  # positions run through the model (prompt chunks, decode, drafts)
     preemptions: int = 0
     per_request_computed: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: drafts verified and accepted, and (sequence, step) pairs that verified
+    # at least one draft; accepted drafts / draft_seq_steps + 1 = tokens per verify step
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_seq_steps: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None, *,
+                 draft_model=None, proposer=None):
+        """`draft_model` (a model of the same vocabulary) or `proposer` (any `Proposer`) override
+        what `config.speculative` would build; a `proposer` turns speculation on by itself."""
         self.config = config
         if model is None:
             model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.seed)
@@ -70,6 +78,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, device)
         self.sampler = Sampler()
+        self.speculator = None
+        if config.speculative.enabled or proposer is not None:
+            from engine.speculative.speculator import build_speculator
+
+            self.speculator = build_speculator(config.speculative, model, self.sampler, num_blocks=num_blocks,
+                                               block_size=bs, dtype=config.dtype, seed=config.seed,
+                                               draft_model=draft_model, proposer=proposer)
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -111,14 +126,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None = None, *, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, messages: list[dict[str, str]] | None = None,
-                    sampling: SamplingParams | None = None) -> Request:
+                    sampling: SamplingParams | None = None, prefill_only: bool = False) -> Request:
+        req = self.make_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                messages=messages, sampling=sampling, prefill_only=prefill_only)
+        self.scheduler.add(req)
+        return req
+
+    def make_request(self, request_id: str | None = None, *, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None, messages: list[dict[str, str]] | None = None,
+                     sampling: SamplingParams | None = None, prefill_only: bool = False) -> Request:
+        """A validated request, not yet scheduled (`add_request` schedules it; a decode actor
+        receiving KV reserves blocks for it first, then calls `scheduler.add_ready`)."""
         sampling = sampling or SamplingParams()
         ids = self.tokenize(prompt, prompt_token_ids, messages)
         self.validate(ids, sampling)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, sampling, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
-        self.scheduler.add(req)
-        self.detok[rid] = IncrementalDetokenizer(self.tokenizer, ids)
+        req = Request(rid, ids, sampling, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                      prefill_only=prefill_only)
+        if not prefill_only:
+            self.detok[rid] = IncrementalDetokenizer(self.tokenizer, ids)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -134,25 +160,77 @@ class LLMEngine:
         self.detok.pop(rid, None)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+    def step(self, layer_done=None) -> list[RequestOutput]:
+        """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
+        (prefill actors stream that layer of the requests this step completes)."""
+        drafts = {}
+        if self.speculator is not None:
+            drafts = self.speculator.propose(self.scheduler.running, self.scheduler.requests)
+        sched = self.scheduler.schedule({rid: len(d) for rid, d in drafts.items()})
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
             return []
-        batch = self.runner.prepare(sched)
-        logits = self.runner.execute(batch)
+        batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
+        hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
+        logits = self.runner.execute(batch, hook)
         self.stats.steps += 1
         self.stats.tokens_computed += sched.num_tokens
         for s in sched.scheduled:
             rid = s.request.request_id
             self.stats.per_request_computed[rid] = self.stats.per_request_computed.get(rid, 0) + s.num_new_tokens
-        params = [(rid, self.scheduler.requests[rid].sampling) for rid, _ in batch.logits_owner]
-        tokens = self.sampler.sample(logits, params) if params else []
-        sampled = {rid: [t] for (rid, _), t in zip(batch.logits_owner, tokens)}
-        produced = self.scheduler.update_from_output(sched, sampled)
+        if self.speculator is None:
+            params = [(rid, self.scheduler.requests[rid].sampling) for rid, _ in batch.logits_owner]
+            tokens = self.sampler.sample(logits, params) if params else []
+            sampled = {rid: [t] for (rid, _), t in zip(batch.logits_owner, tokens)}
+            produced = self.scheduler.update_from_output(sched, sampled)
+        else:
+            produced = self._verify(sched, batch, logits, drafts)
         return [self._postprocess(req, new) for req, new in produced]
 
+    def _verify(self, sched, batch, logits, drafts) -> list[tuple[Request, list[int]]]:
+        """Speculative counterpart of sampling + `update_from_output`: accept drafts, cut at stop
+        strings as one-token-at-a-time decoding would, roll back rejected KV, count usage."""
+        granted = {s.request.request_id: drafts[s.request.request_id].head(s.num_draft_tokens)
+                   for s in sched.scheduled if s.num_draft_tokens}
+        sampled, accepted = self.speculator.verify(logits, batch.logits_owner, granted, self.scheduler.requests)
+        for rid, new in sampled.items():
+            sampled[rid] = self._cut_at_stop(self.scheduler.requests[rid], new)
+        produced = self.scheduler.update_from_output(sched, sampled)
+        for req, kept in produced:
+            k = len(granted.get(req.request_id, ()))
+            if k:
+                # the first accepted tokens of `kept` are drafts; EOS, max_tokens or a stop may end it early
+                n = min(accepted[req.request_id], len(kept))
+                req.num_draft_tokens += k
+                req.num_accepted_draft_tokens += n
+                self.stats.draft_tokens += k
+                self.stats.accepted_draft_tokens += n
+                self.stats.draft_seq_steps += 1
+        return produced
+
+    def _cut_at_stop(self, req: Request, new: list[int]) -> list[int]:
+        """The shortest prefix of `new` whose text completes a stop string (all of `new` if none):
+        plain decoding would have stopped there, so the tokens after it are never output."""
+        stops = req.sampling.stop
+        if len(new) < 2 or not stops:
+            return new
+        detok = self.detok[req.request_id]
+        # a scratch copy of the detokenizer's undecoded tail and the text a stop could start in
+        scratch = IncrementalDetokenizer(self.tokenizer)
+        scratch.ids = detok.ids[detok.prefix_offset:]
+        scratch.read_offset = detok.read_offset - detok.prefix_offset
+        scratch.text = detok.text[max(0, len(detok.text) - max(map(len, stops)) + 1):]
+        for i, tok in enumerate(new[:-1]):
+            scratch.add([tok])
+            if any(s in scratch.text for s in stops):
+                return new[:i + 1]
+        return new
+
     def _postprocess(self, req: Request, new: list[int]) -> RequestOutput:
+        if req.prefill_only:  # KV computed; the caller hands the blocks on, then frees them
+            self._release(req.request_id)
+            return RequestOutput(req.request_id, [], "", finished=True, finish_reason=req.finish_reason,
+                                 usage=self.usage(req))
         detok = self.detok[req.request_id]
         detok.add(new)
         if req.finished:

@@ -40,6 +40,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # speculative decoding: the most draft tokens per step for this request (None: the engine's
+    # setting, 0: never speculate); the engine's length policy may use fewer
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -52,6 +55,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +86,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     admitted_once: bool = False
+    # prefill actors compute a prompt's KV and hand it on: no sampling, and on completion the
+    # blocks stay held (status FINISHED) until the owner frees them after the transfer
+    prefill_only: bool = False
     # speculative decoding accounting
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

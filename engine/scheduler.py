@@ -27,10 +27,15 @@ class ScheduledRequest:
     num_draft_tokens: int = 0  # trailing positions that are speculative drafts (not yet output)
 
     @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so logits are needed)."""
+    def completes(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens + self.num_draft_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether logits are needed: completing a request that generates."""
+        return self.completes and not self.request.prefill_only
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Scheduler:
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()  # KV already in place (received); join the batch next
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
@@ -63,8 +69,17 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_ready(self, req: Request) -> None:
+        """A request whose blocks are held and whose first `num_computed_tokens` positions of KV are
+        already in the cache (sent by a prefill actor). It joins the running batch ahead of the
+        waiting queue; preempted later, it is recomputed like any other."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        self.ready.append(req)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Finish (or abort) a request wherever it is; its blocks go back to the allocator."""
@@ -72,6 +87,8 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req in self.ready:
+            self.ready.remove(req)
         else:
             self.waiting.remove(req)
         self.allocator.free(req)
@@ -92,6 +109,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         drafts = drafts or {}
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            req = self.ready.popleft()
+            req.status = RequestStatus.RUNNING
+            req.admitted_once = True
+            self.running.append(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -160,6 +182,9 @@ class Scheduler:
             new = sampled.get(req.request_id)
             if new is None:
                 self.allocator.register_full_blocks(req)
+                if req.prefill_only and req.num_computed_tokens >= req.num_tokens:
+                    self._complete_prefill(req)
+                    produced.append((req, []))
                 continue
             # accepted drafts are now computed positions; their KV is valid
             accepted = len(new) - 1
@@ -172,6 +197,13 @@ class Scheduler:
             if not req.finished:
                 self.allocator.register_full_blocks(req)
         return produced
+
+    def _complete_prefill(self, req: Request) -> None:
+        """A prefill-only request is done: it leaves the batch but keeps its blocks for the transfer."""
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.LENGTH
+        del self.requests[req.request_id]
 
     def _append(self, req: Request, new: list[int]) -> list[int]:
         kept: list[int] = []

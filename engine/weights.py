@@ -80,6 +80,17 @@ def convert_gguf(path: Path, out: Path) -> Path:
     tokenizer.json, tokenizer_config.json). Done once: a complete `out` is reused as is."""
     if (out / ".complete").exists():
         return out
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # one converter at a time per output
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / ".complete").exists():
+            return out
+        return _convert_gguf(path, out)
+
+
+def _convert_gguf(path: Path, out: Path) -> Path:
     import gguf
     from gguf.quants import dequantize
     from safetensors.torch import save_file
@@ -219,3 +230,13 @@ def save_hf_dir(model: LlamaForCausalLM, path: Path) -> Path:
     save_file(hf_state_dict(model), str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
     return path
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of model `name` alone (the router needs no weights)."""
+    path = resolve_model_dir(name)
+    if path is None:
+        cfg = PRESETS[name]
+        return ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids), cfg
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return HFTokenizer.from_dir(path, cfg.eos_token_ids), cfg

@@ -1,0 +1,72 @@
+"""Starting and stopping a Tandem cluster on Ray: a local Ray when RAY_ADDRESS is unset (with the
+pools' custom resources declared, so actors place the way they would on KubeRay), or join the
+cluster RAY_ADDRESS names; then the controller actor, which starts the pools."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Cluster:
+    controller: Any
+    namespace: str
+    started_ray: bool
+
+    def shutdown(self) -> None:
+        try:
+            ray.get(self.controller.shutdown.remote(), timeout=60)
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("controller shutdown: %s", e)
+        try:
+            ray.kill(self.controller)
+        except Exception:  # noqa: BLE001
+            pass
+        if self.started_ray:
+            ray.shutdown()
+
+
+def init_ray(config: ClusterConfig, namespace: str) -> bool:
+    """Connect to RAY_ADDRESS, or start a local Ray sized for the configured pools. Returns True
+    when this process started Ray (and so must stop it)."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {k: v for k, v in os.environ.items()
+                        if k.startswith(("TANDEM_", "NCCL_", "TORCH_", "TRITON_", "OMP_")) or k == "PYTHONPATH"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=namespace, runtime_env=env, log_to_driver=False)
+        return False
+    pools = [config.prefill, config.decode]
+    cpus = max(os.cpu_count() or 1, int(sum(p.num_cpus * max(p.replicas, 1) for p in pools)) + 1)
+    resources = {p.resource_name: 64 for p in pools if p.resource_name}
+    ray.init(num_cpus=cpus, resources=resources, namespace=namespace, include_dashboard=False,
+             object_store_memory=256 << 20, log_to_driver=False, runtime_env=env,
+             _system_config={"automatic_object_spilling_enabled": False})
+    return True
+
+
+def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:
+    from cluster.controller import Controller
+    from engine.weights import resolve_model_dir
+
+    resolve_model_dir(config.engine.model)  # convert a GGUF once, here, before actors race to it
+    namespace = namespace or f"tandem-{uuid.uuid4().hex[:6]}"
+    started = init_ray(config, namespace)
+    controller = Controller.options(name=f"{namespace}:controller", namespace=namespace).remote(config, namespace)
+    cluster = Cluster(controller, namespace, started)
+    try:
+        ray.get(controller.wait_ready.remote(wait_s))
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster

@@ -1,0 +1,232 @@
+"""The controller actor: pool membership, health checks, the metrics it gathers from workers, the
+rendezvous store for KV-transfer groups, and (with --autoscale) the autoscaling loop.
+
+Workers are Ray actors named `<namespace>:<worker id>`; routers look them up by name and read
+the membership and load from `cluster_state()`. A worker is `starting` until its `ready()` answers,
+`ready` while its health checks pass, `draining` once asked to drain (no new admissions), and
+`dead` after `dead_after_failures` missed checks (it is then forgotten and, if its pool is below
+target, replaced).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.config import ClusterConfig, PoolConfig
+
+log = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    pool: str
+    handle: Any
+    state: str = "starting"
+    info: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    failures: int = 0
+    ready_ref: Any = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def actor_options(pool: PoolConfig, name: str, namespace: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": pool.num_cpus,
+                            "num_gpus": pool.num_gpus}
+    if pool.resource_name:
+        opts["resources"] = {pool.resource_name: 1}
+    return opts
+
+
+@ray.remote(num_cpus=0, max_concurrency=32)
+class Controller:
+    def __init__(self, config: ClusterConfig, namespace: str, health_period_s: float = 1.0,
+                 dead_after_failures: int = 3):
+        from kv_transfer.torch_dist import start_rendezvous_store
+
+        self.config = config
+        self.namespace = namespace
+        self.health_period_s = health_period_s
+        self.dead_after_failures = dead_after_failures
+        host = ray.util.get_node_ip_address()
+        self._store, port = start_rendezvous_store(host=host)
+        self.rendezvous = f"{host}:{port}"
+        self.workers: dict[str, WorkerRecord] = {}
+        self.targets = {"prefill": config.prefill.replicas, "decode": config.decode.replicas}
+        self.bounds = {p: (self.targets[p], self.targets[p]) for p in POOLS}
+        self.last_decision: dict[str, Any] = {}
+        self._ids = {p: itertools.count() for p in POOLS}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._reconcile()
+        self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
+        self._thread.start()
+
+    # ---- membership -------------------------------------------------------------------------
+    def _start_worker(self, pool: str) -> WorkerRecord:
+        from decode_workers.actor import DecodeActor
+        from prefill_workers.actor import PrefillActor
+
+        wid = f"{pool}-{next(self._ids[pool])}"
+        pcfg = getattr(self.config, pool)
+        opts = actor_options(pcfg, f"{self.namespace}:{wid}", self.namespace)
+        engine_cfg = self.config.engine
+        if pcfg.num_gpus > 0 and engine_cfg.device == "cpu":
+            from dataclasses import replace
+
+            engine_cfg = replace(engine_cfg, device="cuda")
+        if pool == "decode":
+            handle = DecodeActor.options(**opts).remote(wid, engine_cfg, pcfg.local_prefill_threshold,
+                                                        self.rendezvous, pcfg.num_cpus)
+        else:
+            handle = PrefillActor.options(**opts).remote(wid, engine_cfg, self.rendezvous, pcfg.num_cpus)
+        rec = WorkerRecord(wid, pool, handle)
+        rec.ready_ref = handle.ready.remote()
+        self.workers[wid] = rec
+        log.info("starting %s", wid)
+        return rec
+
+    def _reconcile(self) -> None:
+        """Start workers until each pool's live count (not draining) reaches its target."""
+        with self._lock:
+            for pool in POOLS:
+                live = [w for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready")]
+                for _ in range(self.targets[pool] - len(live)):
+                    self._start_worker(pool)
+                extra = len(live) - self.targets[pool]
+                if extra > 0:  # drain the youngest first (their caches are coldest)
+                    for w in sorted(live, key=lambda w: w.started_at, reverse=True)[:extra]:
+                        self._drain(w)
+
+    def _drain(self, w: WorkerRecord) -> None:
+        w.state = "draining"
+        try:
+            w.handle.set_draining.remote(True)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _check(self) -> None:
+        with self._lock:
+            recs = list(self.workers.values())
+        for w in recs:
+            if w.state == "starting":
+                done, _ = ray.wait([w.ready_ref], timeout=0)
+                if not done:
+                    continue
+                try:
+                    w.info = ray.get(w.ready_ref)
+                    w.state = "ready"
+                except Exception as e:  # noqa: BLE001 - the actor failed to start
+                    log.error("%s failed to start: %s", w.worker_id, e)
+                    w.state = "dead"
+                    w.info["error"] = str(e)
+                continue
+        refs = {w.worker_id: w.handle.stats.remote() for w in recs if w.state in ("ready", "draining")}
+        for wid, ref in refs.items():
+            w = self.workers.get(wid)
+            try:
+                w.stats = ray.get(ref, timeout=max(2.0, 2 * self.health_period_s))
+                w.failures = 0
+                if w.stats.get("loop_error"):
+                    raise RuntimeError(w.stats["loop_error"])
+            except Exception as e:  # noqa: BLE001 - a missed health check
+                w.failures += 1
+                if w.failures >= self.dead_after_failures or isinstance(e, ray.exceptions.RayActorError):
+                    log.warning("%s is dead: %s", wid, e)
+                    w.state = "dead"
+        with self._lock:
+            for w in list(self.workers.values()):
+                if w.state == "dead":
+                    try:
+                        ray.kill(w.handle)
+                    except Exception:  # noqa: BLE001
+                        pass
+                    del self.workers[w.worker_id]
+                elif w.state == "draining" and w.stats and w.stats.get("running", 1) == 0 \
+                        and w.stats.get("waiting", 1) == 0:
+                    log.info("%s drained; stopping it", w.worker_id)
+                    try:
+                        ray.get(w.handle.shutdown.remote(), timeout=10)
+                    except Exception:  # noqa: BLE001
+                        pass
+                    ray.kill(w.handle)
+                    del self.workers[w.worker_id]
+        self._reconcile()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.health_period_s):
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - keep checking
+                log.exception("health check round failed")
+
+    # ---- API (routers, Admin) -----------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check()
+            state = self.cluster_state()
+            ready = {p: sum(1 for w in state["workers"] if w["pool"] == p and w["state"] == "ready") for p in POOLS}
+            if all(ready[p] >= self.targets[p] for p in POOLS):
+                return state
+            dead = [w for w in state["workers"] if w["state"] == "dead"]
+            if dead:
+                raise RuntimeError(f"workers failed to start: {dead}")
+            time.sleep(0.2)
+        raise TimeoutError(f"pools not ready after {timeout_s:.0f} s: {self.cluster_state()}")
+
+    def cluster_state(self) -> dict[str, Any]:
+        with self._lock:
+            workers = [{"worker_id": w.worker_id, "pool": w.pool, "state": w.state,
+                        "actor_name": f"{self.namespace}:{w.worker_id}", **w.info, "stats": dict(w.stats)}
+                       for w in self.workers.values()]
+        pools = {p: {"size": sum(1 for w in workers if w["pool"] == p and w["state"] == "ready"),
+                     "target": self.targets[p], "min": self.bounds[p][0], "max": self.bounds[p][1],
+                     "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining")}
+                 for p in POOLS}
+        return {"workers": workers, "pools": pools, "rendezvous": self.rendezvous,
+                "last_decision": self.last_decision, "namespace": self.namespace,
+                "local_prefill_threshold": self.config.decode.local_prefill_threshold}
+
+    def drain_worker(self, worker_id: str) -> dict[str, Any]:
+        with self._lock:
+            w = self.workers.get(worker_id)
+            if w is None:
+                raise KeyError(f"unknown worker {worker_id!r}")
+            if w.state in ("starting", "ready"):
+                self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
+                self._drain(w)
+            return {"worker_id": w.worker_id, "pool": w.pool, "state": w.state}
+
+    def set_pool_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> dict[str, Any]:
+        if pool not in POOLS:
+            raise ValueError(f"unknown pool {pool!r}; pools are {list(POOLS)}")
+        if min_size < 0 or max_size < min_size:
+            raise ValueError(f"bounds must satisfy 0 <= min <= max, got min={min_size} max={max_size}")
+        with self._lock:
+            self.bounds[pool] = (min_size, max_size)
+            t = self.targets[pool] if target is None else target
+            self.targets[pool] = min(max(t, min_size), max_size)
+        self._reconcile()
+        return self.cluster_state()["pools"][pool]
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self._lock:
+            recs = list(self.workers.values())
+            self.workers.clear()
+        for w in recs:
+            try:
+                ray.get(w.handle.shutdown.remote(), timeout=5)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(w.handle)

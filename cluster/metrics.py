@@ -1,0 +1,338 @@
+"""Tandem's one metrics registry, and the /metrics endpoint that serves it.
+
+`MetricsHub` owns a prometheus_client `CollectorRegistry` with every Tandem metric (vLLM-style
+`tandem:` names, listed in `METRIC_NAMES`). It lives in the router/controller process. The router
+records request-level timings on it directly; workers (Ray actors in other processes) keep plain
+counters in a `WorkerCounters`, ship a `WorkerMetricsSnapshot` (a dataclass of numbers) with their
+load reports, and the controller hands the list to `MetricsHub.update_from_workers`, which sets the
+gauges and advances the cluster-wide counters by each worker's delta. A worker that restarts (new
+`incarnation`, or a counter going backwards) starts a new baseline, so no count is lost or doubled.
+
+Prometheus reserves colons for recording rules by convention; vLLM uses them in exported names
+anyway and so do we, so one dashboard style covers both. prometheus_client appends `_total` to
+counter names: `tandem:prefix_cache_queries` is scraped as `tandem:prefix_cache_queries_total`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+
+# TTFT spans a warm-cache GPU prefill (ms) to a cold 100k-token prompt on CPU (minutes).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Per-token gaps: a GPU decode step with speculation (~1 ms per token) to a busy CPU worker (~1 s).
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                 80.0, 160.0)
+# One request's KV: NVLink/RDMA moves a layer in well under a ms; gloo over TCP can take seconds.
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                       5.0, 10.0, 30.0)
+
+POOLS = ("prefill", "decode", "router")  # "router": requests queued in the router's admission
+
+# Exported metric family names (without the _bucket/_sum/_count/_total suffixes).
+METRIC_NAMES = (
+    "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
+    "tandem:e2e_request_latency_seconds", "tandem:request_queue_time_seconds",
+    "tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_cache_usage_perc",
+    "tandem:prefix_cache_queries", "tandem:prefix_cache_hits", "tandem:kv_transfer_seconds",
+    "tandem:kv_transfer_bytes", "tandem:spec_decode_draft_tokens",
+    "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
+    "tandem:request_migrations", "tandem:requests",
+)
+
+
+@dataclass(frozen=True)
+class WorkerMetricsSnapshot:
+    """One worker's numbers at one moment. Counters (cumulative since the worker started) are
+    marked; the rest are gauges. Plain data: it crosses Ray as a pickled dataclass or `asdict`."""
+
+    worker_id: str
+    pool: str  # "prefill" or "decode"
+    incarnation: str = ""  # changes when the worker restarts (e.g. "pid@start_time")
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0  # counter, tokens looked up in the prefix cache
+    prefix_hits: int = 0  # counter, tokens found there
+    kv_transfer_bytes: int = 0  # counter
+    kv_transfer_count: int = 0  # counter, transfers finished
+    kv_transfer_seconds_sum: float = 0.0  # counter
+    # counter, per upper bound in KV_TRANSFER_BUCKETS: transfers that took <= that bound
+    # (cumulative, like Prometheus buckets); empty when the worker does not time transfers.
+    kv_transfer_seconds_buckets: tuple[int, ...] = ()
+    draft_tokens: int = 0  # counter
+    accepted_tokens: int = 0  # counter
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkerMetricsSnapshot":
+        d = dict(d)
+        d["kv_transfer_seconds_buckets"] = tuple(d.get("kv_transfer_seconds_buckets", ()))
+        return cls(**d)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+_COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
+                   "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens")
+
+
+class WorkerCounters:
+    """What a worker keeps to fill its snapshots: cumulative counters, updated in place."""
+
+    def __init__(self, worker_id: str, pool: str, incarnation: str = "") -> None:
+        self.worker_id, self.pool, self.incarnation = worker_id, pool, incarnation
+        self.prefix_queries = self.prefix_hits = 0
+        self.kv_transfer_bytes = self.kv_transfer_count = 0
+        self.kv_transfer_seconds_sum = 0.0
+        self._transfer_buckets = [0] * len(KV_TRANSFER_BUCKETS)  # non-cumulative here
+        self.draft_tokens = self.accepted_tokens = 0
+
+    def record_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    def record_transfer(self, seconds: float, num_bytes: int) -> None:
+        self.kv_transfer_bytes += num_bytes
+        self.kv_transfer_count += 1
+        self.kv_transfer_seconds_sum += seconds
+        i = bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)
+        if i < len(self._transfer_buckets):
+            self._transfer_buckets[i] += 1
+
+    def record_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+
+    def snapshot(self, *, running: int, waiting: int, kv_blocks_used: int,
+                 kv_blocks_total: int) -> WorkerMetricsSnapshot:
+        cumulative, total = [], 0
+        for n in self._transfer_buckets:
+            total += n
+            cumulative.append(total)
+        return WorkerMetricsSnapshot(
+            worker_id=self.worker_id, pool=self.pool, incarnation=self.incarnation,
+            running=running, waiting=waiting, kv_blocks_used=kv_blocks_used,
+            kv_blocks_total=kv_blocks_total, kv_transfer_seconds_buckets=tuple(cumulative),
+            **{name: getattr(self, name) for name in _COUNTER_FIELDS})
+
+
+class _TransferHistogram:
+    """`tandem:kv_transfer_seconds` as a collector: a histogram summed from workers' deltas."""
+
+    name = "tandem:kv_transfer_seconds"
+
+    def __init__(self) -> None:
+        self.buckets = [0.0] * len(KV_TRANSFER_BUCKETS)  # cumulative, like the exposition
+        self.count = 0.0
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, buckets: Sequence[float], count: float, seconds: float) -> None:
+        with self._lock:
+            if len(buckets) == len(self.buckets):
+                self.buckets = [a + b for a, b in zip(self.buckets, buckets)]
+            self.count += count
+            self.sum += seconds
+
+    def collect(self):
+        with self._lock:
+            family = HistogramMetricFamily(
+                self.name, "Time to move one request's KV from a prefill to a decode worker.")
+            pairs = [(_le(b), n) for b, n in zip(KV_TRANSFER_BUCKETS, self.buckets)]
+            family.add_metric([], pairs + [("+Inf", self.count)], self.sum)
+        yield family
+
+    def describe(self):
+        return self.collect()
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+@dataclass
+class _WorkerBaseline:
+    incarnation: str
+    counters: dict[str, float]
+    buckets: tuple[int, ...]
+    pool: str
+
+
+class MetricsHub:
+    """Every Tandem metric, on one registry. Thread-safe (prometheus_client objects are)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.ttft = Histogram("tandem:time_to_first_token_seconds",
+                              "From the request reaching the router to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds",
+                             "Gap between consecutive output tokens, per token.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds",
+                             "From the request reaching the router to its last message.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds",
+                                    "Time a request waited for admission in the router.",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.running = Gauge("tandem:num_requests_running", "Requests running, by pool.",
+                             ["pool"], registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests queued, by pool.",
+                             ["pool"], registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc",
+                              "Fraction of a worker's KV blocks in use (0-1).",
+                              ["pool", "worker"], registry=r)
+        self.prefix_queries = Counter("tandem:prefix_cache_queries",
+                                      "Prompt tokens looked up in prefix caches.", ["pool"], registry=r)
+        self.prefix_hits = Counter("tandem:prefix_cache_hits",
+                                   "Prompt tokens found in prefix caches.", ["pool"], registry=r)
+        self.kv_transfer = _TransferHistogram()
+        r.register(self.kv_transfer)
+        self.kv_transfer_bytes = Counter("tandem:kv_transfer_bytes",
+                                         "Bytes of KV moved from prefill to decode workers.",
+                                         registry=r)
+        self.draft_tokens = Counter("tandem:spec_decode_draft_tokens",
+                                    "Speculative tokens proposed.", registry=r)
+        self.accepted_tokens = Counter("tandem:spec_decode_accepted_tokens",
+                                       "Speculative tokens the verifier kept.", registry=r)
+        self.pool_size = Gauge("tandem:pool_size", "Live workers, draining included, by pool.",
+                               ["pool"], registry=r)
+        self.pool_target = Gauge("tandem:pool_target", "The autoscaler's target, by pool.",
+                                 ["pool"], registry=r)
+        self.migrations = Counter("tandem:request_migrations",
+                                  "Requests moved to another worker mid-flight, by reason.",
+                                  ["reason"], registry=r)
+        self.requests = Counter("tandem:requests",
+                                "Finished requests, by finish reason and gRPC status code.",
+                                ["finish_reason", "code"], registry=r)
+        self._baselines: dict[str, _WorkerBaseline] = {}
+        self._lock = threading.Lock()
+
+    # --- the router's own observations --------------------------------------------------------
+
+    def record_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def record_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def record_tokens(self, gap_seconds: float, num_tokens: int) -> None:
+        """A message brought `num_tokens` new tokens `gap_seconds` after the previous one."""
+        if num_tokens > 0:
+            per_token = gap_seconds / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def record_finished(self, *, code: str, finish_reason: str, e2e_seconds: float | None) -> None:
+        """`code`: the gRPC status name ("OK", "CANCELLED", ...); finish_reason: "stop",
+        "length", "abort", or "none" for requests that ended before a finish reason."""
+        self.requests.labels(finish_reason=finish_reason.lower(), code=code.upper()).inc()
+        if e2e_seconds is not None:
+            self.e2e.observe(e2e_seconds)
+
+    def record_migration(self, reason: str) -> None:
+        self.migrations.labels(reason=reason).inc()
+
+    def set_router_queue(self, running: int, waiting: int) -> None:
+        self.running.labels(pool="router").set(running)
+        self.waiting.labels(pool="router").set(waiting)
+
+    def set_pool(self, pool: str, size: int, target: int) -> None:
+        self.pool_size.labels(pool=pool).set(size)
+        self.pool_target.labels(pool=pool).set(target)
+
+    # --- workers' reports ---------------------------------------------------------------------
+
+    def update_from_workers(self, snapshots: Iterable[WorkerMetricsSnapshot | dict]) -> None:
+        """Take the current reports of all live workers: gauges are set (workers missing from
+        the list drop out of them), counters advance by what each worker added since its last
+        report."""
+        snaps = [s if isinstance(s, WorkerMetricsSnapshot) else WorkerMetricsSnapshot.from_dict(s)
+                 for s in snapshots]
+        with self._lock:
+            running = {p: 0 for p in ("prefill", "decode")}
+            waiting = dict(running)
+            for s in snaps:
+                running[s.pool] = running.get(s.pool, 0) + s.running
+                waiting[s.pool] = waiting.get(s.pool, 0) + s.waiting
+                self._advance(s)
+            for pool in running:
+                self.running.labels(pool=pool).set(running[pool])
+                self.waiting.labels(pool=pool).set(waiting[pool])
+            live = {(s.pool, s.worker_id) for s in snaps}
+            for labels in list(self._kv_usage_labels()):
+                if labels not in live:
+                    self.kv_usage.remove(*labels)
+            for s in snaps:
+                self.kv_usage.labels(pool=s.pool, worker=s.worker_id).set(s.kv_cache_usage)
+
+    def _kv_usage_labels(self):
+        for metric in self.kv_usage.collect():
+            for sample in metric.samples:
+                yield sample.labels["pool"], sample.labels["worker"]
+
+    def _advance(self, s: WorkerMetricsSnapshot) -> None:
+        now = {name: getattr(s, name) for name in _COUNTER_FIELDS}
+        base = self._baselines.get(s.worker_id)
+        restarted = base is None or base.incarnation != s.incarnation or any(
+            now[k] < base.counters[k] for k in _COUNTER_FIELDS) or any(
+            a < b for a, b in zip(s.kv_transfer_seconds_buckets, base.buckets))
+        old = dict.fromkeys(_COUNTER_FIELDS, 0) if restarted else base.counters
+        old_buckets = (0,) * len(s.kv_transfer_seconds_buckets) if restarted else base.buckets
+        d = {k: now[k] - old[k] for k in _COUNTER_FIELDS}
+        if d["prefix_queries"] or d["prefix_hits"]:
+            self.prefix_queries.labels(pool=s.pool).inc(d["prefix_queries"])
+            self.prefix_hits.labels(pool=s.pool).inc(d["prefix_hits"])
+        self.kv_transfer_bytes.inc(d["kv_transfer_bytes"])
+        self.draft_tokens.inc(d["draft_tokens"])
+        self.accepted_tokens.inc(d["accepted_tokens"])
+        if d["kv_transfer_count"] or d["kv_transfer_seconds_sum"]:
+            buckets = s.kv_transfer_seconds_buckets
+            delta_buckets = [a - b for a, b in zip(buckets, old_buckets)] if len(
+                old_buckets) == len(buckets) else list(buckets)
+            self.kv_transfer.add(delta_buckets, d["kv_transfer_count"], d["kv_transfer_seconds_sum"])
+        self._baselines[s.worker_id] = _WorkerBaseline(
+            s.incarnation, now, tuple(s.kv_transfer_seconds_buckets), s.pool)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a dead worker's baseline (its counts so far stay in the totals)."""
+        with self._lock:
+            self._baselines.pop(worker_id, None)
+
+
+_hub: MetricsHub | None = None
+_hub_lock = threading.Lock()
+
+
+def get_hub() -> MetricsHub:
+    """The process's hub (made on first use): what the router and controller record on."""
+    global _hub
+    with _hub_lock:
+        if _hub is None:
+            _hub = MetricsHub()
+        return _hub
+
+
+def start_metrics_server(port: int = 0, host: str = "127.0.0.1",
+                         registry: CollectorRegistry | None = None) -> int:
+    """Serve `registry` (default: `get_hub()`'s) as Prometheus text on http://host:port/metrics
+    from a daemon thread. Port 0 picks a free port; returns the port actually bound. In a pod,
+    pass host="0.0.0.0" so Prometheus can reach it."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"metrics port must be in [0, 65535], got {port}")
+    registry = registry if registry is not None else get_hub().registry
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_address[1]

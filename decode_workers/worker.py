@@ -1,0 +1,211 @@
+"""The decode worker: continuous batching over one engine, fed either by its own prefill (short
+uncached suffixes) or by KV that a prefill actor streams into blocks it reserved.
+
+A request's stages here, in order:
+1. `reserve`: validate; look the prompt up in the prefix cache; if the uncached part is at most
+   the local-prefill threshold (or remote prefill is not offered), queue it for local prefill;
+   otherwise take blocks for the whole prompt and answer with the block ids the KV must land in.
+2. `expect`: register the transfer spec with the KV receiver (before the prefill actor sends).
+3. On arrival (polled between steps) the request joins the running batch with every prompt
+   position but the last computed; the last prompt token runs as a decode step and samples.
+4. Each step's new tokens for all sequences go to their routers as one message per router.
+A failed or aborted transfer frees the reserved blocks and ends the request with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.serving_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, local_prefill_threshold: float = 256,
+                 rendezvous: str | None = None, transfer_config=None, engine: LLMEngine | None = None):
+        self.worker_id = worker_id
+        self.engine = engine or LLMEngine(engine_config)
+        self.threshold = local_prefill_threshold
+        self.block_size = self.engine.allocator.block_size
+        self.receiver = None
+        if rendezvous is not None:
+            from kv_transfer.base import KVTransferConfig
+            from kv_transfer.torch_dist import make_dist_receiver
+
+            self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, rendezvous,
+                                               transfer_config or KVTransferConfig(), on_release=self._transfer_failed)
+        self.owner: dict[str, str] = {}  # request id -> router id
+        self.remote: dict[str, Request] = {}  # transfer id -> request waiting for its KV
+        self.transfer_of: dict[str, str] = {}  # request id -> transfer id
+        self._outboxes: dict[str, queue.SimpleQueue] = {}
+        self._outbox_lock = threading.Lock()
+        self.draining = False
+        self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
+                         "kv_transfer_seconds": 0.0, "kv_transfer_bytes": 0}
+        self._transfer_started: dict[str, float] = {}
+        self.loop = EngineLoop(self.engine, on_step=self._publish, before_step=self._poll_transfers,
+                               name=f"{worker_id}-loop")
+
+    # ---- called from any thread ---------------------------------------------------------------
+    def reserve(self, request_id: str, router_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+                transfer_id: str | None = None) -> dict[str, Any]:
+        """`transfer_id` set: remote prefill is on offer under that transfer id."""
+        return self.loop.run(self._reserve, request_id, router_id, prompt_token_ids, sampling, transfer_id)
+
+    def expect(self, spec_msg: dict[str, Any]) -> None:
+        self.loop.run(self._expect, spec_msg)
+
+    def abort(self, request_id: str) -> bool:
+        return self.loop.run(self._abort, request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.loop.run(self._stats)
+
+    def get_outputs(self, router_id: str, timeout_s: float = 1.0) -> list[dict[str, Any]]:
+        """Everything produced for `router_id` since the last call (one list entry per step),
+        waiting up to `timeout_s` for the first."""
+        box = self._outbox(router_id)
+        out: list[dict[str, Any]] = []
+        try:
+            out.extend(box.get(timeout=timeout_s))
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.extend(box.get_nowait())
+            except queue.Empty:
+                return out
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    # ---- on the loop thread -------------------------------------------------------------------
+    def _outbox(self, router_id: str) -> queue.SimpleQueue:
+        with self._outbox_lock:
+            box = self._outboxes.get(router_id)
+            if box is None:
+                box = self._outboxes[router_id] = queue.SimpleQueue()
+            return box
+
+    def _reserve(self, rid, router_id, ids, sampling, transfer_id) -> dict[str, Any]:
+        if self.draining:
+            raise RuntimeError(f"{self.worker_id} is draining")
+        e = self.engine
+        req = e.make_request(rid, prompt_token_ids=ids, sampling=SamplingParams(**sampling))
+        self.owner[rid] = router_id
+        self.counters["requests"] += 1
+        n = req.num_prompt_tokens
+        cached = e.allocator.num_cached_tokens(ids)
+        remote = transfer_id is not None and self.receiver is not None and n - 1 > cached and n - cached > self.threshold
+        if remote and e.allocator.admit(req, n - cached):
+            req.num_cached_prompt_tokens = req.num_computed_tokens
+            req.admitted_once = True
+            first = cached // self.block_size
+            last = e.allocator.blocks_needed(n - 1)
+            self.counters["remote_prefills"] += 1
+            self.remote[transfer_id] = req
+            self.transfer_of[rid] = transfer_id
+            return {"mode": "remote", "cached_tokens": cached, "first_block": first,
+                    "dst_block_ids": req.block_ids[first:last], "num_tokens": n - 1}
+        e.scheduler.add(req)
+        self.counters["local_prefills"] += 1
+        return {"mode": "local", "cached_tokens": cached}
+
+    def _expect(self, spec_msg: dict[str, Any]) -> None:
+        from kv_transfer.base import TransferSpec
+
+        spec = TransferSpec.from_msg(spec_msg)
+        if spec.request_id not in self.remote:
+            raise KeyError(f"no reservation for transfer {spec.request_id!r} on {self.worker_id}")
+        self._transfer_started[spec.request_id] = time.perf_counter()
+        self.receiver.expect(spec)
+
+    def _poll_transfers(self) -> None:
+        if self.receiver is None or not self.remote:
+            return
+        from kv_transfer.base import TransferState
+
+        for tid, state in self.receiver.reap():
+            req = self.remote.pop(tid, None)
+            if req is None:
+                continue
+            self.transfer_of.pop(req.request_id, None)
+            t0 = self._transfer_started.pop(tid, None)
+            if state is TransferState.DONE:
+                if t0 is not None:
+                    self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                self.engine.allocator.register_full_blocks(req)
+                self.engine.scheduler.add_ready(req)
+            else:
+                self.counters["transfer_failures"] += 1
+                self._emit_error(req.request_id, f"KV transfer {state.value}")
+
+    def _transfer_failed(self, tid: str) -> None:
+        # the receiver runs this on our thread for FAILED / ABORTED transfers: free the reservation
+        req = self.remote.get(tid)
+        if req is not None:
+            self.engine.allocator.free(req)
+
+    def _abort(self, rid: str) -> bool:
+        self.owner.pop(rid, None)
+        tid = self.transfer_of.pop(rid, None)
+        if tid is not None:
+            if tid in self._transfer_started:
+                self.receiver.abort(tid)  # the release callback frees the blocks
+                self._transfer_started.pop(tid, None)
+                self.remote.pop(tid, None)
+            else:  # reserved, transfer never expected
+                self.engine.allocator.free(self.remote.pop(tid))
+            return True
+        return self.engine.abort(rid)
+
+    def _emit_error(self, rid: str, message: str) -> None:
+        router = self.owner.pop(rid, None)
+        if router is not None:
+            self._outbox(router).put([{"request_id": rid, "error": message}])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        per_router: dict[str, list[dict[str, Any]]] = {}
+        for o in outputs:
+            router = self.owner.get(o.request_id)
+            if router is None:
+                continue
+            msg: dict[str, Any] = {"request_id": o.request_id, "token_ids": o.new_token_ids, "text": o.new_text}
+            if o.finished:
+                msg["finish_reason"] = o.finish_reason.value
+                msg["usage"] = asdict(o.usage)
+                del self.owner[o.request_id]
+            per_router.setdefault(router, []).append(msg)
+        for router, msgs in per_router.items():
+            self._outbox(router).put(msgs)
+
+    def _stats(self) -> dict[str, Any]:
+        e = self.engine
+        a = e.allocator
+        return {"worker_id": self.worker_id, "pool": "decode", "running": len(e.scheduler.running),
+                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + len(self.remote),
+                "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
+                "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
+                "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
+                "busy_s": self.loop.busy_s, "draining": self.draining,
+                "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}
+
+
+def finish_reason_of(msg: dict[str, Any]) -> FinishReason | None:
+    r = msg.get("finish_reason")
+    return FinishReason(r) if r else None
+
+
+__all__ = ["DecodeWorker", "InvalidRequestError", "finish_reason_of"]

@@ -1,0 +1,464 @@
+"""Paged attention on the GPU: the Triton twins of `engine.attention.paged_attention_torch`.
+
+Same contract as the reference: q is the varlen batch of new tokens [T, Hq, D]; K/V (new tokens
+included, already written) are read through each sequence's block table from
+`k_cache, v_cache: [num_blocks, block_size, Hkv, D]` (views allowed: only the last dim must be
+contiguous); token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and sees KV
+positions [0, that position].
+
+- `paged_prefill_attention`: any query lengths, cached prefixes, in one launch. Flash-attention
+  style: one program per (query head, tile of BLOCK_M query rows, sequence), online softmax over
+  tiles of BLOCK_N keys; the causal mask is applied only on the tiles that straddle the diagonal.
+- `paged_decode_attention`: up to MAX_DECODE_QUERY_LEN query tokens per sequence (decode, and the
+  speculative verifier's 1 + k). One program per (sequence, KV head, partition of the context):
+  its rows are every (query token, query head of the group), so each K/V tile is read once per
+  KV group. Long contexts are split into partitions (flash-decoding) so that a small batch still
+  fills the GPU; a second kernel merges the partitions' softmax states.
+- `paged_attention`: the decode kernel when every sequence has at most MAX_DECODE_QUERY_LEN new
+  tokens, else the prefill kernel; a mixed batch whose short sequences come first runs as two
+  launches (decode kernel on those, prefill kernel on the rest).
+
+Grids depend on host-side sizes (number of sequences, max query length, and for split decode
+meta.max_seq_len), so a CUDA graph captured for one batch shape replays only for that shape, and
+with a split plan only while every context stays within the captured meta.max_seq_len.
+
+Constraints: head_dim a power of two in [16, 256]; Hq a multiple of Hkv; q, caches and out of one
+dtype (fp32, bf16 or fp16); metadata tensors int32 on q's device. Scores, softmax and the output
+accumulator are fp32; P is cast to the cache dtype for the P @ V product (as flash-attention does).
+fp32 inputs use full-precision (ieee) dot products, not tf32: exact enough for tests, but on the
+GPU that path runs on FMA units and spills registers; serve in bf16 or fp16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import AttentionMetadata
+from engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
+                                     require_tensor)
+
+MAX_DECODE_QUERY_LEN = 16
+_LOG2E = 1.4426950408889634
+# Finite "minus infinity" for running maxima: a row with no visible key in a tile (or a whole
+# partition) keeps m = -1e30, and exp2(m_old - m_new) stays a number instead of NaN (-inf - -inf).
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
+                 k_cache_ptr, v_cache_ptr,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) for rows q [M, D] at
+    positions q_pos [M]. MASKED: apply the causal and length masks (else all keys are visible)."""
+    kv_pos = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    kv_ok = kv_pos < seq_len
+    # the block table is read per key: a tile may span several cache blocks
+    block_ids = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    slots = kv_pos % BLOCK_SIZE
+    k_rows = block_ids * stride_kb + slots * stride_ks + kv_head * stride_kh  # [N]
+    v_rows = block_ids * stride_vb + slots * stride_vs + kv_head * stride_vh
+    if MASKED:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :])
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N], log2 domain
+    if MASKED:
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, first_seq,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # heads vary fastest, so the programs of one KV group run together and share K/V in L2
+    head = tl.program_id(0)
+    # the last query tiles see the most keys: start them first so they do not form the tail
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = first_seq + tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < q_len
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_pos = ctx_len + rows  # padded rows get positions >= seq_len: they see every key, never NaN
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # keys below the tile's first position are visible to all its rows: no mask needed there
+    first_pos = ctx_len + m_block * BLOCK_M
+    unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
+                                     k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_vb, stride_vs, stride_vh, scale_log2,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
+                                     k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_vb, stride_vs, stride_vh, scale_log2,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, partition_size, first_seq,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_pt, stride_ph,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = first_seq + tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_start = part * partition_size
+    if part_start >= seq_len:
+        return
+    part_end = tl.minimum(part_start + partition_size, seq_len)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    ctx_len = seq_len - q_len
+
+    # rows: every (query token t, head g of this KV group), t-major: [BLOCK_Q * BLOCK_G]
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    t = rows // BLOCK_G
+    g = rows % BLOCK_G
+    row_ok = (t < q_len) & (g < GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + t).to(tl.int64)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_pos = ctx_len + t
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # keys up to ctx_len are visible to every query token; only the last tiles need the mask
+    unmasked_end = part_start + ((tl.minimum(part_end, ctx_len + 1) - part_start) // BLOCK_N) * BLOCK_N
+    unmasked_end = tl.maximum(unmasked_end, part_start)
+    for start_n in range(part_start, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
+                                     k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_vb, stride_vs, stride_vh, scale_log2,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
+    for start_n in range(unmasked_end, part_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, part_end, kv_head, table_ptr,
+                                     k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_vb, stride_vs, stride_vh, scale_log2,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
+
+    if SPLIT:
+        # unnormalised partial state of this launch's token rows: acc [rows, Hq, P, D] and
+        # (m, l) [rows, Hq, P, 2], merged by _reduce_partitions_kernel
+        first_token = tl.load(query_start_loc_ptr + first_seq)
+        part_rows = (tokens - first_token) * stride_pt + heads * stride_ph + part
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part_rows * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part_rows * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_partitions_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,
+    partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    seq = first_seq + tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    num_parts = tl.cdiv(seq_len, partition_size)
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    t = rows // BLOCK_G
+    g = rows % BLOCK_G
+    row_ok = (t < q_len) & (g < GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + t).to(tl.int64)
+    heads = kv_head * GROUP + g
+    base_rows = (tokens - tl.load(query_start_loc_ptr + first_seq)) * stride_pt + heads * stride_ph
+
+    m = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+    for part in range(0, num_parts):
+        part_rows = base_rows + part
+        m_p = tl.load(part_ml_ptr + part_rows * 2, mask=row_ok, other=_NEG_BIG)
+        l_p = tl.load(part_ml_ptr + part_rows * 2 + 1, mask=row_ok, other=0.0)
+        o_p = tl.load(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
+                      mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_p)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(m_p - m_new)
+        acc = acc * a[:, None] + o_p * b[:, None]
+        l = l * a + l_p * b
+        m = m_new
+    l = tl.where(row_ok, l, 1.0)
+    out = acc / l[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check_attention_args(q, k_cache, v_cache, meta, out, kernel) -> torch.Tensor:
+    """Validates the shared contract; returns `out` (allocated when None)."""
+    require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    require_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    require_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    require_same("k_cache", k_cache, "q", q)
+    require_same("v_cache", v_cache, "k_cache", k_cache, shape=True)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k_cache is [blocks, block_size, kv_heads, "
+                         f"head_dim] = {tuple(k_cache.shape)}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    num_seqs = len(meta.seq_lens_cpu)
+    for name, t, ndim, rows in (("meta.query_start_loc", meta.query_start_loc, 1, num_seqs + 1),
+                                ("meta.seq_lens", meta.seq_lens, 1, num_seqs),
+                                ("meta.block_tables", meta.block_tables, 2, num_seqs)):
+        require_tensor(name, t, ndim=ndim, dtypes=(torch.int32,), last_dim_contiguous=(ndim == 2))
+        require_same(name, t, "q", q, dtype=False)
+        if t.shape[0] != rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, expected {rows} for {num_seqs} sequences")
+    if meta.query_start_loc.stride(0) != 1 or meta.seq_lens.stride(0) != 1:
+        raise ValueError("meta.query_start_loc and meta.seq_lens must be contiguous")
+    if len(meta.query_lens_cpu) != num_seqs or sum(meta.query_lens_cpu) != num_tokens:
+        raise ValueError(f"meta.query_lens_cpu sums to {sum(meta.query_lens_cpu)} over "
+                         f"{len(meta.query_lens_cpu)} sequences; q has {num_tokens} tokens, "
+                         f"{num_seqs} sequences")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        require_tensor("out", out, ndim=3, dtypes=FLOAT_DTYPES)
+        require_same("out", out, "q", q, shape=True)
+    require_runnable(q, kernel)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
+
+
+class _SeqRange:
+    """The sequences [first, first + count) of a batch, with their host-side maxima."""
+
+    def __init__(self, meta: AttentionMetadata, first: int = 0, count: int | None = None):
+        count = meta.num_seqs - first if count is None else count
+        self.first, self.count = first, count
+        self.num_tokens = sum(meta.query_lens_cpu[first:first + count])
+        self.max_query_len = max(meta.query_lens_cpu[first:first + count], default=0)
+        self.max_seq_len = max(meta.seq_lens_cpu[first:first + count], default=0)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen attention over a paged cache for any mix of query lengths, in one launch.
+    q: [T, Hq, D] -> out [T, Hq, D] (written into `out` when given)."""
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _prefill_kernel)
+    if q.shape[0]:
+        _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta))
+    return out
+
+
+def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange):
+    if seqs.max_query_len >= 128 and q.shape[2] <= 128:
+        block_m, block_n, num_warps = 128, 64, 8
+    else:
+        block_m, block_n, num_warps = max(16, min(64, next_power_of_2(seqs.max_query_len))), 64, 4
+    _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps,
+                    num_stages=2, seqs=seqs)
+
+
+def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps, num_stages,
+                    seqs: _SeqRange | None = None):
+    seqs = seqs or _SeqRange(meta)
+    num_heads = q.shape[1]
+    grid = (num_heads, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * _LOG2E, seqs.first,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          block_n: int = 64, min_partition: int = 256) -> int | None:
+    """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
+    every SM two programs, else a partition size (a multiple of block_n, at least min_partition
+    keys) that brings the program count up to about that."""
+    programs = num_seqs * num_kv_heads
+    parts = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, min_partition))
+    if parts <= 1:
+        return None
+    return triton.cdiv(triton.cdiv(max_seq_len, parts), block_n) * block_n
+
+
+_DECODE_BLOCK_N = 64
+# one pass reads each sequence's whole context, whatever meta.max_seq_len says (graph replays)
+_WHOLE_CONTEXT = 2**30
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                           partition_size: int | str | None = "auto") -> torch.Tensor:
+    """Attention for 1..MAX_DECODE_QUERY_LEN new tokens per sequence (decode, speculative verify).
+    q: [T, Hq, D] -> out [T, Hq, D]. partition_size: "auto" picks the split-K plan from the batch
+    shape and the SM count; None forces one pass; an int (a multiple of 64) forces that split."""
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel)
+    if meta.max_query_len > MAX_DECODE_QUERY_LEN:
+        raise ValueError(f"paged_decode_attention takes at most {MAX_DECODE_QUERY_LEN} query tokens "
+                         f"per sequence, got max_query_len={meta.max_query_len}; use "
+                         "paged_prefill_attention")
+    if partition_size not in ("auto", None) and (not isinstance(partition_size, int)
+                                                 or partition_size <= 0
+                                                 or partition_size % _DECODE_BLOCK_N):
+        raise ValueError(f"partition_size must be \"auto\", None or a positive multiple of "
+                         f"{_DECODE_BLOCK_N}, got {partition_size!r}")
+    if q.shape[0]:
+        _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), partition_size)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, partition_size="auto"):
+    if partition_size == "auto":
+        partition_size = choose_partition_size(seqs.count, k_cache.shape[2], seqs.max_seq_len,
+                                               _num_sms(q.device), _DECODE_BLOCK_N)
+    _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, _DECODE_BLOCK_N,
+                   num_warps=4, num_stages=2, seqs=seqs)
+
+
+def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_n, num_warps,
+                   num_stages, seqs: _SeqRange | None = None):
+    seqs = seqs or _SeqRange(meta)
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g = next_power_of_2(group)
+    # tl.dot needs at least 16 rows: pad with (masked) query-token rows
+    block_q = max(next_power_of_2(seqs.max_query_len), triton.cdiv(16, block_g))
+    split = partition_size is not None and partition_size < seqs.max_seq_len
+    num_parts = triton.cdiv(seqs.max_seq_len, partition_size) if split else 1
+    if split:
+        # fp32 partial states of these sequences' token rows
+        part_out = torch.empty((seqs.num_tokens, num_heads, num_parts, head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((seqs.num_tokens, num_heads, num_parts, 2), dtype=torch.float32,
+                              device=q.device)
+    else:
+        part_out = part_ml = out  # unused by the kernel
+    common = dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim)
+    _decode_kernel[(seqs.count, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, out, part_out, part_ml,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), num_heads * num_parts, num_parts,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
+        num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    if split:
+        _reduce_partitions_kernel[(seqs.count, num_kv_heads)](
+            out, part_out, part_ml, meta.query_start_loc, meta.seq_lens,
+            partition_size, seqs.first, out.stride(0), out.stride(1), num_heads * num_parts,
+            num_parts, num_warps=4, **common,
+        )
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GPU twin of `paged_attention_torch`. Every sequence has at most MAX_DECODE_QUERY_LEN new
+    tokens: the decode kernel. None has: the prefill kernel. A mix whose short sequences come
+    first (decode and verify rows before prefill chunks, as the scheduler should order a batch):
+    the decode kernel on those and the prefill kernel on the rest, two launches. Any other mix:
+    the prefill kernel for all (correct, but a short row then costs a whole query tile per head)."""
+    if meta.max_query_len <= MAX_DECODE_QUERY_LEN:
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out)
+    num_short = 0
+    for q_len in meta.query_lens_cpu:
+        if q_len > MAX_DECODE_QUERY_LEN:
+            break
+        num_short += 1
+    if num_short == 0 or any(n <= MAX_DECODE_QUERY_LEN for n in meta.query_lens_cpu[num_short:]):
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel)
+    _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, 0, num_short))
+    _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, num_short))
+    return out

@@ -1,0 +1,125 @@
+"""One speculative step around the target's forward: before it, choose k per decoding sequence
+(length policy) and get that many drafts (proposer); after it, turn each sequence's 1 + k logits
+rows into its new tokens (verify) and feed the outcome back to the policy.
+
+The engine keeps its step as schedule -> run -> postprocess; this object only adds the drafts to
+what is scheduled and replaces plain sampling with acceptance. Sequences without drafts (prefill
+chunks, sequences the policy turned off, n-gram misses) sample as plain decoding does, in the
+same batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+from engine.sampler import Sampler, probs_for
+from engine.speculative.policy import SpeculationLengthPolicy
+from engine.speculative.proposer import Draft, Proposer
+from engine.speculative.verify import accept_greedy, accept_sampled
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, policy: SpeculationLengthPolicy, sampler: Sampler, num_tokens: int):
+        self.proposer = proposer
+        self.policy = policy
+        self.sampler = sampler
+        self.num_tokens = num_tokens  # default k for requests that do not set their own
+        self._tracked: set[str] = set()
+
+    def caps(self, running: list[Request]) -> tuple[dict[str, int], int]:
+        """(request id -> most drafts this step, for sequences decoding; prefill tokens in flight)."""
+        caps: dict[str, int] = {}
+        other = 0
+        for r in running:
+            if r.prefill_only or r.num_computed_tokens != r.num_tokens - 1:
+                other += r.num_tokens - r.num_computed_tokens
+                continue
+            k = r.sampling.num_speculative_tokens
+            k = self.num_tokens if k is None else k
+            # every accepted draft plus the bonus token is output: never draft past max_tokens
+            caps[r.request_id] = min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1)
+        return caps, other
+
+    def propose(self, running: list[Request], alive: Collection[str]) -> dict[str, Draft]:
+        """Drafts for this step's decoding sequences; `alive`: ids of requests still in flight
+        (per-request state of the others is dropped)."""
+        for rid in [r for r in self._tracked if r not in alive]:
+            self.release(rid)
+        caps, other = self.caps(running)
+        ks = self.policy.choose(caps, other)
+        if not ks:
+            return {}
+        by_id = {r.request_id: r for r in running}
+        wanted = [(by_id[rid], k) for rid, k in ks.items()]
+        self._tracked.update(ks)
+        return self.proposer.propose(wanted)
+
+    def verify(self, logits: torch.Tensor, owners: list[tuple[str, int]], drafts: dict[str, Draft],
+               requests: dict[str, Request]) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """logits [N, V]: `owners` lists (request id, rows) in order, rows = 1 + its drafts.
+        -> (request id -> new tokens: accepted drafts + one, request id -> drafts accepted)."""
+        target_ids = logits.argmax(-1).tolist()
+        sampled: dict[str, list[int]] = {}
+        accepted: dict[str, int] = {}
+        row = 0
+        for rid, rows in owners:
+            sp = requests[rid].sampling
+            draft = drafts.get(rid)
+            ids = draft.token_ids[:rows - 1] if draft is not None else []
+            if sp.greedy:
+                new = accept_greedy(target_ids[row:row + rows], ids)
+            else:
+                p = probs_for(logits[row:row + rows].cpu(), sp)  # [1 + k, V]
+                q = None if draft is None or draft.probs is None else draft.probs[:rows - 1].to(p.device)
+                new = accept_sampled(p, ids, q, self.sampler.generator(rid, sp.seed))
+            if ids:
+                accepted[rid] = len(new) - 1
+                self.policy.observe(rid, len(ids), len(new) - 1)
+            sampled[rid] = new
+            row += rows
+        return sampled, accepted
+
+    def release(self, request_id: str) -> None:
+        self._tracked.discard(request_id)
+        self.policy.forget(request_id)
+        self.proposer.release(request_id)
+
+
+def resolve_max_verify_tokens(cfg: SpeculativeConfig, device: torch.device) -> int:
+    if cfg.max_verify_tokens is not None:
+        return cfg.max_verify_tokens
+    # where one forward stops being bound by reading the weights (and starts costing per token)
+    return 256 if device.type == "cuda" else 32
+
+
+def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_blocks: int, block_size: int,
+                     dtype: str, seed: int, draft_model=None, proposer: Proposer | None = None) -> Speculator:
+    """The proposer named by `cfg.method` (or the one given), with its length policy."""
+    device = target.embed_tokens.weight.device
+    if proposer is None:
+        if cfg.method == "ngram":
+            from engine.speculative.ngram import NgramProposer
+
+            proposer = NgramProposer(cfg.min_n, cfg.max_n)
+        elif cfg.method == "draft":
+            from engine.speculative.draft_model import DraftModelProposer, early_exit_model
+
+            if draft_model is None:
+                if cfg.draft_model is not None:
+                    from engine.weights import load_model
+
+                    draft_model, _, _ = load_model(cfg.draft_model, dtype, str(device), seed + 1)
+                else:
+                    draft_model = early_exit_model(target, cfg.draft_num_layers)
+            if draft_model.config.vocab_size != target.config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs "
+                                 f"from the target's ({target.config.vocab_size})")
+            proposer = DraftModelProposer(draft_model, cfg.draft_num_blocks or num_blocks, block_size, sampler)
+        else:
+            raise ValueError(f"speculative method {cfg.method!r} has no proposer")
+    policy = SpeculationLengthPolicy.from_config(cfg, resolve_max_verify_tokens(cfg, device))
+    return Speculator(proposer, policy, sampler, cfg.num_tokens)

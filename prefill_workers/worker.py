@@ -1,0 +1,154 @@
+"""The prefill worker: computes prompts' KV with its own prefix cache (only the uncached part,
+in chunks under the step's token budget) and streams each layer's KV to a decode actor as soon as
+that layer is done in the step that completes the prompt.
+
+A request's stages here, in order:
+1. `reserve(tokens, first_block)`: take blocks for the prompt (its cached prefix included) and
+   answer with the source block ids of the range the decode actor asked for.
+2. `start(spec)`: begin the transfer, schedule the prompt, and wait: each layer of the final step
+   is sent as that layer finishes (earlier chunks' KV of that layer goes in the same message).
+3. When the transfer ends (done, failed or aborted), the request's blocks are released; the
+   prefix stays in this actor's cache for the session's next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.request import Request, SamplingParams
+from engine.serving_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, rendezvous: str,
+                 transfer_config=None, engine: LLMEngine | None = None):
+        from kv_transfer.base import KVTransferConfig
+        from kv_transfer.torch_dist import make_dist_sender
+
+        self.worker_id = worker_id
+        self.engine = engine or LLMEngine(engine_config)
+        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, rendezvous,
+                                       transfer_config or KVTransferConfig(), on_release=self._transfer_ended)
+        self.reserved: dict[str, Request] = {}  # transfer id -> request (blocks held)
+        self.active: dict[str, Request] = {}  # transfer id -> request scheduled / sending
+        self.done: dict[str, Future] = {}
+        self.draining = False
+        self.counters = {"prefills": 0, "prompt_tokens": 0, "computed_tokens": 0, "transfer_failures": 0,
+                         "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
+        self._started: dict[str, float] = {}
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self.sender.reap,
+                               layer_done=self._layer_done, name=f"{worker_id}-loop")
+
+    # ---- called from any thread ---------------------------------------------------------------
+    def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int) -> dict[str, Any]:
+        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block)
+
+    def start(self, spec_msg: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+        """Compute and send; returns when the transfer has ended (raises if it failed)."""
+        fut = self.loop.run(self._start, spec_msg)
+        return fut.result(timeout_s)
+
+    def abort(self, transfer_id: str) -> bool:
+        return self.loop.run(self._abort, transfer_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.loop.run(self._stats)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.sender.close()
+
+    # ---- on the loop thread -------------------------------------------------------------------
+    def _reserve(self, tid: str, ids: list[int], first_block: int) -> dict[str, Any]:
+        if self.draining:
+            raise RuntimeError(f"{self.worker_id} is draining")
+        e = self.engine
+        req = e.make_request(tid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1), prefill_only=True)
+        n = req.num_prompt_tokens
+        cached = e.allocator.num_cached_tokens(ids)
+        if not e.allocator.admit(req, n - cached):
+            raise RuntimeError(f"{self.worker_id}: no free KV blocks for a {n}-token prefill")
+        req.num_cached_prompt_tokens = req.num_computed_tokens
+        self.reserved[tid] = req
+        last = e.allocator.blocks_needed(n)
+        return {"cached_tokens": cached, "src_block_ids": req.block_ids[first_block:last]}
+
+    def _start(self, spec_msg: dict[str, Any]) -> Future:
+        from kv_transfer.base import TransferSpec
+
+        spec = TransferSpec.from_msg(spec_msg)
+        req = self.reserved.pop(spec.request_id)
+        fut: Future = Future()
+        self.done[spec.request_id] = fut
+        self.active[spec.request_id] = req
+        self._started[spec.request_id] = time.perf_counter()
+        self.sender.begin(spec)
+        self.counters["prefills"] += 1
+        self.counters["prompt_tokens"] += req.num_prompt_tokens
+        self.counters["computed_tokens"] += req.num_prompt_tokens - req.num_computed_tokens
+        self.counters["kv_transfer_bytes"] += len(spec.src_block_ids) * self.engine.kv_cache.bytes_per_block
+        self.engine.scheduler.add_ready(req)
+        return fut
+
+    def _layer_done(self, layer: int, sched) -> None:
+        for s in sched.scheduled:
+            r = s.request
+            if r.prefill_only and s.completes and r.request_id in self.active:
+                self.sender.send_layer(r.request_id, layer)
+
+    def _on_step(self, outputs) -> None:
+        pass  # completions are tracked through the transfer, not through outputs
+
+    def _transfer_ended(self, tid: str) -> None:
+        req = self.active.pop(tid, None)
+        if req is None:
+            return
+        if not req.finished:  # aborted before its compute finished
+            self.engine.scheduler.abort(tid)
+        else:
+            self.engine.allocator.free(req)
+        state = self.sender.poll(tid)
+        t0 = self._started.pop(tid, None)
+        fut = self.done.pop(tid, None)
+        from kv_transfer.base import TransferState
+
+        if state is TransferState.DONE:
+            if t0 is not None:
+                self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
+            if fut is not None:
+                fut.set_result({"cached_tokens": req.num_cached_prompt_tokens,
+                                "computed_tokens": req.num_prompt_tokens - req.num_cached_prompt_tokens})
+        else:
+            self.counters["transfer_failures"] += 1
+            if fut is not None:
+                fut.set_exception(RuntimeError(f"KV transfer {tid} {state.value}"))
+
+    def _abort(self, tid: str) -> bool:
+        req = self.reserved.pop(tid, None)
+        if req is not None:
+            self.engine.allocator.free(req)
+            return True
+        if tid in self.active:
+            self.sender.abort(tid)  # the release callback frees and fails the waiter
+            return True
+        return False
+
+    def _stats(self) -> dict[str, Any]:
+        e = self.engine
+        a = e.allocator
+        return {"worker_id": self.worker_id, "pool": "prefill", "running": len(e.scheduler.running),
+                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + len(self.reserved),
+                "queued_prompt_tokens": sum(r.num_tokens - r.num_computed_tokens
+                                            for r in list(e.scheduler.running) + list(e.scheduler.ready)),
+                "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
+                "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
+                "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
+                "busy_s": self.loop.busy_s, "draining": self.draining,
+                "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}

@@ -1,0 +1,102 @@
+"""The router's view of the cluster: membership and load from the controller (refreshed in the
+background), actor handles looked up by name, and one output pump per decode actor that long-polls
+its batched step outputs and hands each request's share to that request's queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from router.routing import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class ClusterView:
+    def __init__(self, controller, router_id: str, namespace: str, refresh_s: float = 0.25):
+        self.controller = controller
+        self.router_id = router_id
+        self.namespace = namespace
+        self.refresh_s = refresh_s
+        self.state: dict[str, Any] = {"workers": [], "pools": {}}
+        self.handles: dict[str, Any] = {}
+        self.inflight: dict[str, int] = {}  # requests this router has on each worker right now
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._pumps.values()]:
+            if t is not None:
+                t.cancel()
+        self._pumps.clear()
+
+    async def refresh(self) -> None:
+        self.state = await self.controller.cluster_state.remote()
+        live = set()
+        for w in self.state["workers"]:
+            wid = w["worker_id"]
+            live.add(wid)
+            if w["state"] in ("ready", "draining") and wid not in self.handles:
+                try:
+                    self.handles[wid] = ray.get_actor(w["actor_name"], namespace=self.namespace)
+                except ValueError:
+                    continue
+            if w["pool"] == "decode" and wid in self.handles and wid not in self._pumps:
+                self._pumps[wid] = asyncio.create_task(self._pump(wid))
+        for wid in list(self.handles):
+            if wid not in live:
+                self.handles.pop(wid, None)
+                pump = self._pumps.pop(wid, None)
+                if pump is not None:
+                    pump.cancel()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - the controller may be restarting
+                log.warning("cluster refresh failed: %s", e)
+
+    async def _pump(self, wid: str) -> None:
+        handle = self.handles[wid]
+        while True:
+            try:
+                msgs = await handle.get_outputs.remote(self.router_id, 0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the worker died; its requests get an error
+                log.warning("output pump of %s stopped: %s", wid, e)
+                for q in list(self.queues.values()):
+                    q.put_nowait({"worker_id": wid, "worker_lost": True, "error": f"worker {wid} lost: {e}"})
+                self._pumps.pop(wid, None)
+                self.handles.pop(wid, None)
+                return
+            for m in msgs:
+                q = self.queues.get(m["request_id"])
+                if q is not None:
+                    q.put_nowait(m)
+
+    # ---- views for routing -------------------------------------------------------------------
+    def views(self, pool: str) -> list[WorkerView]:
+        out = []
+        for w in self.state["workers"]:
+            if w["pool"] != pool or w["worker_id"] not in self.handles:
+                continue
+            s = w.get("stats") or {}
+            mine = self.inflight.get(w["worker_id"], 0)
+            out.append(WorkerView(w["worker_id"], pool, w["state"], running=max(s.get("running", 0), mine),
+                                  waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+                                  kv_blocks_total=s.get("kv_blocks_total", 0)))
+        return out
+
+    def handle(self, wid: str):
+        return self.handles.get(wid)

@@ -1,0 +1,279 @@
+"""The gRPC front door: `tandem.v1.Generation` (server streaming), `tandem.v1.Admin`, health and
+reflection. Validates, renders chat templates and tokenizes, routes by session (the session's own
+worker, then the best prefix hit, then the least loaded), arranges remote prefill when the decode
+actor asks for it, streams tokens, and frees the request's KV on every actor when the client
+cancels or its deadline passes. Errors are mapped to status codes here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from engine.prefix_hash import block_hashes
+from engine.request import InvalidRequestError
+from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from router.cluster_view import ClusterView
+from router.prefix_index import PrefixIndex
+from router.routing import any_ready, choose_worker
+from router.sessions import SessionState, make_session_store
+from router.validation import RequestLimits, validate_request
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": generation_pb2.STOP, "length": generation_pb2.LENGTH, "abort": generation_pb2.ABORT}
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Router:
+    """Everything a Generate call needs, independent of gRPC plumbing."""
+
+    def __init__(self, view: ClusterView, tokenizer, model_config, block_size: int, sessions,
+                 limits: RequestLimits = RequestLimits(), local_prefill_threshold: float = 256):
+        self.view = view
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.max_context = model_config.max_position_embeddings
+        self.block_size = block_size
+        self.sessions = sessions
+        self.limits = limits
+        self.threshold = local_prefill_threshold
+        self.num_layers = model_config.num_layers
+        self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
+        self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
+
+    # ---- input ------------------------------------------------------------------------------
+    def prepare(self, request) -> tuple[Any, list[int], Any]:
+        v = validate_request(request, vocab_size=self.vocab_size, max_context=self.max_context, limits=self.limits)
+        if v.messages is not None:
+            text = self.tokenizer.apply_chat_template(v.messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif v.prompt is not None:
+            ids = self.tokenizer.encode(v.prompt)
+        else:
+            ids = list(v.prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt has no tokens after tokenization")
+        sampling = v.sampling_for_prompt(len(ids), self.max_context)
+        return v, ids, sampling
+
+    # ---- routing ----------------------------------------------------------------------------
+    def _pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=()) -> str | None:
+        views = [w for w in self.view.views(pool) if w.worker_id not in exclude]
+        hits = {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
+        wid = choose_worker(views, session_worker, hits)
+        if wid is None:
+            if any_ready(views):
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {pool} worker is overloaded; retry later")
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no {pool} worker is ready")
+        return wid
+
+    # ---- one request ------------------------------------------------------------------------
+    async def generate(self, request, context):
+        t0 = time.perf_counter()
+        self.counters["requests"] += 1
+        v, ids, sampling = self.prepare(request)
+        rid = v.request_id or uuid.uuid4().hex
+        sess = await self.sessions.get(v.session_id) if v.session_id else None
+        hashes = block_hashes(ids, self.block_size)
+        decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes)
+        decode = self.view.handle(decode_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.view.queues[rid] = queue
+        self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
+        sp = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+              "top_k": sampling.top_k, "seed": sampling.seed, "stop": tuple(sampling.stop),
+              "ignore_eos": sampling.ignore_eos}
+        prefill_id = prefill_task = transfer_id = None
+        prefill_cached = 0
+        finished = False
+        out_ids: list[int] = []
+        try:
+            offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
+            transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
+            plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
+            if plan["mode"] == "remote":
+                prefill_id, prefill_cached, prefill_task = await self._start_remote_prefill(
+                    rid, transfer_id, ids, plan, decode_id, sess, hashes)
+            first = True
+            while True:
+                msg = await queue.get()
+                if msg.get("worker_lost"):
+                    if msg["worker_id"] in (decode_id, prefill_id):
+                        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, msg["error"])
+                    continue
+                if "error" in msg:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"request failed on {decode_id}: {msg['error']}")
+                resp = generation_pb2.GenerateResponse(token_ids=msg["token_ids"], text=msg["text"])
+                out_ids.extend(msg["token_ids"])
+                if first:
+                    resp.request_id = rid
+                    first = False
+                if "finish_reason" in msg:
+                    u = dict(msg["usage"])
+                    u["cached_prompt_tokens"] = max(u["cached_prompt_tokens"], prefill_cached)
+                    resp.finish_reason = FINISH[msg["finish_reason"]]
+                    resp.usage.CopyFrom(generation_pb2.Usage(**u))
+                    finished = True
+                    yield resp
+                    break
+                yield resp
+            if prefill_task is not None:
+                await prefill_task
+            self.counters["ok"] += 1
+            self.prefix["decode"].record(decode_id, block_hashes(ids + out_ids, self.block_size))
+            if v.session_id:
+                await self.sessions.put(v.session_id, SessionState(
+                    decode_worker=decode_id, prefill_worker=prefill_id or (sess.prefill_worker if sess else None),
+                    num_tokens=len(ids) + len(out_ids), turn=(sess.turn + 1 if sess else 1)))
+        finally:
+            self.view.queues.pop(rid, None)
+            self.view.inflight[decode_id] -= 1
+            if not finished:
+                self.counters["cancelled"] += 1
+                await self._abort_everywhere(rid, decode, prefill_id, transfer_id, prefill_task)
+            log.debug("request %s done in %.3f s", rid, time.perf_counter() - t0)
+
+    async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes):
+        prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
+        prefill = self.view.handle(prefill_id)
+        src = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"])
+        n = len(plan["dst_block_ids"])
+        spec = {"request_id": transfer_id, "sender_id": prefill_id, "receiver_id": decode_id,
+                "layers": list(range(self.num_layers)), "src_block_ids": src["src_block_ids"][:n],
+                "dst_block_ids": plan["dst_block_ids"], "num_tokens": plan["num_tokens"]}
+        if len(spec["src_block_ids"]) != n:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "prefill and decode block ranges disagree")
+        from kv_transfer.base import TransferSpec
+
+        msg = TransferSpec.from_msg(spec).to_msg()
+        await self.view.handle(decode_id).expect.remote(msg)
+        task = asyncio.ensure_future(prefill.start.remote(msg))
+        self.prefix["prefill"].record(prefill_id, hashes[: (len(ids) - 1) // self.block_size])
+        return prefill_id, src["cached_tokens"], task
+
+    async def _abort_everywhere(self, rid, decode, prefill_id, transfer_id, prefill_task) -> None:
+        calls = [decode.abort.remote(rid)]
+        if prefill_id is not None and self.view.handle(prefill_id) is not None:
+            calls.append(self.view.handle(prefill_id).abort.remote(transfer_id))
+        for c in calls:
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(c.future())), 10)
+            except Exception:  # noqa: BLE001 - best effort; a dead actor holds no KV
+                pass
+        if prefill_task is not None:
+            prefill_task.cancel()
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request, context):
+        try:
+            async for resp in self.router.generate(request, context):
+                yield resp
+        except InvalidRequestError as e:
+            self.router.counters["errors"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            self.router.counters["errors"] += 1
+            await context.abort(e.code, str(e))
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, controller):
+        self.controller = controller
+
+    async def GetClusterState(self, request, context):
+        return cluster_state_proto(await self.controller.cluster_state.remote())
+
+    async def SetPoolBounds(self, request, context):
+        target = request.target if request.HasField("target") else None
+        try:
+            await self.controller.set_pool_bounds.remote(request.pool, request.min, request.max, target)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        state = cluster_state_proto(await self.controller.cluster_state.remote())
+        return next(p for p in state.pools if p.name == request.pool)
+
+    async def DrainWorker(self, request, context):
+        try:
+            r = await self.controller.drain_worker.remote(request.worker_id)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
+        return admin_pb2.Worker(id=r["worker_id"], pool=r["pool"], state=_WORKER_STATE[r["state"]])
+
+
+_WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,
+                 "draining": admin_pb2.WORKER_STATE_DRAINING, "dead": admin_pb2.WORKER_STATE_DEAD}
+
+
+def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
+    out = admin_pb2.ClusterState()
+    totals = out.totals
+    for name, p in state["pools"].items():
+        pool = out.pools.add(name=name, size=p["size"], target=p["target"], min=p["min"], max=p["max"],
+                             draining=p["draining"], target_pinned=p.get("target_pinned", False))
+        for w in state["workers"]:
+            if w["pool"] != name:
+                continue
+            s = w.get("stats") or {}
+            pool.workers.add(id=w["worker_id"], pool=name, pid=w.get("pid", 0), node=w.get("node", ""),
+                             state=_WORKER_STATE[w["state"]], running_requests=s.get("running", 0),
+                             waiting_requests=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+                             kv_blocks_total=s.get("kv_blocks_total", 0))
+            totals.workers += 1
+            totals.running_requests += s.get("running", 0)
+            totals.waiting_requests += s.get("waiting", 0)
+            totals.kv_blocks_used += s.get("kv_blocks_used", 0)
+            totals.kv_blocks_total += s.get("kv_blocks_total", 0)
+    d = state.get("last_decision") or {}
+    if d:
+        out.last_decision.CopyFrom(admin_pb2.AutoscalerDecision(
+            at_unix_s=d.get("at_unix_s", 0.0), prefill_target=d.get("prefill_target", 0),
+            decode_target=d.get("decode_target", 0), reasons=d.get("reasons", [])))
+    return out
+
+
+async def serve(controller, config, namespace: str, tokenizer, model_config,
+                interceptors=(), credentials=None) -> tuple[grpc.aio.Server, Router, int]:
+    """Start the router's gRPC server; returns (server, router, bound port)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    rc = config.router
+    limits = RequestLimits()
+    view = ClusterView(controller, f"router-{uuid.uuid4().hex[:8]}", namespace)
+    await view.start()
+    sessions = make_session_store(rc.redis_url, rc.session_ttl_s)
+    router = Router(view, tokenizer, model_config, config.engine.cache.block_size, sessions, limits,
+                    config.decode.local_prefill_threshold)
+    server = grpc.aio.server(interceptors=list(interceptors), options=[
+        ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),
+        ("grpc.max_send_message_length", 64 << 20)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(controller), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+             admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    addr = f"{rc.host}:{rc.port}"
+    port = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)
+    await server.start()
+    for svc in ("", names[0], names[1]):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    router.health = health_servicer
+    return server, router, port
