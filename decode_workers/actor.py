@@ -31,6 +31,9 @@ class DecodeActor:
     def abort(self, request_id):
         return self.worker.abort(request_id)
 
+    def send_prefix(self, spec_msg):
+        return self.worker.send_prefix(spec_msg)
+
     def get_outputs(self, router_id, timeout_s=1.0):
         return self.worker.get_outputs(router_id, timeout_s)
 

@@ -36,13 +36,17 @@ class DecodeWorker:
         self.engine = engine or LLMEngine(engine_config)
         self.threshold = local_prefill_threshold
         self.block_size = self.engine.allocator.block_size
-        self.receiver = None
+        self.receiver = self.sender = None
         if rendezvous is not None:
             from kv_transfer.base import KVTransferConfig
-            from kv_transfer.torch_dist import make_dist_receiver
+            from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
-            self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, rendezvous,
-                                               transfer_config or KVTransferConfig(), on_release=self._transfer_failed)
+            tcfg = transfer_config or KVTransferConfig()
+            conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
+            self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg,
+                                               on_release=self._transfer_failed)
+            # prefix pulls: a prefill actor asks for the session's cached prefix it lacks
+            self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg)
         self.owner: dict[str, str] = {}  # request id -> router id
         self.remote: dict[str, Request] = {}  # transfer id -> request waiting for its KV
         self.transfer_of: dict[str, str] = {}  # request id -> transfer id
@@ -67,6 +71,10 @@ class DecodeWorker:
     def abort(self, request_id: str) -> bool:
         return self.loop.run(self._abort, request_id)
 
+    def send_prefix(self, spec_msg: dict[str, Any]) -> None:
+        """Send cached prefix blocks of a reserved request to the prefill actor that will extend it."""
+        self.loop.run(self._send_prefix, spec_msg)
+
     def stats(self) -> dict[str, Any]:
         return self.loop.run(self._stats)
 
@@ -87,8 +95,9 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        if self.receiver is not None:
-            self.receiver.close()
+        for end in (self.sender, self.receiver):
+            if end is not None:
+                end.close()
 
     # ---- on the loop thread -------------------------------------------------------------------
     def _outbox(self, router_id: str) -> queue.SimpleQueue:
@@ -117,7 +126,8 @@ class DecodeWorker:
             self.remote[transfer_id] = req
             self.transfer_of[rid] = transfer_id
             return {"mode": "remote", "cached_tokens": cached, "first_block": first,
-                    "dst_block_ids": req.block_ids[first:last], "num_tokens": n - 1}
+                    "dst_block_ids": req.block_ids[first:last], "num_tokens": n - 1,
+                    "prefix_block_ids": req.block_ids[:first]}
         e.scheduler.add(req)
         self.counters["local_prefills"] += 1
         return {"mode": "local", "cached_tokens": cached}
@@ -131,7 +141,15 @@ class DecodeWorker:
         self._transfer_started[spec.request_id] = time.perf_counter()
         self.receiver.expect(spec)
 
+    def _send_prefix(self, spec_msg: dict[str, Any]) -> None:
+        from kv_transfer.base import TransferSpec
+
+        spec = TransferSpec.from_msg(spec_msg)
+        self.sender.send(spec)  # the blocks stay held by the reserved request meanwhile
+
     def _poll_transfers(self) -> None:
+        if self.sender is not None:
+            self.sender.reap()
         if self.receiver is None or not self.remote:
             return
         from kv_transfer.base import TransferState

@@ -21,8 +21,11 @@ class PrefillActor:
     def ready(self) -> dict[str, Any]:
         return {**describe(self.worker_id, "prefill"), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
 
-    def reserve(self, transfer_id, prompt_token_ids, first_block):
-        return self.worker.reserve(transfer_id, prompt_token_ids, first_block)
+    def reserve(self, transfer_id, prompt_token_ids, first_block, peer_cached_tokens=0):
+        return self.worker.reserve(transfer_id, prompt_token_ids, first_block, peer_cached_tokens)
+
+    def expect_pull(self, spec_msg, covers_tokens):
+        return self.worker.expect_pull(spec_msg, covers_tokens)
 
     def start(self, spec_msg):
         return self.worker.start(spec_msg)

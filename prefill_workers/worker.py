@@ -30,25 +30,36 @@ class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, rendezvous: str,
                  transfer_config=None, engine: LLMEngine | None = None):
         from kv_transfer.base import KVTransferConfig
-        from kv_transfer.torch_dist import make_dist_sender
+        from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
-        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, rendezvous,
-                                       transfer_config or KVTransferConfig(), on_release=self._transfer_ended)
+        tcfg = transfer_config or KVTransferConfig()
+        conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
+        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended)
+        # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
+        self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg)
+        self.pulling: dict[str, tuple[str, int]] = {}  # pull transfer id -> (transfer id, tokens it covers)
         self.reserved: dict[str, Request] = {}  # transfer id -> request (blocks held)
         self.active: dict[str, Request] = {}  # transfer id -> request scheduled / sending
         self.done: dict[str, Future] = {}
         self.draining = False
-        self.counters = {"prefills": 0, "prompt_tokens": 0, "computed_tokens": 0, "transfer_failures": 0,
+        self.counters = {"prefills": 0, "prompt_tokens": 0, "computed_tokens": 0, "pulled_tokens": 0,
+                         "transfer_failures": 0,
                          "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
         self._started: dict[str, float] = {}
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self.sender.reap,
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self._poll_transfers,
                                layer_done=self._layer_done, name=f"{worker_id}-loop")
 
     # ---- called from any thread ---------------------------------------------------------------
-    def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int) -> dict[str, Any]:
-        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block)
+    def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int,
+                peer_cached_tokens: int = 0) -> dict[str, Any]:
+        """Take blocks for the prompt. When the decode actor caches more of it (`peer_cached_tokens`)
+        than this actor does, the answer names the blocks to pull that prefix into."""
+        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block, peer_cached_tokens)
+
+    def expect_pull(self, spec_msg: dict[str, Any], covers_tokens: int) -> None:
+        self.loop.run(self._expect_pull, spec_msg, covers_tokens)
 
     def start(self, spec_msg: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute and send; returns when the transfer has ended (raises if it failed)."""
@@ -64,9 +75,10 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self.loop.stop()
         self.sender.close()
+        self.receiver.close()
 
     # ---- on the loop thread -------------------------------------------------------------------
-    def _reserve(self, tid: str, ids: list[int], first_block: int) -> dict[str, Any]:
+    def _reserve(self, tid: str, ids: list[int], first_block: int, peer_cached: int) -> dict[str, Any]:
         if self.draining:
             raise RuntimeError(f"{self.worker_id} is draining")
         e = self.engine
@@ -78,7 +90,40 @@ class PrefillWorker:
         req.num_cached_prompt_tokens = req.num_computed_tokens
         self.reserved[tid] = req
         last = e.allocator.blocks_needed(n)
-        return {"cached_tokens": cached, "src_block_ids": req.block_ids[first_block:last]}
+        out = {"cached_tokens": cached, "src_block_ids": req.block_ids[first_block:last]}
+        bs = e.allocator.block_size
+        if peer_cached > cached:  # cheaper to pull the prefix than to recompute it
+            out["pull_first_block"] = cached // bs
+            out["pull_dst_block_ids"] = req.block_ids[cached // bs: peer_cached // bs]
+        return out
+
+    def _expect_pull(self, spec_msg: dict[str, Any], covers: int) -> None:
+        from kv_transfer.base import TransferSpec
+
+        spec = TransferSpec.from_msg(spec_msg)
+        owner = spec_msg["owner"]
+        self.pulling[spec.request_id] = (owner, covers)
+        self.receiver.expect(spec)
+
+    def _poll_transfers(self) -> None:
+        self.sender.reap()
+        if not self.pulling:
+            return
+        from kv_transfer.base import TransferState
+
+        for pid, state in self.receiver.reap():
+            owner, covers = self.pulling.pop(pid, (None, 0))
+            req = self.active.get(owner)
+            if req is None or req.finished:
+                continue
+            if state is TransferState.DONE:
+                req.num_computed_tokens = covers
+                req.num_cached_prompt_tokens = covers
+                self.engine.allocator.register_full_blocks(req)
+                self.counters["pulled_tokens"] += covers
+                self._schedule(req)
+            else:
+                self.sender.abort(owner)  # fails the main transfer too; its release frees the blocks
 
     def _start(self, spec_msg: dict[str, Any]) -> Future:
         from kv_transfer.base import TransferSpec
@@ -92,10 +137,14 @@ class PrefillWorker:
         self.sender.begin(spec)
         self.counters["prefills"] += 1
         self.counters["prompt_tokens"] += req.num_prompt_tokens
-        self.counters["computed_tokens"] += req.num_prompt_tokens - req.num_computed_tokens
         self.counters["kv_transfer_bytes"] += len(spec.src_block_ids) * self.engine.kv_cache.bytes_per_block
-        self.engine.scheduler.add_ready(req)
+        if not any(owner == spec.request_id for owner, _ in self.pulling.values()):
+            self._schedule(req)
         return fut
+
+    def _schedule(self, req: Request) -> None:
+        self.counters["computed_tokens"] += req.num_prompt_tokens - req.num_computed_tokens
+        self.engine.scheduler.add_ready(req)
 
     def _layer_done(self, layer: int, sched) -> None:
         for s in sched.scheduled:
@@ -110,10 +159,14 @@ class PrefillWorker:
         req = self.active.pop(tid, None)
         if req is None:
             return
-        if not req.finished:  # aborted before its compute finished
+        if req.request_id in self.engine.scheduler.requests:  # ended before its compute finished
             self.engine.scheduler.abort(tid)
         else:
             self.engine.allocator.free(req)
+        for pid, (owner, _) in list(self.pulling.items()):
+            if owner == tid:
+                del self.pulling[pid]
+                self.receiver.abort(pid)
         state = self.sender.poll(tid)
         t0 = self._started.pop(tid, None)
         fut = self.done.pop(tid, None)

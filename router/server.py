@@ -145,22 +145,32 @@ class Router:
             log.debug("request %s done in %.3f s", rid, time.perf_counter() - t0)
 
     async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes):
-        prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
-        prefill = self.view.handle(prefill_id)
-        src = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"])
-        n = len(plan["dst_block_ids"])
-        spec = {"request_id": transfer_id, "sender_id": prefill_id, "receiver_id": decode_id,
-                "layers": list(range(self.num_layers)), "src_block_ids": src["src_block_ids"][:n],
-                "dst_block_ids": plan["dst_block_ids"], "num_tokens": plan["num_tokens"]}
-        if len(spec["src_block_ids"]) != n:
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "prefill and decode block ranges disagree")
+        """Reserve on a prefill actor, pull the decode actor's cached prefix into it when it lacks
+        some, then start the layer-by-layer transfer into the decode actor's reserved blocks."""
         from kv_transfer.base import TransferSpec
 
-        msg = TransferSpec.from_msg(spec).to_msg()
-        await self.view.handle(decode_id).expect.remote(msg)
-        task = asyncio.ensure_future(prefill.start.remote(msg))
+        prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
+        prefill = self.view.handle(prefill_id)
+        decode = self.view.handle(decode_id)
+        res = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"], plan["cached_tokens"])
+        layers = list(range(self.num_layers))
+        n = len(plan["dst_block_ids"])
+        spec = TransferSpec(transfer_id, prefill_id, decode_id, layers, res["src_block_ids"][:n],
+                            plan["dst_block_ids"], plan["num_tokens"]).to_msg()
+        cached = res["cached_tokens"]
+        if "pull_dst_block_ids" in res:
+            first = res["pull_first_block"]
+            pull_dst = res["pull_dst_block_ids"]
+            pull = TransferSpec(f"{transfer_id}/pull", decode_id, prefill_id, layers,
+                                plan["prefix_block_ids"][first:first + len(pull_dst)], pull_dst,
+                                len(pull_dst) * self.block_size).to_msg()
+            await prefill.expect_pull.remote({**pull, "owner": transfer_id}, plan["cached_tokens"])
+            await decode.send_prefix.remote(pull)
+            cached = plan["cached_tokens"]
+        await decode.expect.remote(spec)
+        task = asyncio.ensure_future(prefill.start.remote(spec))
         self.prefix["prefill"].record(prefill_id, hashes[: (len(ids) - 1) // self.block_size])
-        return prefill_id, src["cached_tokens"], task
+        return prefill_id, cached, task
 
     async def _abort_everywhere(self, rid, decode, prefill_id, transfer_id, prefill_task) -> None:
         calls = [decode.abort.remote(rid)]

@@ -98,16 +98,15 @@ def until(cond, timeout: float = 10.0):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+def cluster(ray_session):
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
     receiver = KVEndpoint.remote("decode-0", "receiver", addr, None)
     sender = KVEndpoint.remote("prefill-0", "sender", addr, 1234)
     ray.get([receiver.groups.remote(), sender.groups.remote()])
     yield addr, sender, receiver
-    ray.shutdown()
+    for a in (sender, receiver):
+        ray.kill(a)
     del store
 
 

@@ -1,0 +1,204 @@
+"""The whole request path on real Ray, real gRPC and real Redis: router -> decode actor (local
+prefill) or router -> prefill actor -> KV over gloo -> decode actor, tokens streamed back.
+
+Reference outputs come from the offline engine (`tandem generate`'s path), which tests/engine
+checks token-for-token against transformers; one prompt is also checked against transformers here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from protos.tandem.v1 import generation_pb2 as pb
+
+MODEL = {"model.name": "smollm2-135m", "cache.num_blocks": 512}
+REMOTE = {**MODEL, "decode.local_prefill_threshold": 0}  # every prompt is prefilled remotely
+LOCAL = {**MODEL, "decode.local_prefill_threshold": 10**9}  # decode actors prefill everything
+
+PROMPTS = [
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    "The three laws of thermodynamics are",
+    "Translate to French: The weather is nice today.\nFrench:",
+    "SELECT customer_id, SUM(amount) FROM orders GROUP BY",
+]
+CHAT = [{"role": "user", "content": "Write a haiku about unit tests."}]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy outputs of the offline engine, as `tandem generate` produces them."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+
+    e = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=512)))
+
+    def run(reqs):
+        return e.generate(reqs)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def remote(ray_session):
+    from tests.cluster.conftest import RunningCluster
+
+    c = RunningCluster({**REMOTE, "prefill.replicas": 1, "decode.replicas": 1})
+    yield c
+    c.close()
+
+
+def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
+    ref = offline([{"prompt": p, "max_tokens": 12} for p in PROMPTS]
+                  + [{"messages": CHAT, "max_tokens": 12}])
+    for i, p in enumerate(PROMPTS):
+        ids, text, last = remote.generate(prompt=p, max_tokens=12)
+        assert ids == ref[i]["token_ids"], p
+        assert text == ref[i]["text"]
+        assert last.finish_reason in (pb.STOP, pb.LENGTH)
+        assert last.usage.prompt_tokens == len(ref[i]["prompt_token_ids"])
+    ids, _, _ = remote.generate(prompt_token_ids=ref[0]["prompt_token_ids"], max_tokens=12)
+    assert ids == ref[0]["token_ids"]
+    ids, _, _ = remote.generate(messages=CHAT, max_tokens=12)
+    assert ids == ref[-1]["token_ids"]
+    stats = remote.worker_stats()
+    assert stats["decode-0"]["remote_prefills"] >= 6, "these requests were meant to take the remote path"
+    assert stats["prefill-0"]["prefills"] >= 6
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.weights import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    prompt_ids = ref[1]["prompt_token_ids"]
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2)
+    ids, _, _ = remote.generate(prompt_token_ids=prompt_ids, max_tokens=12)
+    assert ids == out[0, len(prompt_ids):].tolist()
+
+
+def _two_turns(cluster, session):
+    first_msgs = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    ids1, text1, last1 = cluster.generate(messages=first_msgs, session_id=session, max_tokens=40, ignore_eos=True)
+    before = cluster.worker_stats()
+    second = first_msgs + [{"role": "assistant", "content": text1}, {"role": "user", "content": "Add type hints."}]
+    ids2, _, last2 = cluster.generate(messages=second, session_id=session, max_tokens=8)
+    after = cluster.worker_stats()
+    return last1, last2, before, after
+
+
+def test_second_turn_hits_the_cache_remote_path(remote):
+    last1, last2, before, after = _two_turns(remote, "sess-remote")
+    assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
+    new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
+    # the prefill actor computed only the uncached prompt tokens (all but the last, which the
+    # decode actor runs as its first step)
+    computed = after["prefill-0"]["computed_tokens"] - before["prefill-0"]["computed_tokens"]
+    assert computed == new - 1
+    assert after["decode-0"]["remote_prefills"] == before["decode-0"]["remote_prefills"] + 1
+
+
+def test_second_turn_hits_the_cache_local_path(make_cluster):
+    local = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 1})
+    last1, last2, before, after = _two_turns(local, "sess-local")
+    assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
+    new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
+    d = after["decode-0"]["tokens_computed"] - before["decode-0"]["tokens_computed"]
+    assert d == new + last2.usage.completion_tokens - 1
+    assert after["prefill-0"]["prefills"] == 0
+
+
+BAD = [
+    (dict(), "exactly one"),
+    (dict(prompt="x", prompt_token_ids=[1, 2]), "exactly one"),
+    (dict(prompt=""), "empty"),
+    (dict(prompt_token_ids=[1, 10**7]), "vocabulary"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=10**6)), "max_tokens"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    (dict(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "top_p"),
+    (dict(messages=[pb.ChatMessage(role="wizard", content="hi")]), "role"),
+    (dict(prompt="x" * (10 << 20)), "bytes"),
+]
+
+
+@pytest.mark.parametrize("kwargs,needle", BAD)
+def test_bad_input_gets_invalid_argument(remote, offline, kwargs, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        list(remote.stub.Generate(pb.GenerateRequest(**kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    ids, _, _ = remote.generate(prompt=PROMPTS[1], max_tokens=6)
+    assert ids == offline([{"prompt": PROMPTS[1], "max_tokens": 6}])[0]["token_ids"]
+
+
+def test_cancel_mid_stream_frees_every_block(remote):
+    req = pb.GenerateRequest(prompt=PROMPTS[0] * 6, sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True))
+    call = remote.stub.Generate(req, timeout=120)
+    got = 0
+    for r in call:
+        got += len(r.token_ids)
+        if got >= 5:
+            call.cancel()
+            break
+    assert got >= 5
+    used = remote.wait_idle()
+    assert used and all(v == 0 for v in used.values()), used
+
+
+def test_deadline_exceeded_frees_every_block(remote):
+    req = pb.GenerateRequest(prompt=PROMPTS[2] * 4, sampling=pb.SamplingParams(max_tokens=500, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in remote.stub.Generate(req, timeout=1.5):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    used = remote.wait_idle()
+    assert used and all(v == 0 for v in used.values()), used
+
+
+def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
+    c = make_cluster({**MODEL, "decode.local_prefill_threshold": 24, "prefill.replicas": 2, "decode.replicas": 2})
+    reqs = [{"prompt": f"{PROMPTS[i % 4]}\n# variant {i}: " + "x = 1\n" * (i % 7), "max_tokens": 6}
+            for i in range(32)]
+    ref = offline(reqs)
+    results: list = [None] * 32
+    errors: list = []
+
+    def run(i):
+        try:
+            results[i] = c.generate(prompt=reqs[i]["prompt"], max_tokens=6, session_id=f"s{i}")[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert results == [r["token_ids"] for r in ref]
+    stats = c.worker_stats()
+    assert all(stats[w]["requests"] > 0 for w in ("decode-0", "decode-1")), "both decode actors should serve"
+    assert sum(stats[w]["prefills"] for w in ("prefill-0", "prefill-1")) > 0
+    assert all(v == 0 for v in c.wait_idle().values())
+
+
+def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
+    c = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 2}, redis_url=redis_server)
+    other = c.add_router(redis_url=redis_server)
+    import grpc as g
+
+    from protos.tandem.v1 import generation_pb2_grpc
+
+    stub2 = generation_pb2_grpc.GenerationStub(g.insecure_channel(other))
+    msgs = [{"role": "user", "content": "List three prime numbers."}]
+    ids1, text1, last1 = c.generate(messages=msgs, session_id="shared-1", max_tokens=24, ignore_eos=True)
+    msgs2 = msgs + [{"role": "assistant", "content": text1}, {"role": "user", "content": "And three more."}]
+    _, _, last2 = c.generate(stub=stub2, messages=msgs2, session_id="shared-1", max_tokens=8)
+    # router 2 had never seen this session: only Redis could send it to the decode actor holding it
+    assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
