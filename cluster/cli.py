@@ -38,7 +38,7 @@ def _read_prompt_file(path: str) -> list[dict]:
 
 
 def cmd_generate(args) -> int:
-    from engine.config import CacheConfig, EngineConfig
+    from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
     from engine.engine import LLMEngine
 
     if args.prompt_file:
@@ -53,7 +53,10 @@ def cmd_generate(args) -> int:
         if args.seed is not None:
             r.setdefault("seed", args.seed)
     cache = CacheConfig(num_blocks=args.num_blocks) if args.num_blocks else CacheConfig()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache))
+    spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                             draft_model=args.draft_model, draft_num_layers=args.draft_layers)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
+                                    speculative=spec))
     # validate everything before running anything
     from engine.request import SamplingParams
     for r in reqs:
@@ -96,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--num-blocks", type=int, help="KV cache size in blocks (default: from memory)")
+    g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
+                   help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model or "
+                        "--draft-layers); output is the same as without")
+    g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+                   help="the most draft tokens per sequence per step (default 5)")
+    g.add_argument("--draft-model", help="with --speculative draft: a model with the same vocabulary")
+    g.add_argument("--draft-layers", type=int, metavar="N",
+                   help="with --speculative draft: draft with the model's own first N layers")
     g.set_defaults(func=cmd_generate)
 
     from cluster import commands  # the cluster commands register themselves

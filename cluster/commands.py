@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -24,7 +25,19 @@ def register(sub) -> None:
     up.add_argument("--local-prefill-threshold", type=float,
                     help="uncached prompt tokens up to which decode actors prefill locally (inf = colocated)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
-    up.add_argument("--log-level", default="WARNING")
+    up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
+    sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
+    sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
+                                               "$TANDEM_AUTH_TOKEN also works")
+    sec.add_argument("--no-auth", action="store_true", help="no bearer-token check")
+    sec.add_argument("--insecure-no-auth", action="store_true",
+                     help="allow --no-auth on a non-loopback address")
+    sec.add_argument("--tls-cert-file")
+    sec.add_argument("--tls-key-file")
+    sec.add_argument("--tls-client-ca-file", help="CA for client certificates (mutual TLS)")
+    sec.add_argument("--tls-require-client-cert", action="store_true")
+    up.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 picks one)")
+    up.add_argument("--metrics-host", help="default 127.0.0.1; 0.0.0.0 in a pod")
     up.set_defaults(func=cmd_up)
 
     chat = sub.add_parser("chat", help="interactive chat against a running cluster")
@@ -32,12 +45,22 @@ def register(sub) -> None:
     chat.add_argument("--session", help="session id (default: a new one)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
+    _client_flags(chat)
     chat.set_defaults(func=cmd_chat)
 
     st = sub.add_parser("status", help="pools and workers of a running cluster")
     st.add_argument("--target", default=DEFAULT_TARGET)
     st.add_argument("--json", action="store_true")
+    _client_flags(st)
     st.set_defaults(func=cmd_status)
+
+
+def _client_flags(p) -> None:
+    p.add_argument("--auth-token-file", help="bearer token file (default: $TANDEM_AUTH_TOKEN)")
+    p.add_argument("--tls-ca-file", help="CA that signed the router's certificate (turns TLS on)")
+    p.add_argument("--tls-cert-file", help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key-file")
+    p.add_argument("--tls-server-name", help="name to check in the router's certificate")
 
 
 # ---- up -----------------------------------------------------------------------------------------
@@ -45,11 +68,22 @@ def cmd_up(args) -> int:
     from cluster.bootstrap import start_cluster
     from cluster.config import load_config
 
+    from cluster.logging_setup import setup_logging
+    from router.auth import resolve_auth
+
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
-                 "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks}
+                 "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
+                 "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host}
     config = load_config(args.config, overrides)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level=args.log_level)
+    # refuse an unsafe security setup before starting anything
+    auth = resolve_auth(config.router.host, token_file=args.auth_token_file,
+                        env_token=os.environ.get("TANDEM_AUTH_TOKEN"), no_auth=args.no_auth,
+                        insecure_no_auth=args.insecure_no_auth)
+    if auth.warning:
+        logging.getLogger("tandem").warning(auth.warning)
+    security = _server_security(args, auth.enabled)
     print(f"tandem: starting {config.prefill.replicas} prefill + {config.decode.replicas} decode actors "
           f"serving {config.engine.model} ...", flush=True)
     # SIGTERM before the server is up must still shut the cluster down cleanly
@@ -58,7 +92,7 @@ def cmd_up(args) -> int:
     cluster = start_cluster(config)
     try:
         if not stopping["flag"]:
-            asyncio.run(serve_until_stopped(cluster, config))
+            asyncio.run(serve_until_stopped(cluster, config, security))
     except KeyboardInterrupt:
         pass
     finally:
@@ -68,7 +102,23 @@ def cmd_up(args) -> int:
     return 0
 
 
-async def serve_until_stopped(cluster, config) -> None:
+def _server_security(args, auth_enabled: bool) -> dict:
+    """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
+    from router.auth import BearerTokenInterceptor, TokenStore
+    from router.tls import TLSConfig, server_credentials
+
+    out: dict = {"interceptors": (), "credentials": None}
+    if auth_enabled:
+        out["interceptors"] = (BearerTokenInterceptor(TokenStore.from_sources(args.auth_token_file)),)
+    if args.tls_cert_file:
+        out["credentials"] = server_credentials(TLSConfig(
+            cert_file=args.tls_cert_file, key_file=args.tls_key_file, client_ca_file=args.tls_client_ca_file,
+            require_client_cert=args.tls_require_client_cert))
+    return out
+
+
+async def serve_until_stopped(cluster, config, security: dict | None = None) -> None:
+    from cluster.metrics import start_metrics_server
     from engine.weights import load_tokenizer
     from router.server import serve
 
@@ -77,8 +127,13 @@ async def serve_until_stopped(cluster, config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tokenizer, model_config = load_tokenizer(config.engine.model)
-    server, router, port = await serve(cluster.controller, config, cluster.namespace, tokenizer, model_config)
-    print(f"tandem: serving on {config.router.host}:{port} (Ctrl-C to stop)", flush=True)
+    server, router, port = await serve(cluster.controller, config, cluster.namespace, tokenizer, model_config,
+                                       **(security or {}))
+    rc = config.router
+    if rc.metrics_port is not None:
+        mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
+        print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
+    print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
     try:
         await stop.wait()
     finally:
@@ -89,10 +144,25 @@ async def serve_until_stopped(cluster, config) -> None:
 
 
 # ---- clients ------------------------------------------------------------------------------------
-def _channel(target: str):
+def _channel(target: str, args=None):
+    """A channel to the router, with TLS and the bearer token when the flags or env ask for them."""
     import grpc
 
-    return grpc.insecure_channel(target)
+    from router.auth import auth_metadata, call_credentials, load_client_token, with_metadata
+    from router.tls import ClientTLSConfig, channel_credentials, channel_options
+
+    token = load_client_token(token_file=getattr(args, "auth_token_file", None))
+    if getattr(args, "tls_ca_file", None):
+        tls = ClientTLSConfig(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
+                              server_name=args.tls_server_name)
+        creds = channel_credentials(tls)
+        if token:
+            creds = grpc.composite_channel_credentials(creds, call_credentials(token))
+        return grpc.secure_channel(target, creds, options=channel_options(tls))
+    channel = grpc.insecure_channel(target)
+    if token:
+        channel = with_metadata(channel, auth_metadata(token))
+    return channel
 
 
 def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_tokens=256, temperature=0.0,
@@ -121,7 +191,7 @@ def cmd_chat(args) -> int:
 
     from protos.tandem.v1 import generation_pb2_grpc
 
-    stub = generation_pb2_grpc.GenerationStub(_channel(args.target))
+    stub = generation_pb2_grpc.GenerationStub(_channel(args.target, args))
     session = args.session or uuid.uuid4().hex[:12]
     messages: list[dict[str, str]] = []
     print(f"session {session}; an empty line or Ctrl-D ends it", file=sys.stderr)
@@ -155,7 +225,7 @@ def cmd_status(args) -> int:
 
     from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 
-    stub = admin_pb2_grpc.AdminStub(_channel(args.target))
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
     try:
         state = stub.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)
     except grpc.RpcError as e:

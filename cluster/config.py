@@ -54,6 +54,12 @@ class RouterConfig:
     session_ttl_s: float = 3600.0
     max_prompt_tokens: int | None = None  # None: the model's context
     max_request_bytes: int = 4 << 20
+    # bounded admission: past max_in_flight requests queue; past max_queue, RESOURCE_EXHAUSTED
+    max_in_flight: int = 256
+    max_queue: int = 1024
+    max_streams_per_client: int = 0  # 0: no per-client limit
+    metrics_port: int | None = 8080  # Prometheus /metrics; None: off
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

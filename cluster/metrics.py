@@ -6,7 +6,8 @@ records request-level timings on it directly; workers (Ray actors in other proce
 counters in a `WorkerCounters`, ship a `WorkerMetricsSnapshot` (a dataclass of numbers) with their
 load reports, and the controller hands the list to `MetricsHub.update_from_workers`, which sets the
 gauges and advances the cluster-wide counters by each worker's delta. A worker that restarts (new
-`incarnation`, or a counter going backwards) starts a new baseline, so no count is lost or doubled.
+`incarnation`, or a counter going backwards) starts a new baseline, so no count is lost or doubled;
+a hub that restarts under running workers counts from their next report on.
 
 Prometheus reserves colons for recording rules by convention; vLLM uses them in exported names
 anyway and so do we, so one dashboard style covers both. prometheus_client appends `_total` to
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
@@ -59,6 +61,7 @@ class WorkerMetricsSnapshot:
     worker_id: str
     pool: str  # "prefill" or "decode"
     incarnation: str = ""  # changes when the worker restarts (e.g. "pid@start_time")
+    started_at: float = 0.0  # unix time the worker's counters started from; 0: unknown
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
@@ -92,8 +95,10 @@ _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_tra
 class WorkerCounters:
     """What a worker keeps to fill its snapshots: cumulative counters, updated in place."""
 
-    def __init__(self, worker_id: str, pool: str, incarnation: str = "") -> None:
+    def __init__(self, worker_id: str, pool: str, incarnation: str = "",
+                 started_at: float | None = None) -> None:
         self.worker_id, self.pool, self.incarnation = worker_id, pool, incarnation
+        self.started_at = time.time() if started_at is None else started_at
         self.prefix_queries = self.prefix_hits = 0
         self.kv_transfer_bytes = self.kv_transfer_count = 0
         self.kv_transfer_seconds_sum = 0.0
@@ -124,6 +129,7 @@ class WorkerCounters:
             cumulative.append(total)
         return WorkerMetricsSnapshot(
             worker_id=self.worker_id, pool=self.pool, incarnation=self.incarnation,
+            started_at=self.started_at,
             running=running, waiting=waiting, kv_blocks_used=kv_blocks_used,
             kv_blocks_total=kv_blocks_total, kv_transfer_seconds_buckets=tuple(cumulative),
             **{name: getattr(self, name) for name in _COUNTER_FIELDS})
@@ -168,13 +174,16 @@ class _WorkerBaseline:
     incarnation: str
     counters: dict[str, float]
     buckets: tuple[int, ...]
-    pool: str
 
 
 class MetricsHub:
     """Every Tandem metric, on one registry. Thread-safe (prometheus_client objects are)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        # Workers that started before this hub (it restarted under them) are not counted from
+        # zero at first sight: their history would land in one scrape as a spike.
+        self._started_at = wall_clock()
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.ttft = Histogram("tandem:time_to_first_token_seconds",
                               "From the request reaching the router to its first token.",
@@ -287,6 +296,8 @@ class MetricsHub:
     def _advance(self, s: WorkerMetricsSnapshot) -> None:
         now = {name: getattr(s, name) for name in _COUNTER_FIELDS}
         base = self._baselines.get(s.worker_id)
+        if base is None and 0 < s.started_at < self._started_at:
+            base = _WorkerBaseline(s.incarnation, now, tuple(s.kv_transfer_seconds_buckets))
         restarted = base is None or base.incarnation != s.incarnation or any(
             now[k] < base.counters[k] for k in _COUNTER_FIELDS) or any(
             a < b for a, b in zip(s.kv_transfer_seconds_buckets, base.buckets))
@@ -305,7 +316,7 @@ class MetricsHub:
                 old_buckets) == len(buckets) else list(buckets)
             self.kv_transfer.add(delta_buckets, d["kv_transfer_count"], d["kv_transfer_seconds_sum"])
         self._baselines[s.worker_id] = _WorkerBaseline(
-            s.incarnation, now, tuple(s.kv_transfer_seconds_buckets), s.pool)
+            s.incarnation, now, tuple(s.kv_transfer_seconds_buckets))
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop a dead worker's baseline (its counts so far stay in the totals)."""

@@ -17,6 +17,8 @@ Client side: `load_client_token` and `auth_metadata` (plaintext channels) or `ca
 
 from __future__ import annotations
 
+import collections
+
 import hashlib
 import hmac
 import ipaddress
@@ -291,3 +293,29 @@ def load_client_token(token: str | None = None, token_file: str | None = None,
         return tokens[0]
     env = [t.strip() for t in environ.get(TOKEN_ENV, "").split(",") if t.strip()]
     return env[0] if env else None
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                          "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, metadata):
+        self.metadata = tuple(metadata)
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self.metadata, d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def with_metadata(channel: grpc.Channel, metadata) -> grpc.Channel:
+    """A plaintext channel that sends `metadata` (e.g. `auth_metadata(token)`) on every call."""
+    return grpc.intercept_channel(channel, _AddMetadata(metadata)) if metadata else channel

@@ -27,6 +27,7 @@ class ClusterView:
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs
         self._pumps: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        self.on_refresh = None  # called with each new state (metrics)
 
     async def start(self) -> None:
         await self.refresh()
@@ -40,6 +41,8 @@ class ClusterView:
 
     async def refresh(self) -> None:
         self.state = await self.controller.cluster_state.remote()
+        if self.on_refresh is not None:
+            self.on_refresh(self.state)
         live = set()
         for w in self.state["workers"]:
             wid = w["worker_id"]

@@ -15,9 +15,13 @@ from typing import Any
 
 import grpc
 
+from cluster.logging_setup import bind_request
+from cluster.metrics import WorkerMetricsSnapshot, get_hub
 from engine.prefix_hash import block_hashes
 from engine.request import InvalidRequestError
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from router.admission import AdmissionConfig, AdmissionLimiter, Overloaded, client_identity
+from router.auth import bearer_token
 from router.cluster_view import ClusterView
 from router.prefix_index import PrefixIndex
 from router.routing import any_ready, choose_worker
@@ -39,7 +43,8 @@ class Router:
     """Everything a Generate call needs, independent of gRPC plumbing."""
 
     def __init__(self, view: ClusterView, tokenizer, model_config, block_size: int, sessions,
-                 limits: RequestLimits = RequestLimits(), local_prefill_threshold: float = 256):
+                 limits: RequestLimits = RequestLimits(), local_prefill_threshold: float = 256,
+                 admission: AdmissionConfig = AdmissionConfig()):
         self.view = view
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
@@ -51,6 +56,8 @@ class Router:
         self.num_layers = model_config.num_layers
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
+        self.hub = get_hub()
+        self.limiter = AdmissionLimiter(admission, on_change=self.hub.set_router_queue)
 
     # ---- input ------------------------------------------------------------------------------
     def prepare(self, request) -> tuple[Any, list[int], Any]:
@@ -84,6 +91,11 @@ class Router:
         self.counters["requests"] += 1
         v, ids, sampling = self.prepare(request)
         rid = v.request_id or uuid.uuid4().hex
+        with bind_request(rid):
+            async for resp in self._generate(v, ids, sampling, rid, t0):
+                yield resp
+
+    async def _generate(self, v, ids, sampling, rid, t0):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         hashes = block_hashes(ids, self.block_size)
         decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes)
@@ -106,6 +118,7 @@ class Router:
                 prefill_id, prefill_cached, prefill_task = await self._start_remote_prefill(
                     rid, transfer_id, ids, plan, decode_id, sess, hashes)
             first = True
+            last_t = None
             while True:
                 msg = await queue.get()
                 if msg.get("worker_lost"):
@@ -116,15 +129,22 @@ class Router:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"request failed on {decode_id}: {msg['error']}")
                 resp = generation_pb2.GenerateResponse(token_ids=msg["token_ids"], text=msg["text"])
                 out_ids.extend(msg["token_ids"])
+                now = time.perf_counter()
                 if first:
                     resp.request_id = rid
                     first = False
+                    self.hub.record_first_token(now - t0)
+                elif msg["token_ids"]:
+                    self.hub.record_tokens(now - last_t, len(msg["token_ids"]))
+                last_t = now
                 if "finish_reason" in msg:
                     u = dict(msg["usage"])
                     u["cached_prompt_tokens"] = max(u["cached_prompt_tokens"], prefill_cached)
                     resp.finish_reason = FINISH[msg["finish_reason"]]
                     resp.usage.CopyFrom(generation_pb2.Usage(**u))
                     finished = True
+                    self.hub.record_finished(code="OK", finish_reason=msg["finish_reason"],
+                                             e2e_seconds=time.perf_counter() - t0)
                     yield resp
                     break
                 yield resp
@@ -141,6 +161,7 @@ class Router:
             self.view.inflight[decode_id] -= 1
             if not finished:
                 self.counters["cancelled"] += 1
+                self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
                 await self._abort_everywhere(rid, decode, prefill_id, transfer_id, prefill_task)
             log.debug("request %s done in %.3f s", rid, time.perf_counter() - t0)
 
@@ -190,15 +211,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request, context):
+        r = self.router
+        client = client_identity(context.peer(), bearer_token(context.invocation_metadata()))
         try:
-            async for resp in self.router.generate(request, context):
+            adm = await r.limiter.acquire(client)
+        except Overloaded as e:
+            r.counters["errors"] += 1
+            r.hub.record_finished(code="RESOURCE_EXHAUSTED", finish_reason="none", e2e_seconds=None)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=e.trailing_metadata())
+        r.hub.record_queue_time(adm.queued_s)
+        try:
+            async for resp in r.generate(request, context):
                 yield resp
         except InvalidRequestError as e:
-            self.router.counters["errors"] += 1
+            r.counters["errors"] += 1
+            r.hub.record_finished(code="INVALID_ARGUMENT", finish_reason="none", e2e_seconds=None)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
-            self.router.counters["errors"] += 1
+            r.counters["errors"] += 1
             await context.abort(e.code, str(e))
+        finally:
+            r.limiter.release(adm)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -256,6 +289,24 @@ def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
     return out
 
 
+def worker_snapshot(w: dict[str, Any]) -> WorkerMetricsSnapshot:
+    """A worker's stats (as the controller gathered them) in the metrics hub's terms."""
+    s = w.get("stats") or {}
+    return WorkerMetricsSnapshot(
+        worker_id=w["worker_id"], pool=w["pool"], incarnation=str(w.get("pid", "")), running=s.get("running", 0),
+        waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+        kv_blocks_total=s.get("kv_blocks_total", 0), prefix_queries=s.get("prefix_queries", 0),
+        prefix_hits=s.get("prefix_hits", 0), kv_transfer_bytes=s.get("kv_transfer_bytes", 0),
+        kv_transfer_seconds_sum=s.get("kv_transfer_seconds", 0.0), draft_tokens=s.get("draft_tokens", 0),
+        accepted_tokens=s.get("accepted_draft_tokens", 0))
+
+
+def publish_cluster_metrics(hub, state: dict[str, Any]) -> None:
+    hub.update_from_workers([worker_snapshot(w) for w in state["workers"] if w.get("stats")])
+    for name, p in state["pools"].items():
+        hub.set_pool(name, p["size"], p["target"])
+
+
 async def serve(controller, config, namespace: str, tokenizer, model_config,
                 interceptors=(), credentials=None) -> tuple[grpc.aio.Server, Router, int]:
     """Start the router's gRPC server; returns (server, router, bound port)."""
@@ -268,7 +319,10 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     await view.start()
     sessions = make_session_store(rc.redis_url, rc.session_ttl_s)
     router = Router(view, tokenizer, model_config, config.engine.cache.block_size, sessions, limits,
-                    config.decode.local_prefill_threshold)
+                    config.decode.local_prefill_threshold,
+                    AdmissionConfig(max_in_flight=rc.max_in_flight, max_queue=rc.max_queue,
+                                    max_streams_per_client=rc.max_streams_per_client))
+    view.on_refresh = lambda state: publish_cluster_metrics(router.hub, state)
     server = grpc.aio.server(interceptors=list(interceptors), options=[
         ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),
         ("grpc.max_send_message_length", 64 << 20)])

@@ -1,0 +1,204 @@
+"""router.admission: bounded running + queue, per-client limits, retry hints from the service rate
+(fake clock), and the RESOURCE_EXHAUSTED + retry-after-ms mapping through a real grpc.aio server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from router.admission import (RETRY_AFTER_KEY, AdmissionConfig, AdmissionLimiter, Overloaded,
+                              ServiceRate, client_identity)
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_limiter(clock=None, **overrides) -> AdmissionLimiter:
+    changes = []
+    limiter = AdmissionLimiter(AdmissionConfig(**{"max_in_flight": 2, "max_queue": 2, **overrides}),
+                               clock or FakeClock(), on_change=lambda r, w: changes.append((r, w)))
+    limiter.changes = changes
+    return limiter
+
+
+async def settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_runs_then_queues_fifo_then_refuses():
+    async def main():
+        clock = FakeClock()
+        lim = make_limiter(clock)
+        a = await lim.acquire("c1")
+        b = await lim.acquire("c2")
+        assert (lim.running, lim.waiting, a.queued_s) == (2, 0, 0.0)
+        third = asyncio.create_task(lim.acquire("c3"))
+        fourth = asyncio.create_task(lim.acquire("c4"))
+        await settle()
+        assert (lim.running, lim.waiting) == (2, 2)
+        with pytest.raises(Overloaded, match="queue limit") as refused:
+            await lim.acquire("c5")
+        assert refused.value.retry_after_s == lim.config.default_retry_after_s  # no rate yet
+
+        clock.now += 4.0
+        lim.release(a)
+        lim.release(a)  # idempotent
+        await settle()
+        assert third.done() and not fourth.done()  # FIFO: the oldest waiter gets the slot
+        assert third.result().queued_s == 4.0
+        assert (lim.running, lim.waiting) == (2, 1)
+        lim.release(b)
+        await settle()
+        for adm in (third.result(), fourth.result()):
+            lim.release(adm)
+        assert (lim.running, lim.waiting) == (0, 0)
+        assert lim.changes[-1] == (0, 0) and (2, 2) in lim.changes
+
+    asyncio.run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue_and_a_handed_slot_is_passed_on():
+    async def main():
+        lim = make_limiter(max_in_flight=1)
+        first = await lim.acquire("a")
+        waiter = asyncio.create_task(lim.acquire("b"))
+        nxt = asyncio.create_task(lim.acquire("c"))
+        await settle()
+        waiter.cancel()  # the client hung up while queued
+        await settle()
+        assert lim.waiting == 1 and lim.streams_of("b") == 0
+
+        late = asyncio.create_task(lim.acquire("d"))
+        await settle()
+        lim.release(first)  # the slot goes to "c"...
+        nxt.cancel()  # ...which is cancelled before it runs: the slot moves on to "d"
+        await settle()
+        assert nxt.cancelled() and late.done()
+        assert (lim.running, lim.waiting) == (1, 0)
+        lim.release(late.result())
+        assert lim.running == 0 and lim.streams_of("c") == 0
+
+    asyncio.run(main())
+
+
+def test_per_client_stream_limit():
+    async def main():
+        lim = make_limiter(max_in_flight=10, max_streams_per_client=2)
+        async with lim.admit("peer:10.0.0.1"), lim.admit("peer:10.0.0.1"):
+            with pytest.raises(Overloaded, match="2 streams open, the limit is 2"):
+                await lim.acquire("peer:10.0.0.1")
+            async with lim.admit("peer:10.0.0.2") as other:
+                assert other.queued_s == 0.0
+        assert lim.streams_of("peer:10.0.0.1") == 0
+        await lim.acquire("peer:10.0.0.1")
+
+    asyncio.run(main())
+
+
+def test_retry_hint_follows_the_recent_service_rate():
+    clock = FakeClock(0.0)
+    cfg = AdmissionConfig(rate_window_s=10.0, min_retry_after_s=0.05, max_retry_after_s=30.0)
+    rate = ServiceRate(cfg, clock)
+    assert rate.per_second() is None and rate.retry_after(5) == cfg.default_retry_after_s
+    for _ in range(20):  # 4 releases per second over 5 s
+        clock.now += 0.25
+        rate.record_release()
+    assert rate.per_second() == pytest.approx(4.0)
+    assert rate.retry_after(8) == pytest.approx(2.0)  # 8 ahead at 4/s
+    assert rate.retry_after(10_000) == 30.0 and rate.retry_after(0) == 0.05  # clamped
+    clock.now += 7.6  # only the releases of the last 10 s count: 10 of them
+    assert rate.per_second() == pytest.approx(1.0)
+    clock.now += 11.0
+    assert rate.per_second() is None
+
+
+def test_expected_wait_limit_and_overloaded_metadata():
+    async def main():
+        clock = FakeClock(0.0)
+        lim = make_limiter(clock, max_in_flight=1, max_queue=100, max_expected_wait_s=3.0)
+        for _ in range(4):  # 1 slot freed per second
+            clock.now += 1.0
+            lim.release(await lim.acquire("x"))
+        held = await lim.acquire("x")
+        queued = [asyncio.create_task(lim.acquire("x")) for _ in range(2)]
+        await settle()
+        assert lim.waiting == 2  # expected waits 1 s and 2 s: fine
+        lim.check("x")  # a third would wait 3 s: still at the limit
+        queued.append(asyncio.create_task(lim.acquire("x")))
+        await settle()
+        with pytest.raises(Overloaded, match="about 4.0 s, over the 3 s limit") as refused:
+            await lim.acquire("x")
+        assert refused.value.trailing_metadata() == ((RETRY_AFTER_KEY, "4000"),)
+        for t in queued:
+            t.cancel()
+        lim.release(held)
+
+    asyncio.run(main())
+
+
+def test_config_and_identity():
+    with pytest.raises(ValueError, match="max_in_flight"):
+        AdmissionConfig(max_in_flight=0)
+    with pytest.raises(ValueError, match="max_queue"):
+        AdmissionConfig(max_queue=-1)
+    assert Overloaded("x", 0.0001).retry_after_ms == 1
+    assert client_identity("ipv4:10.0.0.7:51234") == "peer:10.0.0.7"
+    assert client_identity("ipv6:[::1]:51234") == "peer:::1"
+    assert client_identity("unix:/tmp/s.sock") == "peer:/tmp/s.sock"
+    t = client_identity("ipv4:10.0.0.7:1", verified_token="secret-token")
+    assert t.startswith("token:") and "secret" not in t and len(t) == len("token:") + 16
+
+
+def test_overloaded_maps_to_resource_exhausted_over_grpc():
+    from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
+
+    class Limited(generation_pb2_grpc.GenerationServicer):
+        def __init__(self):
+            self.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
+            self.release = asyncio.Event()
+
+        async def Generate(self, request, context):
+            try:
+                admission = await self.limiter.acquire(client_identity(context.peer()))
+            except Overloaded as e:  # what router/server.py does, once, at the edge
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                    trailing_metadata=e.trailing_metadata())
+            try:
+                yield generation_pb2.GenerateResponse(text="first")
+                await self.release.wait()
+            finally:
+                self.limiter.release(admission)
+
+    async def main():
+        servicer = Limited()
+        server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                holder = stub.Generate(generation_pb2.GenerateRequest(prompt="a"), timeout=5)
+                assert (await holder.read()).text == "first"
+                refused = stub.Generate(generation_pb2.GenerateRequest(prompt="b"), timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await refused.read()
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "server overloaded" in err.value.details()
+                trailing = dict(err.value.trailing_metadata())
+                assert int(trailing[RETRY_AFTER_KEY]) >= 1
+                servicer.release.set()
+                assert await holder.read() == grpc.aio.EOF
+                assert await holder.code() == grpc.StatusCode.OK
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
