@@ -25,6 +25,7 @@ def register(sub) -> None:
     up.add_argument("--local-prefill-threshold", type=float,
                     help="uncached prompt tokens up to which decode actors prefill locally (inf = colocated)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
+    up.add_argument("--autoscale", action="store_true", help="size each pool from its own load (bounds in config)")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
     sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
@@ -53,6 +54,37 @@ def register(sub) -> None:
     st.add_argument("--json", action="store_true")
     _client_flags(st)
     st.set_defaults(func=cmd_status)
+    _register_scale(sub)
+
+
+def _register_scale(sub) -> None:
+    sc = sub.add_parser("scale", help="change a pool's bounds (and optionally pin its size) at run time")
+    sc.add_argument("--target", default=DEFAULT_TARGET, help="router address")
+    sc.add_argument("--pool", required=True, choices=["prefill", "decode"])
+    sc.add_argument("--min", type=int, required=True)
+    sc.add_argument("--max", type=int, required=True)
+    sc.add_argument("--size", type=int, help="pin the pool at this size (the autoscaler leaves it alone)")
+    _client_flags(sc)
+    sc.set_defaults(func=cmd_scale)
+
+
+def cmd_scale(args) -> int:
+    import grpc
+
+    from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
+    req = admin_pb2.SetPoolBoundsRequest(pool=args.pool, min=args.min, max=args.max)
+    if args.size is not None:
+        req.target = args.size
+    try:
+        p = stub.SetPoolBounds(req, timeout=10)
+    except grpc.RpcError as e:
+        print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"{p.name}: size {p.size}, target {p.target}, bounds [{p.min}, {p.max}]"
+          + (" (pinned)" if p.target_pinned else ""))
+    return 0
 
 
 def _client_flags(p) -> None:
@@ -74,7 +106,8 @@ def cmd_up(args) -> int:
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
-                 "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host}
+                 "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
+                 "autoscaler.enabled": True if args.autoscale else None}
     config = load_config(args.config, overrides)
     setup_logging(level=args.log_level)
     # refuse an unsafe security setup before starting anything

@@ -5,7 +5,8 @@
     scheduler: {max_num_seqs: 256, ...}                  # engine.config.SchedulerConfig
     prefill: {replicas: 1, resource_name: tandem_prefill, num_gpus: 0, ...}
     decode:  {replicas: 1, resource_name: tandem_decode, num_gpus: 0, local_prefill_threshold: 256}
-    router:  {host: 127.0.0.1, port: 50051, redis_url: null, session_ttl_s: 3600}
+    router:  {host: 127.0.0.1, port: 50051, redis_url: null, session_ttl_s: 3600, ...}
+    autoscaler: {enabled: false, prefill_min: 1, prefill_max: 8, ttft_target_s: 2.0, ...}  # cluster.autoscaler
 
 `load_config(path, overrides)` merges the file over the defaults, then dotted overrides
 (`{"prefill.replicas": 2}`) over that, and validates everything on construction.
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscaler import AutoscalerConfig
 from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 
 
@@ -72,6 +74,8 @@ class ClusterConfig:
     prefill: PoolConfig = field(default_factory=lambda: PoolConfig(resource_name="tandem_prefill"))
     decode: PoolConfig = field(default_factory=lambda: PoolConfig(resource_name="tandem_decode"))
     router: RouterConfig = field(default_factory=RouterConfig)
+    autoscale: bool = False  # run the autoscaler (bounds and targets in `autoscaler`)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +110,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "prefill": dataclasses.asdict(cfg.prefill),
         "decode": dataclasses.asdict(cfg.decode),
         "router": dataclasses.asdict(cfg.router),
+        "autoscaler": {"enabled": cfg.autoscale, **cfg.autoscaler.to_dict()},
     }
 
 
@@ -135,4 +140,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         "scheduler": _build(SchedulerConfig, data["scheduler"], "scheduler"),
     }, "model")
     pools = {p: _build(PoolConfig, {k: _inf(v) for k, v in data[p].items()}, p) for p in ("prefill", "decode")}
-    return ClusterConfig(engine=engine, router=_build(RouterConfig, data["router"], "router"), **pools)
+    auto = dict(data["autoscaler"])
+    enabled = bool(auto.pop("enabled", False))
+    return ClusterConfig(engine=engine, router=_build(RouterConfig, data["router"], "router"),
+                         autoscale=enabled, autoscaler=AutoscalerConfig.from_dict(auto), **pools)

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from cluster.config import ClusterConfig, PoolConfig
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,49 @@ def actor_options(pool: PoolConfig, name: str, namespace: str) -> dict[str, Any]
     return opts
 
 
+def build_snapshot(workers: list[dict[str, Any]], prev: dict[str, float] | None, now: float,
+                   period_s: float) -> tuple[MetricsSnapshot, dict[str, float]]:
+    """The autoscaler's inputs from the workers' latest stats (`cluster_state()["workers"]`).
+    `prev` carries the counters of the last call, for rates; returns the new one to carry."""
+    def live(pool):
+        return [w for w in workers if w["pool"] == pool and w["state"] == "ready" and w.get("stats")]
+
+    def pct(ws, key):
+        vals = [w["stats"].get(key, {}) or {} for w in ws]
+        out = {}
+        for q in ("p50", "p90", "p99"):
+            xs = [v[q] for v in vals if v.get(q) is not None]
+            out[q] = max(xs) if xs else None  # the worst worker sets the pool's latency
+        return out
+
+    pre, dec = live("prefill"), live("decode")
+    computed = sum(w["stats"].get("computed_tokens", 0) for w in pre)
+    busy = sum(w["stats"].get("busy_s", 0.0) for w in pre)
+    rate = cap = None
+    if prev is not None and now > prev["at"]:
+        rate = max(0.0, (computed - prev["computed"]) / (now - prev["at"]))
+        dbusy = busy - prev["busy"]
+        if dbusy > 0.2 * period_s:
+            cap = (computed - prev["computed"]) / dbusy
+    lat = pct(pre, "prefill_latency")
+    tpot = pct(dec, "tpot")
+    snap = MetricsSnapshot(
+        prefill=PrefillMetrics(
+            size=len(pre), draining=sum(1 for w in workers if w["pool"] == "prefill" and w["state"] == "draining"),
+            queued_prompt_tokens=sum(w["stats"].get("queued_prompt_tokens", 0) for w in pre),
+            prompt_tokens_per_s=rate or 0.0, prefill_tokens_per_s_per_worker=cap,
+            ttft_p50=lat["p50"], ttft_p90=lat["p90"], ttft_p99=lat["p99"]),
+        decode=DecodeMetrics(
+            size=len(dec), draining=sum(1 for w in workers if w["pool"] == "decode" and w["state"] == "draining"),
+            running_seqs=sum(w["stats"].get("running", 0) for w in dec),
+            waiting_seqs=sum(w["stats"].get("waiting", 0) for w in dec),
+            kv_blocks_used=sum(w["stats"].get("kv_blocks_used", 0) for w in dec),
+            kv_blocks_total=sum(w["stats"].get("kv_blocks_total", 0) for w in dec),
+            kv_blocks_waiting=sum(w["stats"].get("kv_blocks_waiting", 0) for w in dec),
+            tpot_p50=tpot["p50"], tpot_p90=tpot["p90"], tpot_p99=tpot["p99"]))
+    return snap, {"at": now, "computed": computed, "busy": busy}
+
+
 @ray.remote(num_cpus=0, max_concurrency=32)
 class Controller:
     def __init__(self, config: ClusterConfig, namespace: str, health_period_s: float = 1.0,
@@ -62,7 +106,17 @@ class Controller:
         self.rendezvous = f"{host}:{port}"
         self.workers: dict[str, WorkerRecord] = {}
         self.targets = {"prefill": config.prefill.replicas, "decode": config.decode.replicas}
-        self.bounds = {p: (self.targets[p], self.targets[p]) for p in POOLS}
+        a = config.autoscaler
+        self.autoscale = config.autoscale
+        self.bounds = ({"prefill": (a.prefill_min, a.prefill_max), "decode": (a.decode_min, a.decode_max)}
+                       if config.autoscale else {p: (self.targets[p], self.targets[p]) for p in POOLS})
+        if config.autoscale:
+            self.targets = {p: min(max(self.targets[p], self.bounds[p][0]), self.bounds[p][1]) for p in POOLS}
+        self.pinned: set[str] = set()  # pools whose target an operator pinned (SetPoolBounds.target)
+        self.policy_state = PolicyState()
+        self._rates: dict[str, float] | None = None
+        self._next_decision = 0.0
+        self.decisions: list[dict[str, Any]] = []  # recent decisions, for status and tests
         self.last_decision: dict[str, Any] = {}
         self._ids = {p: itertools.count() for p in POOLS}
         self._lock = threading.RLock()
@@ -152,7 +206,7 @@ class Controller:
                         pass
                     del self.workers[w.worker_id]
                 elif w.state == "draining" and w.stats and w.stats.get("running", 1) == 0 \
-                        and w.stats.get("waiting", 1) == 0:
+                        and w.stats.get("waiting", 1) == 0 and w.stats.get("in_flight", 0) == 0:
                     log.info("%s drained; stopping it", w.worker_id)
                     try:
                         ray.get(w.handle.shutdown.remote(), timeout=10)
@@ -162,10 +216,42 @@ class Controller:
                     del self.workers[w.worker_id]
         self._reconcile()
 
+    def _autoscale(self) -> None:
+        from dataclasses import replace
+
+        now = time.monotonic()
+        if now < self._next_decision:
+            return
+        a = self.config.autoscaler
+        self._next_decision = now + a.period_s
+        with self._lock:
+            workers = self.cluster_state()["workers"]
+            (pmin, pmax), (dmin, dmax) = self.bounds["prefill"], self.bounds["decode"]
+        snap, self._rates = build_snapshot(workers, self._rates, now, a.period_s)
+        cfg = replace(a, prefill_min=pmin, prefill_max=pmax, decode_min=dmin, decode_max=dmax)
+        d = decide(snap, cfg, self.policy_state, now)
+        self.policy_state = d.state
+        with self._lock:
+            changed = False
+            for pool, target in (("prefill", d.prefill_target), ("decode", d.decode_target)):
+                if pool not in self.pinned and target != self.targets[pool]:
+                    log.info("autoscaler: %s %d -> %d", pool, self.targets[pool], target)
+                    self.targets[pool] = target
+                    changed = True
+            self.last_decision = {"at_unix_s": time.time(), "prefill_target": d.prefill_target,
+                                  "decode_target": d.decode_target, "reasons": list(d.reasons)}
+            self.decisions.append({**self.last_decision, "sizes": {"prefill": snap.prefill.size,
+                                                                   "decode": snap.decode.size}})
+            del self.decisions[:-500]
+        if changed:
+            self._reconcile()
+
     def _run(self) -> None:
         while not self._stop.wait(self.health_period_s):
             try:
                 self._check()
+                if self.autoscale:
+                    self._autoscale()
             except Exception:  # noqa: BLE001 - keep checking
                 log.exception("health check round failed")
 
@@ -191,7 +277,8 @@ class Controller:
                        for w in self.workers.values()]
         pools = {p: {"size": sum(1 for w in workers if w["pool"] == p and w["state"] == "ready"),
                      "target": self.targets[p], "min": self.bounds[p][0], "max": self.bounds[p][1],
-                     "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining")}
+                     "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining"),
+                     "target_pinned": p in self.pinned}
                  for p in POOLS}
         return {"workers": workers, "pools": pools, "rendezvous": self.rendezvous,
                 "last_decision": self.last_decision, "namespace": self.namespace,
@@ -214,10 +301,18 @@ class Controller:
             raise ValueError(f"bounds must satisfy 0 <= min <= max, got min={min_size} max={max_size}")
         with self._lock:
             self.bounds[pool] = (min_size, max_size)
-            t = self.targets[pool] if target is None else target
+            if target is None:
+                self.pinned.discard(pool)
+                t = self.targets[pool]
+            else:
+                self.pinned.add(pool)
+                t = target
             self.targets[pool] = min(max(t, min_size), max_size)
         self._reconcile()
         return self.cluster_state()["pools"][pool]
+
+    def decision_log(self) -> list[dict[str, Any]]:
+        return list(self.decisions)
 
     def shutdown(self) -> None:
         self._stop.set()

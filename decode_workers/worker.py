@@ -24,6 +24,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from cluster.latency import LatencyWindow
+from engine.request import WorkerUnavailable
 from engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class DecodeWorker:
             from kv_transfer.base import KVTransferConfig
             from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
-            tcfg = transfer_config or KVTransferConfig()
+            tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
             conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
             self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg,
                                                on_release=self._transfer_failed)
@@ -56,7 +58,10 @@ class DecodeWorker:
         self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
                          "kv_transfer_seconds": 0.0, "kv_transfer_bytes": 0}
         self._transfer_started: dict[str, float] = {}
-        self.loop = EngineLoop(self.engine, on_step=self._publish, before_step=self._poll_transfers,
+        self._first_token_at: dict[str, float] = {}
+        self.tpot = LatencyWindow()
+        self._snapshot: dict[str, Any] | None = None
+        self.loop = EngineLoop(self.engine, on_step=self._publish, before_step=self._before_step,
                                name=f"{worker_id}-loop")
 
     # ---- called from any thread ---------------------------------------------------------------
@@ -76,7 +81,9 @@ class DecodeWorker:
         self.loop.run(self._send_prefix, spec_msg)
 
     def stats(self) -> dict[str, Any]:
-        return self.loop.run(self._stats)
+        """The latest snapshot, taken by the loop between steps: answers at once even while a long
+        step runs (health checks must not wait for the engine)."""
+        return self._snapshot or self.loop.run(self._stats)
 
     def get_outputs(self, router_id: str, timeout_s: float = 1.0) -> list[dict[str, Any]]:
         """Everything produced for `router_id` since the last call (one list entry per step),
@@ -109,7 +116,7 @@ class DecodeWorker:
 
     def _reserve(self, rid, router_id, ids, sampling, transfer_id) -> dict[str, Any]:
         if self.draining:
-            raise RuntimeError(f"{self.worker_id} is draining")
+            raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
         req = e.make_request(rid, prompt_token_ids=ids, sampling=SamplingParams(**sampling))
         self.owner[rid] = router_id
@@ -146,6 +153,10 @@ class DecodeWorker:
 
         spec = TransferSpec.from_msg(spec_msg)
         self.sender.send(spec)  # the blocks stay held by the reserved request meanwhile
+
+    def _before_step(self) -> None:
+        self._poll_transfers()
+        self._snapshot = self._stats()
 
     def _poll_transfers(self) -> None:
         if self.sender is not None:
@@ -196,7 +207,13 @@ class DecodeWorker:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         per_router: dict[str, list[dict[str, Any]]] = {}
+        now = time.monotonic()
         for o in outputs:
+            t1 = self._first_token_at.setdefault(o.request_id, now)
+            if o.finished:
+                del self._first_token_at[o.request_id]
+                if o.usage.completion_tokens > 1:
+                    self.tpot.add(now, (now - t1) / (o.usage.completion_tokens - 1))
             router = self.owner.get(o.request_id)
             if router is None:
                 continue
@@ -218,6 +235,10 @@ class DecodeWorker:
                 "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
                 "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
                 "busy_s": self.loop.busy_s, "draining": self.draining,
+                "tpot": self.tpot.percentiles(time.monotonic()),
+                "kv_blocks_waiting": sum(e.allocator.blocks_needed(r.num_tokens) for r in e.scheduler.waiting),
+                "draft_tokens": getattr(e.stats, "draft_tokens", 0),
+                "accepted_draft_tokens": getattr(e.stats, "accepted_draft_tokens", 0),
                 "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}
 
 

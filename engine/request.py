@@ -19,6 +19,10 @@ class InvalidRequestError(ValueError):
     """
 
 
+class WorkerUnavailable(RuntimeError):
+    """This worker takes no new requests (draining or out of KV); the router tries another."""
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the model's context

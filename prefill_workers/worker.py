@@ -18,9 +18,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from cluster.latency import LatencyWindow
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, WorkerUnavailable
 from engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class PrefillWorker:
 
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
-        tcfg = transfer_config or KVTransferConfig()
+        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
         self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended)
         # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
@@ -48,7 +49,10 @@ class PrefillWorker:
                          "transfer_failures": 0,
                          "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
         self._started: dict[str, float] = {}
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self._poll_transfers,
+        self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
+        self._reserved_at: dict[str, float] = {}
+        self._snapshot: dict[str, Any] | None = None
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self._before_step,
                                layer_done=self._layer_done, name=f"{worker_id}-loop")
 
     # ---- called from any thread ---------------------------------------------------------------
@@ -70,7 +74,9 @@ class PrefillWorker:
         return self.loop.run(self._abort, transfer_id)
 
     def stats(self) -> dict[str, Any]:
-        return self.loop.run(self._stats)
+        """The latest snapshot, taken by the loop between steps: answers at once even while a long
+        step runs (health checks must not wait for the engine)."""
+        return self._snapshot or self.loop.run(self._stats)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -80,15 +86,16 @@ class PrefillWorker:
     # ---- on the loop thread -------------------------------------------------------------------
     def _reserve(self, tid: str, ids: list[int], first_block: int, peer_cached: int) -> dict[str, Any]:
         if self.draining:
-            raise RuntimeError(f"{self.worker_id} is draining")
+            raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
         req = e.make_request(tid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1), prefill_only=True)
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(ids)
         if not e.allocator.admit(req, n - cached):
-            raise RuntimeError(f"{self.worker_id}: no free KV blocks for a {n}-token prefill")
+            raise WorkerUnavailable(f"{self.worker_id}: no free KV blocks for a {n}-token prefill")
         req.num_cached_prompt_tokens = req.num_computed_tokens
         self.reserved[tid] = req
+        self._reserved_at[tid] = time.monotonic()
         last = e.allocator.blocks_needed(n)
         out = {"cached_tokens": cached, "src_block_ids": req.block_ids[first_block:last]}
         bs = e.allocator.block_size
@@ -104,6 +111,10 @@ class PrefillWorker:
         owner = spec_msg["owner"]
         self.pulling[spec.request_id] = (owner, covers)
         self.receiver.expect(spec)
+
+    def _before_step(self) -> None:
+        self._poll_transfers()
+        self._snapshot = self._stats()
 
     def _poll_transfers(self) -> None:
         self.sender.reap()
@@ -172,7 +183,10 @@ class PrefillWorker:
         fut = self.done.pop(tid, None)
         from kv_transfer.base import TransferState
 
+        r0 = self._reserved_at.pop(tid, None)
         if state is TransferState.DONE:
+            if r0 is not None:
+                self.latency.add(time.monotonic(), time.monotonic() - r0)
             if t0 is not None:
                 self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
             if fut is not None:
@@ -186,6 +200,7 @@ class PrefillWorker:
     def _abort(self, tid: str) -> bool:
         req = self.reserved.pop(tid, None)
         if req is not None:
+            self._reserved_at.pop(tid, None)
             self.engine.allocator.free(req)
             return True
         if tid in self.active:
@@ -200,8 +215,10 @@ class PrefillWorker:
                 "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + len(self.reserved),
                 "queued_prompt_tokens": sum(r.num_tokens - r.num_computed_tokens
                                             for r in list(e.scheduler.running) + list(e.scheduler.ready)),
+                "in_flight": len(self.active) + len(self.reserved),
                 "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
                 "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
                 "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
                 "busy_s": self.loop.busy_s, "draining": self.draining,
+                "prefill_latency": self.latency.percentiles(time.monotonic()),
                 "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}

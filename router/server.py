@@ -18,7 +18,7 @@ import grpc
 from cluster.logging_setup import bind_request
 from cluster.metrics import WorkerMetricsSnapshot, get_hub
 from engine.prefix_hash import block_hashes
-from engine.request import InvalidRequestError
+from engine.request import InvalidRequestError, WorkerUnavailable
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.admission import AdmissionConfig, AdmissionLimiter, Overloaded, client_identity
 from router.auth import bearer_token
@@ -98,14 +98,12 @@ class Router:
     async def _generate(self, v, ids, sampling, rid, t0):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         hashes = block_hashes(ids, self.block_size)
-        decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes)
-        decode = self.view.handle(decode_id)
         queue: asyncio.Queue = asyncio.Queue()
         self.view.queues[rid] = queue
-        self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
         sp = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
               "top_k": sampling.top_k, "seed": sampling.seed, "stop": tuple(sampling.stop),
               "ignore_eos": sampling.ignore_eos}
+        decode_id = decode = None
         prefill_id = prefill_task = transfer_id = None
         prefill_cached = 0
         finished = False
@@ -113,14 +111,46 @@ class Router:
         try:
             offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
             transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
-            plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
+            tried: set[str] = set()
+            while True:  # a worker may start draining between our view and its answer: try another
+                decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
+                decode = self.view.handle(decode_id)
+                try:
+                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
+                    break
+                except WorkerUnavailable:
+                    tried.add(decode_id)
+            self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
             if plan["mode"] == "remote":
-                prefill_id, prefill_cached, prefill_task = await self._start_remote_prefill(
-                    rid, transfer_id, ids, plan, decode_id, sess, hashes)
+                try:
+                    prefill_id, prefill_cached, prefill_task = await self._start_remote_prefill(
+                        rid, transfer_id, ids, plan, decode_id, sess, hashes)
+                except (WorkerUnavailable, RequestFailed) as e:
+                    # no prefill actor can take it: the decode actor prefills it itself
+                    log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
+                    await decode.abort.remote(rid)
+                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+                    prefill_id = None
             first = True
             last_t = None
             while True:
-                msg = await queue.get()
+                if prefill_task is not None and not prefill_task.done():
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                    if prefill_task.done() and prefill_task.exception() is not None and not getter.done():
+                        getter.cancel()
+                        # the prefill actor failed (or died) before the KV arrived: free the
+                        # half-received blocks and let the decode actor prefill it itself
+                        log.warning("remote prefill of %s failed (%s); prefilling locally", rid,
+                                    prefill_task.exception())
+                        self.hub.record_migration("prefill_failed")
+                        await decode.abort.remote(rid)
+                        plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+                        prefill_id = prefill_task = None
+                        continue
+                    msg = await getter
+                else:
+                    msg = await queue.get()
                 if msg.get("worker_lost"):
                     if msg["worker_id"] in (decode_id, prefill_id):
                         raise RequestFailed(grpc.StatusCode.UNAVAILABLE, msg["error"])
@@ -149,7 +179,10 @@ class Router:
                     break
                 yield resp
             if prefill_task is not None:
-                await prefill_task
+                try:
+                    await prefill_task
+                except Exception as e:  # noqa: BLE001 - the tokens arrived; only a late report failed
+                    log.warning("prefill of %s reported %s after its KV arrived", rid, e)
             self.counters["ok"] += 1
             self.prefix["decode"].record(decode_id, block_hashes(ids + out_ids, self.block_size))
             if v.session_id:
@@ -158,8 +191,9 @@ class Router:
                     num_tokens=len(ids) + len(out_ids), turn=(sess.turn + 1 if sess else 1)))
         finally:
             self.view.queues.pop(rid, None)
-            self.view.inflight[decode_id] -= 1
-            if not finished:
+            if decode_id is not None and self.view.inflight.get(decode_id):
+                self.view.inflight[decode_id] -= 1
+            if not finished and decode is not None:
                 self.counters["cancelled"] += 1
                 self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
                 await self._abort_everywhere(rid, decode, prefill_id, transfer_id, prefill_task)
@@ -170,10 +204,26 @@ class Router:
         some, then start the layer-by-layer transfer into the decode actor's reserved blocks."""
         from kv_transfer.base import TransferSpec
 
-        prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
-        prefill = self.view.handle(prefill_id)
         decode = self.view.handle(decode_id)
-        res = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"], plan["cached_tokens"])
+        tried: set[str] = set()
+        while True:
+            prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
+            prefill = self.view.handle(prefill_id)
+            try:
+                res = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"], plan["cached_tokens"])
+                break
+            except WorkerUnavailable:
+                tried.add(prefill_id)
+        try:
+            return await self._transfer_from(prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res,
+                                             hashes)
+        except BaseException:
+            await prefill.abort.remote(transfer_id)  # do not leak the prefill actor's reservation
+            raise
+
+    async def _transfer_from(self, prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res, hashes):
+        from kv_transfer.base import TransferSpec
+
         layers = list(range(self.num_layers))
         n = len(plan["dst_block_ids"])
         spec = TransferSpec(transfer_id, prefill_id, decode_id, layers, res["src_block_ids"][:n],
