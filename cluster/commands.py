@@ -55,6 +55,9 @@ def register(sub) -> None:
     _client_flags(st)
     st.set_defaults(func=cmd_status)
     _register_scale(sub)
+    from cluster import profiling
+
+    profiling.register(sub)
 
 
 def _register_scale(sub) -> None:

@@ -11,9 +11,11 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import ray
 
 from cluster.logging_setup import bind_request
 from cluster.metrics import WorkerMetricsSnapshot, get_hub
@@ -56,6 +58,7 @@ class Router:
         self.num_layers = model_config.num_layers
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
+        self.max_migrations = 2  # per request, then UNAVAILABLE
         self.hub = get_hub()
         self.limiter = AdmissionLimiter(admission, on_change=self.hub.set_router_queue)
 
@@ -95,6 +98,41 @@ class Router:
             async for resp in self._generate(v, ids, sampling, rid, t0):
                 yield resp
 
+    async def _place(self, rid, ids, sp, sess, hashes, exclude: set[str]) -> "Attempt":
+        """Reserve on a decode actor (the session's, else the best prefix hit, else the least
+        loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
+        draining or gone is skipped, and a prefill that cannot start falls back to local prefill."""
+        offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
+        transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
+        tried = set(exclude)
+        while True:
+            decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
+            decode = self.view.handle(decode_id)
+            # count it at once, so concurrent arrivals see this load before the worker reports it
+            self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
+            try:
+                plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
+                break
+            except (WorkerUnavailable, ray.exceptions.RayActorError):
+                self.view.inflight[decode_id] -= 1
+                tried.add(decode_id)
+        att = Attempt(decode_id, decode, transfer_id=transfer_id)
+        if plan["mode"] == "remote":
+            try:
+                att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
+                    rid, transfer_id, ids, plan, decode_id, sess, hashes)
+            except (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError) as e:
+                log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
+                await self._prefill_locally(att, rid, ids, sp)
+        return att
+
+    async def _prefill_locally(self, att: "Attempt", rid, ids, sp) -> None:
+        """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
+        for the decode actor's own prefill instead."""
+        await att.decode.abort.remote(rid)
+        await att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+        att.prefill_id = att.prefill_task = None
+
     async def _generate(self, v, ids, sampling, rid, t0):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         hashes = block_hashes(ids, self.block_size)
@@ -103,60 +141,52 @@ class Router:
         sp = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
               "top_k": sampling.top_k, "seed": sampling.seed, "stop": tuple(sampling.stop),
               "ignore_eos": sampling.ignore_eos}
-        decode_id = decode = None
-        prefill_id = prefill_task = transfer_id = None
-        prefill_cached = 0
+        att: Attempt | None = None
         finished = False
         out_ids: list[int] = []
+        lost: set[str] = set()
+        migrations = 0
         try:
-            offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
-            transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
-            tried: set[str] = set()
-            while True:  # a worker may start draining between our view and its answer: try another
-                decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
-                decode = self.view.handle(decode_id)
-                try:
-                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
-                    break
-                except WorkerUnavailable:
-                    tried.add(decode_id)
-            self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
-            if plan["mode"] == "remote":
-                try:
-                    prefill_id, prefill_cached, prefill_task = await self._start_remote_prefill(
-                        rid, transfer_id, ids, plan, decode_id, sess, hashes)
-                except (WorkerUnavailable, RequestFailed) as e:
-                    # no prefill actor can take it: the decode actor prefills it itself
-                    log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
-                    await decode.abort.remote(rid)
-                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
-                    prefill_id = None
+            att = await self._place(rid, ids, sp, sess, hashes, lost)
             first = True
             last_t = None
             while True:
-                if prefill_task is not None and not prefill_task.done():
+                task = att.prefill_task
+                if task is not None and not task.done():
                     getter = asyncio.ensure_future(queue.get())
-                    await asyncio.wait({getter, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-                    if prefill_task.done() and prefill_task.exception() is not None and not getter.done():
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if task.done() and task.exception() is not None and not getter.done():
                         getter.cancel()
-                        # the prefill actor failed (or died) before the KV arrived: free the
-                        # half-received blocks and let the decode actor prefill it itself
-                        log.warning("remote prefill of %s failed (%s); prefilling locally", rid,
-                                    prefill_task.exception())
+                        # the prefill actor failed (or died) before the KV arrived
+                        log.warning("remote prefill of %s failed (%s); prefilling locally", rid, task.exception())
                         self.hub.record_migration("prefill_failed")
-                        await decode.abort.remote(rid)
-                        plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
-                        prefill_id = prefill_task = None
+                        await self._prefill_locally(att, rid, ids + out_ids, _continue(sp, out_ids))
                         continue
                     msg = await getter
                 else:
                     msg = await queue.get()
-                if msg.get("worker_lost"):
-                    if msg["worker_id"] in (decode_id, prefill_id):
-                        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, msg["error"])
+                lost_decode = msg.get("worker_lost") and msg["worker_id"] == att.decode_id
+                if msg.get("worker_lost") and not lost_decode:
                     continue
-                if "error" in msg:
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"request failed on {decode_id}: {msg['error']}")
+                if lost_decode or "error" in msg:
+                    # the decode actor died (or the request failed on it): continue on another one
+                    # from the prompt plus the tokens already streamed; greedy output is unchanged
+                    if migrations >= self.max_migrations:
+                        raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                            f"request failed after {migrations} migrations: {msg.get('error')}")
+                    migrations += 1
+                    if lost_decode:
+                        lost.add(att.decode_id)
+                    self.hub.record_migration("decode_lost" if lost_decode else "request_failed")
+                    log.warning("moving %s off %s after %d tokens: %s", rid, att.decode_id, len(out_ids),
+                                msg.get("error"))
+                    self.view.inflight[att.decode_id] -= 1
+                    if not lost_decode:
+                        await self._abort_everywhere(rid, att)
+                    cont = ids + out_ids
+                    att = await self._place(rid, cont, _continue(sp, out_ids), None,
+                                            block_hashes(cont, self.block_size), lost)
+                    continue
                 resp = generation_pb2.GenerateResponse(token_ids=msg["token_ids"], text=msg["text"])
                 out_ids.extend(msg["token_ids"])
                 now = time.perf_counter()
@@ -169,7 +199,9 @@ class Router:
                 last_t = now
                 if "finish_reason" in msg:
                     u = dict(msg["usage"])
-                    u["cached_prompt_tokens"] = max(u["cached_prompt_tokens"], prefill_cached)
+                    u["cached_prompt_tokens"] = min(len(ids), max(u["cached_prompt_tokens"], att.prefill_cached))
+                    u["prompt_tokens"] = len(ids)
+                    u["completion_tokens"] = len(out_ids)
                     resp.finish_reason = FINISH[msg["finish_reason"]]
                     resp.usage.CopyFrom(generation_pb2.Usage(**u))
                     finished = True
@@ -178,25 +210,26 @@ class Router:
                     yield resp
                     break
                 yield resp
-            if prefill_task is not None:
+            if att.prefill_task is not None:
                 try:
-                    await prefill_task
+                    await att.prefill_task
                 except Exception as e:  # noqa: BLE001 - the tokens arrived; only a late report failed
                     log.warning("prefill of %s reported %s after its KV arrived", rid, e)
             self.counters["ok"] += 1
-            self.prefix["decode"].record(decode_id, block_hashes(ids + out_ids, self.block_size))
+            self.prefix["decode"].record(att.decode_id, block_hashes(ids + out_ids, self.block_size))
             if v.session_id:
                 await self.sessions.put(v.session_id, SessionState(
-                    decode_worker=decode_id, prefill_worker=prefill_id or (sess.prefill_worker if sess else None),
+                    decode_worker=att.decode_id,
+                    prefill_worker=att.prefill_id or (sess.prefill_worker if sess else None),
                     num_tokens=len(ids) + len(out_ids), turn=(sess.turn + 1 if sess else 1)))
         finally:
             self.view.queues.pop(rid, None)
-            if decode_id is not None and self.view.inflight.get(decode_id):
-                self.view.inflight[decode_id] -= 1
-            if not finished and decode is not None:
+            if att is not None and self.view.inflight.get(att.decode_id):
+                self.view.inflight[att.decode_id] -= 1
+            if not finished and att is not None:
                 self.counters["cancelled"] += 1
                 self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
-                await self._abort_everywhere(rid, decode, prefill_id, transfer_id, prefill_task)
+                await self._abort_everywhere(rid, att)
             log.debug("request %s done in %.3f s", rid, time.perf_counter() - t0)
 
     async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes):
@@ -243,17 +276,34 @@ class Router:
         self.prefix["prefill"].record(prefill_id, hashes[: (len(ids) - 1) // self.block_size])
         return prefill_id, cached, task
 
-    async def _abort_everywhere(self, rid, decode, prefill_id, transfer_id, prefill_task) -> None:
-        calls = [decode.abort.remote(rid)]
-        if prefill_id is not None and self.view.handle(prefill_id) is not None:
-            calls.append(self.view.handle(prefill_id).abort.remote(transfer_id))
+    async def _abort_everywhere(self, rid, att: "Attempt") -> None:
+        calls = [att.decode.abort.remote(rid)]
+        prefill = self.view.handle(att.prefill_id) if att.prefill_id else None
+        if prefill is not None:
+            calls.append(prefill.abort.remote(att.transfer_id))
         for c in calls:
             try:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(c.future())), 10)
             except Exception:  # noqa: BLE001 - best effort; a dead actor holds no KV
                 pass
-        if prefill_task is not None:
-            prefill_task.cancel()
+        if att.prefill_task is not None:
+            att.prefill_task.cancel()
+
+
+@dataclass
+class Attempt:
+    """Where a request runs now; a migration makes a new one."""
+    decode_id: str
+    decode: Any
+    prefill_id: str | None = None
+    prefill_task: Any = None
+    transfer_id: str | None = None
+    prefill_cached: int = 0
+
+
+def _continue(sp: dict[str, Any], out_ids: list[int]) -> dict[str, Any]:
+    """Sampling for the rest of a request whose first `out_ids` were already streamed."""
+    return {**sp, "max_tokens": max(1, sp["max_tokens"] - len(out_ids))}
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

@@ -43,7 +43,7 @@ def offline():
 
 @pytest.fixture(scope="module")
 def remote(ray_session):
-    from tests.cluster.conftest import RunningCluster
+    from cluster.local import RunningCluster
 
     c = RunningCluster({**REMOTE, "prefill.replicas": 1, "decode.replicas": 1})
     yield c

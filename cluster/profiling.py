@@ -1,0 +1,153 @@
+"""`tandem profile`: time the real engine (prefill at several lengths and cached prefixes, decode
+steps at several batch sizes and contexts, and the KV gather/scatter a transfer does) and fit the
+simulator's performance model to it. `tandem simulate` replays a workload against that model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+
+def _timed(fn, repeats: int = 2) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
+                   prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
+                   decode_contexts=(128, 512), quick: bool = False) -> list[tuple[str, tuple, float]]:
+    """Samples in `PerfModel.fit`'s format, measured on this machine."""
+    import torch
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.engine import LLMEngine
+    from engine.request import SamplingParams
+    from engine.scheduler import SchedulerOutput, ScheduledRequest
+
+    if quick:
+        prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
+    e = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, cache=CacheConfig(num_blocks=4096),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=1 << 16)))
+    rng = random.Random(0)
+    vocab = e.model_config.vocab_size
+    samples: list[tuple[str, tuple, float]] = []
+
+    def tokens(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def run(reqs_and_new):
+        out = SchedulerOutput([ScheduledRequest(r, n) for r, n in reqs_and_new])
+        batch = e.runner.prepare(out)
+        e.runner.execute(batch)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def request(ids, computed):
+        req = e.make_request(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
+        assert e.allocator.grow(req, len(ids))
+        req.num_computed_tokens = computed
+        return req
+
+    for ctx in contexts:
+        for n in prefill_lengths:
+            req = request(tokens(ctx + n), ctx)
+            samples.append(("prefill", (n, ctx + n), _timed(lambda: run([(req, n)]))))
+            e.allocator.free(req)
+    for ctx in decode_contexts:
+        for b in batches:
+            reqs = [request(tokens(ctx), ctx - 1) for _ in range(b)]
+            samples.append(("decode", (b, b * ctx), _timed(lambda: run([(r, 1) for r in reqs]), repeats=3)))
+            for r in reqs:
+                e.allocator.free(r)
+    # a transfer's local cost: gather a layer's blocks and scatter them elsewhere (the wire adds to it)
+    bs = e.allocator.block_size
+    for n in (256, 2048):
+        blocks = list(range(n // bs))
+        dst = list(range(n // bs, 2 * n // bs))
+
+        def move():
+            for layer in range(e.kv_cache.num_layers):
+                e.kv_cache.scatter_blocks(layer, dst, e.kv_cache.gather_blocks(layer, blocks))
+        samples.append(("transfer", (n,), _timed(move)))
+    return samples
+
+
+def cmd_profile(args) -> int:
+    from cluster.simulator import PerfModel
+
+    samples = profile_engine(args.model, args.device, args.dtype, quick=args.quick)
+    perf = PerfModel.fit(samples, block_tokens=16)
+    out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
+           "samples": [[k, list(f), s] for k, f, s in samples]}
+    text = json.dumps(out, indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"wrote {args.output}")
+    for k, f, s in samples:
+        print(f"{k:8} {str(f):16} {s * 1000:9.2f} ms")
+    print(json.dumps(perf.to_dict()))
+    return 0
+
+
+def load_perf(path: str | None):
+    from cluster.simulator import PerfModel
+
+    if path is None:
+        return PerfModel()
+    with open(path) as f:
+        d = json.load(f)
+    return PerfModel.from_dict(d.get("perf_model", d))
+
+
+def cmd_simulate(args) -> int:
+    from bench.workloads import load_workload
+    from cluster.simulator import SLO, format_table, simulate, sweep
+
+    specs = load_workload(args.workload, random.Random(args.seed), num_sessions=args.sessions,
+                          session_rate_per_s=args.session_rate)
+    perf = load_perf(args.perf)
+    slo = SLO(args.ttft_slo, args.tpot_slo)
+    opts: dict[str, Any] = {"closed_loop": args.closed_loop, "pull_prefix": not args.no_pull_prefix}
+    if args.sweep:
+        results = sweep(specs, args.sweep, perf, slo, seed=args.seed, **opts)
+    else:
+        results = [simulate(specs, args.prefill, args.decode, perf, slo, seed=args.seed, **opts)]
+    print(f"workload {args.workload}: {len(specs)} requests; SLO TTFT <= {slo.ttft_s} s, TPOT <= {slo.tpot_s} s")
+    print(format_table(results))
+    return 0
+
+
+def register(sub) -> None:
+    pr = sub.add_parser("profile", help="time the engine and fit the simulator's performance model")
+    pr.add_argument("--model", default="smollm2-135m")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--dtype", default="float32")
+    pr.add_argument("--output", "-o", help="write the samples and fitted model as JSON")
+    pr.add_argument("--quick", action="store_true", help="fewer samples")
+    pr.set_defaults(func=cmd_profile)
+
+    sm = sub.add_parser("simulate", help="what-if: replay a workload against N prefill and M decode workers")
+    sm.add_argument("--workload", default="coding-agent", help="coding-agent, coding-agent-small, or a "
+                                                                "Mooncake .jsonl / Azure .csv trace")
+    sm.add_argument("--prefill", type=int, default=1)
+    sm.add_argument("--decode", type=int, default=1)
+    sm.add_argument("--sweep", type=int, metavar="GPUS", help="every prefill:decode split of GPUS workers, "
+                                                             "and all of them colocated")
+    sm.add_argument("--perf", help="perf model JSON from `tandem profile` (default: assumed 8B on H200)")
+    sm.add_argument("--sessions", type=int, default=50)
+    sm.add_argument("--session-rate", type=float, default=1.0, help="new sessions per second")
+    sm.add_argument("--ttft-slo", type=float, default=2.0)
+    sm.add_argument("--tpot-slo", type=float, default=0.05)
+    sm.add_argument("--closed-loop", action="store_true", help="next turn after the answer + think time")
+    sm.add_argument("--no-pull-prefix", action="store_true",
+                    help="prefill workers recompute prefixes the decode worker holds (Tandem pulls them)")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.set_defaults(func=cmd_simulate)
