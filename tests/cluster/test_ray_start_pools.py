@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from contextlib import closing
 from pathlib import Path
 
@@ -141,6 +142,9 @@ def test_kuberay_shaped_cluster_serves_a_request(tmp_path):
     # Short: Ray's unix socket paths under it must stay below 108 bytes.
     temp_dir = tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_AUTH_TOKEN")}
+    # Ray's token authentication, as a KubeRay cluster with authOptions.mode=token runs it: every
+    # node and client shares one token
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex + uuid.uuid4().hex)
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
@@ -154,7 +158,7 @@ def test_kuberay_shaped_cluster_serves_a_request(tmp_path):
     channel = None
     try:
         # The head pod: rayStartParams {num-cpus: "0"}, so no pool actor can land here.
-        procs.start("ray-head", [RAY, "start", "--head", "--block", "--num-cpus=0", f"--port={gcs_port}",
+        procs.start("ray-head", [RAY, "start", "--head", "--block", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                                  f"--temp-dir={temp_dir}", "--disable-usage-stats",
                                  f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
                                  *_node_ports()])
@@ -163,7 +167,7 @@ def test_kuberay_shaped_cluster_serves_a_request(tmp_path):
             NODE_START_S, procs)
         # The worker groups: rayStartParams.resources '"{\"tandem_prefill\": 1}"' and the decode one.
         for pool in ("prefill", "decode"):
-            procs.start(f"ray-{pool}", [RAY, "start", "--block", f"--address={address}", "--num-cpus=1",
+            procs.start(f"ray-{pool}", [RAY, "start", "--block", f"--address={address}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
                                         f"--resources={json.dumps({f'tandem_{pool}': 1})}",
                                         f"--temp-dir={temp_dir}", "--disable-usage-stats", *_node_ports()])
         _wait_for("both pool nodes", lambda: {"tandem_prefill", "tandem_decode"} <= set(_ray_resources(address, env)[0]),

@@ -5,6 +5,8 @@ Ray version everywhere. No cluster and no network: the schemas ship with kuberne
 
 from __future__ import annotations
 
+import tempfile
+
 import json
 import re
 from pathlib import Path
@@ -56,7 +58,7 @@ VARIANTS = {
     "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
     "custom": CUSTOM_VALUES,
     "no-auth": {"auth": {"enabled": False, "token": "unused"}, "models": {"pvc": {"existingClaim": "weights"}},
-                "autoscaler": {"writeConfig": True}},
+                "autoscaler": {"enabled": True, "upscaleDelaySeconds": 5}},
 }
 
 
@@ -322,13 +324,21 @@ def test_chart_auth_and_redis_defaults(tmp_path):
     assert "port-forward" in notes and "tandem-auth" in notes
 
 
-def test_chart_autoscaler_section_is_opt_in():
+def test_chart_autoscaler_section_reaches_the_config():
+    from cluster.config import load_config
+
     def config(values):
         docs = render_manifests(CHART, values)
         return yaml.safe_load([d for d in docs if d["kind"] == "ConfigMap"][0]["data"]["config.yaml"])
-    assert "autoscaler" not in config({})
-    section = config({"autoscaler": {"writeConfig": True}})["autoscaler"]
-    assert section["ttft_target_s"] == 1.0 and section["max_decode"] == 8
+    section = config({})["autoscaler"]
+    assert section["enabled"] is True and section["ttft_target_s"] == 1.0 and section["decode_max"] == 8
+    off = config({"autoscaler": {"enabled": False}})
+    assert off["autoscaler"]["enabled"] is False
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(config({"autoscaler": {"upscaleDelaySeconds": 7}}), f)
+        f.flush()
+        cfg = load_config(f.name)
+    assert cfg.autoscale and cfg.autoscaler.upscale_delay_s == 7 and cfg.autoscaler.decode_max == 8
 
 
 def _values_keys_without_doc(path: Path) -> list[str]:
