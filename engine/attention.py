@@ -70,9 +70,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         lens = meta.seq_lens[:, None].to(k.device)
         mask = torch.arange(L, device=k.device)[None, :] < lens  # [B, L]
         qb = q.view(B, num_heads, 1, -1)
-        kb = k.transpose(1, 2).repeat_interleave(group, dim=1)
-        vb = v.transpose(1, 2).repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale)
+        # grouped-query heads read their shared K/V in place (no repeat_interleave copy)
+        o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
         return o.view(B, num_heads, -1)
     start = 0
     for b in range(meta.num_seqs):
@@ -80,15 +80,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
         k = _gather_kv(k_cache, meta.block_tables[b], kv_len).transpose(0, 1)
         v = _gather_kv(v_cache, meta.block_tables[b], kv_len).transpose(0, 1)
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
+        gqa = group > 1
         if q_len == 1:
-            o = F.scaled_dot_product_attention(qs, k, v, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
         else:
             # causal with an offset: query j may see keys [0, kv_len - q_len + j]
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             kpos = torch.arange(kv_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=kpos <= qpos, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=kpos <= qpos, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out

@@ -202,3 +202,33 @@ def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
     _, _, last2 = c.generate(stub=stub2, messages=msgs2, session_id="shared-1", max_tokens=8)
     # router 2 had never seen this session: only Redis could send it to the decode actor holding it
     assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
+
+
+def test_metrics_endpoint_after_traffic(remote):
+    """The router process's one /metrics endpoint exposes the vLLM-style names with plausible values."""
+    import re
+    import time
+    import urllib.request
+
+    from cluster.metrics import METRIC_NAMES, start_metrics_server
+
+    for i in (0, 1, 1):  # the repeat hits the prefix cache
+        remote.generate(prompt=PROMPTS[i] * 3, max_tokens=8, ignore_eos=True, session_id="metrics")
+    time.sleep(2.5)  # one controller health round + one router refresh carry the workers' counters
+    port = start_metrics_server(0, "127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(tandem:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+    # every family is declared (a labelled counter with no samples yet still has its TYPE line)
+    exported = {n.removesuffix("_total") for n in re.findall(r"^# TYPE (tandem:[a-z0-9_]+) ", text, re.M)}
+    missing = [n for n in METRIC_NAMES if n not in exported]
+    assert not missing, missing
+    assert values["tandem:time_to_first_token_seconds_count"] >= 3
+    assert values["tandem:inter_token_latency_seconds_count"] >= 3 * 7
+    assert 0 < values["tandem:time_to_first_token_seconds_sum"] < 3 * 60
+    assert values["tandem:prefix_cache_queries_total"] >= values["tandem:prefix_cache_hits_total"] > 0
+    assert values["tandem:kv_transfer_bytes_total"] > 0  # the remote path moved KV
+    assert values["tandem:pool_size"] == 2  # one prefill + one decode actor
