@@ -3,6 +3,14 @@
 Single-device and batch-flattened: `forward(input_ids [T], positions [T], kv_cache, meta)` runs
 every scheduled token of every sequence in one pass; attention reads through the block table
 (engine.attention). Weights use Hugging Face names, with q/k/v and gate/up fused at load time.
+
+Two paths, picked by `model.ops` (None: from the device of the inputs). `TorchOps` (the CPU, and
+the reference): plain torch everywhere. `TritonOps` (CUDA): Triton paged attention and KV writes,
+and the fused kernels of engine.kernels.fused for add + RMSNorm (the residual stream is carried
+beside the hidden states, so each sum is computed once, inside the next norm), rotary embedding
+(in place on the fused qkv output) and SiLU-and-mul. Both round the residual sums and the
+normalised activations to the model dtype at the same points. No Triton-path op reads a host-side
+value of a device tensor, so a forward on it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -98,6 +106,18 @@ class Attention(nn.Module):
         o = ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]; q, k, v are views of it
+        q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        ops.rotary_embedding(q, k, positions, cos_sin)
+        k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.view(T, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -123,11 +143,46 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x, residual, positions, cos_sin, kv_cache, meta, ops):
+        """x: this layer's input before the pending residual add (residual None: x is the
+        residual stream itself). -> (MLP output, residual stream): the sum is left to the next norm."""
+        h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        h = self.self_attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
+        h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps, residual)
+        mlp = self.mlp
+        return mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h))), residual
+
 
 class TorchOps:
     """The plain-torch attention path (CPU, and the reference for the GPU kernels)."""
+    fused = False
     write_kv = staticmethod(write_kv_torch)
     attention = staticmethod(paged_attention_torch)
+
+
+class TritonOps:
+    """The GPU path: Triton paged attention and KV writes, and (`fused`) the fused elementwise
+    kernels the model switches to when these ops are selected."""
+    fused = True
+
+    def __init__(self):
+        from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+        from engine.kernels.kv_write import write_kv
+        from engine.kernels.paged_attention import paged_attention
+
+        self.write_kv, self.attention = write_kv, paged_attention
+        self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
+
+
+def default_ops(device: torch.device) -> TorchOps | TritonOps:
+    """TritonOps on a CUDA device where Triton imports, else TorchOps."""
+    if device.type == "cuda":
+        from engine.kernels import triton_available
+
+        if triton_available():
+            return TritonOps()
+    return TorchOps()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,7 +196,18 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
-        self.ops = TorchOps()
+        # None: TorchOps on the CPU, TritonOps on CUDA (default_ops); set it to force one
+        self.ops: TorchOps | TritonOps | None = None
+        self._auto_ops: dict[torch.device, TorchOps | TritonOps] = {}
+
+    def ops_for(self, device: torch.device) -> TorchOps | TritonOps:
+        """The ops a forward on `device` uses."""
+        if self.ops is not None:
+            return self.ops
+        ops = self._auto_ops.get(device)
+        if ops is None:
+            ops = self._auto_ops[device] = default_ops(device)
+        return ops
 
     # The cache layout is the model's: Llama keeps K and V per layer. [L, 2, blocks, block_size, Hkv, D]
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -152,12 +218,25 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, layer_done=None) -> torch.Tensor:
         """-> final hidden states [T, hidden]. `layer_done(layer)` is called after each layer's KV
         is written (the prefill actor starts sending that layer then)."""
+        ops = self.ops_for(input_ids.device)
+        if getattr(ops, "fused", False):
+            return self._forward_fused(input_ids, positions, kv_cache, meta, ops, layer_done)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache, meta, self.ops)
+            x = layer(x, positions, self.rotary, kv_cache, meta, ops)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(x)
+
+    def _forward_fused(self, input_ids, positions, kv_cache, meta, ops, layer_done) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        cos_sin = self.rotary.cos_sin
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward_fused(x, residual, positions, cos_sin, kv_cache, meta, ops)
+            if layer_done is not None:
+                layer_done(i)
+        return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,15 +1,28 @@
 """Runs one scheduled batch through the model: builds the flattened inputs and attention metadata
 from the scheduler's decision, runs the forward pass, and returns logits for the positions that
 need them (the last position of every sequence that samples; 1 + k positions when verifying k
-drafts). Owns the model and its KV cache on one device."""
+drafts). Owns the model and its KV cache on one device.
+
+`prepare` builds the metadata on the host with numpy in one pass over the batch. On the CPU the
+inputs are int64/int32 tensors as the torch path expects. On CUDA every input is int32, packed into
+one pinned host buffer and uploaded with one non-blocking copy; decode-shaped steps (see
+engine.cuda_graphs) are packed straight into the static buffers of the CUDA graphs and `execute`
+replays the graph captured for their padded shape. A step runs eagerly when it is not
+decode-shaped, when `layer_done` is given (a graph cannot call back per layer), or while the caller
+is itself capturing a graph.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs,
+                                capture_query_lens, graph_key, token_buckets)
 from engine.kv_cache import KVCache
 from engine.scheduler import SchedulerOutput
 
@@ -21,69 +34,221 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [N] rows of the hidden states that need logits
     logits_owner: list[tuple[str, int]]  # (request id, number of rows) in order
+    graph_key: GraphKey | None = None  # the captured shape this step pads to (None: eager)
+    host: torch.Tensor | None = field(default=None, repr=False)  # packed inputs (graph steps)
+
+
+@dataclass
+class _HostBatch:
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    logits_index: np.ndarray  # [N]
+    query_start_loc: np.ndarray  # [B + 1]
+    query_lens: list[int]
+    seq_lens: list[int]
+    table: np.ndarray  # [B, max blocks] int32, rows padded with 0
+    owners: list[tuple[str, int]]
+
+
+def _token_slice(r, start: int, end: int) -> list[int]:
+    """r.all_token_ids[start:end] without building the whole list."""
+    prompt, out = r.prompt_token_ids, r.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return out[start - n:end - n]
+    return prompt[start:] + out[:end - n]
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, device: torch.device | str):
+    def __init__(self, model, kv_cache: KVCache, device: torch.device | str, *,
+                 cuda_graphs: bool | None = None, graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+                 max_graph_tokens: int = 512, capture: bool | None = None):
+        """cuda_graphs: None = on for CUDA. capture: None = capture on CUDA; False runs the graph
+        path's static buffers eagerly (how CPU tests check the padding). Graphs are captured lazily,
+        on a shape's first step; `capture_graphs` captures decode shapes up front."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
+        cuda = self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        self.static: StaticInputs | None = None
+        self._static_batch: BatchInputs | None = None  # the step the static buffers hold
+        if cuda_graphs if cuda_graphs is not None else cuda:
+            self.batch_sizes = tuple(sorted(graph_batch_sizes))
+            self.token_sizes = token_buckets(self.batch_sizes, max(max_graph_tokens, self.batch_sizes[-1]))
+            cfg = model.config
+            max_blocks = min(kv_cache.num_blocks, -(-cfg.max_position_embeddings // self.block_size))
+            self.static = StaticInputs(self.batch_sizes[-1], self.token_sizes[-1], max_blocks, self.device)
+            self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture)
+            self._split_plans: dict[tuple[int, int], bool] = {}
 
-    def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> BatchInputs:
-        drafts = drafts or {}
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qlens: list[int] = []
-        slens: list[int] = []
-        tables: list[list[int]] = []
-        logits_index: list[int] = []
-        owners: list[tuple[str, int]] = []
+    # ---- inputs -----------------------------------------------------------------------------
+    def _host_batch(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> _HostBatch:
         bs = self.block_size
+        num_seqs = len(out.scheduled)
+        pieces: list[list[int]] = []
+        starts, qlens, slens, rows, owners = [], [], [], [], []
+        tables = []
+        num_tokens = 0
         for s in out.scheduled:
             r = s.request
             start, n = r.num_computed_tokens, s.num_new_tokens
             known = r.num_tokens
-            d = drafts.get(r.request_id, [])[: s.num_draft_tokens]
-            tokens = r.all_token_ids
-            for p in range(start, start + n):
-                ids.append(tokens[p] if p < known else d[p - known])
-                pos.append(p)
-                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            pieces.append(_token_slice(r, start, min(start + n, known)))
+            if start + n > known:
+                d = drafts.get(r.request_id, [])[: s.num_draft_tokens][max(start, known) - known:start + n - known]
+                if len(d) != start + n - max(start, known):
+                    raise IndexError(f"request {r.request_id}: {len(d)} draft tokens for "
+                                     f"{start + n - max(start, known)} draft positions")
+                pieces.append(d)
+            starts.append(start)
             qlens.append(n)
             slens.append(start + n)
             tables.append(r.block_ids)
+            num_tokens += n
             if s.samples:
-                rows = 1 + s.num_draft_tokens
-                base = len(ids) - rows
-                logits_index.extend(range(base, base + rows))
-                owners.append((r.request_id, rows))
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
+                k = 1 + s.num_draft_tokens
+                rows.append((num_tokens - k, k))
+                owners.append((r.request_id, k))
+        ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=num_tokens)
+        table = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=qsl.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(slens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            query_lens_cpu=qlens, seq_lens_cpu=slens,
-            max_query_len=max(qlens), max_seq_len=max(slens))
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
-            meta=meta,
-            logits_index=torch.tensor(logits_index, dtype=torch.int64).to(dev, non_blocking=True),
-            logits_owner=owners)
+            table[i, :len(t)] = t
+        qlens_np = np.asarray(qlens, dtype=np.int64)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(qlens_np, out=qsl[1:])
+        seq_of = np.repeat(np.arange(num_seqs), qlens_np)  # [T] sequence of each token
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - qsl[:-1], qlens_np)
+        slots = table[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+        logits_index = (np.concatenate([np.arange(a, a + k) for a, k in rows]) if rows
+                        else np.zeros(0, dtype=np.int64))
+        return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners)
 
+    def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> BatchInputs:
+        h = self._host_batch(out, drafts or {})
+        dev = self.device
+        if dev.type != "cuda" and self.graphs is None:
+            # the CPU path: the dtypes the torch reference takes
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(h.slots), query_start_loc=torch.from_numpy(h.query_start_loc.astype(np.int32)),
+                seq_lens=torch.tensor(h.seq_lens, dtype=torch.int32), block_tables=torch.from_numpy(h.table),
+                query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens,
+                max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+            return BatchInputs(input_ids=torch.from_numpy(h.ids), positions=torch.from_numpy(h.positions), meta=meta,
+                               logits_index=torch.from_numpy(h.logits_index), logits_owner=h.owners)
+        key = self._graph_key(h)
+        if key is not None:
+            return self._prepare_static(h, key)
+        # eager on CUDA: one pinned buffer [ids | positions | slots | logits rows | qsl | seq_lens | table]
+        T, N, B = len(h.ids), len(h.logits_index), len(h.seq_lens)
+        parts = (h.ids, h.positions, h.slots, h.logits_index, h.query_start_loc, np.asarray(h.seq_lens), h.table.reshape(-1))
+        bounds = np.cumsum([0] + [len(p) for p in parts])
+        host = torch.empty(int(bounds[-1]), dtype=torch.int32, pin_memory=dev.type == "cuda")
+        hn = host.numpy()
+        for p, a, b in zip(parts, bounds[:-1], bounds[1:]):
+            hn[a:b] = p
+        buf = host.to(dev, non_blocking=True)
+        v = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        meta = AttentionMetadata(
+            slot_mapping=v[2], query_start_loc=v[4], seq_lens=v[5], block_tables=v[6].view(B, -1),
+            query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens,
+            max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+        assert len(v[0]) == T and len(v[3]) == N
+        return BatchInputs(input_ids=v[0], positions=v[1], meta=meta, logits_index=v[3], logits_owner=h.owners)
+
+    def _graph_key(self, h: _HostBatch) -> GraphKey | None:
+        if self.graphs is None or not self._fused():
+            return None
+        key = graph_key(h.query_lens, max(h.seq_lens), batch_sizes=self.batch_sizes,
+                        token_sizes=self.token_sizes,
+                        max_context=self.static.max_blocks * self.block_size, splits=self._splits)
+        if key is None or h.table.shape[1] > self.static.max_blocks or not self.graphs.can_run(key):
+            return None
+        return key
+
+    def _fused(self) -> bool:
+        """Whether the model runs the Triton ops here (graphs need them)."""
+        ops_for = getattr(self.model, "ops_for", None)
+        return ops_for is not None and getattr(ops_for(self.device), "fused", False)
+
+    def _splits(self, batch: int, context: int) -> bool:
+        """Whether the decode kernel splits contexts of this length at this batch size."""
+        plan = self._split_plans.get((batch, context))
+        if plan is None:
+            from engine.kernels.paged_attention import _num_sms, choose_partition_size
+
+            size = choose_partition_size(batch, self.model.config.num_kv_heads, context, _num_sms(self.device))
+            plan = self._split_plans[(batch, context)] = size is not None and size < context
+        return plan
+
+    def _prepare_static(self, h: _HostBatch, key: GraphKey) -> BatchInputs:
+        s = self.static
+        host = s.pack(h.ids, h.positions, h.slots, h.logits_index, h.query_start_loc, h.seq_lens, h.table)
+        T, N, B = len(h.ids), len(h.logits_index), len(h.seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=s.slots[:T], query_start_loc=s.query_start_loc[:B + 1], seq_lens=s.seq_lens[:B],
+            block_tables=s.block_tables[:B, :h.table.shape[1]], query_lens_cpu=h.query_lens,
+            seq_lens_cpu=h.seq_lens, max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+        batch = BatchInputs(input_ids=s.input_ids[:T], positions=s.positions[:T], meta=meta,
+                            logits_index=s.logits_rows[:N], logits_owner=h.owners, graph_key=key, host=host)
+        self._upload(batch)
+        return batch
+
+    def _upload(self, batch: BatchInputs) -> None:
+        self.static.upload(batch.host, batch.meta.num_seqs, batch.meta.block_tables.shape[1])
+        self._static_batch = batch
+
+    def _static_step(self, key: GraphKey) -> torch.Tensor:
+        """The forward + logits of a padded step on the static buffers: what a graph captures."""
+        s, T, B = self.static, key.tokens, key.batch
+        seq_lens_cpu = [key.context or 1] * B  # sizes the split-K plan as the key says
+        meta = AttentionMetadata(
+            slot_mapping=s.slots[:T], query_start_loc=s.query_start_loc[:B + 1], seq_lens=s.seq_lens[:B],
+            block_tables=s.block_tables[:B], query_lens_cpu=capture_query_lens(key),
+            seq_lens_cpu=seq_lens_cpu, max_query_len=key.query_len, max_seq_len=max(seq_lens_cpu))
+        hidden = self.model(s.input_ids[:T], s.positions[:T], self.kv_cache.tensor, meta)
+        return self.model.compute_logits(hidden.index_select(0, s.logits_rows[:T]))
+
+    @torch.inference_mode()
+    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None, context_len: int = 2048) -> int:
+        """Capture the decode graphs (one new token per sequence) of these batch sizes for
+        contexts up to context_len now, instead of on their first step. Returns graphs captured."""
+        if self.graphs is None or not self._fused():
+            return 0
+        before = self.graphs.captures
+        s = self.static
+        s.buffer[:s.header_len].copy_(torch.from_numpy(s.empty_header))
+        self._static_batch = None
+        for b in batch_sizes or self.batch_sizes:
+            key = graph_key([1] * b, context_len, batch_sizes=self.batch_sizes, token_sizes=self.token_sizes,
+                            max_context=s.max_blocks * self.block_size, splits=self._splits)
+            if key is not None:
+                self.graphs.capture_empty(key)
+        return self.graphs.captures - before
+
+    # ---- run --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, layer_done=None) -> torch.Tensor:
         """-> logits [N, vocab] (float32) for `batch.logits_index` rows (N may be 0)."""
+        if batch.graph_key is not None:
+            if self._static_batch is not batch:  # another step was prepared since: put this one back
+                self._upload(batch)
+            if (layer_done is None and self.graphs.can_run(batch.graph_key)
+                    and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+                logits = self.graphs.run(batch.graph_key)
+                return logits[:batch.logits_index.shape[0]].clone()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.tensor, batch.meta, layer_done)
         if not batch.logits_owner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
+
+    @property
+    def graph_stats(self) -> dict[str, int | str | None]:
+        g = self.graphs
+        if g is None:
+            return {"graphs": 0, "captures": 0, "replays": 0, "failed": None}
+        return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "failed": g.failed}

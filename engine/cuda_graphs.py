@@ -1,0 +1,201 @@
+"""CUDA graphs for decode-shaped steps: which steps qualify, how they are padded to a captured
+shape, the static input buffers the graphs read, and capture / replay.
+
+A step qualifies when every sequence has at most MAX_GRAPH_QUERY_LEN new tokens (decode, the
+speculative verifier's 1 + k, a short prefill tail), the batch and its token count fit the largest
+bucket, its contexts fit the static block table, and the model runs the Triton ops (the torch path
+reads host-side lengths every step). It is padded to a `GraphKey`:
+
+- batch: the next size in `batch_sizes`. Padded sequences have no new tokens and seq_len 0: the
+  attention kernels return at once for them.
+- tokens: T padded to the next bucket (a decode step: tokens == batch). Padded tokens have id 0,
+  position 0 and slot -1 (write_kv skips them) and belong to no sequence: their hidden rows are
+  computed and never read.
+- query_len: the next power of two of the longest query (the decode kernel's tile of query rows).
+- context: 0 when the decode kernel reads each context in one pass (batch x KV heads already fill
+  the GPU); else the context bucket (next power of two), because the split-K launch grid has one
+  program per partition. Such a graph serves every step whose contexts fit its bucket.
+
+Static buffers (`StaticInputs`): one int32 device buffer holding the header [ids | positions |
+slots | logits rows | query_start_loc | seq_lens], sized for the largest bucket, then a staging
+area for the compact block table; and the block table itself [max batch, max blocks per sequence].
+Graphs read prefixes of these. A step fills one pinned host buffer with the same layout and uploads
+it with one copy, then scatters the table with one device copy: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+MAX_GRAPH_QUERY_LEN = 16  # engine.kernels.paged_attention.MAX_DECODE_QUERY_LEN
+MIN_CONTEXT_BUCKET = 256
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # sequences, padded
+    tokens: int  # new tokens, padded
+    query_len: int  # power of two >= the longest query
+    context: int  # 0: any context (one pass per sequence); else the split-K context bucket
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None when n is larger than all of them."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return None
+
+
+def token_buckets(batch_sizes: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """The batch sizes, continued by the largest batch size's steps up to max_tokens."""
+    sizes = [s for s in batch_sizes if s <= max_tokens]
+    step = max(batch_sizes)
+    while sizes[-1] + step <= max_tokens:
+        sizes.append(sizes[-1] + step)
+    if sizes[-1] < max_tokens:
+        sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+def graph_key(query_lens: list[int], max_seq_len: int, *, batch_sizes: tuple[int, ...],
+              token_sizes: tuple[int, ...], max_context: int,
+              splits: Callable[[int, int], bool]) -> GraphKey | None:
+    """The captured shape a step pads to, or None if it runs eagerly. `splits(batch, context)`:
+    whether the decode kernel would split contexts of that length into partitions at that batch."""
+    num_seqs, num_tokens = len(query_lens), sum(query_lens)
+    max_q = max(query_lens, default=0)
+    if not num_seqs or max_q < 1 or max_q > MAX_GRAPH_QUERY_LEN or max_seq_len > max_context:
+        return None
+    batch = round_up(num_seqs, batch_sizes)
+    if batch is None:
+        return None
+    q = next_power_of_2(max_q)
+    if q == 1:
+        tokens = batch
+    else:
+        tokens = round_up(num_tokens, token_sizes)
+        if tokens is None:
+            return None
+        tokens = min(tokens, batch * q)
+    context = min(max(MIN_CONTEXT_BUCKET, next_power_of_2(max_seq_len)), max_context)
+    return GraphKey(batch, tokens, q, context if splits(batch, context) else 0)
+
+
+def capture_query_lens(key: GraphKey) -> list[int]:
+    """Host-side query lengths with the key's batch, token count and longest query: what the
+    kernels' launch grids are sized from at capture (the device tensors hold the real ones)."""
+    full, rest = divmod(key.tokens, key.query_len)
+    lens = [key.query_len] * full + ([rest] if rest else [])
+    return lens + [0] * (key.batch - len(lens))
+
+
+class StaticInputs:
+    """The device buffers captured graphs read, and the packing of one step into them."""
+
+    def __init__(self, max_batch: int, max_tokens: int, max_blocks: int, device: torch.device):
+        self.max_batch, self.max_tokens, self.max_blocks = max_batch, max_tokens, max_blocks
+        self.device = device
+        T, B = max_tokens, max_batch
+        # header offsets: ids, positions, slots, logits rows [T each]; query_start_loc [B + 1]; seq_lens [B]
+        self.offsets = (0, T, 2 * T, 3 * T, 4 * T, 5 * T + B + 1, 5 * T + 2 * B + 1)
+        self.header_len = self.offsets[-1]
+        self.buffer = torch.zeros(self.header_len + B * max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)
+        o = self.offsets
+        view = lambda i: self.buffer[o[i]:o[i + 1]]  # noqa: E731
+        self.input_ids, self.positions, self.slots, self.logits_rows = (view(i) for i in range(4))
+        self.query_start_loc, self.seq_lens = view(4), view(5)
+        # what the header holds with no step in it: no tokens, nothing written or read
+        self.empty_header = np.zeros(self.header_len, dtype=np.int32)
+        self.empty_header[o[2]:o[3]] = -1
+        self.pin = device.type == "cuda"
+
+    def pack(self, ids, positions, slots, logits_rows, query_start_loc, seq_lens,
+             table: np.ndarray) -> torch.Tensor:
+        """A host buffer (pinned on CUDA) holding one step in this layout: header, then the table
+        [B, W] compact. Entries past the step are the empty values (padding)."""
+        B, W = table.shape
+        host = torch.empty(self.header_len + B * W, dtype=torch.int32, pin_memory=self.pin)
+        h = host.numpy()
+        h[:self.header_len] = self.empty_header
+        o = self.offsets
+        T, B_ = len(ids), len(seq_lens)
+        h[o[0]:o[0] + T] = ids
+        h[o[1]:o[1] + T] = positions
+        h[o[2]:o[2] + T] = slots
+        h[o[3]:o[3] + len(logits_rows)] = logits_rows
+        h[o[4]:o[4] + B_ + 1] = query_start_loc
+        h[o[4] + B_ + 1:o[5]] = T  # padded sequences start (and end) after the last real token
+        h[o[5]:o[5] + B_] = seq_lens
+        h[self.header_len:] = table.reshape(-1)
+        return host
+
+    def upload(self, host: torch.Tensor, num_seqs: int, width: int) -> None:
+        n = host.numel()
+        self.buffer[:n].copy_(host, non_blocking=True)
+        staged = self.buffer[self.header_len:n].view(num_seqs, width)
+        self.block_tables[:num_seqs, :width].copy_(staged)
+
+
+class DecodeGraphs:
+    """Captured steps by GraphKey. `step(key)` runs the forward on the static buffers and returns
+    the logits of all key.tokens rows; it is captured on first use of a key (the run before the
+    capture, which compiles kernels, is that step's result). With `capture=False` (CPU tests)
+    every run is eager through the same static buffers."""
+
+    def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256):
+        self.step = step
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        self.captures = 0
+        self.failed: str | None = None  # why capturing stopped, if it did
+
+    def can_run(self, key: GraphKey) -> bool:
+        return self.failed is None and (key in self.graphs or len(self.graphs) < self.max_graphs)
+
+    def run(self, key: GraphKey) -> torch.Tensor:
+        if not self.capture:
+            self.replays += 1
+            return self.step(key)
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._capture(key)
+        entry[0].replay()
+        self.replays += 1
+        return entry[1]
+
+    def _capture(self, key: GraphKey) -> torch.Tensor:
+        result = self.step(key)  # eager: compiles the Triton kernels, and is this step's output
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.step(key)
+        except Exception as e:  # noqa: BLE001 - keep serving eagerly, say why once
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed for %s; running eagerly from now on: %s", key, self.failed)
+            return result
+        self.graphs[key] = (graph, out)
+        self.captures += 1
+        return result
+
+    def capture_empty(self, key: GraphKey) -> None:
+        """Capture `key` ahead of any step (the static buffers must hold the empty header)."""
+        if self.capture and key not in self.graphs and self.can_run(key):
+            self._capture(key)
