@@ -86,6 +86,15 @@ def main() -> None:
     by_session: dict = {}
     for s in specs:
         by_session.setdefault(s.session_id, []).append(s)
+    # the performance model, fitted first on an idle machine with the threads one pool actor gets
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    samples = profile_engine("smollm2-135m", quick=True)
+    torch.set_num_threads(threads)
+    perf = PerfModel.fit(samples, local_prefill_threshold=a.threshold, block_tokens=16, max_step_tokens=2048)
+
     ray.init(num_cpus=4, resources={"tandem_prefill": 8, "tandem_decode": 8}, include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False, logging_level="ERROR")
     c = RunningCluster({"model.name": "smollm2-135m", "cache.num_blocks": 2048, "prefill.replicas": a.prefill,
@@ -99,8 +108,6 @@ def main() -> None:
     tpot = [r["tpot"] for r in recs if r["output"] > 1]
     cached = sum(r["cached"] for r in recs) / sum(r["prompt"] for r in recs)
 
-    samples = profile_engine("smollm2-135m", quick=True)
-    perf = PerfModel.fit(samples, local_prefill_threshold=a.threshold, block_tokens=16, max_step_tokens=2048)
     sim = simulate(specs, a.prefill, a.decode, perf, SLO(), closed_loop=True, pull_prefix=True).summary
 
     print(f"\n{len(recs)} requests in {len(by_session)} sessions over {wall:.1f} s; smollm2-135m on CPU, "
