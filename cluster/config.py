@@ -3,6 +3,7 @@
     model: {name: smollm2-135m, dtype: float32, device: cpu}
     cache: {block_size: 16, num_blocks: null, ...}       # engine.config.CacheConfig
     scheduler: {max_num_seqs: 256, ...}                  # engine.config.SchedulerConfig
+    speculative: {method: off, num_tokens: 5, ...}       # engine.config.SpeculativeConfig (decode actors)
     prefill: {replicas: 1, resource_name: tandem_prefill, num_gpus: 0, ...}
     decode:  {replicas: 1, resource_name: tandem_decode, num_gpus: 0, local_prefill_threshold: 256}
     router:  {host: 127.0.0.1, port: 50051, redis_url: null, session_ttl_s: 3600, ...}
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 
 from cluster.autoscaler import AutoscalerConfig
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed},
         "cache": dataclasses.asdict(e.cache),
         "scheduler": dataclasses.asdict(e.scheduler),
+        "speculative": dataclasses.asdict(e.speculative),
         "prefill": dataclasses.asdict(cfg.prefill),
         "decode": dataclasses.asdict(cfg.decode),
         "router": dataclasses.asdict(cfg.router),
@@ -138,6 +140,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         "model": m.pop("name"), **m,
         "cache": _build(CacheConfig, data["cache"], "cache"),
         "scheduler": _build(SchedulerConfig, data["scheduler"], "scheduler"),
+        "speculative": _build(SpeculativeConfig, data["speculative"], "speculative"),
     }, "model")
     pools = {p: _build(PoolConfig, {k: _inf(v) for k, v in data[p].items()}, p) for p in ("prefill", "decode")}
     auto = dict(data["autoscaler"])

@@ -157,13 +157,14 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_num_layers: int | None = None
     draft_num_blocks: int | None = None  # the draft's own KV cache; None: as many blocks as the target's
-    # length policy (engine.speculative.policy): a step verifies at most this many tokens (1 + k
-    # per sequence, summed); past it the forward is compute-bound and drafts cost more than they
-    # save. None: 256 on GPUs, 32 on CPUs.
+    # length policy (engine.speculative.policy). The knee: up to this many tokens (1 + k per
+    # sequence, plus prefill chunks) a forward costs about one decode step; past it, about
+    # tokens / max_verify_tokens steps. None: 256 on GPUs, 8 on CPUs (bench/speculative.py).
     max_verify_tokens: int | None = None
+    min_acceptance: float = 0.3  # below this per-token acceptance a sequence stops drafting
+    min_draft_gain: float = 0.1  # draft position j is proposed only if acceptance**j reaches this
     initial_acceptance: float = 0.7  # per-token acceptance assumed for a new sequence
     ema_decay: float = 0.8  # weight of the past in the acceptance estimate, per verify step
-    min_draft_gain: float = 0.3  # draft position j is proposed only if acceptance**j reaches this
     probe_interval: int = 16  # steps a sequence stays off before it is probed again
 
     def __post_init__(self) -> None:
@@ -181,7 +182,7 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative: draft_num_blocks must be >= 2, got {self.draft_num_blocks}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 1:
             raise ConfigError(f"speculative: max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
-        for name in ("initial_acceptance", "min_draft_gain"):
+        for name in ("initial_acceptance", "min_acceptance", "min_draft_gain"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"speculative: {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.ema_decay < 1:

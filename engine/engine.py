@@ -158,6 +158,8 @@ class LLMEngine:
     def _release(self, rid: str) -> None:
         self.sampler.release(rid)
         self.detok.pop(rid, None)
+        if getattr(self, "speculator", None) is not None:
+            self.speculator.release(rid)  # frees a draft model's blocks at once
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self, layer_done=None) -> list[RequestOutput]:
@@ -185,7 +187,12 @@ class LLMEngine:
             produced = self.scheduler.update_from_output(sched, sampled)
         else:
             produced = self._verify(sched, batch, logits, drafts)
-        return [self._postprocess(req, new) for req, new in produced]
+        outs = [self._postprocess(req, new) for req, new in produced]
+        if self.speculator is not None:
+            for out in outs:
+                if out.finished:
+                    self.speculator.release(out.request_id)
+        return outs
 
     def _verify(self, sched, batch, logits, drafts) -> list[tuple[Request, list[int]]]:
         """Speculative counterpart of sampling + `update_from_output`: accept drafts, cut at stop

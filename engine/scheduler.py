@@ -123,6 +123,9 @@ class Scheduler:
                 if k:
                     k, num_new = 0, req.num_tokens - req.num_computed_tokens
                 num_new = min(num_new, budget)
+            if k and not self.allocator.grow(req, num_new):
+                # out of blocks: drop this request's drafts before preempting anyone for them
+                k, num_new = 0, min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.allocator.grow(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)

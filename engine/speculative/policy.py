@@ -1,15 +1,19 @@
 """Speculation length: how many draft tokens each decoding sequence gets this step. Pure Python.
 
-Two things decide it:
-- acceptance: each sequence keeps an exponentially weighted estimate of the chance that one draft
-  token is accepted (accepted drafts over draft positions tried, a rejection counting as one try).
-  Draft position j of a sequence with acceptance a is worth a**j expected tokens; positions worth
-  less than `min_draft_gain` are not proposed, so a sequence whose drafts keep failing drops to 0.
-  A sequence that is off gets a full-length probe every `probe_interval` steps to re-measure.
-- the batch: one step verifies at most `max_verify_tokens` tokens (1 + k per sequence, plus any
-  prefill chunks in the same step). Past that the forward is compute-bound and each draft costs
-  about what a decode step does, so the draft positions left in the budget go to the most
-  valuable ones first (highest a**j); a batch of `max_verify_tokens` sequences gets none.
+Each sequence keeps an exponentially weighted estimate `a` of the chance that one of its draft
+tokens is accepted (accepted drafts over draft positions tried, the first rejection counting as a
+try). Draft position j of a sequence is then worth a**j expected tokens. The step's cost follows a
+roofline: a forward of T tokens costs about one decode step while T <= `max_verify_tokens` (it is
+bound by reading the weights), and T / max_verify_tokens steps past it (bound by compute). So:
+
+- below the knee, positions are free: every position worth at least `min_draft_gain` is taken,
+  most valuable first (highest a**j), until the knee;
+- past the knee, a draft position costs what a decode position does (1 / max_verify_tokens of a
+  step) and yields a**j < 1 token, so none is taken: a batch of `max_verify_tokens` sequences or
+  more decodes plainly;
+- a sequence whose estimate falls below `min_acceptance` (its drafts keep failing) gets none, but
+  every `probe_interval` steps it gets a full-length probe from what the knee leaves free, to
+  re-measure.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 class _Acceptance:
     accepted: float  # decayed sum of accepted drafts
     tried: float  # decayed sum of draft positions tried (accepted + the first rejected)
-    off_steps: int = 0  # consecutive steps the estimate alone gave this sequence no drafts
+    off_steps: int = 0  # consecutive steps the sequence was off for low acceptance
 
     @property
     def rate(self) -> float:
@@ -30,22 +34,24 @@ class _Acceptance:
 
 
 class SpeculationLengthPolicy:
-    def __init__(self, max_verify_tokens: int, initial_acceptance: float = 0.7, ema_decay: float = 0.8,
-                 min_draft_gain: float = 0.3, probe_interval: int = 16):
+    def __init__(self, max_verify_tokens: int, *, min_acceptance: float = 0.3, min_draft_gain: float = 0.1,
+                 initial_acceptance: float = 0.7, ema_decay: float = 0.8, probe_interval: int = 16):
         if max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
         self.max_verify_tokens = max_verify_tokens
+        self.min_acceptance = min_acceptance
+        self.min_draft_gain = min_draft_gain
         self.initial_acceptance = initial_acceptance
         self.ema_decay = ema_decay
-        self.min_draft_gain = min_draft_gain
         self.probe_interval = probe_interval
         self.state: dict[str, _Acceptance] = {}
 
     @classmethod
     def from_config(cls, cfg, max_verify_tokens: int) -> "SpeculationLengthPolicy":
-        """From an `engine.config.SpeculativeConfig` (its `max_verify_tokens` already resolved)."""
-        return cls(max_verify_tokens, cfg.initial_acceptance, cfg.ema_decay, cfg.min_draft_gain,
-                   cfg.probe_interval)
+        """From an `engine.config.SpeculativeConfig`, its device-dependent knee resolved."""
+        return cls(max_verify_tokens, min_acceptance=cfg.min_acceptance, min_draft_gain=cfg.min_draft_gain,
+                   initial_acceptance=cfg.initial_acceptance, ema_decay=cfg.ema_decay,
+                   probe_interval=cfg.probe_interval)
 
     def _acceptance(self, rid: str) -> _Acceptance:
         st = self.state.get(rid)
@@ -58,8 +64,9 @@ class SpeculationLengthPolicy:
         return self._acceptance(rid).rate
 
     def length_for(self, acceptance: float, cap: int) -> int:
-        """The most draft positions worth proposing at this acceptance: j with acceptance**j >= gain."""
-        if cap <= 0 or acceptance < self.min_draft_gain:
+        """Positions worth proposing when they are free: j <= cap with acceptance**j >= min_draft_gain;
+        0 below `min_acceptance`."""
+        if cap <= 0 or acceptance < self.min_acceptance:
             return 0
         if acceptance >= 1.0:
             return cap
@@ -70,30 +77,27 @@ class SpeculationLengthPolicy:
         """caps: request id -> the most drafts that sequence may take this step (its own setting,
         its remaining tokens), one entry per sequence decoding this step; `num_other_tokens`:
         prefill tokens sharing the step. -> request id -> k (sequences given 0 are left out)."""
-        spare = self.max_verify_tokens - len(caps) - num_other_tokens
-        ranked: list[tuple[float, int, str]] = []  # (-gain, position, rid)
+        spare = self.max_verify_tokens - len(caps) - num_other_tokens  # free positions below the knee
+        ranked: list[tuple[float, int, str]] = []  # (-worth, position, rid)
         probes: list[str] = []
         for rid, cap in caps.items():
-            if cap <= 0:
-                continue
             st = self._acceptance(rid)
             a = st.rate
-            k = self.length_for(a, cap)
-            if k == 0:
+            if a < self.min_acceptance:
                 st.off_steps += 1
-                if st.off_steps >= self.probe_interval:
+                if cap > 0 and st.off_steps >= self.probe_interval:
                     probes.append(rid)
                 continue
             st.off_steps = 0
-            ranked.extend((-(a ** j), j, rid) for j in range(1, k + 1))
+            ranked.extend((-(a ** j), j, rid) for j in range(1, self.length_for(a, cap) + 1))
         # a**j falls with j, so each sequence's chosen positions stay contiguous (1..k); ties at
         # a == 1 are broken by position for the same reason
         ranked.sort()
         out: dict[str, int] = {}
-        for _gain, _j, rid in ranked[:max(0, spare)]:
+        for _worth, _j, rid in ranked[:max(0, spare)]:
             out[rid] = out.get(rid, 0) + 1
             spare -= 1
-        for rid in probes:  # probes come last: only spare budget pays for them
+        for rid in probes:  # probes come last: only what the knee leaves free pays for them
             k = min(caps[rid], spare)
             if k <= 0:
                 break

@@ -232,3 +232,20 @@ def test_metrics_endpoint_after_traffic(remote):
     assert values["tandem:prefix_cache_queries_total"] >= values["tandem:prefix_cache_hits_total"] > 0
     assert values["tandem:kv_transfer_bytes_total"] > 0  # the remote path moved KV
     assert values["tandem:pool_size"] == 2  # one prefill + one decode actor
+
+
+def test_speculative_decoding_through_the_cluster_keeps_greedy_output(make_cluster, offline):
+    """n-gram speculation on the decode actors (deployment config) changes no token; drafts are
+    proposed and accepted (usage reports them)."""
+    c = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 1, "speculative.method": "ngram",
+                      "speculative.num_tokens": 4})
+    code = "def area(width, height):\n    return width * height\n\n"
+    msgs = [{"role": "user", "content": f"Rename `width` to `w` and `height` to `h` in this code:\n{code}"}]
+    ref = offline([{"messages": msgs, "max_tokens": 40}, {"prompt": code * 3, "max_tokens": 30}])
+    ids, _, last = c.generate(messages=msgs, max_tokens=40)
+    assert ids == ref[0]["token_ids"]
+    ids2, _, last2 = c.generate(prompt=code * 3, max_tokens=30)
+    assert ids2 == ref[1]["token_ids"]
+    drafted = last.usage.draft_tokens + last2.usage.draft_tokens
+    accepted = last.usage.accepted_draft_tokens + last2.usage.accepted_draft_tokens
+    assert drafted > 0 and 0 < accepted <= drafted
