@@ -438,24 +438,10 @@ class Bench:
 
 
 def device_hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """engine.weights.hf_state_dict without the copy to the host: views of the model's own
-    tensors under Hugging Face names (q/k/v and gate/up are row slices of the fused weights)."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
-    if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv], 0)
-        gate, up = layer.mlp.gate_up_proj.weight.split(cfg.intermediate_size, 0)
-        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                   p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                   p + "input_layernorm.weight": layer.input_layernorm.weight,
-                   p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    return {k: v.detach() for k, v in sd.items()}
+    """Views of the model's own GPU tensors under Hugging Face names (no copy to the host)."""
+    from engine.weights import hf_state_dict
+
+    return hf_state_dict(model, on_host=False)
 
 
 def main():

@@ -201,9 +201,10 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int
     return model.eval(), tokenizer, cfg
 
 
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: LlamaForCausalLM, on_host: bool = True) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face Llama names (unfused), e.g. to check it against
-    transformers."""
+    transformers. `on_host=False`: views of the model's own tensors, where they are (q/k/v and
+    gate/up are row slices of the fused weights), with no copy."""
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
@@ -220,6 +221,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
                    p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
                    p + "input_layernorm.weight": layer.input_layernorm.weight,
                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+    if not on_host:
+        return {k: v.detach() for k, v in sd.items()}
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
