@@ -29,8 +29,11 @@ redis:
 run: setup
 	$(VENV)/bin/python -m cluster.demo
 
+# Tests marked `isolated` start Ray nodes of their own: they run in a second pytest process, after
+# every in-process Ray of the first has gone.
 test: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not isolated" tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m isolated tests
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -q tests/unit

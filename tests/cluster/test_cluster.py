@@ -205,33 +205,42 @@ def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
 
 
 def test_metrics_endpoint_after_traffic(remote):
-    """The router process's one /metrics endpoint exposes the vLLM-style names with plausible values."""
+    """The router process's one /metrics endpoint exposes the vLLM-style names, and traffic moves
+    them by plausible amounts (the registry is per process, so compare before and after)."""
     import re
     import time
     import urllib.request
 
     from cluster.metrics import METRIC_NAMES, start_metrics_server
 
+    port = start_metrics_server(0, "127.0.0.1")
+
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r"^(tandem:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
+            if m:
+                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+        return text, values
+
+    time.sleep(2.5)
+    _, before = scrape()
     for i in (0, 1, 1):  # the repeat hits the prefix cache
         remote.generate(prompt=PROMPTS[i] * 3, max_tokens=8, ignore_eos=True, session_id="metrics")
     time.sleep(2.5)  # one controller health round + one router refresh carry the workers' counters
-    port = start_metrics_server(0, "127.0.0.1")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(tandem:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
-        if m:
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+    text, after = scrape()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     # every family is declared (a labelled counter with no samples yet still has its TYPE line)
     exported = {n.removesuffix("_total") for n in re.findall(r"^# TYPE (tandem:[a-z0-9_]+) ", text, re.M)}
     missing = [n for n in METRIC_NAMES if n not in exported]
     assert not missing, missing
-    assert values["tandem:time_to_first_token_seconds_count"] >= 3
-    assert values["tandem:inter_token_latency_seconds_count"] >= 3 * 7
-    assert 0 < values["tandem:time_to_first_token_seconds_sum"] < 3 * 60
-    assert values["tandem:prefix_cache_queries_total"] >= values["tandem:prefix_cache_hits_total"] > 0
-    assert values["tandem:kv_transfer_bytes_total"] > 0  # the remote path moved KV
-    assert values["tandem:pool_size"] == 2  # one prefill + one decode actor
+    assert delta["tandem:time_to_first_token_seconds_count"] == 3
+    assert delta["tandem:inter_token_latency_seconds_count"] >= 3 * 7
+    assert 0 < delta["tandem:time_to_first_token_seconds_sum"] < 3 * 60
+    assert delta["tandem:prefix_cache_queries_total"] >= delta["tandem:prefix_cache_hits_total"] > 0
+    assert delta["tandem:kv_transfer_bytes_total"] > 0  # the remote path moved KV
+    assert after["tandem:pool_size"] == 2  # one prefill + one decode actor
 
 
 def test_speculative_decoding_through_the_cluster_keeps_greedy_output(make_cluster, offline):

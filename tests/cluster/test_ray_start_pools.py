@@ -135,8 +135,23 @@ def _node_ports() -> list[str]:
     return [f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
 
 
+@pytest.fixture
+def no_local_ray():
+    """This test starts its own Ray nodes; a Ray instance other tests left in this process would
+    compete with them for the machine (and once made a node time out at start)."""
+    import ray
+
+    ray.shutdown()
+    deadline = time.monotonic() + 60  # let a Ray an earlier process ran finish exiting
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-f", "gcs_server|raylet"],
+                                                         capture_output=True).returncode == 0:
+        time.sleep(1)
+    yield
+
+
+@pytest.mark.isolated  # make test runs it in a pytest process of its own: no other Ray on the machine
 @pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
-def test_kuberay_shaped_cluster_serves_a_request(tmp_path):
+def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
     gcs_port, grpc_port = _free_port(), _free_port()
     address = f"127.0.0.1:{gcs_port}"
     # Short: Ray's unix socket paths under it must stay below 108 bytes.
