@@ -119,7 +119,7 @@ def crd_validators():
 
 def _k8s_validate(doc: dict, where: str) -> None:
     if kubernetes_validate is None:
-        pytest.skip("kubernetes-validate is not installed")
+        pytest.fail("kubernetes-validate is not installed; `make setup` installs it", pytrace=False)
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
