@@ -22,3 +22,27 @@ def describe(worker_id: str, pool: str) -> dict:
     except Exception:  # noqa: BLE001 - outside Ray
         pass
     return {"worker_id": worker_id, "pool": pool, "pid": os.getpid(), "node": node, "host": socket.gethostname()}
+
+
+class PoolActorBase:
+    """What every pool actor answers, around its runtime object `self.worker`."""
+
+    worker: object
+    worker_id: str
+    pool: str
+
+    def ready(self) -> dict:
+        return {**describe(self.worker_id, self.pool), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
+
+    def abort(self, request_id):
+        return self.worker.abort(request_id)
+
+    def stats(self):
+        return self.worker.stats()
+
+    def set_draining(self, draining: bool = True):
+        self.worker.draining = draining
+        return self.worker.stats()
+
+    def shutdown(self):
+        self.worker.shutdown()

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
-from cluster.actor_common import describe, setup_process
+from cluster.actor_common import PoolActorBase, setup_process
 
 
 @ray.remote(max_concurrency=64)
-class DecodeActor:
+class DecodeActor(PoolActorBase):
+    pool = "decode"
+
     def __init__(self, worker_id: str, engine_config, local_prefill_threshold: float, rendezvous: str | None,
                  num_cpus: float = 1.0):
         setup_process(num_cpus)
@@ -19,30 +19,14 @@ class DecodeActor:
         self.worker_id = worker_id
         self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous)
 
-    def ready(self) -> dict[str, Any]:
-        return {**describe(self.worker_id, "decode"), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
-
     def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None):
         return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id)
 
     def expect(self, spec_msg):
         return self.worker.expect(spec_msg)
 
-    def abort(self, request_id):
-        return self.worker.abort(request_id)
-
     def send_prefix(self, spec_msg):
         return self.worker.send_prefix(spec_msg)
 
     def get_outputs(self, router_id, timeout_s=1.0):
         return self.worker.get_outputs(router_id, timeout_s)
-
-    def stats(self):
-        return self.worker.stats()
-
-    def set_draining(self, draining: bool = True):
-        self.worker.draining = draining
-        return self.worker.stats()
-
-    def shutdown(self):
-        self.worker.shutdown()
