@@ -51,5 +51,7 @@ class Sampler:
             if sp.greedy:
                 continue
             probs = probs_for(logits[i].cpu(), sp)
+            if not torch.isfinite(probs).all() or not probs.sum() > 0:
+                continue  # an extreme temperature (inf, or so small logits overflow): greedy
             out[i] = int(torch.multinomial(probs, 1, generator=self.generator(rid, sp.seed)).item())
         return out
