@@ -46,7 +46,8 @@ class DecodeWorker:
             tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
             conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
             self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg,
-                                               on_release=self._transfer_failed)
+                                               on_release=self._transfer_failed,
+                                               on_transition=self._wake)
             # prefix pulls: a prefill actor asks for the session's cached prefix it lacks
             self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg)
         self.owner: dict[str, str] = {}  # request id -> router id
@@ -63,8 +64,15 @@ class DecodeWorker:
         self._snapshot: dict[str, Any] | None = None
         self.loop = EngineLoop(self.engine, on_step=self._publish, before_step=self._before_step,
                                name=f"{worker_id}-loop")
+        self.loop.start()
 
     # ---- called from any thread ---------------------------------------------------------------
+    def _wake(self) -> None:
+        """A transfer ended: admit it now rather than at the idle loop's next poll."""
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.wake()
+
     def reserve(self, request_id: str, router_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
                 transfer_id: str | None = None) -> dict[str, Any]:
         """`transfer_id` set: remote prefill is on offer under that transfer id."""

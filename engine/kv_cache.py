@@ -35,13 +35,19 @@ class KVCache:
 
     # ---- BlockStore (kv_transfer) -----------------------------------------------------------
     def block_payload_shape(self, n_blocks: int) -> tuple[int, ...]:
-        return (n_blocks, 2, *self.tensor.shape[3:])
+        """[2, n, block_size, Hkv, D]: K and V of n blocks of one layer."""
+        return (2, n_blocks, *self.tensor.shape[3:])
 
-    def gather_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """[n, 2, block_size, Hkv, D], contiguous."""
-        idx = torch.as_tensor(block_ids, device=self.device, dtype=torch.long)
-        return self.tensor[layer].index_select(1, idx).transpose(0, 1).contiguous()
+    def block_index(self, block_ids) -> torch.Tensor:
+        if isinstance(block_ids, torch.Tensor):
+            return block_ids
+        return torch.as_tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def scatter_blocks(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
-        idx = torch.as_tensor(block_ids, device=self.device, dtype=torch.long)
-        self.tensor[layer].index_copy_(1, idx, data.transpose(0, 1).to(self.dtype))
+    def gather_blocks(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
+        idx = self.block_index(block_ids)
+        if out is None:
+            return self.tensor[layer].index_select(1, idx)
+        return torch.index_select(self.tensor[layer], 1, idx, out=out)
+
+    def scatter_blocks(self, layer: int, block_ids, data: torch.Tensor) -> None:
+        self.tensor[layer].index_copy_(1, self.block_index(block_ids), data.to(self.dtype))

@@ -17,6 +17,10 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
+def _noop() -> None:
+    pass
+
+
 class EngineLoop:
     def __init__(self, engine, on_step: Callable[[list], None], before_step: Callable[[], None] | None = None,
                  layer_done: Callable | None = None, idle_wait_s: float = 0.005, name: str = "engine-loop"):
@@ -30,7 +34,12 @@ class EngineLoop:
         self.busy_s = 0.0  # time spent in engine steps (utilisation metric)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        """Start the thread. Separate from __init__: the hooks usually read the owner's
+        `loop` attribute, which is only set once the constructor has returned."""
         self._thread.start()
+        return self
 
     def call(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
         """Run `fn(*args, **kwargs)` on the loop thread; the future carries its result or error."""
@@ -41,13 +50,19 @@ class EngineLoop:
         self._calls.put((fn, args, kwargs, fut))
         return fut
 
+    def wake(self) -> None:
+        """Make an idle loop run before_step now (e.g. a KV transfer just finished); any thread."""
+        if not self._stop.is_set():
+            self._calls.put((_noop, (), {}, Future()))
+
     def run(self, fn: Callable[..., Any], *args, timeout: float | None = 60.0, **kwargs) -> Any:
         return self.call(fn, *args, **kwargs).result(timeout)
 
     def stop(self) -> None:
         self._stop.set()
         self._calls.put(None)
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     def _drain_calls(self, block: bool) -> None:
         try:

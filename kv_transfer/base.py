@@ -51,9 +51,17 @@ class KVTransferConfig:
     timeout_s: float = 30.0          # longest wait for one message once a transfer has started
     start_timeout_s: float = 120.0   # longest wait from expect() to the first layer (prefill queue)
     connect_timeout_s: float = 60.0  # pair-group rendezvous, including the peer joining
+    # Layers of one request that are ready together travel as one message of up to this many bytes
+    # (one gather, one NCCL send, one scatter per layer on arrival); a single layer is never split.
+    max_message_bytes: int = 256 << 20
+    # Messages posted to one peer and not yet complete. The next message's control frame and send
+    # are issued while earlier data is still on the wire; staging memory is bounded by
+    # max_inflight_messages * max_message_bytes on each side.
+    max_inflight_messages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "start_timeout_s", "connect_timeout_s"):
+        for name in ("timeout_s", "start_timeout_s", "connect_timeout_s", "max_message_bytes",
+                     "max_inflight_messages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv transfer config: {name} must be > 0, got {getattr(self, name)}")
 
@@ -112,17 +120,21 @@ class TransferSpec:
 @runtime_checkable
 class BlockStore(Protocol):
     """The KV cache of one actor, layout-agnostic: the transport only gathers and scatters whole
-    blocks of one layer. Llama: a block of a layer is [2, block_size, Hkv, D]; an MLA cache would
-    have one latent per token instead."""
+    blocks of one layer. Llama: a layer's payload for n blocks is [2, n, block_size, Hkv, D] (K and
+    V, blocks on dim 1: one index_select of the cache's layer, no transpose copy); an MLA cache would
+    have one latent per token instead. `block_ids` may be a list or a long tensor on the store's
+    device (the transport builds that index once per transfer, not once per layer)."""
     num_layers: int
     dtype: torch.dtype
     device: torch.device
 
-    def gather_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous copy of those blocks of `layer`, blocks on dim 0: `block_payload_shape(n)`."""
+    def gather_blocks(self, layer: int, block_ids: "list[int] | torch.Tensor",
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Contiguous copy of those blocks of `layer`, `block_payload_shape(n)`; into `out` (a
+        contiguous tensor of that shape, e.g. one layer's slice of a multi-layer message) if given."""
         ...
 
-    def scatter_blocks(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+    def scatter_blocks(self, layer: int, block_ids: "list[int] | torch.Tensor", data: torch.Tensor) -> None:
         """Write `data` (shaped like `gather_blocks`' result) into those blocks of `layer`."""
         ...
 

@@ -36,13 +36,15 @@ class _Pipe:
 
     def __init__(self, sender_id: str, receiver_id: str, faults: LinkFaults):
         self.sender_id, self.receiver_id, self.faults = sender_id, receiver_id, faults
-        self.items: queue.Queue = queue.Queue()
+        self.frames: queue.Queue = queue.Queue()    # two FIFOs, as gloo tags / two groups are
+        self.data: queue.Queue = queue.Queue()
         self.layers_sent = 0
         self.dead = False
 
     def kill(self) -> None:
         self.dead = True
-        self.items.put(_CLOSED)
+        self.frames.put(_CLOSED)
+        self.data.put(_CLOSED)
 
 
 class FakeNetwork:
@@ -91,46 +93,91 @@ class FakeLink:
         self.pipe, self.peer_id, self.device = pipe, peer_id, device
 
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
-        if msg["op"] == "layer" and self.pipe.faults.delay_s:
+        if msg["op"] == "layers" and self.pipe.faults.delay_s:
             time.sleep(self.pipe.faults.delay_s)
-        self._put(encode_frame(msg))
+        self._put(self.pipe.frames, encode_frame(msg))
+
+    def isend_data(self, tensor: torch.Tensor) -> "_FakeOp":
+        self.send_data(tensor, 0.0)
+        return _FakeOp(self, None, None)
 
     def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._put(tensor.detach().clone())
-        self.pipe.layers_sent += 1
+        self._put(self.pipe.data, tensor.detach().clone())
+        self.pipe.layers_sent += tensor.shape[0] if tensor.dim() else 1
         die = self.pipe.faults.die_after_layers
         if die is not None and self.pipe.layers_sent >= die:
             self.pipe.kill()
 
+    def irecv_frame(self) -> "_FakeOp":
+        return _FakeOp(self, self.pipe.frames, None)
+
     def recv_frame(self, timeout: float | None) -> dict[str, Any]:
-        return decode_frame(self._get(timeout))
+        op = self.irecv_frame()
+        op.wait(timeout)
+        return op.frame()
+
+    def irecv_data(self, tensor: torch.Tensor) -> "_FakeOp":
+        return _FakeOp(self, self.pipe.data, tensor)
 
     def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
-        item = self._get(timeout)
-        if item.shape != tensor.shape or item.dtype != tensor.dtype:
-            raise KVTransferError(f"fake link: got {tuple(item.shape)} {item.dtype}, "
-                                  f"posted {tuple(tensor.shape)} {tensor.dtype}")
-        tensor.copy_(item)
+        self.irecv_data(tensor).wait(timeout)
 
     def close(self, broken: bool) -> None:
         self.pipe.kill()
 
-    def _put(self, item: torch.Tensor) -> None:
+    def _put(self, q: queue.Queue, item: torch.Tensor) -> None:
         if self.pipe.dead:
             raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
-        self.pipe.items.put(item)
+        q.put(item)
 
-    def _get(self, timeout: float | None) -> torch.Tensor:
-        if self.pipe.dead and self.pipe.items.empty():
+    def _take(self, q: queue.Queue, timeout: float | None, block: bool) -> torch.Tensor | None:
+        if self.pipe.dead and q.empty():
             raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
         try:
-            item = self.pipe.items.get(timeout=timeout)
+            item = q.get(timeout=timeout) if block else q.get_nowait()
         except queue.Empty:
+            if not block:
+                return None
             raise KVTransferTimeout(f"fake link to {self.peer_id!r}: nothing in {timeout}s") from None
         if item is _CLOSED:
-            self.pipe.items.put(_CLOSED)       # stays closed for every later reader
+            q.put(_CLOSED)       # stays closed for every later reader
             raise KVTransferError(f"fake link to {self.peer_id!r}: peer is gone")
         return item
+
+
+class _FakeOp:
+    """A posted fake operation: sends complete at once; a receive completes when its item is
+    taken off the pipe (in posting order per stream, as gloo tags and NCCL keep order)."""
+
+    def __init__(self, link: FakeLink, source: queue.Queue | None, into: torch.Tensor | None):
+        self.link, self.source, self.into = link, source, into
+        self.item: torch.Tensor | None = None
+        self._complete = source is None
+
+    def done(self) -> bool:
+        if not self._complete:
+            self._land(self.link._take(self.source, None, block=False))
+        return self._complete
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._complete:
+            self._land(self.link._take(self.source, timeout, block=True))
+
+    def order_current_stream(self) -> bool:
+        return False
+
+    def frame(self) -> dict[str, Any]:
+        return decode_frame(self.item)
+
+    def _land(self, item: torch.Tensor | None) -> None:
+        if item is None:
+            return
+        if self.into is not None:
+            if item.shape != self.into.shape or item.dtype != self.into.dtype:
+                raise KVTransferError(f"fake link: got {tuple(item.shape)} {item.dtype}, "
+                                      f"posted {tuple(self.into.shape)} {self.into.dtype}")
+            self.into.copy_(item)
+        self.item, self._complete = item, True
 
 
 class FakeConnector:

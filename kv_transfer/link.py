@@ -3,8 +3,12 @@ reliable pipe to one peer (`PeerLink`) and a way to open pipes and pass out-of-b
 (`Connector`); plus the control-frame encoding both backends share.
 
 A link carries, sender to receiver only, a sequence of control frames (small msgpack dicts in a
-fixed-size uint8 CPU tensor) each optionally followed by one data tensor. A link that raised is
-broken for good: its owner closes it (`close(broken=True)`) and connects again later.
+fixed-size uint8 CPU tensor) each optionally followed by one data tensor. Frames and data are two
+ordered streams (gloo tags, or a gloo and an NCCL group): each is FIFO on its own, so a sender can
+post frame 2 while data 1 is still moving, and a receiver can keep the next frame's receive posted
+while data is landing. Operations can be posted (`isend_data`, `irecv_data`, `irecv_frame`) and
+polled (`Pending.done`), which is how both ends keep several messages in flight. A link that raised
+is broken for good: its owner closes it (`close(broken=True)`) and connects again later.
 """
 
 from __future__ import annotations
@@ -39,6 +43,31 @@ def decode_frame(frame: torch.Tensor) -> dict[str, Any]:
     return msg
 
 
+class Pending(Protocol):
+    """One posted operation on a link."""
+
+    def done(self) -> bool:
+        """Non-blocking: True once complete (on CUDA: its data is in place on the device); raises
+        KVTransferError if it failed."""
+        ...
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until complete (None: until then or the link closes); KVTransferTimeout past it."""
+        ...
+
+    def order_current_stream(self) -> bool:
+        """CUDA: make the caller's current stream wait for this operation, so work queued next on
+        it may use the data before done() is True; returns True. Elsewhere False: use the data
+        only once done()."""
+        ...
+
+
+class FrameReceive(Pending, Protocol):
+    def frame(self) -> dict[str, Any]:
+        """The received control frame; only after done() or wait()."""
+        ...
+
+
 class PeerLink(Protocol):
     """One direction between two actors. Every method raises KVTransferTimeout past its timeout
     and KVTransferError when the peer is gone; after that the link is unusable."""
@@ -58,6 +87,18 @@ class PeerLink(Protocol):
     def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
         """Fill `tensor` in place; on CUDA, the data is complete when this returns."""
         ...
+
+    def isend_data(self, tensor: torch.Tensor) -> Pending:
+        """Post a send; `tensor` must stay alive and unchanged until it is done. On CUDA, ordered
+        after the work queued on the caller's current stream."""
+        ...
+
+    def irecv_data(self, tensor: torch.Tensor) -> Pending:
+        """Post a receive into `tensor` (complete once done(), or stream-ordered on CUDA through
+        `Pending.order_current_stream`)."""
+        ...
+
+    def irecv_frame(self) -> FrameReceive: ...
 
     def close(self, broken: bool) -> None:
         """Free the link; `broken`: it failed, so the pair must rendezvous afresh next time."""

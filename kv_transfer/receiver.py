@@ -1,9 +1,14 @@
 """The decode end of a KV transfer, over any `Connector` (fake, gloo, NCCL).
 
 `expect(spec)` registers a transfer into blocks the owner reserved. One background thread per
-sending peer keeps a control-frame receive posted on that peer's link; each layer frame is
-followed by the data, received into a staging tensor and scattered into the spec's dst blocks.
-Layers must come in the spec's order.
+sending peer reads that peer's link (a second thread keeps a control-frame receive posted and
+hands frames over through a queue); each "layers" frame is
+followed by one tensor holding those layers, received into a staging tensor and scattered into the
+spec's dst blocks. Layers must come in the spec's order. The thread does not wait for one message
+to land before taking the next frame: it posts the next receive while earlier data is moving (up to
+`max_inflight_messages`), and on CUDA the scatter is queued on its own stream right behind the
+receive, so a message is done when an event after its scatter completes. The owner's decode loop
+never blocks on any of it; it learns of finished transfers from `reap()`.
 
 Ordering contract: call `expect(spec)` before the sender's first layer can leave (the decode actor
 does it inside its reserve call, before the router hands the spec to the prefill actor). Data for a
@@ -15,9 +20,12 @@ link stays in step; the blocks were already released and are never written.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -25,10 +33,11 @@ import torch
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
                               TransferState)
-from kv_transfer.link import Connector, PeerLink
-from kv_transfer.records import TransferTable
+from kv_transfer.link import Connector, PeerLink, Pending
+from kv_transfer.records import TransferRecord, TransferTable
 
 _MAX_EARLY = 4096
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling landing messages: backoff while nothing changes
 
 
 def _ignore(_request_id: str) -> None:
@@ -38,13 +47,17 @@ def _ignore(_request_id: str) -> None:
 class LayerStreamReceiver(KVReceiver):
     def __init__(self, store: BlockStore, connector: Connector,
                  config: KVTransferConfig = KVTransferConfig(),
-                 on_release: ReleaseCallback = _ignore, clock: Callable[[], float] = time.monotonic):
+                 on_release: ReleaseCallback = _ignore, clock: Callable[[], float] = time.monotonic,
+                 on_transition: Callable[[], None] | None = None):
+        """`on_transition`: called from the transport's thread when a transfer ends, so the decode
+        loop, idle between polls, can wake and admit it at once (it must only signal)."""
         self.store = store
         self.connector = connector
         self.config = config
         self._on_release = on_release
         self._table = TransferTable(self._release, releases_on=(TransferState.FAILED,
-                                                                TransferState.ABORTED), clock=clock)
+                                                                TransferState.ABORTED), clock=clock,
+                                    on_transition=on_transition)
         self._lock = threading.Lock()          # loops and early arrivals
         self._loops: dict[str, _PeerRecvLoop] = {}
         self._early: OrderedDict[str, str] = OrderedDict()    # rid -> what came before expect()
@@ -126,6 +139,18 @@ class LayerStreamReceiver(KVReceiver):
                 self._table.fail_peer(loop.peer, err)
 
 
+@dataclass
+class _Landing:
+    """One posted message: its receive, then (once the data is there) its scatter."""
+    rid: str
+    rec: TransferRecord | None       # None: the data is received only to keep the link in step
+    layers: list[int]                # to scatter and count; empty when the data is dropped
+    op: Pending
+    buf: torch.Tensor
+    posted_at: float
+    event: Any = None                # CUDA: recorded after the stream-ordered scatter
+
+
 class _PeerRecvLoop:
     """One thread reading one peer's link until it breaks or the receiver closes."""
 
@@ -135,6 +160,9 @@ class _PeerRecvLoop:
         self.link: PeerLink | None = None
         self._stopping = False
         self._stream = None
+        self._landings: deque[_Landing] = deque()
+        self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
+        self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self._thread.start()
 
@@ -153,12 +181,38 @@ class _PeerRecvLoop:
             self._stream = torch.cuda.Stream(store.device)
         try:
             self.link = self.receiver.connector.connect(self.peer, as_sender=False)
+            frames: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=self._read_frames, args=(self.link, frames), daemon=True,
+                             name=f"kv-frames-{self.peer}").start()
+            idle_s = _POLL_MIN_S
             while not self._stopping:
-                self._handle(self.link.recv_frame(None))
+                # A frame wakes this thread at once; while data is landing it also wakes to poll.
+                try:
+                    item = frames.get(timeout=idle_s if self._landings else None)
+                except queue.Empty:
+                    item = None
+                if isinstance(item, KVTransferError):
+                    raise item
+                if item is not None:
+                    self._handle(item)
+                if self._land(wait=False) or item is not None:
+                    idle_s = _POLL_MIN_S
+                else:
+                    idle_s = min(idle_s * 2, _POLL_MAX_S)
         except KVTransferError as err:
             if self.link is not None:
                 self.link.close(broken=not self._stopping)
+            self._abandon_landings()
             self.receiver._loop_ended(self, err)
+
+    def _read_frames(self, link: PeerLink, frames: queue.SimpleQueue) -> None:
+        """Keeps a control-frame receive posted, so frames are taken off the wire as they come,
+        while the loop thread is busy posting receives and scatters."""
+        try:
+            while not self._stopping:
+                frames.put(link.recv_frame(None))
+        except KVTransferError as err:
+            frames.put(err)
 
     def _handle(self, frame: dict[str, Any]) -> None:
         op, rid = frame["op"], frame["rid"]
@@ -173,58 +227,128 @@ class _PeerRecvLoop:
                     table.finish(rid, TransferState.ABORTED, KVTransferAborted(reason))
                 elif rec.peer == self.peer:
                     table.finish(rid, TransferState.FAILED, KVTransferError(reason))
+            self._forget(rid)
             return
-        if op != "layer":
+        if op != "layers":
             raise KVTransferError(f"unknown control frame {op!r} from {self.peer!r}")
-        buf = torch.empty(frame["shape"], dtype=getattr(torch, frame["dtype"]),
-                          device=self.receiver.store.device)
-        self._recv_data(buf)
+        while len(self._landings) >= self.receiver.config.max_inflight_messages:
+            self._land(wait=True)                  # bound the staging memory
+        layers = [int(x) for x in frame["layers"]]
+        store = self.receiver.store
+        with self._on_stream():
+            buf = torch.empty([len(layers), *frame["shape"]], dtype=getattr(torch, frame["dtype"]),
+                              device=store.device)
+            posted = self.link.irecv_data(buf)
         with self.receiver._lock:
             rec = table.start_work(rid)
             if rec is None:
                 known = table.get(rid)
                 if known is None:
                     self.receiver._note_early(rid, "its KV arrived")
-                elif frame["idx"] + 1 == known.spec.num_layers:    # the sender is done with it
+                elif frame["idx"] + len(layers) == known.spec.num_layers:   # the sender is done with it
                     self._clear_abort(known.spec)
-                return
-        advanced = False
-        try:
-            problem = self._check(rec.spec, rec.layers_done, frame, buf)
-            if problem:
+        expected = self._next_idx.get(rid, 0)
+        problem = self._check(rec.spec, expected, frame, buf) if rec is not None else ""
+        if rec is None or problem:      # receive the data only to keep the link in step
+            self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic()))
+            if problem:                 # nothing will be written: give the blocks back first
+                table.end_work(rec, 0)
                 table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
-                return
-            self._scatter(frame["layer"], list(rec.spec.dst_block_ids), buf)
-            advanced = True
-        finally:
-            table.end_work(rec, advanced, table.clock() + self.receiver.config.timeout_s)
+            self._forget(rid)
+            return
+        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic())
+        self._landings.append(landing)
+        self._next_idx[rid] = expected + len(layers)
+        if self._next_idx[rid] == rec.spec.num_layers:
+            self._next_idx.pop(rid)
+        if self._stream is not None:
+            with self._on_stream():
+                if posted.order_current_stream():   # scatter right behind the receive, no host wait
+                    self._scatter(landing)
+                    landing.event = torch.cuda.Event()
+                    landing.event.record(self._stream)
+
+    def _land(self, wait: bool) -> bool:
+        """Retire landed messages, oldest first; with `wait`, block for the oldest. Past the
+        transfer timeout, a message that has not landed breaks the link."""
+        cfg = self.receiver.config
+        progressed = False
+        while self._landings:
+            landing = self._landings[0]
+            if wait and not progressed:
+                landing.op.wait(cfg.timeout_s)
+                if landing.event is not None:
+                    landing.event.synchronize()
+            elif not self._landed(landing):
+                if time.monotonic() - landing.posted_at > cfg.timeout_s:
+                    raise KVTransferTimeout(f"link to {self.peer!r}: a message of {landing.rid!r} "
+                                            f"did not land in {cfg.timeout_s:.3g}s")
+                return progressed
+            self._retire(self._landings.popleft())
+            progressed = True
+        return progressed
+
+    @staticmethod
+    def _landed(landing: _Landing) -> bool:
+        return landing.op.done() and (landing.event is None or landing.event.query())
+
+    def _retire(self, landing: _Landing) -> None:
+        if landing.layers and landing.event is None:     # CPU: scatter now the data is here
+            self._scatter(landing)
+        if landing.rec is not None:
+            table = self.receiver._table
+            table.end_work(landing.rec, len(landing.layers), table.clock() + self.receiver.config.timeout_s)
+            if landing.rec.state.terminal:
+                self._forget(landing.rid)
+
+    def _abandon_landings(self) -> None:
+        """The link broke: keep what had fully arrived before it did, then hand the rest of the
+        blocks back once no scatter can still write them."""
+        try:
+            while self._landings and self._landed(self._landings[0]):
+                self._retire(self._landings.popleft())
+        except KVTransferError:
+            pass
+        if self._stream is not None:
+            try:
+                self._stream.synchronize()
+            except Exception:
+                pass
+        table = self.receiver._table
+        while self._landings:
+            landing = self._landings.popleft()
+            if landing.rec is not None:
+                table.end_work(landing.rec, 0)
+        self._next_idx.clear()
+        self._index.clear()
 
     def _check(self, spec: TransferSpec, done: int, frame: dict[str, Any], buf: torch.Tensor) -> str:
         if spec.sender_id != self.peer:
             return f"data came from {self.peer!r}, expected {spec.sender_id!r}"
-        if frame["idx"] != done or frame["layer"] != spec.layers[done]:
-            return f"got layer {frame['layer']} (#{frame['idx']}), expected {spec.layers[done]} (#{done})"
+        want_layers = list(spec.layers[done:done + len(frame["layers"])])
+        if frame["idx"] != done or list(frame["layers"]) != want_layers:
+            return f"got layers {frame['layers']} (#{frame['idx']}), expected {want_layers} (#{done})"
         want = tuple(self.receiver.store.block_payload_shape(len(spec.dst_block_ids)))
-        if tuple(buf.shape) != want or buf.dtype != self.receiver.store.dtype:
-            return (f"layout mismatch: sender sent {tuple(buf.shape)} {buf.dtype}, this cache "
+        if tuple(buf.shape[1:]) != want or buf.dtype != self.receiver.store.dtype:
+            return (f"layout mismatch: sender sent {tuple(buf.shape[1:])} {buf.dtype}, this cache "
                     f"takes {want} {self.receiver.store.dtype}")
         return ""
 
-    def _recv_data(self, buf: torch.Tensor) -> None:
-        timeout = self.receiver.config.timeout_s
-        if self._stream is None:
-            self.link.recv_data(buf, timeout)
-        else:
-            with torch.cuda.stream(self._stream):
-                self.link.recv_data(buf, timeout)
+    def _scatter(self, landing: _Landing) -> None:
+        store = self.receiver.store
+        index = self._index.get(landing.rid)
+        if index is None:
+            index = self._index[landing.rid] = store.block_index(list(landing.rec.spec.dst_block_ids))
+        for i, layer in enumerate(landing.layers):
+            store.scatter_blocks(layer, index, landing.buf[i])
 
-    def _scatter(self, layer: int, block_ids: list[int], buf: torch.Tensor) -> None:
-        if self._stream is None:
-            self.receiver.store.scatter_blocks(layer, block_ids, buf)
-            return
-        with torch.cuda.stream(self._stream):
-            self.receiver.store.scatter_blocks(layer, block_ids, buf)
-        self._stream.synchronize()      # DONE must mean the blocks hold the data
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _forget(self, rid: str) -> None:
+        self._next_idx.pop(rid, None)
+        if not any(landing.rid == rid for landing in self._landings):
+            self._index.pop(rid, None)
 
     def _clear_abort(self, spec: TransferSpec) -> None:
         try:

@@ -28,7 +28,7 @@ class TransferRecord:
     state: TransferState = TransferState.WAITING
     layers_done: int = 0
     error: KVTransferError | None = None
-    busy: bool = False               # a background thread is reading/writing the blocks now
+    busy: int = 0                    # messages of it the transport is reading/writing blocks for
     release_due: bool = False        # terminal; release waits for `busy` to clear
 
     @property
@@ -38,8 +38,12 @@ class TransferRecord:
 
 class TransferTable:
     def __init__(self, on_release: ReleaseCallback, releases_on: Iterable[TransferState],
-                 clock: Callable[[], float] = time.monotonic, max_finished: int = 4096):
+                 clock: Callable[[], float] = time.monotonic, max_finished: int = 4096,
+                 on_transition: Callable[[], None] | None = None):
         self._on_release = on_release
+        # Called (under the table's lock, on whichever thread) when a transfer becomes terminal,
+        # so an owner that sleeps between polls can wake for reap(); it must not call back in.
+        self._on_transition = on_transition
         self._releases_on = frozenset(releases_on)
         self.clock = clock
         self._max_finished = max_finished
@@ -80,7 +84,9 @@ class TransferTable:
                 rec = self._records[request_id]
                 now = self.clock()
                 self._expire_locked(now)
-                if rec.state.terminal:
+                if rec.state.terminal and not (rec.busy and rec.state in self._releases_on):
+                    break              # terminal, and the blocks are ours again where they are owed
+                if rec.state.terminal and now >= end:
                     break
                 if now >= end:
                     self._finish_locked(rec, TransferState.FAILED, KVTransferTimeout(
@@ -128,26 +134,28 @@ class TransferTable:
 
     # ---- background side ----------------------------------------------------------------------
     def start_work(self, request_id: str) -> TransferRecord | None:
-        """Claim the blocks of an unfinished transfer for one layer; None if it is finished."""
+        """Claim the blocks of an unfinished transfer for one message (several may be in flight);
+        None if it is finished."""
         with self._cond:
             rec = self._records.get(request_id)
             if rec is None or rec.state.terminal:
                 return None
-            rec.busy = True
+            rec.busy += 1
             return rec
 
-    def end_work(self, rec: TransferRecord, advanced: bool, next_deadline: float = math.inf) -> None:
-        """Give the blocks back; `advanced`: one more layer moved."""
+    def end_work(self, rec: TransferRecord, advanced: int, next_deadline: float = math.inf) -> None:
+        """Give back one message's claim on the blocks; `advanced`: layers it moved (0 if none).
+        A release owed meanwhile is queued once the last claim is given back."""
         with self._cond:
-            rec.busy = False
+            rec.busy -= 1
             if advanced and not rec.state.terminal:
-                rec.layers_done += 1
+                rec.layers_done += int(advanced)
                 rec.deadline = next_deadline
                 if rec.layers_done == rec.spec.num_layers:
                     self._finish_locked(rec, TransferState.DONE, None)
                 else:
                     rec.state = TransferState.TRANSFERRING
-            if rec.release_due:
+            if rec.release_due and not rec.busy:
                 rec.release_due = False
                 self._releases.append(rec.request_id)
             self._cond.notify_all()
@@ -159,6 +167,8 @@ class TransferTable:
             return False
         rec.state, rec.error = state, error
         self._transitions.append((rec.request_id, state))
+        if self._on_transition is not None:
+            self._on_transition()
         if state in self._releases_on:
             if rec.busy:
                 rec.release_due = True

@@ -1,31 +1,45 @@
 """The prefill end of a KV transfer, over any `Connector` (fake, gloo, NCCL).
 
 The caller queues layers (`send_layer`) and returns at once; one background thread per receiving
-peer gathers each layer's blocks into one contiguous tensor and sends a control frame followed by
-that tensor. Frames on the wire (sender -> receiver):
+peer turns them into messages: the layers of one request that are queued together (up to
+`max_message_bytes`) are gathered into one contiguous tensor [k, *layer payload] and sent after a
+control frame announcing them. Up to `max_inflight_messages` messages are on the wire at once: the
+thread posts the next message's frame and send while earlier data is still moving, and counts a
+layer as sent when its message completes. So a prefill that queues layers as it computes them
+sends each as soon as it is ready (layer L moves while L+1 computes), and a transfer whose layers
+are all ready goes as a few large messages. Frames on the wire (sender -> receiver):
 
-    {"op": "layer", "rid", "idx", "layer", "shape", "dtype"}  then the data tensor
+    {"op": "layers", "rid", "idx", "layers", "shape", "dtype"}  then one tensor [len(layers), *shape]
     {"op": "end", "rid", "state": "aborted" | "failed", "reason"}
 
-A receiver's abort comes back out of band (`Connector.abort_posted`), checked before each layer.
+On CUDA the gather runs on the thread's own stream after the layer's ready event (recorded by the
+prefill after it wrote the layer's KV), and NCCL's send is ordered after the gather on that stream:
+the prefill's compute stream never waits for the transfer.
+
+A receiver's abort comes back out of band (`Connector.abort_posted`), checked before each message.
 Any error on a link fails every unfinished transfer to that peer and drops the link.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import queue
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, ReleaseCallback, TransferSpec, TransferState)
-from kv_transfer.link import Connector, PeerLink
-from kv_transfer.records import TransferTable
+from kv_transfer.link import Connector, PeerLink, Pending
+from kv_transfer.records import TransferRecord, TransferTable
 
 _ABORT_CHECK_INTERVAL_S = 0.01   # at most one store lookup per transfer per 10 ms
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling posted messages: backoff while nothing changes
 
 
 def _ignore(_request_id: str) -> None:
@@ -123,16 +137,29 @@ class LayerStreamSender(KVSender):
             return w
 
 
+@dataclass
+class _Message:
+    rec: TransferRecord
+    num_layers: int
+    op: Pending
+    data: torch.Tensor      # kept alive until the send completes
+    nbytes: int
+
+
 class _PeerSendWorker:
-    """One thread, one link, one peer; works through the queue in order."""
+    """One thread, one link, one peer: works through the queue in order, several messages deep."""
 
     def __init__(self, sender: LayerStreamSender, peer: str):
         self.sender = sender
         self.peer = peer
         self.link: PeerLink | None = None
         self._queue: queue.Queue = queue.Queue()
+        self._backlog: deque[tuple] = deque()       # taken off the queue, not yet sent
+        self._inflight: deque[_Message] = deque()
+        self._index: dict[str, torch.Tensor] = {}   # rid -> src block index on the device
         self._abort_checked: dict[str, float] = {}
         self._stream = None
+        self.messages_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self._thread.start()
 
@@ -150,64 +177,140 @@ class _PeerSendWorker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self._stream = torch.cuda.Stream(device)
-        while (item := self._queue.get()) is not None:
+        stopping, idle_s = False, _POLL_MIN_S
+        while not (stopping and not self._backlog and not self._inflight):
+            # Block only when there is nothing to send and nothing to watch.
+            block = not self._backlog and not self._inflight and not stopping
+            stopping |= self._take(block)
             try:
-                if item[0] == "layer":
-                    self._send_layer(*item[1:])
-                else:
-                    self._send_end(*item[1:])
+                progressed = self._complete(wait=False)
+                if self._backlog and len(self._inflight) < self.sender.config.max_inflight_messages:
+                    item = self._backlog.popleft()
+                    if item[0] == "layer":
+                        self._send_layers(item)
+                    else:        # frames are FIFO: the peer has seen every layer frame before it
+                        self._send_end(*item[1:])
+                    progressed = True
+                elif self._backlog:
+                    self._complete(wait=True)    # window full: wait for the oldest message
+                    progressed = True
             except KVTransferError as err:
                 self._break(err)
+                progressed = True
+            if progressed:
+                idle_s = _POLL_MIN_S
+            else:                    # data in flight, nothing new queued: poll with backoff
+                time.sleep(idle_s)
+                idle_s = min(idle_s * 2, _POLL_MAX_S)
 
-    def _send_layer(self, rid: str, idx: int, ready_event: Any) -> None:
-        table, cfg = self.sender._table, self.sender.config
-        rec = table.start_work(rid)
-        if rec is None:                  # aborted or failed meanwhile: skip
-            return
-        spec, advanced = rec.spec, False
+    def _take(self, block: bool) -> bool:
+        """Move queued items to the backlog; True when stop() was asked."""
         try:
-            if self._receiver_aborted(spec, first=idx == 0):
-                table.finish(rid, TransferState.ABORTED,
-                             KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
-                return
+            item = self._queue.get() if block else self._queue.get_nowait()
+            while True:
+                if item is None:
+                    return True
+                self._backlog.append(item)
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _send_layers(self, first: tuple) -> None:
+        _, rid, idx, event = first
+        table, cfg = self.sender._table, self.sender.config
+        known = table.get(rid)
+        if known is not None and not known.state.terminal and self._receiver_aborted(known.spec, first=idx == 0):
+            table.finish(rid, TransferState.ABORTED,
+                         KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
+        rec = table.start_work(rid)
+        if rec is None:                  # aborted or failed meanwhile: skip its queued layers
+            self._skip_queued(rid)
+            self._forget(rid)
+            return
+        spec, posted = rec.spec, None
+        try:
             link = self._link(fresh=idx == 0)
-            layer = spec.layers[idx]
+            shape = tuple(self.sender.store.block_payload_shape(len(spec.src_block_ids)))
+            layer_bytes = math.prod(shape) * self.sender.store.dtype.itemsize
+            events = [event]             # more ready layers of the same request join the message
+            while (self._backlog and self._backlog[0][0] == "layer" and self._backlog[0][1] == rid
+                   and (len(events) + 1) * layer_bytes <= cfg.max_message_bytes):
+                events.append(self._backlog.popleft()[3])
+            layers = list(spec.layers[idx:idx + len(events)])
             try:
-                data = self._gather(layer, list(spec.src_block_ids), ready_event)
+                data = self._gather(rid, spec, layers, shape, events)
             except Exception as exc:     # bad block ids, OOM: this transfer only, tell the peer
                 table.finish(rid, TransferState.FAILED, KVTransferError(
-                    f"transfer {rid!r}: gather of layer {layer} failed: {exc}"))
-                self._send_end(rid, "failed", f"sender could not read layer {layer}: {exc}")
+                    f"transfer {rid!r}: gather of layers {layers} failed: {exc}"))
+                self._skip_queued(rid)
+                self._forget(rid)
+                self._send_end(rid, "failed", f"sender could not read layers {layers}: {exc}")
                 return
-            link.send_frame({"op": "layer", "rid": rid, "idx": idx, "layer": layer,
-                             "shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch.")},
+            link.send_frame({"op": "layers", "rid": rid, "idx": idx, "layers": layers,
+                             "shape": list(shape), "dtype": str(data.dtype).removeprefix("torch.")},
                             cfg.timeout_s)
-            self._send_data(link, data)
-            advanced = True
+            posted = self._post(link, data)
+            self._inflight.append(_Message(rec, len(layers), posted, data, data.numel() * data.element_size()))
+            self.messages_sent += 1
+            if idx + len(layers) == spec.num_layers:
+                self._forget(rid)
         finally:
-            table.end_work(rec, advanced)
-            if idx + 1 == spec.num_layers or not advanced:
-                self._abort_checked.pop(rid, None)
+            if posted is None:
+                table.end_work(rec, 0)
+
+    def _complete(self, wait: bool) -> bool:
+        """Retire finished messages, oldest first (NCCL completes them in order); with `wait`,
+        block for the oldest. A message past the transfer timeout breaks the link."""
+        cfg, table = self.sender.config, self.sender._table
+        progressed = False
+        while self._inflight:
+            msg = self._inflight[0]
+            if wait and not progressed:
+                msg.op.wait(cfg.timeout_s)
+            elif not msg.op.done():
+                return progressed
+            self._inflight.popleft()
+            table.end_work(msg.rec, msg.num_layers)
+            progressed = True
+        return progressed
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._complete(wait=True)
 
     def _send_end(self, rid: str, state: str, reason: str) -> None:
         if self.link is not None:        # no link: the peer never heard of the transfer from us
             self.link.send_frame({"op": "end", "rid": rid, "state": state, "reason": reason[:200]},
                                  self.sender.config.timeout_s)
 
-    def _gather(self, layer: int, block_ids: list[int], ready_event: Any) -> torch.Tensor:
-        if self._stream is None:
-            return self.sender.store.gather_blocks(layer, block_ids)
-        with torch.cuda.stream(self._stream):
-            if ready_event is not None:
-                self._stream.wait_event(ready_event)
-            return self.sender.store.gather_blocks(layer, block_ids)
+    def _gather(self, rid: str, spec: TransferSpec, layers: list[int], shape: tuple[int, ...],
+                events: list[Any]) -> torch.Tensor:
+        store = self.sender.store
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with ctx:
+            for event in events:
+                if event is not None and self._stream is not None:
+                    self._stream.wait_event(event)
+            index = self._index.get(rid)
+            if index is None:
+                index = self._index[rid] = store.block_index(list(spec.src_block_ids))
+            data = torch.empty((len(layers), *shape), dtype=store.dtype, device=store.device)
+            for i, layer in enumerate(layers):
+                store.gather_blocks(layer, index, out=data[i])
+            return data
 
-    def _send_data(self, link: PeerLink, data: torch.Tensor) -> None:
+    def _post(self, link: PeerLink, data: torch.Tensor) -> Pending:
         if self._stream is None:
-            link.send_data(data, self.sender.config.timeout_s)
-        else:
-            with torch.cuda.stream(self._stream):    # NCCL orders its send after the gather
-                link.send_data(data, self.sender.config.timeout_s)
+            return link.isend_data(data)
+        with torch.cuda.stream(self._stream):    # NCCL orders its send after the gather
+            return link.isend_data(data)
+
+    def _skip_queued(self, rid: str) -> None:
+        self._backlog = deque(item for item in self._backlog if not (item[0] == "layer" and item[1] == rid))
+
+    def _forget(self, rid: str) -> None:
+        self._index.pop(rid, None)
+        self._abort_checked.pop(rid, None)
 
     def _receiver_aborted(self, spec: TransferSpec, first: bool) -> bool:
         now = time.monotonic()
@@ -224,6 +327,7 @@ class _PeerSendWorker:
     def _link(self, fresh: bool) -> PeerLink:
         conn = self.sender.connector
         if self.link is not None and fresh and not conn.is_current(self.link):
+            self._drain()                     # what is posted on the old link finishes there
             self.link.close(broken=False)     # the peer restarted or rebuilt the pair
             self.link = None
         if self.link is None:
@@ -231,7 +335,14 @@ class _PeerSendWorker:
         return self.link
 
     def _break(self, err: KVTransferError) -> None:
-        self.sender._table.fail_peer(self.peer, err)
+        table = self.sender._table
+        table.fail_peer(self.peer, err)
         if self.link is not None:
             self.link.close(broken=True)
             self.link = None
+        if self._stream is not None:          # no gather may still read blocks we hand back
+            self._stream.synchronize()
+        while self._inflight:
+            table.end_work(self._inflight.popleft().rec, 0)
+        self._index.clear()
+        self._abort_checked.clear()

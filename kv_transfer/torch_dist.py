@@ -84,25 +84,34 @@ class DistLink:
         self._closed = False
 
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
-        self._wait(lambda: self.ctrl.send([encode_frame(msg)], self.peer_rank, _TAG_FRAME),
-                   timeout, "gloo", "control frame send")
+        self._post(lambda: self.ctrl.send([encode_frame(msg)], self.peer_rank, _TAG_FRAME),
+                   "gloo", "control frame send").wait(timeout)
+
+    def irecv_frame(self) -> "_DistFrameReceive":
+        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        op = self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
+                        "gloo", "control frame receive", cls=_DistFrameReceive)
+        op.buf = buf
+        return op
 
     def recv_frame(self, timeout: float | None) -> dict[str, Any]:
-        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        self._wait(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
-                   _IDLE_WAIT_S if timeout is None else timeout, "gloo", "control frame receive")
-        try:
-            return decode_frame(buf)
-        except ValueError as exc:
-            raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
+        op = self.irecv_frame()
+        op.wait(timeout)
+        return op.frame()
+
+    def isend_data(self, tensor: torch.Tensor) -> "_DistOp":
+        return self._post(lambda: self.data.send([tensor], self.peer_rank, _TAG_DATA),
+                          self.backend, f"send of {tensor.numel() * tensor.element_size()} B")
+
+    def irecv_data(self, tensor: torch.Tensor) -> "_DistOp":
+        return self._post(lambda: self.data.recv([tensor], self.peer_rank, _TAG_DATA),
+                          self.backend, f"receive of {tensor.numel() * tensor.element_size()} B")
 
     def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._wait(lambda: self.data.send([tensor], self.peer_rank, _TAG_DATA),
-                   timeout, self.backend, f"send of {tensor.numel() * tensor.element_size()} B")
+        self.isend_data(tensor).wait(timeout)
 
     def recv_data(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._wait(lambda: self.data.recv([tensor], self.peer_rank, _TAG_DATA),
-                   timeout, self.backend, f"receive of {tensor.numel() * tensor.element_size()} B")
+        self.irecv_data(tensor).wait(timeout)
 
     def close(self, broken: bool) -> None:
         if self._closed:
@@ -118,30 +127,119 @@ class DistLink:
         self.connector._forget(self)
         gc.collect()
 
-    def _wait(self, post, timeout: float, backend: str, what: str) -> None:
+    def _post(self, post, backend: str, what: str, cls: "type[_DistOp] | None" = None) -> "_DistOp":
         if self._closed:
             raise KVTransferError(f"link to {self.peer_id!r} is closed")
         start = time.monotonic()
-        work, failure = None, None
+        failure = None
         try:
             work = post()
-            if backend == "gloo":
-                work.wait(timedelta(seconds=timeout))
+        except Exception as exc:     # keep no traceback alive: it would pin the group's sockets
+            failure = str(exc)[:300]
+        if failure is not None:
+            raise KVTransferError(f"link to {self.peer_id!r}: {what} failed: {failure}")
+        return (cls or _DistOp)(self, work, backend, what, start)
+
+
+class _DistOp:
+    """A posted gloo or NCCL operation. Errors come out as KVTransferError/KVTransferTimeout
+    with no live traceback (which would pin the group's sockets).
+
+    Polling differs by backend: an NCCL work's is_completed() reads its end event, but a gloo
+    send/recv work only learns it is complete inside wait() (torch 2.13), even when the bytes are
+    already there. So the first done() on a gloo op hands the wait() to a daemon thread and then
+    reads the thread's result."""
+
+    def __init__(self, link: DistLink, work: Any, backend: str, what: str, start: float):
+        self.link, self.work, self.backend, self.what, self.start = link, work, backend, what, start
+        self._complete = False
+        self._waiter: threading.Thread | None = None
+        self._waited = threading.Event()
+        self._failure: tuple[bool, str] | None = None
+
+    def done(self) -> bool:
+        if self._complete:
+            return True
+        if self.work is None:
+            raise KVTransferError(f"link to {self.link.peer_id!r}: {self.what} already failed")
+        if self.backend == "gloo":
+            if self._waiter is None:
+                self._waiter = threading.Thread(target=self._wait_in_background, daemon=True,
+                                                name=f"kv-wait-{self.link.peer_id}")
+                self._waiter.start()
+            if not self._waited.is_set():
+                return False
+            self._finish(self._failure)
+            return True
+        failure = None
+        try:
+            if not self.work.is_completed():
+                return False
+            self.work.wait()          # completed: returns at once, or raises the op's error
+        except Exception as exc:
+            failure = (False, str(exc)[:300])
+        self._finish(failure)
+        return True
+
+    def wait(self, timeout: float | None) -> None:
+        if self._complete:
+            return
+        if self.work is None:
+            raise KVTransferError(f"link to {self.link.peer_id!r}: {self.what} already failed")
+        timeout = _IDLE_WAIT_S if timeout is None else timeout
+        if self._waiter is not None:   # a background wait() owns the work
+            if not self._waited.wait(max(0.0, self.start + timeout - time.monotonic())):
+                self._finish((True, "not complete"))
+            self._finish(self._failure)
+            return
+        failure = None
+        try:
+            if self.backend == "gloo":
+                self.work.wait(timedelta(seconds=timeout))
             else:       # NCCL's wait() only orders streams; poll the host-visible completion
-                while not work.is_completed():
-                    if time.monotonic() - start > timeout:
+                while not self.work.is_completed():
+                    if time.monotonic() - self.start > timeout:
                         raise TimeoutError("NCCL op not complete")
                     time.sleep(_NCCL_POLL_S)
-                work.wait()          # raises the op's error, if any
-        except Exception as exc:     # keep no traceback alive: it would pin the group's sockets
-            failure = (isinstance(exc, TimeoutError) or "Timed out" in str(exc), str(exc)[:300])
+                self.work.wait()          # raises the op's error, if any
+        except Exception as exc:
+            failure = (isinstance(exc, TimeoutError) or "Timed out" in str(exc)
+                       or time.monotonic() - self.start >= timeout, str(exc)[:300])
+        self._finish(failure)
+
+    def order_current_stream(self) -> bool:
+        if self.backend != "nccl":
+            return False
+        self.work.wait()              # NCCL: the current stream waits for the op's end event
+        return True
+
+    def _wait_in_background(self) -> None:
+        work = self.work
+        try:
+            work.wait(timedelta(seconds=_IDLE_WAIT_S))
+        except Exception as exc:
+            self._failure = ("Timed out" in str(exc), str(exc)[:300])
         work = None
-        if failure is not None:
-            waited = time.monotonic() - start
-            msg = f"link to {self.peer_id!r}: {what} failed after {waited:.3g}s: {failure[1]}"
-            if failure[0] or waited >= timeout:
-                raise KVTransferTimeout(msg)
-            raise KVTransferError(msg)
+        self._waited.set()
+
+    def _finish(self, failure: tuple[bool, str] | None) -> None:
+        self.work = None
+        if failure is None:
+            self._complete = True
+            return
+        waited = time.monotonic() - self.start
+        msg = f"link to {self.link.peer_id!r}: {self.what} failed after {waited:.3g}s: {failure[1]}"
+        raise (KVTransferTimeout if failure[0] else KVTransferError)(msg)
+
+
+class _DistFrameReceive(_DistOp):
+    buf: torch.Tensor
+
+    def frame(self) -> dict[str, Any]:
+        try:
+            return decode_frame(self.buf)
+        except ValueError as exc:
+            raise KVTransferError(f"link to {self.link.peer_id!r}: {exc}") from None
 
 
 class DistConnector:
@@ -273,9 +371,10 @@ def make_dist_sender(actor_id: str, store: BlockStore, rendezvous: "dist.Store |
 
 def make_dist_receiver(actor_id: str, store: BlockStore, rendezvous: "dist.Store | str | DistConnector",
                        config: KVTransferConfig = KVTransferConfig(),
-                       on_release: ReleaseCallback | None = None) -> LayerStreamReceiver:
+                       on_release: ReleaseCallback | None = None,
+                       on_transition=None) -> LayerStreamReceiver:
     return LayerStreamReceiver(store, _connector(actor_id, rendezvous, store, config), config,
-                               on_release=on_release or (lambda _rid: None))
+                               on_release=on_release or (lambda _rid: None), on_transition=on_transition)
 
 
 def _connector(actor_id: str, rendezvous: Any, store: BlockStore,

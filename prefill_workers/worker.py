@@ -54,6 +54,7 @@ class PrefillWorker:
         self._snapshot: dict[str, Any] | None = None
         self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self._before_step,
                                layer_done=self._layer_done, name=f"{worker_id}-loop")
+        self.loop.start()
 
     # ---- called from any thread ---------------------------------------------------------------
     def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int,

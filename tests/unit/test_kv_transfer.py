@@ -18,8 +18,12 @@ from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
 from kv_transfer.testing import TensorBlockStore
 from kv_transfer.torch_dist import backend_for
 
-FAST = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0)
 SRC, DST = (3, 0, 7), (5, 9, 1)
+LAYER_BYTES = 2 * len(SRC) * 4 * 2 * 8 * 4      # K and V of 3 blocks of 4 tokens, 2 heads of 8, fp32
+# One layer per message, as when a prefill queues each layer as it computes it: these tests step
+# through a transfer layer by layer. The batching of ready layers has its own tests below.
+FAST = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+                        max_message_bytes=LAYER_BYTES)
 
 
 def make_spec(rid: str = "req-1", layers=(0, 1, 2, 3), src=SRC, dst=DST) -> TransferSpec:
@@ -277,3 +281,48 @@ def test_close_fails_unfinished_transfers_and_releases(pair):
     assert sender.poll(spec.request_id) is TransferState.FAILED
     assert r_rel.calls == Counter({spec.request_id: 1})
     assert s_rel.calls == Counter({spec.request_id: 1})
+
+
+def _messages(sender) -> int:
+    return sum(w.messages_sent for w in sender._workers.values())
+
+
+@pytest.mark.parametrize("max_layers, messages", [(4, 1), (2, 2), (1, 4)])
+def test_layers_ready_together_travel_as_few_messages(max_layers, messages):
+    """All four layers queued at once (a prefill that finished before the link was free) go as
+    ceil(4 / layers per message) messages, each one gather and one send, still bit-exact."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(3))
+    dst = TensorBlockStore(num_blocks=12)
+    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=max_layers * LAYER_BYTES)
+    sender, receiver, net = make_fake_pair(src, dst, config=config)
+    try:
+        # A first transfer's frame is slow to leave, so the second's layers, queued one by one
+        # meanwhile, are all waiting when the worker gets to them.
+        net.set_faults("prefill-0", "decode-0", delay_s=0.1)
+        first = make_spec("req-0", layers=(0,), src=(2,), dst=(3,))
+        spec = make_spec()
+        receiver.expect(first)
+        receiver.expect(spec)
+        sender.send(first)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 2) is TransferState.DONE
+        assert sender.wait(spec.request_id, 2) is TransferState.DONE
+        assert receiver.poll(first.request_id) is TransferState.DONE
+        for layer in spec.layers:
+            assert_layer_copied(src, dst, layer)
+        assert _messages(sender) == 1 + messages
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_layer_larger_than_the_message_limit_still_goes_whole(pair):
+    sender, receiver, net, src, dst, s_rel, r_rel = pair    # FAST: one layer per message
+    spec = make_spec(src=(3, 0, 7, 11), dst=(5, 9, 1, 2))  # 4 blocks: a layer is over the limit
+    receiver.expect(spec)
+    sender.send(spec)
+    assert receiver.wait(spec.request_id, 2) is TransferState.DONE
+    for layer in spec.layers:
+        assert_layer_copied(src, dst, layer, (3, 0, 7, 11), (5, 9, 1, 2))
+    assert _messages(sender) == 4

@@ -1,0 +1,319 @@
+"""KV transfer between two GPUs, one Ray actor on each, as the cluster runs it. Three tables:
+
+1. raw: NCCL send/recv between the two actors (a plain torch.distributed pair group, messages
+   posted back to back) at 1 MiB .. 1 GiB: the wire's rate, the baseline for the rest.
+2. transfer: Tandem's layer-streaming sender and receiver (kv_transfer/) moving the KV of a 2k, 8k
+   and 32k-token prompt of a Llama-3-8B-shaped cache (32 layers x 8 KV heads x 128, bf16, 16-token
+   blocks: 128 KiB per token) from shuffled source blocks into shuffled destination blocks, timed
+   from the sender's first call until the receiver reports DONE (gather, wire, scatter), against
+   raw at the same total bytes; plus a streamed run where the layers are queued one at a time, a
+   prefill's per-layer compute apart, reporting the tail the transfer adds after the last layer.
+   The last repetition of each size is checked bit-exact (per-layer checksums on both sides).
+3. ttft (with --ttft): time to first token through the gRPC API for the same prompt lengths, with
+   prefill on a prefill actor (GPU 0) and the KV streamed to the decode actor (GPU 1), against the
+   decode actor prefilling locally on one GPU, same engine, same model (llama3-8b-random).
+
+    python bench/kv_transfer_gpu.py [--ttft] [--out results.json]
+
+Needs two CUDA GPUs and Ray; run on the device machine (see docs/benchmarks.md for the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+
+MiB = 1 << 20
+LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
+CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@ray.remote(num_cpus=1)
+class Endpoint:
+    def __init__(self, actor_id: str, rendezvous: str, num_blocks: int, seed: int | None, device: str = "cuda"):
+        from kv_transfer.receiver import LayerStreamReceiver
+        from kv_transfer.sender import LayerStreamSender
+        from kv_transfer.testing import TensorBlockStore
+        from kv_transfer.torch_dist import DistConnector
+
+        self.device = device
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        self.store = TensorBlockStore(LAYERS, num_blocks, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                                      device=device)
+        if seed is not None:
+            self.store.tensor.normal_(generator=torch.Generator(device).manual_seed(seed))
+        self.conn = DistConnector(actor_id, rendezvous, device, CONFIG)
+        self.sender = LayerStreamSender(self.store, self.conn, CONFIG)
+        self.receiver = LayerStreamReceiver(self.store, self.conn, CONFIG)
+
+    def where(self) -> str:
+        if self.device != "cuda":
+            return "cpu"
+        return f"{torch.cuda.get_device_name()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+
+    # ---- raw NCCL -------------------------------------------------------------------------------
+    def raw(self, peer: str, send: bool, sizes_mib: list[int], total_mib: int) -> list[dict]:
+        link = self.conn.connect(peer, as_sender=send)
+        out = []
+        try:
+            for size in sizes_mib:
+                n = max(5, min(200, total_mib // size))
+                buf = torch.ones(size * MiB // 2, dtype=torch.bfloat16, device=self.device)
+                op = link.data.send if send else link.data.recv
+                for _ in range(3):                       # warm up, and line the two sides up
+                    op([buf], link.peer_rank, 7).wait()
+                _sync(self.device)
+                t0 = time.perf_counter()
+                works = [op([buf], link.peer_rank, 7) for _ in range(n)]
+                for w in works:
+                    w.wait()
+                _sync(self.device)
+                dt = time.perf_counter() - t0
+                out.append({"size_mib": size, "n": n, "seconds": dt, "gbps": size * MiB * n / dt / 1e9})
+        finally:
+            link.close(broken=False)
+        return out
+
+    # ---- Tandem transfer ------------------------------------------------------------------------
+    def expect(self, spec_msg: dict) -> None:
+        self.receiver.expect(TransferSpec.from_msg(spec_msg))
+
+    def send(self, spec_msg: dict, layer_gap_s: float = 0.0) -> dict:
+        """Queue every layer (gap 0: all at once; else one per gap, like a prefill computing
+        them). -> wall-clock start and the moment the last layer was queued."""
+        spec = TransferSpec.from_msg(spec_msg)
+        _sync(self.device)
+        start = time.time()
+        self.sender.begin(spec)
+        for layer in spec.layers:
+            if layer_gap_s:              # the prefill's thread is free while the GPU computes
+                time.sleep(layer_gap_s)
+            self.sender.send_layer(spec.request_id, layer)
+        last_queued = time.time()
+        self.sender.wait(spec.request_id, CONFIG.timeout_s)
+        return {"start": start, "last_queued": last_queued}
+
+    def wait_done(self, rid: str) -> float:
+        self.receiver.wait(rid, CONFIG.timeout_s)
+        return time.time()
+
+    def checksums(self, block_ids: list[int]) -> list[list[float]]:
+        """Per layer: sum and position-weighted sum of the blocks' bits (as int16), in order."""
+        out = []
+        for layer in range(LAYERS):
+            data = self.store.gather_blocks(layer, block_ids).view(torch.int16).to(torch.float64).flatten()
+            w = torch.arange(1, data.numel() + 1, device=data.device, dtype=torch.float64) % 9973
+            out.append([float(data.sum()), float((data * w).sum())])
+        return out
+
+    def set_message_bytes(self, nbytes: int) -> None:
+        from dataclasses import replace
+
+        self.sender.config = replace(self.sender.config, max_message_bytes=nbytes)
+
+    def messages_sent(self) -> int:
+        return sum(w.messages_sent for w in self.sender._workers.values())
+
+
+def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
+    n = tokens // BLOCK
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randperm(num_blocks, generator=g)[:n].tolist()
+    dst = torch.randperm(num_blocks, generator=g)[:n].tolist()
+    return TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, tokens)
+
+
+def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
+    from kv_transfer.torch_dist import start_rendezvous_store
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    rendezvous = f"127.0.0.1:{port}"
+    num_blocks = max(args.prompts) // BLOCK + 64
+    gpus = 1 if args.device == "cuda" else 0
+    prefill = Endpoint.options(num_gpus=gpus).remote("prefill-0", rendezvous, num_blocks, 1234, args.device)
+    decode = Endpoint.options(num_gpus=gpus).remote("decode-0", rendezvous, num_blocks, None, args.device)
+    print("prefill actor:", ray.get(prefill.where.remote()), "| decode actor:", ray.get(decode.where.remote()))
+    raw = ray.get([prefill.raw.remote("decode-0", True, args.sizes, args.raw_total_mib),
+                   decode.raw.remote("prefill-0", False, args.sizes, args.raw_total_mib)])[1]
+    raw_by_size.update({r["size_mib"]: r["gbps"] for r in raw})
+    print("\nraw NCCL send/recv between the two actors")
+    print(f"{'MiB':>6} {'msgs':>5} {'GB/s':>8}")
+    for r in raw:
+        print(f"{r['size_mib']:>6} {r['n']:>5} {r['gbps']:>8.1f}")
+
+    sweep = []
+    mid = args.prompts[len(args.prompts) // 2]
+    for mib in args.message_mib:
+        ray.get(prefill.set_message_bytes.remote(mib * MiB))
+        times = []
+        for rep in range(args.reps + 1):
+            spec = _spec(f"m{mib}-{rep}", mid, num_blocks, 50 + rep)
+            ray.get(decode.expect.remote(spec.to_msg()))
+            sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+            if rep:
+                times.append(done - sent["start"])
+        t = statistics.median(times)
+        sweep.append({"message_mib": mib, "tokens": mid, "seconds": t, "gbps": mid * TOKEN_BYTES / t / 1e9})
+    best = max(sweep, key=lambda r: r["gbps"])
+    print(f"\nmessage size sweep, {mid}-token prompt (all layers ready), median of {args.reps}")
+    print(f"{'max MiB/msg':>12} {'ms':>8} {'GB/s':>7}")
+    for r in sweep:
+        print(f"{r['message_mib']:>12} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f}")
+    ray.get(prefill.set_message_bytes.remote(args.message_bytes or best["message_mib"] * MiB))
+    print(f"using {(args.message_bytes or best['message_mib'] * MiB) / MiB:.0f} MiB messages below")
+
+    rows = []
+    for tokens in args.prompts:
+        nbytes = tokens * TOKEN_BYTES
+        times, tails = [], []
+        for rep in range(args.reps + 1):
+            spec = _spec(f"t{tokens}-{rep}", tokens, num_blocks, rep)
+            ray.get(decode.expect.remote(spec.to_msg()))
+            sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+            if rep:                                   # the first is warm-up
+                times.append(done - sent["start"])
+        exact = (ray.get(prefill.checksums.remote(list(spec.src_block_ids)))
+                 == ray.get(decode.checksums.remote(list(spec.dst_block_ids))))
+        gap = args.prefill_s_per_token * tokens / LAYERS  # one layer's share of the prefill
+        for rep in range(args.reps):
+            spec = _spec(f"s{tokens}-{rep}", tokens, num_blocks, 100 + rep)
+            ray.get(decode.expect.remote(spec.to_msg()))
+            sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap), decode.wait_done.remote(spec.request_id)])
+            tails.append(done - sent["last_queued"])
+        t = statistics.median(times)
+        raw_same = _raw_at(raw_by_size, nbytes)
+        rows.append({"tokens": tokens, "mib": nbytes / MiB, "seconds": t, "gbps": nbytes / t / 1e9,
+                     "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
+                     "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
+                     "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
+    print(f"\nTandem transfer, Llama-3-8B KV ({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
+    print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'exact':>6} "
+          f"{'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
+              f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
+              f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
+    print("messages sent:", ray.get(prefill.messages_sent.remote()))
+    for a in (prefill, decode):
+        ray.kill(a)
+    del store
+    return {"rows": rows, "message_sweep": sweep}, raw
+
+
+def _raw_at(raw_by_size: dict[int, float], nbytes: int) -> float:
+    """Raw GB/s at the measured size nearest `nbytes` from below (the wire's best at that size)."""
+    sizes = sorted(raw_by_size)
+    below = [s for s in sizes if s * MiB <= nbytes] or sizes[:1]
+    return raw_by_size[below[-1]]
+
+
+def bench_ttft(args) -> list[dict]:
+    from cluster.local import RunningCluster
+    from protos.tandem.v1 import generation_pb2 as pb
+
+    base = {"model.name": args.model, "model.device": "cuda", "model.dtype": "bfloat16",
+            "scheduler.max_num_batched_tokens": args.chunk, "scheduler.max_num_seqs": 8,
+            "prefill.num_gpus": 1, "decode.num_gpus": 1, "router.metrics_port": None,
+            "speculative.method": "off"}
+    modes = {"remote": {**base, "prefill.replicas": 1, "decode.replicas": 1, "decode.local_prefill_threshold": 0},
+             "local": {**base, "prefill.replicas": 0, "decode.replicas": 1,
+                       "decode.local_prefill_threshold": float("inf")}}
+    results: dict[str, dict[int, list[float]]] = {}
+    for mode, overrides in modes.items():
+        t = time.perf_counter()
+        cluster = RunningCluster(overrides)
+        print(f"\n{mode}: cluster up in {time.perf_counter() - t:.0f}s", flush=True)
+        try:
+            results[mode] = {}
+            for tokens in args.prompts:
+                samples = []
+                for rep in range(args.reps + 1):
+                    g = torch.Generator().manual_seed(tokens * 100 + rep)   # fresh: no cache hits
+                    ids = torch.randint(1000, 100000, (tokens,), generator=g).tolist()
+                    req = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(
+                        max_tokens=2, temperature=0, ignore_eos=True))
+                    t0 = time.perf_counter()
+                    first = None
+                    for r in cluster.stub.Generate(req, timeout=300):
+                        if r.token_ids and first is None:
+                            first = time.perf_counter() - t0
+                    if rep:
+                        samples.append(first)
+                results[mode][tokens] = samples
+                print(f"  {tokens:>6} tokens: TTFT median {statistics.median(samples) * 1e3:.1f} ms", flush=True)
+        finally:
+            cluster.close()
+    rows = []
+    for tokens in args.prompts:
+        remote, local = (statistics.median(results[m][tokens]) for m in ("remote", "local"))
+        rows.append({"tokens": tokens, "remote_ms": remote * 1e3, "local_ms": local * 1e3, "ratio": remote / local,
+                     "remote_samples_ms": [x * 1e3 for x in results["remote"][tokens]],
+                     "local_samples_ms": [x * 1e3 for x in results["local"][tokens]]})
+    print(f"\nTTFT through the API, {args.model}, prefill chunk {args.chunk} tokens, median of {args.reps}")
+    print(f"{'tokens':>7} {'remote ms':>10} {'local ms':>9} {'remote/local':>13}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['remote_ms']:>10.1f} {r['local_ms']:>9.1f} {r['ratio']:>13.3f}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 256, 1024],
+                    help="raw message sizes, MiB")
+    ap.add_argument("--raw-total-mib", type=int, default=8192, help="bytes per raw size (5..200 messages)")
+    ap.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--message-mib", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256],
+                    help="max_message_bytes values to sweep (MiB) on the middle prompt")
+    ap.add_argument("--message-bytes", type=int, default=0,
+                    help="max_message_bytes for the main table (0: the sweep's best)")
+    ap.add_argument("--prefill-s-per-token", type=float, default=30e-6,
+                    help="streamed run: prefill time per prompt token (H200, Llama-3-8B: ~30 us)")
+    ap.add_argument("--ttft", action="store_true", help="also measure TTFT remote vs local (loads the model)")
+    ap.add_argument("--no-transfer", action="store_true", help="skip tables 1 and 2")
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (scheduler.max_num_batched_tokens)")
+    ap.add_argument("--out", default=None, help="write all results as JSON here")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the same transfer code over gloo, small sizes, to try the script out")
+    args = ap.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        sys.exit("needs two CUDA GPUs")
+    from cluster.bootstrap import init_ray
+    from cluster.config import load_config
+
+    init_ray(load_config(None, {"prefill.num_gpus": 1, "decode.num_gpus": 1}), "kv-bench")
+    results = {"argv": sys.argv, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    raw_by_size: dict[int, float] = {}
+    if not args.no_transfer:
+        results["transfer"], results["raw"] = bench_transfer(args, raw_by_size)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.ttft:
+        results["ttft"] = bench_ttft(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

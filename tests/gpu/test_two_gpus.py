@@ -1,0 +1,125 @@
+"""Two GPUs, one Ray actor on each (run on `nvidia-h200-x2`): KV moved over NCCL arrives bit-exact,
+and a request prefilled on one GPU and decoded on the other gives the tokens the colocated path
+gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+CONFIG = dict(timeout_s=30.0, start_timeout_s=60.0, connect_timeout_s=60.0)
+LAYERS, BLOCKS = 6, 96
+
+
+@pytest.fixture(scope="module")
+def ray_gpus():
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, resources={"tandem_prefill": 64, "tandem_decode": 64}, include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR")
+    assert ray.cluster_resources().get("GPU", 0) >= 2
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class Endpoint:
+    def __init__(self, actor_id: str, rendezvous: str, seed: int | None, max_message_bytes: int):
+        from kv_transfer.testing import TensorBlockStore
+        from kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
+
+        cfg = KVTransferConfig(**CONFIG, max_message_bytes=max_message_bytes)
+        self.store = TensorBlockStore(LAYERS, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+        if seed is not None:
+            self.store.tensor.normal_(generator=torch.Generator("cuda").manual_seed(seed))
+        make = make_dist_sender if actor_id.startswith("prefill") else make_dist_receiver
+        self.end = make(actor_id, self.store, rendezvous, cfg)
+
+    def gpu_uuid(self) -> str:
+        return str(torch.cuda.get_device_properties(0).uuid)
+
+    def expect(self, spec_msg: dict) -> None:
+        self.end.expect(TransferSpec.from_msg(spec_msg))
+
+    def stream(self, spec_msg: dict) -> None:
+        """Queue each layer after a new write to it on the compute stream, as a prefill does: the
+        transfer must wait for that write (its ready event), not read stale blocks."""
+        spec = TransferSpec.from_msg(spec_msg)
+        self.end.begin(spec)
+        for layer in spec.layers:
+            self.store.tensor[layer].mul_(-1.0)      # still queued on the GPU when send_layer runs
+            self.end.send_layer(spec.request_id, layer)
+
+    def wait(self, rid: str) -> str:
+        return self.end.wait(rid, 60).value
+
+    def blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.stack([self.store.gather_blocks(layer, block_ids) for layer in range(LAYERS)]).cpu()
+
+
+@pytest.mark.parametrize("layers_per_message", [1, LAYERS])
+def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message):
+    from kv_transfer.torch_dist import start_rendezvous_store
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    addr = f"127.0.0.1:{port}"
+    layer_bytes = 2 * 40 * 16 * 8 * 128 * 2
+    sender = Endpoint.remote("prefill-0", addr, 7, layers_per_message * layer_bytes)
+    receiver = Endpoint.remote("decode-0", addr, None, layers_per_message * layer_bytes)
+    try:
+        assert ray.get(sender.gpu_uuid.remote()) != ray.get(receiver.gpu_uuid.remote())
+        g = torch.Generator().manual_seed(layers_per_message)
+        for rid in ("a", "b"):      # the second reuses the pair's groups
+            src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+            dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+            spec = TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 40 * 16).to_msg()
+            ray.get(receiver.expect.remote(spec))
+            ray.get(sender.stream.remote(spec))
+            assert ray.get(receiver.wait.remote(rid)) == "done"
+            assert ray.get(sender.wait.remote(rid)) == "done"
+            sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
+            assert sent.abs().sum() > 0
+            assert torch.equal(sent, got)
+    finally:
+        for a in (sender, receiver):
+            ray.kill(a)
+        del store
+
+
+def _generate(overrides: dict, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    from cluster.local import RunningCluster
+
+    cluster = RunningCluster(overrides)
+    try:
+        outs = [cluster.generate(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True)[0]
+                for p in prompts]
+        counters = {}
+        for stats in cluster.worker_stats().values():
+            if stats.get("pool") == "decode":
+                for k in ("remote_prefills", "local_prefills", "transfer_failures"):
+                    counters[k] = counters.get(k, 0) + stats.get(k, 0)
+        return outs, counters
+    finally:
+        cluster.close()
+
+
+def test_prefill_on_one_gpu_decode_on_the_other_matches_colocated(ray_gpus):
+    base = {"model.name": "smollm2-135m-random", "model.device": "cuda", "model.dtype": "float32",
+            "prefill.num_gpus": 1, "decode.num_gpus": 1, "router.metrics_port": None,
+            "scheduler.max_num_batched_tokens": 256, "speculative.method": "off"}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (700, 90, 1500)]
+    remote, counters = _generate({**base, "prefill.replicas": 1, "decode.replicas": 1,
+                                  "decode.local_prefill_threshold": 0}, prompts)
+    assert counters.get("remote_prefills", 0) == len(prompts), counters   # every prompt went over NCCL
+    assert counters.get("transfer_failures", 0) == 0, counters
+    local, counters = _generate({**base, "prefill.replicas": 0, "decode.replicas": 1,
+                                 "decode.local_prefill_threshold": float("inf")}, prompts)
+    assert counters.get("local_prefills", 0) == len(prompts), counters
+    assert remote == local
