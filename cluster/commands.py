@@ -1,4 +1,5 @@
-"""Cluster subcommands of `tandem`: `up` (serve), `chat` (interactive client), `status` (Admin)."""
+"""Cluster subcommands of `tandem`: `up` (serve), `chat` (interactive client), `status` (Admin),
+`scale`, `bench` (load generator, in bench/loadgen.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def register(sub) -> None:
     _client_flags(st)
     st.set_defaults(func=cmd_status)
     _register_scale(sub)
+    _register_bench(sub)
     from cluster import profiling
 
     profiling.register(sub)
@@ -69,6 +71,51 @@ def _register_scale(sub) -> None:
     sc.add_argument("--size", type=int, help="pin the pool at this size (the autoscaler leaves it alone)")
     _client_flags(sc)
     sc.set_defaults(func=cmd_scale)
+
+
+def _register_bench(sub) -> None:
+    import argparse
+
+    b = sub.add_parser(
+        "bench", help="load-test a running cluster: TTFT/TPOT/E2E percentiles, goodput, cache and draft hits",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=(
+            "Open-loop load through the gRPC API; prints a table per rate and writes bench-LABEL.json\n"
+            "and PNG plots (latency CDFs; goodput vs rate for a sweep) under --out.\n\n"
+            "--rate R means:\n"
+            "  agent, agent-small          R new sessions per second, Poisson arrivals; within a\n"
+            "                              session each turn is sent its think time after the\n"
+            "                              previous answer ends, with that answer in its prompt\n"
+            "  mooncake:PATH, azure:PATH   R requests per second on average: the trace's timestamps\n"
+            "                              scaled to it (without --rate: the trace's own timing)\n"
+            "Requests due past --duration are not sent; those in flight get --drain-timeout more seconds.\n"
+            "Every request: prompt token ids, greedy, ignore_eos, max_tokens = the workload's output length."))
+    b.add_argument("--target", default=DEFAULT_TARGET, help="router address HOST:PORT")
+    b.add_argument("--workload", required=True,
+                   help="agent (contexts up to 32k: GPU), agent-small (CPU), mooncake:PATH.jsonl, azure:PATH.csv")
+    rate = b.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="see above")
+    rate.add_argument("--rates", help="a sweep, e.g. 0.5,1,2: one run per rate, in order")
+    b.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    b.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds past --duration that requests in flight may take (default 120)")
+    b.add_argument("--sessions", type=int, help="at most this many sessions (trace: requests) per rate")
+    b.add_argument("--seed", type=int, default=0, help="workload and token ids (default 0)")
+    b.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="goodput's TTFT bound (default 1000)")
+    b.add_argument("--tpot-slo-ms", type=float, default=40.0, help="goodput's TPOT bound (default 40)")
+    b.add_argument("--max-context", type=int,
+                   help="fit every request (prompt + output) in this many tokens (default: the model's context)")
+    b.add_argument("--vocab-size", type=int, help="token ids are drawn below this (default: asked of the server)")
+    b.add_argument("--out", default="bench-results", help="directory for the JSON and PNGs (default bench-results)")
+    b.add_argument("--label", help="names the outputs bench-LABEL.* (default: workload and time)")
+    b.add_argument("--no-progress", action="store_true", help="no progress line on stderr (off when not a tty)")
+    _client_flags(b)
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from bench.loadgen import cmd_bench as run
+
+    return run(args)
 
 
 def cmd_scale(args) -> int:
