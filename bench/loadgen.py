@@ -8,8 +8,9 @@ time, scaled so that the trace's mean rate is `rate` requests per second (unscal
 Nothing due past `duration_s` is sent; requests in flight then get `drain_timeout_s` more.
 
 Layout: workload plans (pure) first, then the asyncio driver (one task per session), then the
-command; records, summaries, the table and the output files are in bench/loadgen_report.py. Every request is greedy, `ignore_eos`, with `max_tokens` = the spec's output
-length, sent as token ids with its session id, so the router routes it by session.
+command; records, summaries, the table and the output files are in bench/loadgen_report.py.
+Every request is greedy, `ignore_eos`, with `max_tokens` = the spec's output length, sent as token
+ids with its session id, so the router routes it by session.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class _PeerRecvLoop:
         self.peer = peer
         self.link: PeerLink | None = None
         self._stopping = False
-        self._stream = None
+        self._stream = self._recv_stream = None
         self._landings: deque[_Landing] = deque()
         self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
@@ -178,7 +178,8 @@ class _PeerRecvLoop:
         store = self.receiver.store
         if store.device.type == "cuda":
             torch.cuda.set_device(store.device)
-            self._stream = torch.cuda.Stream(store.device)
+            self._stream = torch.cuda.Stream(store.device)         # scatters
+            self._recv_stream = torch.cuda.Stream(store.device)    # posts receives, runs nothing
         try:
             self.link = self.receiver.connector.connect(self.peer, as_sender=False)
             frames: queue.SimpleQueue = queue.SimpleQueue()
@@ -235,7 +236,10 @@ class _PeerRecvLoop:
             self._land(wait=True)                  # bound the staging memory
         layers = [int(x) for x in frame["layers"]]
         store = self.receiver.store
-        with self._on_stream():
+        # Posted from a stream with nothing queued on it: NCCL's stream waits for the poster's
+        # stream, and on the scatter stream that would hold this receive until the previous
+        # message's scatter is done (wire and scatter would take turns instead of overlapping).
+        with self._on_stream(self._recv_stream):
             buf = torch.empty([len(layers), *frame["shape"]], dtype=getattr(torch, frame["dtype"]),
                               device=store.device)
             posted = self.link.irecv_data(buf)
@@ -342,8 +346,9 @@ class _PeerRecvLoop:
         for i, layer in enumerate(landing.layers):
             store.scatter_blocks(layer, index, landing.buf[i])
 
-    def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+    def _on_stream(self, stream=None):
+        stream = stream or self._stream
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _forget(self, rid: str) -> None:
         self._next_idx.pop(rid, None)

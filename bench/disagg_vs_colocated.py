@@ -1,0 +1,173 @@
+"""The headline comparison: on the same GPUs, disaggregated (prefill actors and decode actors on
+separate GPUs, KV streamed between them) against colocated (every replica prefills and decodes its
+own requests: decode's local-prefill threshold at infinity, no prefill pool), same engine, same
+speculation, same workload at the same rates, driven through the gRPC API by `tandem bench`.
+
+For each mode this starts `tandem up` with that mode's config, waits until grpc.health.v1 says
+SERVING, runs `tandem bench` at every rate, stops the cluster, and at the end prints goodput per
+rate for both modes side by side (with their ratio) and TPOT p90 per rate. Every run's full
+`tandem bench` JSON is kept under --out.
+
+    python bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
+        --workload agent --rates 0.25,0.5,1 --duration 40 --out results/
+    python bench/disagg_vs_colocated.py --model tiny-random --device cpu --workload agent-small \
+        --rates 1,2 --duration 10 --out /tmp/e2e        # the same, small, on a CPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())"]
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mode_configs(args) -> dict[str, dict]:
+    """Both modes use every GPU: disaggregated splits them between the pools (prefill first), the
+    colocated mode runs one replica per GPU."""
+    gpu = 1 if args.device == "cuda" else 0
+    common = {"model": {"name": args.model, "device": args.device,
+                        "dtype": "bfloat16" if args.device == "cuda" else "float32"},
+              "scheduler": {"max_num_batched_tokens": args.chunk, "max_num_seqs": args.max_num_seqs},
+              "speculative": {"method": args.speculative},
+              "router": {"host": "127.0.0.1", "metrics_port": None}}
+    if args.num_blocks:
+        common["cache"] = {"num_blocks": args.num_blocks}
+    n_prefill = args.prefill or max(1, args.gpus // 2)
+    return {
+        "disaggregated": {**common,
+                          "prefill": {"replicas": n_prefill, "num_gpus": gpu},
+                          "decode": {"replicas": args.gpus - n_prefill, "num_gpus": gpu,
+                                     "local_prefill_threshold": args.threshold}},
+        "colocated": {**common,
+                      "prefill": {"replicas": 0, "num_gpus": gpu},
+                      "decode": {"replicas": args.gpus, "num_gpus": gpu,
+                                 "local_prefill_threshold": float("inf")}},
+    }
+
+
+def _wait_serving(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tandem up exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(1)
+    raise TimeoutError(f"cluster at {target} not SERVING after {timeout_s}s")
+
+
+def run_mode(name: str, config: dict, args, out: Path) -> dict:
+    port = _free_port()
+    config = {**config, "router": {**config["router"], "port": port}}
+    cfg_path = out / f"config-{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))       # inf is written as .inf
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    log = open(out / f"up-{name}.log", "wb")
+    up = subprocess.Popen([*CLI, "up", "--config", str(cfg_path), "--no-auth"], stdout=log, stderr=subprocess.STDOUT,
+                          env=env, cwd=ROOT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        _wait_serving(f"127.0.0.1:{port}", up, args.start_timeout)
+        print(f"{name}: SERVING after {time.monotonic() - t0:.0f}s", flush=True)
+        bench = [*CLI, "bench", "--target", f"127.0.0.1:{port}", "--workload", args.workload,
+                 "--rates", args.rates, "--duration", str(args.duration), "--drain-timeout", str(args.drain),
+                 "--seed", str(args.seed), "--out", str(out), "--label", name, "--no-progress",
+                 "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)]
+        if args.max_context:
+            bench += ["--max-context", str(args.max_context)]
+        subprocess.run(bench, env=env, cwd=ROOT, check=True)
+        return json.loads((out / f"bench-{name}.json").read_text())
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        log.close()
+
+
+def compare(reports: dict[str, dict]) -> list[dict]:
+    rows = []
+    by_mode = {m: {run["rate"]: run["summary"] for run in r["runs"]} for m, r in reports.items()}
+    rates = sorted(set.intersection(*(set(v) for v in by_mode.values())))
+    for rate in rates:
+        d, c = by_mode["disaggregated"][rate], by_mode["colocated"][rate]
+        rows.append({"rate": rate, "goodput_disagg": d["goodput_rps"], "goodput_coloc": c["goodput_rps"],
+                     "ratio": d["goodput_rps"] / c["goodput_rps"] if c["goodput_rps"] else float("inf"),
+                     "tpot_p90_disagg_ms": d["tpot_ms"]["p90"], "tpot_p90_coloc_ms": c["tpot_ms"]["p90"],
+                     "ttft_p90_disagg_ms": d["ttft_ms"]["p90"], "ttft_p90_coloc_ms": c["ttft_ms"]["p90"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--gpus", type=int, default=2, help="actors in all (one per GPU on cuda)")
+    ap.add_argument("--prefill", type=int, default=0, help="prefill actors when disaggregated (default gpus/2)")
+    ap.add_argument("--threshold", type=float, default=256,
+                    help="disaggregated: decode prefills uncached suffixes up to this many tokens itself")
+    ap.add_argument("--speculative", default="ngram", help="both modes")
+    ap.add_argument("--chunk", type=int, default=8192, help="scheduler.max_num_batched_tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per actor (0: from free memory)")
+    ap.add_argument("--workload", default="agent")
+    ap.add_argument("--rates", default="0.25,0.5,1")
+    ap.add_argument("--duration", type=float, default=40)
+    ap.add_argument("--drain", type=float, default=60)
+    ap.add_argument("--max-context", type=int, default=0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=1000)
+    ap.add_argument("--tpot-slo-ms", type=float, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--out", default="bench-results")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = mode_configs(args)
+    reports = {}
+    for name in args.modes.split(","):
+        reports[name] = run_mode(name, configs[name], args, out)
+    if len(reports) == 2:
+        rows = compare(reports)
+        print(f"\n{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "
+              f"{args.workload}, SLOs TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.tpot_slo_ms:g} ms per request")
+        print(f"{'rate':>6} {'goodput disagg':>15} {'goodput coloc':>14} {'ratio':>6} "
+              f"{'TPOT p90 d/c ms':>16} {'TTFT p90 d/c ms':>16}")
+        for r in rows:
+            print(f"{r['rate']:>6g} {r['goodput_disagg']:>15.2f} {r['goodput_coloc']:>14.2f} {r['ratio']:>6.2f} "
+                  f"{r['tpot_p90_disagg_ms']:>7.1f}/{r['tpot_p90_coloc_ms']:<8.1f} "
+                  f"{r['ttft_p90_disagg_ms']:>7.0f}/{r['ttft_p90_coloc_ms']:<8.0f}")
+        (out / "comparison.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
