@@ -3,7 +3,8 @@ KV over gloo), closed loop: each session sends its next turn (previous prompt + 
 answer + new tool output) a think time after the answer ends. Prints TTFT / TPOT p50/p90/p99 and
 the cached prompt token ratio; then fits the simulator's performance model to the engine on this
 machine (`tandem profile`) and prints the simulator's prediction for the same workload beside the
-measurement.
+measurement. The simulator's control-path terms (per request, per remote prefill) are fitted on
+the idle cluster with a few probe requests before the workload starts.
 
     .venv/bin/python bench/cluster_cpu.py [--sessions 4] [--max-turns 6] [--prefill 1 --decode 1]
 """
@@ -77,7 +78,7 @@ def main() -> None:
 
     from bench.workloads import PROFILES, coding_agent_sessions
     from cluster.local import RunningCluster
-    from cluster.profiling import profile_engine
+    from cluster.profiling import fit_control_path, profile_engine
     from cluster.simulator import SLO, PerfModel, simulate
 
     rng = random.Random(a.seed)
@@ -100,6 +101,8 @@ def main() -> None:
     c = RunningCluster({"model.name": "smollm2-135m", "cache.num_blocks": 2048, "prefill.replicas": a.prefill,
                         "decode.replicas": a.decode, "decode.local_prefill_threshold": a.threshold})
     try:
+        # the control path (router, Ray round trips, streaming), measured on this idle cluster
+        perf = fit_control_path(c.stub, perf, vocab_size=49152, threshold=a.threshold)
         recs, wall = run_sessions(c, by_session, 49152, a.seed)
     finally:
         c.close()
@@ -119,7 +122,9 @@ def main() -> None:
     print(f"| simulator | {sim.ttft_p50 * 1e3:.0f} ms | {sim.ttft_p90 * 1e3:.0f} ms | {sim.ttft_p99 * 1e3:.0f} ms "
           f"| {sim.tpot_p50 * 1e3:.1f} ms | {sim.tpot_p90 * 1e3:.1f} ms | {sim.tpot_p99 * 1e3:.1f} ms "
           f"| {sim.cached_token_ratio:.1%} |")
-    print(f"\nsimulator / measured medians: TTFT {sim.ttft_p50 / statistics.median(ttft):.2f}, "
+    print(f"\ncontrol path fitted on the idle cluster: {perf.request_overhead_s * 1e3:.1f} ms per request, "
+          f"+{perf.remote_overhead_s * 1e3:.1f} ms per remote prefill")
+    print(f"simulator / measured medians: TTFT {sim.ttft_p50 / statistics.median(ttft):.2f}, "
           f"TPOT {sim.tpot_p50 / statistics.median(tpot):.2f}")
 
 

@@ -6,6 +6,7 @@ simulator's performance model to it. `tandem simulate` replays a workload agains
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from typing import Any
@@ -79,11 +80,56 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
     return samples
 
 
+def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: int = 5,
+                     remote_tokens: int = 0, metadata=(), seed: int = 0):
+    """The simulator's control-path terms, from a running, idle cluster: TTFT of short prompts
+    (prefilled by the decode actor itself) and of longer ones (prefilled remotely when the cluster
+    has a prefill pool) through the gRPC API, minus what `perf` predicts the engine spends on them.
+    Fresh random prompts, so nothing is cached; medians of `probes` each. -> `perf` with
+    request_overhead_s and remote_overhead_s set (both >= 0)."""
+    import dataclasses
+    import statistics
+    import time
+
+    from protos.tandem.v1 import generation_pb2 as pb
+
+    rng = random.Random(seed)
+
+    def ttft(n: int) -> float:
+        req = pb.GenerateRequest(prompt_token_ids=[rng.randrange(3, vocab_size) for _ in range(n)],
+                                 sampling=pb.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        t0 = time.perf_counter()
+        for r in stub.Generate(req, timeout=120, metadata=metadata):
+            if r.token_ids:
+                return time.perf_counter() - t0
+        raise RuntimeError("probe request returned no token")
+
+    local_n = max(1, min(16, int(threshold) if math.isfinite(threshold) else 16))
+    local_engine = perf.prefill_s(local_n, local_n)
+    ttft(local_n)                                                       # warm-up
+    request = max(0.0, statistics.median(ttft(local_n) for _ in range(probes)) - local_engine)
+    remote = 0.0
+    if math.isfinite(threshold):
+        n = remote_tokens or max(4 * int(threshold), 128)
+        engine = max(perf.prefill_s(n, n), perf.transfer_s(n))
+        ttft(n)
+        remote = max(0.0, statistics.median(ttft(n) for _ in range(probes)) - engine - request)
+    return dataclasses.replace(perf, request_overhead_s=request, remote_overhead_s=remote)
+
+
 def cmd_profile(args) -> int:
     from cluster.simulator import PerfModel
 
     samples = profile_engine(args.model, args.device, args.dtype, quick=args.quick)
     perf = PerfModel.fit(samples, block_tokens=16)
+    if args.target:       # the control path, measured on the running cluster
+        import grpc
+
+        from protos.tandem.v1 import generation_pb2_grpc
+
+        with grpc.insecure_channel(args.target) as channel:
+            perf = fit_control_path(generation_pb2_grpc.GenerationStub(channel), perf,
+                                    vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
     out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
            "samples": [[k, list(f), s] for k, f, s in samples]}
     text = json.dumps(out, indent=2)
@@ -132,6 +178,10 @@ def register(sub) -> None:
     pr.add_argument("--dtype", default="float32")
     pr.add_argument("--output", "-o", help="write the samples and fitted model as JSON")
     pr.add_argument("--quick", action="store_true", help="fewer samples")
+    pr.add_argument("--target", help="also fit the control-path terms on this running, idle cluster (HOST:PORT)")
+    pr.add_argument("--vocab-size", type=int, default=49152, help="the served model's (for --target probes)")
+    pr.add_argument("--local-prefill-threshold", type=float, default=256,
+                    help="the cluster's decode.local_prefill_threshold (for --target probes)")
     pr.set_defaults(func=cmd_profile)
 
     sm = sub.add_parser("simulate", help="what-if: replay a workload against N prefill and M decode workers")

@@ -57,6 +57,10 @@ class PerfModel:
                     (n: tokens computed, context: prompt length once they are in)
     decode step s = decode_base_s + decode_per_seq_s * batch + decode_per_ctx_token_s * sum(context)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
+    control path  = request_overhead_s on every request's client-visible times (router, actor
+                    RPCs, streaming), + remote_overhead_s before a remote prefill's KV is usable
+                    (RPCs to the prefill actor, the decode step after the KV lands); both fitted
+                    on a running cluster by `tandem profile --target` (fit_control_path)
     """
     prefill_base_s: float = 0.005
     prefill_per_token_s: float = 1 / 12000
@@ -66,6 +70,8 @@ class PerfModel:
     decode_per_ctx_token_s: float = 3e-8
     transfer_base_s: float = 0.0005
     transfer_per_token_s: float = 2.6e-6
+    request_overhead_s: float = 0.0
+    remote_overhead_s: float = 0.0
     local_prefill_threshold: float = 256  # uncached tokens a decode worker prefills itself
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
@@ -74,7 +80,8 @@ class PerfModel:
 
     def __post_init__(self) -> None:
         coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
-                  "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s")
+                  "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
+                  "request_overhead_s", "remote_overhead_s")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
         if min(self.max_batch, self.max_step_tokens, self.kv_capacity_tokens, self.block_tokens) < 1:
@@ -466,7 +473,7 @@ class _Simulation:
         s.kind, s.cached = "remote", n_in - n
         s.decode.awaiting_kv += 1
         # layer-by-layer streaming hides the transfer under compute unless it is the slower one
-        ready = max(end, start + perf.transfer_s(n_in - decode_hit))
+        ready = max(end, start + perf.transfer_s(n_in - decode_hit)) + perf.remote_overhead_s
         self.recent_ttft.append((ready, ready - now))
         self.push(ready, "kv_ready", s)
 
@@ -479,7 +486,8 @@ class _Simulation:
         self._step_if_idle(w, now)
 
     def _first_token(self, s: _Seq, now: float) -> None:
-        s.first_token_s, s.generated = now, 1
+        # the client sees it a control path later; the engine goes on at once
+        s.first_token_s, s.generated = now + self.perf.request_overhead_s, 1
         s.context += 1
         if s.spec.output_tokens <= 1:
             self._finish(s, now)
@@ -527,21 +535,21 @@ class _Simulation:
 
     def _finish(self, s: _Seq, now: float) -> None:
         w, r = s.decode, s.spec
-        s.finish_s = now
+        s.finish_s = now + self.perf.request_overhead_s       # client-visible, like the first token
         w.reserved -= s.reserved
         w.held -= r.input_tokens + r.output_tokens
         w.cache.unpin(s.pinned)
         w.cache.store(r, r.input_tokens + r.output_tokens)
         w.cache.evict_to(self.perf.kv_capacity_tokens - w.reserved)
         if r.output_tokens > 1:
-            self.recent_tpot.append((now, (now - s.first_token_s) / (r.output_tokens - 1)))
+            self.recent_tpot.append((now, (s.finish_s - s.first_token_s) / (r.output_tokens - 1)))
         self._retire(now, s)
 
     def _retire(self, now: float, s: _Seq) -> None:
         self.done += 1
         if self.next_turns is not None and self.next_turns.get(s.spec.session_id):
             nxt = self.next_turns[s.spec.session_id].popleft()
-            nxt.arrival_s = now + getattr(nxt.spec, "think_s", 0.0)
+            nxt.arrival_s = (s.finish_s or now) + getattr(nxt.spec, "think_s", 0.0)
             self.push(nxt.arrival_s, "arrive", nxt)
 
     # -- autoscaler in the loop -----------------------------------------------------------------

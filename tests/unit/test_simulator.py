@@ -155,3 +155,23 @@ def test_perf_model_json_round_trip():
         text = json.dumps(perf.to_dict())
         assert "Infinity" not in text
         assert PerfModel.from_dict(json.loads(text)) == perf
+
+
+def test_control_path_terms_delay_what_the_client_sees():
+    """request_overhead_s is added to every request's TTFT and end (not to TPOT); a remote
+    prefill's KV is usable remote_overhead_s later; a local one does not pay that."""
+    from dataclasses import replace
+
+    one_local = [RequestSpec("a", 0, 0.0, 8, 10)]            # under the threshold (16): local
+    one_remote = [RequestSpec("b", 0, 0.0, 400, 10)]         # over it: a prefill worker
+    base = {name: simulate(reqs, 1, 1, PERF, SLO_).requests[0] for name, reqs in
+            (("local", one_local), ("remote", one_remote))}
+    perf = replace(PERF, request_overhead_s=0.030, remote_overhead_s=0.100)
+    slow = {name: simulate(reqs, 1, 1, perf, SLO_).requests[0] for name, reqs in
+            (("local", one_local), ("remote", one_remote))}
+    assert slow["local"].ttft_s == pytest.approx(base["local"].ttft_s + 0.030)
+    assert slow["local"].tpot_s == pytest.approx(base["local"].tpot_s)
+    assert slow["remote"].ttft_s == pytest.approx(base["remote"].ttft_s + 0.130)
+    assert slow["remote"].e2e_s == pytest.approx(base["remote"].e2e_s + 0.130)
+    with pytest.raises(Exception):
+        replace(PERF, remote_overhead_s=-1.0)
