@@ -46,3 +46,8 @@ class PoolActorBase:
 
     def shutdown(self):
         self.worker.shutdown()
+
+    def inject_step_failure(self, token_id: int | None = None) -> None:
+        """Chaos testing: the next engine step that holds a request whose prompt contains
+        `token_id` (any step if None) raises, once. Reachable only through Ray, like ray.kill."""
+        self.worker.loop.run(self.worker.loop.inject_step_failure, token_id)

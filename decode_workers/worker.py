@@ -63,7 +63,7 @@ class DecodeWorker:
         self.tpot = LatencyWindow()
         self._snapshot: dict[str, Any] | None = None
         self.loop = EngineLoop(self.engine, on_step=self._publish, before_step=self._before_step,
-                               name=f"{worker_id}-loop")
+                               on_step_error=self._fail_engine_requests, name=f"{worker_id}-loop")
         self.loop.start()
 
     # ---- called from any thread ---------------------------------------------------------------
@@ -208,6 +208,16 @@ class DecodeWorker:
             return True
         return self.engine.abort(rid)
 
+    def _fail_engine_requests(self, exc: BaseException) -> None:
+        """A step raised: every request in the engine gets an error (its router moves it to a
+        decode actor again, from the tokens already streamed) and its KV is freed. Requests still
+        waiting for their KV were not in the step and stay."""
+        message = f"engine step failed on {self.worker_id}: {type(exc).__name__}: {exc}"[:300]
+        for rid in list(self.engine.scheduler.requests):
+            self._emit_error(rid, message)
+            self._abort(rid)
+        self.counters["step_failures"] = self.counters.get("step_failures", 0) + 1
+
     def _emit_error(self, rid: str, message: str) -> None:
         router = self.owner.pop(rid, None)
         if router is not None:
@@ -247,7 +257,8 @@ class DecodeWorker:
                 "kv_blocks_waiting": sum(e.allocator.blocks_needed(r.num_tokens) for r in e.scheduler.waiting),
                 "draft_tokens": getattr(e.stats, "draft_tokens", 0),
                 "accepted_draft_tokens": getattr(e.stats, "accepted_draft_tokens", 0),
-                "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}
+                "loop_error": repr(self.loop.error) if self.loop.error else None,
+                "last_step_error": self.loop.last_step_error, **self.counters}
 
 
 def finish_reason_of(msg: dict[str, Any]) -> FinishReason | None:

@@ -2,6 +2,12 @@
 runs on it, between steps, so the engine needs no locks. Callers submit functions and get
 futures back; outputs of each step go to `on_step(outputs)`.
 
+A step that raises (a kernel error, an out-of-memory, a bug) costs the requests the engine holds,
+not the actor: `on_step_error(exc)` fails them (their routers retry them elsewhere) and frees their
+KV, and the loop goes on serving. Only `max_consecutive_errors` failures in a row stop it, because
+then the engine itself is broken; the controller sees `error` in the worker's stats and replaces
+the actor. Calls on a stopped loop raise WorkerUnavailable, so routers move on to another actor.
+
 Used by both worker kinds (prefill and decode actors); the loop itself holds no policy.
 """
 
@@ -14,6 +20,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from engine.request import WorkerUnavailable
+
 log = logging.getLogger(__name__)
 
 
@@ -21,11 +29,21 @@ def _noop() -> None:
     pass
 
 
+class InjectedStepFailure(RuntimeError):
+    pass
+
+
 class EngineLoop:
     def __init__(self, engine, on_step: Callable[[list], None], before_step: Callable[[], None] | None = None,
-                 layer_done: Callable | None = None, idle_wait_s: float = 0.005, name: str = "engine-loop"):
+                 layer_done: Callable | None = None, idle_wait_s: float = 0.005, name: str = "engine-loop",
+                 on_step_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3):
         self.engine = engine
         self.on_step = on_step
+        self.on_step_error = on_step_error
+        self.max_consecutive_errors = max_consecutive_errors
+        self.step_errors = 0          # steps that raised, in all
+        self._inject: Callable[[Any], bool] | None = None
+        self.last_step_error: str | None = None
         self.before_step = before_step or (lambda: None)
         self.layer_done = layer_done
         self.idle_wait_s = idle_wait_s
@@ -45,10 +63,18 @@ class EngineLoop:
         """Run `fn(*args, **kwargs)` on the loop thread; the future carries its result or error."""
         fut: Future = Future()
         if self._stop.is_set():
-            fut.set_exception(RuntimeError("engine loop is stopped"))
+            fut.set_exception(self._stopped_error())
             return fut
         self._calls.put((fn, args, kwargs, fut))
         return fut
+
+    def inject_step_failure(self, token_id: int | None = None) -> None:
+        """Loop thread (via call/run): make the next step whose requests include a prompt with
+        `token_id` (any step if None) raise InjectedStepFailure, once. For chaos tests."""
+        def hit(engine) -> bool:
+            return token_id is None or any(token_id in r.prompt_token_ids
+                                           for r in engine.scheduler.requests.values())
+        self._inject = hit
 
     def wake(self) -> None:
         """Make an idle loop run before_step now (e.g. a KV transfer just finished); any thread."""
@@ -82,21 +108,38 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        consecutive = 0
         while not self._stop.is_set():
             try:
                 self._drain_calls(block=not self.engine.has_unfinished())
                 self.before_step()
                 if not self.engine.has_unfinished():
                     continue
+                if self._inject is not None and self._inject(self.engine):
+                    self._inject = None
+                    raise InjectedStepFailure("injected step failure (chaos test)")
                 t0 = time.perf_counter()
                 outputs = self.engine.step(self.layer_done)
                 self.busy_s += time.perf_counter() - t0
+                consecutive = 0
                 if outputs:
                     self.on_step(outputs)
-            except BaseException as e:  # noqa: BLE001 - a dead loop must be visible, not silent
-                log.exception("engine loop failed")
-                self.error = e
-                self._stop.set()
+            except BaseException as e:  # noqa: BLE001 - fail the requests, keep the actor
+                consecutive += 1
+                self.step_errors += 1
+                self.last_step_error = f"{type(e).__name__}: {e}"[:500]
+                log.exception("engine step failed (%d in a row)", consecutive)
+                fatal = (consecutive >= self.max_consecutive_errors or self.on_step_error is None
+                         or not isinstance(e, Exception))
+                try:
+                    if self.on_step_error is not None:
+                        self.on_step_error(e)
+                except BaseException:  # noqa: BLE001 - cannot even fail the requests: stop
+                    log.exception("failing the requests after a step error failed too")
+                    fatal = True
+                if fatal:
+                    self.error = e
+                    self._stop.set()
         # fail whatever is still queued
         while True:
             try:
@@ -104,4 +147,8 @@ class EngineLoop:
             except queue.Empty:
                 break
             if item is not None:
-                item[3].set_exception(RuntimeError("engine loop stopped"))
+                item[3].set_exception(self._stopped_error())
+
+    def _stopped_error(self) -> WorkerUnavailable:
+        why = f": {self.error!r}"[:300] if self.error is not None else ""
+        return WorkerUnavailable(f"engine loop is stopped{why}")

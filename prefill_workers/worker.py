@@ -53,7 +53,8 @@ class PrefillWorker:
         self._reserved_at: dict[str, float] = {}
         self._snapshot: dict[str, Any] | None = None
         self.loop = EngineLoop(self.engine, on_step=self._on_step, before_step=self._before_step,
-                               layer_done=self._layer_done, name=f"{worker_id}-loop")
+                               layer_done=self._layer_done, on_step_error=self._fail_engine_requests,
+                               name=f"{worker_id}-loop")
         self.loop.start()
 
     # ---- called from any thread ---------------------------------------------------------------
@@ -198,6 +199,15 @@ class PrefillWorker:
             if fut is not None:
                 fut.set_exception(RuntimeError(f"KV transfer {tid} {state.value}"))
 
+    def _fail_engine_requests(self, exc: BaseException) -> None:
+        """A step raised: the prefills it was computing are aborted (their transfers end, the
+        decode side frees its blocks, and each router prefills locally instead)."""
+        log.warning("failing %d prefills after a step error: %s", len(self.engine.scheduler.requests), exc)
+        for tid in list(self.engine.scheduler.requests):
+            if not self._abort(tid):
+                self.engine.abort(tid)
+        self.counters["step_failures"] = self.counters.get("step_failures", 0) + 1
+
     def _abort(self, tid: str) -> bool:
         req = self.reserved.pop(tid, None)
         if req is not None:
@@ -222,4 +232,5 @@ class PrefillWorker:
                 "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
                 "busy_s": self.loop.busy_s, "draining": self.draining,
                 "prefill_latency": self.latency.percentiles(time.monotonic()),
-                "loop_error": repr(self.loop.error) if self.loop.error else None, **self.counters}
+                "loop_error": repr(self.loop.error) if self.loop.error else None,
+                "last_step_error": self.loop.last_step_error, **self.counters}

@@ -330,6 +330,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RequestFailed as e:
             r.counters["errors"] += 1
             await context.abort(e.code, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an actor's unexpected error: a status, not UNKNOWN
+            r.counters["errors"] += 1
+            log.exception("request failed in the cluster")
+            unavailable = isinstance(e, (WorkerUnavailable, ray.exceptions.RayActorError))
+            await context.abort(grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.INTERNAL,
+                                f"request failed in the cluster ({type(e).__name__}: {str(e)[:200]}); "
+                                "it is safe to retry")
         finally:
             r.limiter.release(adm)
 

@@ -128,3 +128,54 @@ def test_redis_restart_during_traffic(make_cluster, redis_server_factory):
         assert done[0] > 10
     finally:
         restarted.stop()
+
+
+def _actor(c, worker_id):
+    import ray
+
+    state = ray.get(c.cluster.controller.cluster_state.remote())
+    name = next(w["actor_name"] for w in state["workers"] if w["worker_id"] == worker_id)
+    return ray.get_actor(name, namespace=c.cluster.namespace)
+
+
+def test_a_failing_step_costs_its_requests_a_retry_not_the_actor(make_cluster):
+    """A decode step that raises (a kernel error, an OOM) fails the requests in it; their routers
+    place them again from the tokens already streamed, so the greedy outputs are unchanged; the
+    actor keeps serving (no replacement) and no KV leaks."""
+    import ray
+
+    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 0, "decode.replicas": 1})
+    reqs = [{"prompt": f"poison {i} " + "ab" * (i + 3), "max_tokens": 120, "ignore_eos": True} for i in range(4)]
+    ref = _reference("tiny-random", reqs)
+    decode = _actor(c, "decode-0")
+    ray.get(decode.inject_step_failure.remote(None), timeout=30)   # the next step with work raises
+    results, errors = [None] * len(reqs), []
+    for t in _streams(c, reqs, results, errors):
+        t.join(240)
+    assert not errors, errors
+    assert results == ref
+    stats = c.worker_stats()["decode-0"]
+    assert stats["step_failures"] == 1 and stats["last_step_error"].startswith("InjectedStepFailure")
+    assert stats["loop_error"] is None
+    used = c.wait_idle()
+    assert all(v == 0 for v in used.values()), used
+    assert c.generate(prompt=reqs[1]["prompt"], max_tokens=10, ignore_eos=True)[0] == ref[1][:10]
+
+
+def test_a_failing_prefill_step_falls_back_to_local_prefill(make_cluster):
+    import ray
+
+    c = make_cluster({**TINY, "decode.local_prefill_threshold": 0, "prefill.replicas": 1, "decode.replicas": 1})
+    reqs = [{"prompt": "remote prefill that will fail once " * 6, "max_tokens": 12, "ignore_eos": True}]
+    ref = _reference("tiny-random", reqs)
+    ray.get(_actor(c, "prefill-0").inject_step_failure.remote(None), timeout=30)
+    ids, _, last = c.generate(prompt=reqs[0]["prompt"], max_tokens=12, ignore_eos=True)
+    assert ids == ref[0]
+    stats = c.worker_stats()
+    assert stats["prefill-0"]["step_failures"] == 1 and stats["prefill-0"]["loop_error"] is None
+    used = c.wait_idle()
+    assert all(v == 0 for v in used.values()), used
+    # the prefill actor still serves: the next remote prefill goes through it
+    before = stats["prefill-0"].get("prefills", 0)
+    assert c.generate(prompt="and now a prompt that prefills remotely " * 5, max_tokens=4)[0]
+    assert c.worker_stats()["prefill-0"].get("prefills", 0) == before + 1

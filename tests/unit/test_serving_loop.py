@@ -1,0 +1,91 @@
+"""The engine loop's failure policy, on a stand-in engine (pure control flow): a step that raises
+fails its requests through the hook and the loop serves on; a run of failures stops it, and calls
+on a stopped loop raise WorkerUnavailable (routers then try another actor)."""
+
+import time
+
+import pytest
+
+from engine.request import WorkerUnavailable
+from engine.serving_loop import EngineLoop
+
+
+class FlakyEngine:
+    """Has work while `pending` > 0; each step consumes one unit, or raises while `fail` > 0."""
+
+    def __init__(self, pending: int, fail: int):
+        self.pending, self.fail, self.steps = pending, fail, 0
+
+    def has_unfinished(self) -> bool:
+        return self.pending > 0
+
+    def step(self, _layer_done=None):
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("kernel exploded")
+        self.pending -= 1
+        self.steps += 1
+        return ["out"]
+
+
+def until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end
+        time.sleep(0.005)
+
+
+def test_a_failing_step_calls_the_hook_and_the_loop_goes_on():
+    engine, failed, outputs = FlakyEngine(pending=5, fail=2), [], []
+    loop = EngineLoop(engine, on_step=outputs.extend, on_step_error=failed.append).start()
+    try:
+        until(lambda: engine.pending == 0)
+        assert [str(e) for e in failed] == ["kernel exploded"] * 2
+        assert loop.step_errors == 2 and loop.error is None
+        assert loop.last_step_error == "RuntimeError: kernel exploded"
+        assert loop.run(lambda: 42) == 42          # still serving calls
+        assert outputs == ["out"] * 5
+    finally:
+        loop.stop()
+
+
+def test_consecutive_failures_stop_the_loop_and_calls_say_unavailable():
+    engine, failed = FlakyEngine(pending=1, fail=10), []
+    loop = EngineLoop(engine, on_step=lambda _: None, on_step_error=failed.append, max_consecutive_errors=3).start()
+    until(lambda: loop.error is not None)
+    assert len(failed) == 3 and engine.fail == 7
+    with pytest.raises(WorkerUnavailable, match="engine loop is stopped"):
+        loop.run(lambda: 1)
+    loop.stop()
+
+
+def test_without_a_hook_the_first_failure_stops_the_loop():
+    loop = EngineLoop(FlakyEngine(pending=1, fail=1), on_step=lambda _: None).start()
+    until(lambda: loop.error is not None)
+    assert loop.step_errors == 1
+    loop.stop()
+
+
+def test_a_hook_that_raises_stops_the_loop():
+    def bad_hook(_exc):
+        raise ValueError("cannot clean up")
+
+    loop = EngineLoop(FlakyEngine(pending=3, fail=1), on_step=lambda _: None, on_step_error=bad_hook).start()
+    until(lambda: loop.error is not None)
+    assert isinstance(loop.error, RuntimeError)
+    loop.stop()
+
+
+def test_an_injected_failure_fires_once():
+    engine, failed = FlakyEngine(pending=0, fail=0), []
+    loop = EngineLoop(engine, on_step=lambda _: None, on_step_error=failed.append).start()
+    try:
+        engine.scheduler = type("S", (), {"requests": {}})()
+        loop.run(loop.inject_step_failure, None)
+        engine.pending = 3
+        loop.wake()
+        until(lambda: engine.pending == 0)
+        assert len(failed) == 1 and type(failed[0]).__name__ == "InjectedStepFailure"
+        assert engine.steps == 3
+    finally:
+        loop.stop()
