@@ -102,6 +102,10 @@ def summarize(records: list[RequestRecord], *, rate: float | None, elapsed_s: fl
     time of the run (`elapsed_s`); SLO attainment over every request sent."""
     ok = [r for r in records if r.ok]
     errors = Counter(r.status for r in records if not r.ok)
+    examples: dict[str, str] = {}          # the first message of each error code, to say why
+    for r in records:
+        if not r.ok and r.error and r.status not in examples:
+            examples[r.status] = r.error[:300]
     good = sum(meets_slo(r, slo) for r in ok)
     prompt = sum(r.usage_prompt_tokens for r in ok)
     cached = sum(r.cached_prompt_tokens for r in ok)
@@ -115,7 +119,8 @@ def summarize(records: list[RequestRecord], *, rate: float | None, elapsed_s: fl
 
     return {
         "rate": rate, "elapsed_s": elapsed_s, "requests": len(records), "ok": len(ok),
-        "failed": len(records) - len(ok), "errors": dict(sorted(errors.items())), "not_started": not_started,
+        "failed": len(records) - len(ok), "errors": dict(sorted(errors.items())), "error_examples": dict(sorted(examples.items())),
+        "not_started": not_started,
         "ttft_ms": pcts([r.ttft_s for r in ok]), "tpot_ms": pcts([r.tpot_s for r in ok]),
         "e2e_ms": pcts([r.e2e_s for r in ok]),
         "throughput_rps": len(ok) / elapsed, "output_tok_s": output / elapsed,
@@ -151,11 +156,16 @@ def table_row(s: dict) -> str:
 
 
 def table_notes(s: dict) -> str:
-    """Errors by code and requests never sent, one line; empty when there are none."""
+    """Errors by code and requests never sent, one line, then the first message of each error
+    code on a line of its own; empty when there are none."""
     parts = [f"{n} {code}" for code, n in s["errors"].items()]
     if s["not_started"]:
         parts.append(f"{s['not_started']} not sent (due past the duration)")
-    return f"rate {_num(s['rate'], 'g')}: " + ", ".join(parts) if parts else ""
+    if not parts:
+        return ""
+    lines = [f"rate {_num(s['rate'], 'g')}: " + ", ".join(parts)]
+    lines += [f"  {code}: {msg}" for code, msg in s.get("error_examples", {}).items()]
+    return "\n".join(lines)
 
 
 # ---- pure: workloads and plans ------------------------------------------------------------------

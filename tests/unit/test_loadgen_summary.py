@@ -157,3 +157,17 @@ def test_trace_prompts_share_leading_blocks_for_equal_hash_ids():
     assert b.prompt_token_ids[:1500] == a.prompt_token_ids[:1500]
     assert b.prompt_token_ids[1536:1600] != a.prompt_token_ids[:64]
     assert all(3 <= t < 1000 for t in a.prompt_token_ids + b.prompt_token_ids)
+
+
+def test_summary_keeps_the_first_message_of_each_error_code():
+    a = rec(status="UNAVAILABLE")
+    a.error = "request failed after 2 migrations: engine step failed"
+    b = rec(status="UNAVAILABLE")
+    b.error = "a later message"
+    c = rec(status="INTERNAL")
+    c.error = "request failed in the cluster (KeyError: 'x')"
+    s = summarize([a, b, c, rec(times=[0.1, 0.12])], rate=1.0, elapsed_s=10.0, slo=SLO_1S_40MS)
+    assert s["error_examples"] == {"INTERNAL": c.error, "UNAVAILABLE": a.error}
+    notes = table_notes(s).splitlines()
+    assert notes[0] == "rate 1: 1 INTERNAL, 2 UNAVAILABLE"
+    assert notes[1:] == [f"  INTERNAL: {c.error}", f"  UNAVAILABLE: {a.error}"]
