@@ -2,9 +2,8 @@
 # Short device call (nvidia-h200-x2): the transfer table again, then the disaggregated cluster under
 # the agent workload at one rate, with every log packed into one file under $OUT.
 set -u
-mkdir -p ~/site && tar -xJf .devbundle/site.tar.xz -C ~/site && export PYTHONPATH=~/site:$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_USAGE_STATS_ENABLED=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/diag; mkdir -p $W
+source bench/gpu_session_common.sh
+W=/tmp/diag; mkdir -p $W
 timeout 45 python3 bench/kv_transfer_gpu.py --reps 3 --prompts 2048,8192,32768 --message-mib 32,256 --raw-total-mib 2048 --out "$W/kv_transfer.json" > $W/transfer.log 2>&1
 grep -A20 "message size sweep" $W/transfer.log | grep -v "^$"
 timeout 110 python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 --modes disaggregated \

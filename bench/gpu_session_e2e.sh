@@ -3,12 +3,7 @@
 # disaggregated-vs-colocated run. Each step has its own time limit; logs and JSON go to $OUT (the
 # e2e run's files, with every Ray log, packed into $OUT/e2e.tgz).
 set -u
-mkdir -p ~/site && tar -xJf .devbundle/site.tar.xz -C ~/site && export PYTHONPATH=~/site:$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_USAGE_STATS_ENABLED=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "--- $name rc=$rc $((SECONDS - t))s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
+source bench/gpu_session_common.sh
 TAIL=24 step bench_transfer 50 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json"
 TAIL=6 step bench_ttft 90 python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
 TAIL=3 step tests_two_gpu 110 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_two_gpus.py
