@@ -21,6 +21,7 @@ link stays in step; the blocks were already released and are never written.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,8 @@ from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTrans
                               TransferState)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
+
+log = logging.getLogger(__name__)
 
 _MAX_EARLY = 4096
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling landing messages: backoff while nothing changes
@@ -200,7 +203,11 @@ class _PeerRecvLoop:
                     idle_s = _POLL_MIN_S
                 else:
                     idle_s = min(idle_s * 2, _POLL_MAX_S)
-        except KVTransferError as err:
+        except Exception as exc:  # noqa: BLE001 - the link, or a bug / failed allocation here
+            err = exc if isinstance(exc, KVTransferError) else KVTransferError(
+                f"receiver from {self.peer!r} failed: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, KVTransferError):
+                log.exception("KV receiver from %s failed", self.peer)
             if self.link is not None:
                 self.link.close(broken=not self._stopping)
             self._abandon_landings()
@@ -268,7 +275,11 @@ class _PeerRecvLoop:
         if self._stream is not None:
             with self._on_stream():
                 if posted.order_current_stream():   # scatter right behind the receive, no host wait
-                    self._scatter(landing)
+                    try:
+                        self._scatter(landing)
+                    except BaseException:
+                        landing.layers = []         # nothing to count or to scatter again
+                        raise
                     landing.event = torch.cuda.Event()
                     landing.event.record(self._stream)
 
@@ -297,13 +308,19 @@ class _PeerRecvLoop:
         return landing.op.done() and (landing.event is None or landing.event.query())
 
     def _retire(self, landing: _Landing) -> None:
-        if landing.layers and landing.event is None:     # CPU: scatter now the data is here
-            self._scatter(landing)
-        if landing.rec is not None:
-            table = self.receiver._table
-            table.end_work(landing.rec, len(landing.layers), table.clock() + self.receiver.config.timeout_s)
-            if landing.rec.state.terminal:
-                self._forget(landing.rid)
+        """Count the landed message's layers and give back its claim on the blocks (also when
+        the scatter raises: the claim must not outlive the message)."""
+        moved = 0
+        try:
+            if landing.layers and landing.event is None:     # CPU: scatter now the data is here
+                self._scatter(landing)
+            moved = len(landing.layers)
+        finally:
+            if landing.rec is not None:
+                table = self.receiver._table
+                table.end_work(landing.rec, moved, table.clock() + self.receiver.config.timeout_s)
+                if landing.rec.state.terminal:
+                    self._forget(landing.rid)
 
     def _abandon_landings(self) -> None:
         """The link broke: keep what had fully arrived before it did, then hand the rest of the
@@ -311,7 +328,7 @@ class _PeerRecvLoop:
         try:
             while self._landings and self._landed(self._landings[0]):
                 self._retire(self._landings.popleft())
-        except KVTransferError:
+        except Exception:  # noqa: BLE001 - what is left is handed back below
             pass
         if self._stream is not None:
             try:

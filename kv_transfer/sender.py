@@ -23,6 +23,7 @@ Any error on a link fails every unfinished transfer to that peer and drops the l
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -37,6 +38,8 @@ from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransfe
                               KVTransferError, ReleaseCallback, TransferSpec, TransferState)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
+
+log = logging.getLogger(__name__)
 
 _ABORT_CHECK_INTERVAL_S = 0.01   # at most one store lookup per transfer per 10 ms
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling posted messages: backoff while nothing changes
@@ -196,6 +199,10 @@ class _PeerSendWorker:
                     progressed = True
             except KVTransferError as err:
                 self._break(err)
+                progressed = True
+            except Exception as exc:  # noqa: BLE001 - a bug or a failed allocation: this peer's
+                log.exception("KV sender to %s failed", self.peer)     # transfers fail, the thread lives
+                self._break(KVTransferError(f"sender to {self.peer!r} failed: {type(exc).__name__}: {exc}"))
                 progressed = True
             if progressed:
                 idle_s = _POLL_MIN_S

@@ -326,3 +326,37 @@ def test_a_layer_larger_than_the_message_limit_still_goes_whole(pair):
     for layer in spec.layers:
         assert_layer_copied(src, dst, layer, (3, 0, 7, 11), (5, 9, 1, 2))
     assert _messages(sender) == 4
+
+
+def test_an_unexpected_error_in_the_receiver_fails_its_transfers_and_the_next_one_works():
+    """A bug or a failed allocation on the receiving thread must not leave transfers hanging: they
+    fail, their blocks are released, and the next transfer from that peer gets a fresh loop."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(5))
+
+    class FlakyStore(TensorBlockStore):
+        fail = 1
+
+        def scatter_blocks(self, layer, block_ids, data):
+            if self.fail:
+                self.fail -= 1
+                raise RuntimeError("CUDA out of memory (simulated)")
+            super().scatter_blocks(layer, block_ids, data)
+
+    dst, rel = FlakyStore(num_blocks=12), Releases()
+    sender, receiver, _ = make_fake_pair(src, dst, config=FAST, on_receiver_release=rel)
+    try:
+        first = make_spec("req-a")
+        receiver.expect(first)
+        sender.send(first)
+        with pytest.raises(KVTransferError, match="out of memory"):
+            receiver.wait(first.request_id, 2)
+        assert rel.calls == Counter({first.request_id: 1})
+        second = make_spec("req-b")
+        receiver.expect(second)
+        sender.send(second)
+        assert receiver.wait(second.request_id, 3) is TransferState.DONE
+        for layer in second.layers:
+            assert_layer_copied(src, dst, layer)
+    finally:
+        sender.close()
+        receiver.close()
