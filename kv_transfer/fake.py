@@ -108,13 +108,10 @@ class FakeLink:
         if die is not None and self.pipe.layers_sent >= die:
             self.pipe.kill()
 
-    def irecv_frame(self) -> "_FakeOp":
-        return _FakeOp(self, self.pipe.frames, None)
-
     def recv_frame(self, timeout: float | None) -> dict[str, Any]:
-        op = self.irecv_frame()
+        op = _FakeOp(self, self.pipe.frames, None)
         op.wait(timeout)
-        return op.frame()
+        return decode_frame(op.item)
 
     def irecv_data(self, tensor: torch.Tensor) -> "_FakeOp":
         return _FakeOp(self, self.pipe.data, tensor)
@@ -165,9 +162,6 @@ class _FakeOp:
 
     def order_current_stream(self) -> bool:
         return False
-
-    def frame(self) -> dict[str, Any]:
-        return decode_frame(self.item)
 
     def _land(self, item: torch.Tensor | None) -> None:
         if item is None:

@@ -6,7 +6,7 @@ A link carries, sender to receiver only, a sequence of control frames (small msg
 fixed-size uint8 CPU tensor) each optionally followed by one data tensor. Frames and data are two
 ordered streams (gloo tags, or a gloo and an NCCL group): each is FIFO on its own, so a sender can
 post frame 2 while data 1 is still moving, and a receiver can keep the next frame's receive posted
-while data is landing. Operations can be posted (`isend_data`, `irecv_data`, `irecv_frame`) and
+while data is landing. Data operations can be posted (`isend_data`, `irecv_data`) and
 polled (`Pending.done`), which is how both ends keep several messages in flight. A link that raised
 is broken for good: its owner closes it (`close(broken=True)`) and connects again later.
 """
@@ -62,12 +62,6 @@ class Pending(Protocol):
         ...
 
 
-class FrameReceive(Pending, Protocol):
-    def frame(self) -> dict[str, Any]:
-        """The received control frame; only after done() or wait()."""
-        ...
-
-
 class PeerLink(Protocol):
     """One direction between two actors. Every method raises KVTransferTimeout past its timeout
     and KVTransferError when the peer is gone; after that the link is unusable."""
@@ -97,8 +91,6 @@ class PeerLink(Protocol):
         """Post a receive into `tensor` (complete once done(), or stream-ordered on CUDA through
         `Pending.order_current_stream`)."""
         ...
-
-    def irecv_frame(self) -> FrameReceive: ...
 
     def close(self, broken: bool) -> None:
         """Free the link; `broken`: it failed, so the pair must rendezvous afresh next time."""

@@ -87,17 +87,14 @@ class DistLink:
         self._post(lambda: self.ctrl.send([encode_frame(msg)], self.peer_rank, _TAG_FRAME),
                    "gloo", "control frame send").wait(timeout)
 
-    def irecv_frame(self) -> "_DistFrameReceive":
-        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        op = self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
-                        "gloo", "control frame receive", cls=_DistFrameReceive)
-        op.buf = buf
-        return op
-
     def recv_frame(self, timeout: float | None) -> dict[str, Any]:
-        op = self.irecv_frame()
-        op.wait(timeout)
-        return op.frame()
+        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
+                   "gloo", "control frame receive").wait(timeout)
+        try:
+            return decode_frame(buf)
+        except ValueError as exc:
+            raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
 
     def isend_data(self, tensor: torch.Tensor) -> "_DistOp":
         return self._post(lambda: self.data.send([tensor], self.peer_rank, _TAG_DATA),
@@ -127,7 +124,7 @@ class DistLink:
         self.connector._forget(self)
         gc.collect()
 
-    def _post(self, post, backend: str, what: str, cls: "type[_DistOp] | None" = None) -> "_DistOp":
+    def _post(self, post, backend: str, what: str) -> "_DistOp":
         if self._closed:
             raise KVTransferError(f"link to {self.peer_id!r} is closed")
         start = time.monotonic()
@@ -138,7 +135,7 @@ class DistLink:
             failure = str(exc)[:300]
         if failure is not None:
             raise KVTransferError(f"link to {self.peer_id!r}: {what} failed: {failure}")
-        return (cls or _DistOp)(self, work, backend, what, start)
+        return _DistOp(self, work, backend, what, start)
 
 
 class _DistOp:
@@ -230,16 +227,6 @@ class _DistOp:
         waited = time.monotonic() - self.start
         msg = f"link to {self.link.peer_id!r}: {self.what} failed after {waited:.3g}s: {failure[1]}"
         raise (KVTransferTimeout if failure[0] else KVTransferError)(msg)
-
-
-class _DistFrameReceive(_DistOp):
-    buf: torch.Tensor
-
-    def frame(self) -> dict[str, Any]:
-        try:
-            return decode_frame(self.buf)
-        except ValueError as exc:
-            raise KVTransferError(f"link to {self.link.peer_id!r}: {exc}") from None
 
 
 class DistConnector:
