@@ -154,16 +154,30 @@ class DecodeGraphs:
     """Captured steps by GraphKey. `step(key)` runs the forward on the static buffers and returns
     the logits of all key.tokens rows; it is captured on first use of a key (the run before the
     capture, which compiles kernels, is that step's result). With `capture=False` (CPU tests)
-    every run is eager through the same static buffers."""
+    every run is eager through the same static buffers.
 
-    def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256):
+    Capture shares the GPU with the KV transport's threads (NCCL sends and receives, gathers and
+    scatters on their own streams), so it must neither wait for them nor be invalidated by them:
+    it runs on a side stream ordered after the current one only (no device-wide synchronize, which
+    would wait for a posted receive whose sender has not started), in "thread_local" mode (another
+    thread's CUDA calls do not invalidate it), and without torch.cuda.graph's empty_cache. A
+    capture that fails anyway leaves that step eager and is tried again on a later step of the
+    shape; only `max_failures` failures in all turn capturing off."""
+
+    def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256,
+                 max_failures: int = 8):
         self.step = step
         self.capture = capture
         self.max_graphs = max_graphs
+        self.max_failures = max_failures
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = None  # the side stream captures run on (made on first capture)
         self.replays = 0
         self.captures = 0
+        self.capture_failures = 0
+        self.capture_s = 0.0  # time spent capturing (the eager run before each included)
+        self.last_failure: str | None = None
         self.failed: str | None = None  # why capturing stopped, if it did
 
     def can_run(self, key: GraphKey) -> bool:
@@ -181,18 +195,39 @@ class DecodeGraphs:
         return entry[1]
 
     def _capture(self, key: GraphKey) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
         result = self.step(key)  # eager: compiles the Triton kernels, and is this step's output
-        torch.cuda.synchronize()
+        current = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.step(key)
-        except Exception as e:  # noqa: BLE001 - keep serving eagerly, say why once
-            self.failed = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph capture failed for %s; running eagerly from now on: %s", key, self.failed)
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    out = self.step(key)
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - this step ran eagerly; try the shape again later
+            current.wait_stream(self._stream)
+            self.capture_failures += 1
+            self.last_failure = f"{key}: {type(e).__name__}: {e}"[:500]
+            if self.capture_failures >= self.max_failures:
+                self.failed = self.last_failure
+                log.warning("CUDA graph capture failed %d times; running eagerly from now on. Last: %s",
+                            self.capture_failures, self.last_failure)
+            else:
+                log.warning("CUDA graph capture failed (%d of %d allowed); that step ran eagerly: %s",
+                            self.capture_failures, self.max_failures, self.last_failure)
+            self.capture_s += time.perf_counter() - t0
             return result
+        current.wait_stream(self._stream)
         self.graphs[key] = (graph, out)
         self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return result
 
     def capture_empty(self, key: GraphKey) -> None:

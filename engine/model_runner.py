@@ -250,5 +250,8 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int | str | None]:
         g = self.graphs
         if g is None:
-            return {"graphs": 0, "captures": 0, "replays": 0, "failed": None}
-        return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "failed": g.failed}
+            return {"graphs": 0, "captures": 0, "replays": 0, "capture_failures": 0, "capture_s": 0.0,
+                    "last_capture_failure": None, "failed": None}
+        return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays,
+                "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
+                "last_capture_failure": g.last_failure, "failed": g.failed}
