@@ -12,6 +12,7 @@ rate for both modes side by side (with their ratio) and TPOT p90 per rate. Every
         --workload agent --rates 0.25,0.5,1 --duration 40 --out results/
     python bench/disagg_vs_colocated.py --model tiny-random --device cpu --workload agent-small \
         --rates 1,2 --duration 10 --out /tmp/e2e        # the same, small, on a CPU machine
+    python bench/disagg_vs_colocated.py --compare results/   # table and comparison.png again
 """
 
 from __future__ import annotations
@@ -126,6 +127,47 @@ def compare(reports: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def report_comparison(reports: dict[str, dict], out: Path, title: str, args: dict | None) -> None:
+    """Print goodput per rate for both modes with their ratio, write comparison.json, and with
+    matplotlib comparison.png: goodput and TPOT p90 / TTFT p90 against rate, both modes."""
+    rows = compare(reports)
+    slo = reports["colocated"]["config"]["slo"]
+    print(f"\n{title}, SLOs TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms per request")
+    print(f"{'rate':>6} {'goodput disagg':>15} {'goodput coloc':>14} {'ratio':>6} "
+          f"{'TPOT p90 d/c ms':>16} {'TTFT p90 d/c ms':>16}")
+    for r in rows:
+        print(f"{r['rate']:>6g} {r['goodput_disagg']:>15.2f} {r['goodput_coloc']:>14.2f} {r['ratio']:>6.2f} "
+              f"{r['tpot_p90_disagg_ms']:>7.1f}/{r['tpot_p90_coloc_ms']:<8.1f} "
+              f"{r['ttft_p90_disagg_ms']:>7.0f}/{r['ttft_p90_coloc_ms']:<8.0f}")
+    (out / "comparison.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["rate"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = ((axes[0], "goodput", "goodput (requests/s within both SLOs)", None),
+              (axes[1], "tpot_p90", "TPOT p90 (ms)", slo["tpot_ms"]),
+              (axes[2], "ttft_p90", "TTFT p90 (ms)", slo["ttft_ms"]))
+    for ax, key, ylabel, limit in panels:
+        for mode, short, marker in (("disaggregated", "disagg", "o-"), ("colocated", "coloc", "s-")):
+            col = f"{key}_{short}" if key == "goodput" else f"{key}_{short}_ms"
+            ax.plot(rates, [r[col] for r in rows], marker, label=mode)
+        if limit is not None:
+            ax.axhline(limit, color="grey", linestyle="--", label="SLO")
+        ax.set(xlabel="offered rate (new sessions / s)", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out / "comparison.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'comparison.png'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b-random")
@@ -149,7 +191,15 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--modes", default="disaggregated,colocated")
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--compare", metavar="DIR", help="print the table and plot again from DIR's bench-*.json "
+                                                      "(a finished run); runs nothing")
     args = ap.parse_args()
+    if args.compare:
+        d = Path(args.compare)
+        reports = {m: json.loads((d / f"bench-{m}.json").read_text()) for m in ("disaggregated", "colocated")}
+        report_comparison(reports, d, f"{args.model}, workload {reports['colocated']['config'].get('workload', '')}",
+                          None)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = mode_configs(args)
@@ -157,16 +207,9 @@ def main() -> None:
     for name in args.modes.split(","):
         reports[name] = run_mode(name, configs[name], args, out)
     if len(reports) == 2:
-        rows = compare(reports)
-        print(f"\n{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "
-              f"{args.workload}, SLOs TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.tpot_slo_ms:g} ms per request")
-        print(f"{'rate':>6} {'goodput disagg':>15} {'goodput coloc':>14} {'ratio':>6} "
-              f"{'TPOT p90 d/c ms':>16} {'TTFT p90 d/c ms':>16}")
-        for r in rows:
-            print(f"{r['rate']:>6g} {r['goodput_disagg']:>15.2f} {r['goodput_coloc']:>14.2f} {r['ratio']:>6.2f} "
-                  f"{r['tpot_p90_disagg_ms']:>7.1f}/{r['tpot_p90_coloc_ms']:<8.1f} "
-                  f"{r['ttft_p90_disagg_ms']:>7.0f}/{r['ttft_p90_coloc_ms']:<8.0f}")
-        (out / "comparison.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        title = (f"{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "
+                 f"{args.workload}")
+        report_comparison(reports, out, title, vars(args))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200-x2): KV transfer figures and two-GPU tests again, then the
-# disaggregated-vs-colocated run. Each step has its own time limit; logs and JSON go to $OUT (the
-# e2e run's files, with every Ray log, packed into $OUT/e2e.tgz).
+# One device call (nvidia-h200-x2): KV transfer figures, the disaggregated-vs-colocated run, then
+# the GPU tests. STEPS picks a subset (default: "transfer ttft tests e2e"). Each
+# step has its own time limit; logs and JSON go to $OUT (the e2e run's files, with every Ray log,
+# packed into $OUT/e2e.tgz).
 set -u
 source bench/gpu_session_common.sh
-TAIL=24 step bench_transfer 50 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json"
-TAIL=6 step bench_ttft 90 python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
-TAIL=3 step tests_two_gpu 110 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_two_gpus.py
-TAIL=16 step e2e ${E2E_LIMIT:-320} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
-  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain 45 --out /tmp/e2e
+STEPS=" ${STEPS:-transfer ttft tests e2e} "
+has() { [[ "$STEPS" == *" $1 "* ]]; }
+has transfer && TAIL=24 step bench_transfer 50 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json"
+has ttft && TAIL=6 step bench_ttft 90 python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
+has e2e && TAIL=16 step e2e ${E2E_LIMIT:-320} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
+  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e
 # one file for everything (a call brings back only a few files): bench JSONs, tandem up logs, Ray's logs
-tar -czf "$OUT/e2e.tgz" -C / tmp/e2e $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
+if has e2e; then A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)   # each actor: warmup, slow steps
+  grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A
+  for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$(sed -n 2p $f) $f: $n slow steps"; done; fi
+has e2e && tar -czf "$OUT/e2e.tgz" -C / tmp/e2e $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
+has tests && TAIL=3 step tests_gpu ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_two_gpus.py tests/gpu/test_engine_gpu.py}
 ls -la "$OUT"

@@ -1,16 +1,90 @@
-"""What every pool actor does at start: pin its torch threads to the CPUs Ray gave it, and
-describe itself (pid, node) for the controller."""
+"""What every pool actor does at start: pin its torch threads to the CPUs Ray gave it, log as
+the rest of Tandem does (one JSON object per line at TANDEM_LOG_LEVEL, default INFO, into the
+actor's Ray log), keep Python's garbage collector out of the serving path, and describe itself
+(pid, node) for the controller."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import socket
+import time
+
+log = logging.getLogger(__name__)
 
 
 def setup_process(num_cpus: float) -> None:
+    # Load every CUDA kernel when the context is made, not on first launch. A lazy load waits for
+    # the GPU's queue to drain, and on a pool actor that queue usually holds an NCCL receive or
+    # send spinning until the peer reaches it: a step that first touches a new GEMM kernel then
+    # stalls for as long as the peer's prefill (1-2.5 s per stall on H200s under the agent
+    # workload, docs/benchmarks.md). Takes effect only if CUDA has not started in this process yet
+    # (it has not in a fresh actor); TANDEM_CUDA_MODULE_LOADING=LAZY restores the default.
+    os.environ["CUDA_MODULE_LOADING"] = os.environ.get("TANDEM_CUDA_MODULE_LOADING", "EAGER")
     import torch
 
+    from cluster.logging_setup import setup_logging
+
     torch.set_num_threads(max(1, int(num_cpus)))
+    setup_logging()
+
+
+class GCMonitor:
+    """Times Python's garbage collections in this process (gc.callbacks). A full collection walks
+    every tracked object (torch, Ray, the engine: ~360k objects and ~180 ms on a 2-core CPU, more
+    on a GPU actor) with the GIL held, so the engine loop stops for as long: pauses over
+    `log_over_s` are logged, and the count and worst one are in the worker's stats."""
+
+    def __init__(self, log_over_s: float = 0.1):
+        self.log_over_s = log_over_s
+        self.collections = [0, 0, 0]
+        self.pause_max_s = 0.0
+        self.pause_total_s = 0.0
+        self.long_pauses = 0
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.collections[info["generation"]] += 1
+        self.pause_total_s += dt
+        self.pause_max_s = max(self.pause_max_s, dt)
+        if dt > self.log_over_s:
+            self.long_pauses += 1
+            log.warning("garbage collection paused the process %.0f ms (generation %d, %d collected)",
+                        1e3 * dt, info["generation"], info.get("collected", 0))
+
+    def stats(self) -> dict:
+        return {"gc_collections": list(self.collections), "gc_pause_max_s": round(self.pause_max_s, 4),
+                "gc_pause_total_s": round(self.pause_total_s, 4), "gc_long_pauses": self.long_pauses,
+                "gc_frozen_objects": gc.get_freeze_count()}
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
+_gc_monitor: GCMonitor | None = None
+
+
+def after_startup() -> None:
+    """Once the worker is built (model loaded, engine warmed up): move every object alive now into
+    the permanent generation (gc.freeze), so later collections walk only what serving allocates,
+    and start timing collections. What serving SGLang and vLLM do too."""
+    global _gc_monitor
+    gc.collect()
+    gc.freeze()
+    if _gc_monitor is None:
+        _gc_monitor = GCMonitor()
+    log.info("startup objects frozen: %d; later collections skip them", gc.get_freeze_count())
+
+
+def gc_stats() -> dict:
+    return _gc_monitor.stats() if _gc_monitor is not None else {}
 
 
 def describe(worker_id: str, pool: str) -> dict:
@@ -38,7 +112,7 @@ class PoolActorBase:
         return self.worker.abort(request_id)
 
     def stats(self):
-        return self.worker.stats()
+        return {**self.worker.stats(), **gc_stats()}
 
     def set_draining(self, draining: bool = True):
         self.worker.draining = draining

@@ -1,6 +1,6 @@
 """Cluster configuration: one YAML file, flags override; each component gets only its own part.
 
-    model: {name: smollm2-135m, dtype: float32, device: cpu}
+    model: {name: smollm2-135m, dtype: float32, device: cpu, warmup: null}   # warmup: null = on CUDA
     cache: {block_size: 16, num_blocks: null, ...}       # engine.config.CacheConfig
     scheduler: {max_num_seqs: 256, ...}                  # engine.config.SchedulerConfig
     speculative: {method: off, num_tokens: 5, ...}       # engine.config.SpeculativeConfig (decode actors)
@@ -63,6 +63,8 @@ class RouterConfig:
     max_streams_per_client: int = 0  # 0: no per-client limit
     metrics_port: int | None = 8080  # Prometheus /metrics; None: off
     metrics_host: str = "127.0.0.1"
+    # a request whose first token takes longer is logged with where the time went (None: never)
+    slow_ttft_log_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -105,7 +107,7 @@ def _inf(v: Any) -> Any:
 def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     e = cfg.engine
     return {
-        "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed},
+        "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed, "warmup": e.warmup},
         "cache": dataclasses.asdict(e.cache),
         "scheduler": dataclasses.asdict(e.scheduler),
         "speculative": dataclasses.asdict(e.speculative),

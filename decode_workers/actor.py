@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.actor_common import PoolActorBase, setup_process
+from cluster.actor_common import PoolActorBase, after_startup, setup_process
 
 
 @ray.remote(max_concurrency=64)
@@ -18,6 +18,7 @@ class DecodeActor(PoolActorBase):
 
         self.worker_id = worker_id
         self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous)
+        after_startup()
 
     def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None):
         return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id)

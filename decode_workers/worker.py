@@ -15,6 +15,7 @@ A failed or aborted transfer frees the reserved blocks and ends the request with
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +37,11 @@ class DecodeWorker:
                  rendezvous: str | None = None, transfer_config=None, engine: LLMEngine | None = None):
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
+        # kernels compiled and decode graphs captured before the first request, not inside it
+        self.warmup = self.engine.warmup() if self.engine.wants_warmup else None
+        if self.warmup is not None:
+            log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, self.warmup["seconds"],
+                     os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
         self.threshold = local_prefill_threshold
         self.block_size = self.engine.allocator.block_size
         self.receiver = self.sender = None
@@ -258,7 +264,9 @@ class DecodeWorker:
                 "draft_tokens": getattr(e.stats, "draft_tokens", 0),
                 "accepted_draft_tokens": getattr(e.stats, "accepted_draft_tokens", 0),
                 "loop_error": repr(self.loop.error) if self.loop.error else None,
-                "last_step_error": self.loop.last_step_error, **self.counters}
+                "last_step_error": self.loop.last_step_error,
+                "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
+                "cuda_graphs": e.runner.graph_stats, **self.counters}
 
 
 def finish_reason_of(msg: dict[str, Any]) -> FinishReason | None:

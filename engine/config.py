@@ -201,6 +201,9 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
     seed: int = 0  # for `*-random` weights
+    # actors run LLMEngine.warmup() before serving (kernels compiled, decode graphs captured);
+    # None: on CUDA only
+    warmup: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -208,3 +211,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"engine: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.warmup not in (None, True, False):
+            raise ConfigError(f"engine: warmup must be true, false or null (CUDA only), got {self.warmup!r}")

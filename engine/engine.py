@@ -87,6 +87,7 @@ class LLMEngine:
                                                draft_model=draft_model, proposer=proposer)
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.last_step: dict[str, Any] = {}  # what the latest step ran (slow-step logs)
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -174,7 +175,13 @@ class LLMEngine:
             return []
         batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
+        captures = self.runner.graph_stats["captures"]
         logits = self.runner.execute(batch, hook)
+        self.last_step = {"seqs": len(sched.scheduled), "tokens": sched.num_tokens,
+                          "prefill_tokens": sum(s.num_new_tokens for s in sched.scheduled
+                                                if s.request.num_computed_tokens < s.request.num_prompt_tokens),
+                          "graph": str(batch.graph_key) if batch.graph_key is not None else None,
+                          "captured": self.runner.graph_stats["captures"] > captures}
         self.stats.steps += 1
         self.stats.tokens_computed += sched.num_tokens
         for s in sched.scheduled:
@@ -277,6 +284,75 @@ class LLMEngine:
         return Usage(prompt_tokens=req.num_prompt_tokens, cached_prompt_tokens=req.num_cached_prompt_tokens,
                      completion_tokens=len(req.output_token_ids), draft_tokens=req.num_draft_tokens,
                      accepted_draft_tokens=req.num_accepted_draft_tokens)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    @property
+    def wants_warmup(self) -> bool:
+        """config.warmup, where None means: on CUDA (CPU has no kernels to compile or graphs)."""
+        w = self.config.warmup
+        return self.kv_cache.device.type == "cuda" if w is None else w
+
+    def warmup(self, shapes: tuple[tuple[int, int], ...] = ((500, 1), (500, 4), (500, 16), (3000, 1),
+                                                             (3000, 4), (9000, 1)),
+               decode_tokens: int = 12, seed: int = 0) -> dict[str, Any]:
+        """Compile every attention kernel variant (`compile_variants`), then run synthetic requests
+        through the paths serving takes, so that Triton has compiled its kernels and the decode
+        steps' CUDA graphs are captured now rather than inside the first real requests (a compile
+        stalls the whole batch for a second or more; a capture costs two steps). `shapes`: (prompt tokens,
+        concurrent requests) pairs; each covers a prefill (chunked when longer than the step's
+        token budget), decode steps at that batch and context, and speculative verify steps (the
+        prompts repeat a phrase, so an n-gram proposer drafts). One more request extends a warm
+        prompt, for prefill over a cached prefix. Shapes that do not fit the cache or the model's
+        context are skipped. Afterwards the engine holds no request, its prefix cache is empty
+        and its stats are zero. Returns what ran and how long it took."""
+        import random as _random
+        import time as _time
+
+        if self.has_unfinished():
+            raise RuntimeError("warmup needs an idle engine")
+        t0 = _time.perf_counter()
+        launches = 0
+        if self.runner._fused():  # the Triton ops: compile each attention variant first
+            from engine.kernels.paged_attention import compile_variants
+
+            kv = self.kv_cache.tensor[0]
+            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
+        rng = _random.Random(seed)
+        vocab = self.model_config.vocab_size
+        capacity = self.allocator.num_blocks * self.allocator.block_size
+        budget = capacity // 2
+        ran, requests = [], []
+
+        def prompt(n: int) -> list[int]:
+            phrase = [rng.randrange(vocab) for _ in range(64)]
+            ids = [rng.randrange(vocab) for _ in range(n)]
+            for at in range(0, n - 64, 512):  # repeated phrases: n-gram drafts find matches
+                ids[at:at + 64] = phrase
+            if n >= 128:
+                ids[-64:] = phrase
+            return ids
+
+        for n, batch in shapes:
+            n = min(n, self.max_model_len - decode_tokens - 1)
+            if n < 8 or batch * (n + decode_tokens) > budget:
+                continue
+            reqs = [{"prompt_token_ids": prompt(n), "max_tokens": decode_tokens, "ignore_eos": True}
+                    for _ in range(batch)]
+            out = self.generate(reqs)
+            ran.append((n, batch))
+            requests.append(reqs[0]["prompt_token_ids"] + out[0]["token_ids"])
+        if requests:  # a prefill over a cached prefix
+            base = requests[-1]
+            ext = base + [rng.randrange(vocab) for _ in range(300)]
+            if len(ext) + decode_tokens < self.max_model_len and len(ext) < budget:
+                self.generate([{"prompt_token_ids": ext, "max_tokens": decode_tokens, "ignore_eos": True}])
+        self.allocator.reset_prefix_cache()
+        self.allocator.prefix_queries = self.allocator.prefix_hits = 0
+        self.stats = EngineStats()
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)
+        return {"shapes": ran, "kernel_variants": launches, "seconds": round(_time.perf_counter() - t0, 3),
+                **self.runner.graph_stats}
 
     # ---- offline ----------------------------------------------------------------------------
     def generate(self, requests: list[dict[str, Any]], arrivals: list[int] | None = None) -> list[dict[str, Any]]:

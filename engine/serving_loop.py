@@ -36,11 +36,14 @@ class InjectedStepFailure(RuntimeError):
 class EngineLoop:
     def __init__(self, engine, on_step: Callable[[list], None], before_step: Callable[[], None] | None = None,
                  layer_done: Callable | None = None, idle_wait_s: float = 0.005, name: str = "engine-loop",
-                 on_step_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3):
+                 on_step_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3,
+                 slow_step_s: float = 0.5):
         self.engine = engine
         self.on_step = on_step
         self.on_step_error = on_step_error
         self.max_consecutive_errors = max_consecutive_errors
+        self.slow_step_s = slow_step_s  # a step longer than this is logged with what it ran
+        self.slow_steps = 0
         self.step_errors = 0          # steps that raised, in all
         self._inject: Callable[[Any], bool] | None = None
         self.last_step_error: str | None = None
@@ -120,7 +123,11 @@ class EngineLoop:
                     raise InjectedStepFailure("injected step failure (chaos test)")
                 t0 = time.perf_counter()
                 outputs = self.engine.step(self.layer_done)
-                self.busy_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.busy_s += dt
+                if dt > self.slow_step_s:
+                    self.slow_steps += 1
+                    log.warning("slow engine step: %.0f ms, %s", 1e3 * dt, getattr(self.engine, "last_step", {}))
                 consecutive = 0
                 if outputs:
                     self.on_step(outputs)

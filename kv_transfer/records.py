@@ -9,6 +9,7 @@ allocator needs no lock. Background threads and the owner share the table under 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -18,6 +19,8 @@ from typing import Callable, Iterable
 
 from kv_transfer.base import (KVTransferAborted, KVTransferError, KVTransferTimeout,
                               ReleaseCallback, TransferSpec, TransferState)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -166,6 +169,9 @@ class TransferTable:
         if rec.state.terminal:
             return False
         rec.state, rec.error = state, error
+        if state is TransferState.FAILED:  # aborts are asked for; a failure is news to an operator
+            log.warning("KV transfer %s with %s failed after %d/%d layers: %s", rec.request_id, rec.peer,
+                        rec.layers_done, rec.spec.num_layers, error)
         self._transitions.append((rec.request_id, state))
         if self._on_transition is not None:
             self._on_transition()

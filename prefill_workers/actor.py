@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.actor_common import PoolActorBase, setup_process
+from cluster.actor_common import PoolActorBase, after_startup, setup_process
 
 
 @ray.remote(max_concurrency=64)
@@ -17,6 +17,7 @@ class PrefillActor(PoolActorBase):
 
         self.worker_id = worker_id
         self.worker = PrefillWorker(worker_id, engine_config, rendezvous)
+        after_startup()
 
     def reserve(self, transfer_id, prompt_token_ids, first_block, peer_cached_tokens=0):
         return self.worker.reserve(transfer_id, prompt_token_ids, first_block, peer_cached_tokens)

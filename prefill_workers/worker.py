@@ -14,6 +14,7 @@ A request's stages here, in order:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -35,6 +36,11 @@ class PrefillWorker:
 
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
+        # kernels compiled and decode graphs captured before the first request, not inside it
+        self.warmup = self.engine.warmup() if self.engine.wants_warmup else None
+        if self.warmup is not None:
+            log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, self.warmup["seconds"],
+                     os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
         self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended)
@@ -49,6 +55,7 @@ class PrefillWorker:
                          "transfer_failures": 0,
                          "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
         self._started: dict[str, float] = {}
+        self._scheduled_at: dict[str, float] = {}  # prefix pulled (if any): queued for compute
         self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
         self._reserved_at: dict[str, float] = {}
         self._snapshot: dict[str, Any] | None = None
@@ -156,6 +163,7 @@ class PrefillWorker:
         return fut
 
     def _schedule(self, req: Request) -> None:
+        self._scheduled_at[req.request_id] = time.perf_counter()
         self.counters["computed_tokens"] += req.num_prompt_tokens - req.num_computed_tokens
         self.engine.scheduler.add_ready(req)
 
@@ -182,6 +190,7 @@ class PrefillWorker:
                 self.receiver.abort(pid)
         state = self.sender.poll(tid)
         t0 = self._started.pop(tid, None)
+        t_sched = self._scheduled_at.pop(tid, None)
         fut = self.done.pop(tid, None)
         from kv_transfer.base import TransferState
 
@@ -192,12 +201,22 @@ class PrefillWorker:
             if t0 is not None:
                 self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
             if fut is not None:
+                now = time.perf_counter()
+                timings = {}
+                if t0 is not None and t_sched is not None:
+                    timings = {"prefix pull": t_sched - t0, "queue+compute+send": now - t_sched}
                 fut.set_result({"cached_tokens": req.num_cached_prompt_tokens,
-                                "computed_tokens": req.num_prompt_tokens - req.num_cached_prompt_tokens})
+                                "computed_tokens": req.num_prompt_tokens - req.num_cached_prompt_tokens,
+                                "timings": timings})
         else:
             self.counters["transfer_failures"] += 1
             if fut is not None:
-                fut.set_exception(RuntimeError(f"KV transfer {tid} {state.value}"))
+                try:
+                    self.sender.wait(tid, 0)
+                    why = ""
+                except Exception as e:  # noqa: BLE001 - the typed error says why it ended
+                    why = f": {e}"
+                fut.set_exception(RuntimeError(f"KV transfer {tid} {state.value}{why}"))
 
     def _fail_engine_requests(self, exc: BaseException) -> None:
         """A step raised: the prefills it was computing are aborted (their transfers end, the
@@ -233,4 +252,6 @@ class PrefillWorker:
                 "busy_s": self.loop.busy_s, "draining": self.draining,
                 "prefill_latency": self.latency.percentiles(time.monotonic()),
                 "loop_error": repr(self.loop.error) if self.loop.error else None,
-                "last_step_error": self.loop.last_step_error, **self.counters}
+                "last_step_error": self.loop.last_step_error,
+                "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
+                "cuda_graphs": e.runner.graph_stats, **self.counters}

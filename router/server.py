@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -59,6 +59,7 @@ class Router:
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
         self.max_migrations = 2  # per request, then UNAVAILABLE
+        self.slow_ttft_s: float | None = 1.0  # log where the time went for first tokens slower than this
         self.hub = get_hub()
         self.limiter = AdmissionLimiter(admission, on_change=self.hub.set_router_queue)
 
@@ -116,7 +117,8 @@ class Router:
             except (WorkerUnavailable, ray.exceptions.RayActorError):
                 self.view.inflight[decode_id] -= 1
                 tried.add(decode_id)
-        att = Attempt(decode_id, decode, transfer_id=transfer_id)
+        att = Attempt(decode_id, decode, transfer_id=transfer_id, mode=plan["mode"])
+        att.marks["decode_reserved"] = time.perf_counter()
         if plan["mode"] == "remote":
             try:
                 att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
@@ -124,6 +126,9 @@ class Router:
             except (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError) as e:
                 log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
                 await self._prefill_locally(att, rid, ids, sp)
+            else:
+                att.marks["prefill_started"] = time.perf_counter()
+                att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
         return att
 
     async def _prefill_locally(self, att: "Attempt", rid, ids, sp) -> None:
@@ -194,6 +199,8 @@ class Router:
                     resp.request_id = rid
                     first = False
                     self.hub.record_first_token(now - t0)
+                    if self.slow_ttft_s is not None and now - t0 > self.slow_ttft_s:
+                        self._log_slow_first_token(rid, len(ids), t0, now, att, migrations)
                 elif msg["token_ids"]:
                     self.hub.record_tokens(now - last_t, len(msg["token_ids"]))
                 last_t = now
@@ -231,6 +238,39 @@ class Router:
                 self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
                 await self._abort_everywhere(rid, att)
             log.debug("request %s done in %.3f s", rid, time.perf_counter() - t0)
+
+    def _log_slow_first_token(self, rid, num_tokens, t0, now, att: "Attempt", migrations: int) -> None:
+        """Where a slow first token's time went, as the router saw it: placing it (the decode
+        actor's reserve, then the prefill actor's reserve, prefix pull and start), the prefill and
+        transfer (with the prefill actor's own split when it reported one), and the decode actor's
+        steps from the KV's arrival to the token. Never raises: it only reports."""
+        try:
+            m = att.marks
+            ms = lambda a, b: f"{1e3 * (b - a):.0f} ms"  # noqa: E731
+            parts = [f"{att.mode} on {att.decode_id}"]
+            if "decode_reserved" in m:
+                parts.append(f"decode reserve {ms(t0, m['decode_reserved'])}")
+            task = att.prefill_task
+            if "prefill_started" in m and task is None:   # the remote prefill failed: local instead
+                parts.append(f"remote prefill failed after {ms(m['prefill_started'], m.get('kv_sent', now))}, "
+                             f"then local prefill + first step {ms(m.get('kv_sent', now), now)}")
+            elif "prefill_started" in m:
+                parts.append(f"prefill placed on {att.prefill_id} {ms(m['decode_reserved'], m['prefill_started'])}")
+                if "kv_sent" in m:
+                    ok = task.done() and not task.cancelled() and task.exception() is None
+                    split = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in
+                                      (task.result().get("timings", {}) if ok else {}).items())
+                    parts.append(f"prefill+transfer {ms(m['prefill_started'], m['kv_sent'])}"
+                                 + (f" ({split})" if split else ""))
+                    parts.append(f"KV sent to first token {ms(m['kv_sent'], now)}")
+            elif "decode_reserved" in m:
+                parts.append(f"local prefill + first step {ms(m['decode_reserved'], now)}")
+            if migrations:
+                parts.append(f"after {migrations} migration(s)")
+            log.warning("slow first token for %s (%d prompt tokens): %.0f ms; %s", rid, num_tokens,
+                        1e3 * (now - t0), "; ".join(parts))
+        except Exception:  # noqa: BLE001 - a report must not fail the request it reports on
+            log.exception("could not report the slow first token of %s", rid)
 
     async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes):
         """Reserve on a prefill actor, pull the decode actor's cached prefix into it when it lacks
@@ -298,6 +338,8 @@ class Attempt:
     prefill_id: str | None = None
     prefill_task: Any = None
     transfer_id: str | None = None
+    mode: str = "local"
+    marks: dict[str, float] = field(default_factory=dict)  # perf_counter() at each stage (slow-TTFT log)
     prefill_cached: int = 0
 
 
@@ -431,6 +473,7 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
                     config.decode.local_prefill_threshold,
                     AdmissionConfig(max_in_flight=rc.max_in_flight, max_queue=rc.max_queue,
                                     max_streams_per_client=rc.max_streams_per_client))
+    router.slow_ttft_s = rc.slow_ttft_log_s
     view.on_refresh = lambda state: publish_cluster_metrics(router.hub, state)
     server = grpc.aio.server(interceptors=list(interceptors), options=[
         ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),

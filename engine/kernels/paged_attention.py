@@ -22,6 +22,11 @@ Grids depend on host-side sizes (number of sequences, max query length, and for 
 meta.max_seq_len), so a CUDA graph captured for one batch shape replays only for that shape, and
 with a split plan only while every context stays within the captured meta.max_seq_len.
 
+Integer arguments that change from step to step (a launch's first sequence, the block table's
+width, the partition size and the partition buffers' strides) are `do_not_specialize`: Triton
+would otherwise compile one variant per divisibility class of each (== 1, % 16 == 0, other), and
+every new combination is a compile of a second or more in the middle of serving.
+
 Constraints: head_dim a power of two in [16, 256]; Hq a multiple of Hkv; q, caches and out of one
 dtype (fp32, bf16 or fp16); metadata tensors int32 on q's device. Scores, softmax and the output
 accumulator are fp32; P is cast to the cache dtype for the P @ V product (as flash-attention does).
@@ -82,7 +87,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['first_seq', 'stride_bt'])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -139,7 +144,7 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_bt', 'stride_pt', 'stride_ph'])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -209,7 +214,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_pt', 'stride_ph'])
 def _reduce_partitions_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,
     partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
@@ -462,3 +467,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, 0, num_short))
     _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, num_short))
     return out
+
+
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
+    """Launch every kernel variant the dispatch above can pick for this cache (each prefill tile
+    shape; each decode query tile, with and without split-K) on a small problem, so Triton has
+    compiled them (or loaded them from its cache) before serving needs one: a first compile takes
+    a second or more, and inside a step it stalls every sequence of the batch. Reads blocks 0..15
+    of the cache and writes nothing to it. Returns the number of launches."""
+    device, dtype = k_cache.device, k_cache.dtype
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    context = 256
+    num_blocks = triton.cdiv(context, block_size)
+    if k_cache.shape[0] < num_blocks:
+        return 0
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+
+    def meta(q_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([context], dtype=torch.int32, device=device), block_tables=table,
+            query_lens_cpu=[q_len], seq_lens_cpu=[context], max_query_len=q_len, max_seq_len=context)
+
+    def q(n: int) -> torch.Tensor:
+        return torch.randn(n, num_heads, head_dim, dtype=dtype, device=device)
+
+    launches = 0
+    for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
+        paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0)
+        launches += 1
+    block_g = next_power_of_2(num_heads // num_kv_heads)
+    tiles = {max(next_power_of_2(n), triton.cdiv(16, block_g)): n for n in range(MAX_DECODE_QUERY_LEN, 0, -1)}
+    for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
+        for partition in (None, _DECODE_BLOCK_N):
+            paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, partition_size=partition)
+            launches += 1
+    return launches

@@ -7,6 +7,8 @@ checks token-for-token against transformers; one prompt is also checked against 
 
 from __future__ import annotations
 
+import logging
+
 import threading
 
 import grpc
@@ -91,8 +93,18 @@ def _two_turns(cluster, session):
     return last1, last2, before, after
 
 
-def test_second_turn_hits_the_cache_remote_path(remote):
-    last1, last2, before, after = _two_turns(remote, "sess-remote")
+def test_second_turn_hits_the_cache_remote_path(remote, caplog):
+    router = remote.routers[0][1]
+    router.slow_ttft_s = 0.0  # every first token is "slow": each logs where its time went
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.server"):
+            last1, last2, before, after = _two_turns(remote, "sess-remote")
+    finally:
+        router.slow_ttft_s = 1.0
+    slow = [r.getMessage() for r in caplog.records if "slow first token" in r.getMessage()]
+    assert len(slow) == 2, slow
+    assert "remote on decode-0" in slow[1] and "prefill placed on prefill-0" in slow[1], slow[1]
+    assert "queue+compute+send" in slow[1] and "KV sent to first token" in slow[1], slow[1]
     assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
     new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
     # the prefill actor computed only the uncached prompt tokens (all but the last, which the

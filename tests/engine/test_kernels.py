@@ -381,3 +381,33 @@ def test_wrappers_reject_bad_arguments(name):
     calls = {**_bad_attention_calls(), **_bad_other_calls()}
     with pytest.raises(ValueError):
         calls[name]()
+
+
+def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeypatch):
+    """Engine warmup compiles each attention variant up front; it must reach every prefill tile
+    (BLOCK_M) and every decode query tile (BLOCK_Q) with and without split-K, and read only."""
+    seen = set()
+    for name in ("_prefill_kernel", "_decode_kernel"):
+        kernel = getattr(pa, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kw):
+                    seen.add((self.name, kw.get("BLOCK_M"), kw.get("BLOCK_Q"), kw.get("SPLIT")))
+                    return launch(*args, **kw)
+                return run
+        monkeypatch.setattr(pa, name, Spy(kernel, name))
+    kv = torch.randn(2, 20, 16, 2, 32)   # [K/V, blocks, block_size, Hkv, D]
+    before = kv.clone()
+    launches = pa.compile_variants(kv[0], kv[1], num_heads=8)   # group 4: BLOCK_Q 4, 8, 16
+    assert {s[1] for s in seen if s[0] == "_prefill_kernel"} == {16, 32, 64, 128}
+    assert {(s[2], s[3]) for s in seen if s[0] == "_decode_kernel"} == {(q, split) for q in (4, 8, 16)
+                                                                         for split in (False, True)}
+    assert launches == 4 + 6 == len(seen)
+    assert torch.equal(kv, before)
+    assert pa.compile_variants(kv[0, :8], kv[1, :8], num_heads=8) == 0   # too few blocks: skipped

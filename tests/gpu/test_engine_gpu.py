@@ -123,3 +123,64 @@ def test_capture_up_front_then_replay():
                       {"prompt_token_ids": list(range(70, 90)), "max_tokens": 6, "ignore_eos": True}])
     assert all(len(r["token_ids"]) == 6 for r in out)
     assert e.runner.graph_stats["captures"] == 3  # batch 2 decode reused the graph captured up front
+
+
+def test_capture_while_another_thread_uses_the_gpu():
+    """The decode actor captures graphs lazily while its KV transport threads copy on their own
+    streams and poll events (what NCCL receives and scatters do). Capture must not be invalidated
+    by them (it was, with the default "global" capture mode, and the actor then ran eagerly at
+    ~2-3x the step time), and the graphs must still give the eager path's tokens."""
+    import threading
+
+    model, tok, _ = load_model(MODEL, "float32", "cuda", seed=7)  # fp32: graph and eager tokens agree exactly
+    e = LLMEngine(EngineConfig(model="test", device="cuda", cache=CacheConfig(num_blocks=512)),
+                  model=model, tokenizer=tok)
+    stop = threading.Event()
+    copies = [0]
+
+    def transport():
+        s = torch.cuda.Stream()
+        src = torch.randn(4 << 20, device="cuda")
+        while not stop.is_set():
+            with torch.cuda.stream(s):
+                dst = torch.empty_like(src)   # allocations from this thread, too
+                dst.copy_(src)
+                ev = torch.cuda.Event()
+                ev.record(s)
+            while not ev.query():
+                pass
+            s.synchronize()
+            copies[0] += 1
+
+    t = threading.Thread(target=transport, daemon=True)
+    t.start()
+    try:
+        reqs = [{"prompt_token_ids": list(range(10 + i, 200 + 37 * i)), "max_tokens": 24, "ignore_eos": True}
+                for i in range(6)]
+        got = e.generate(reqs)
+        assert e.runner.capture_graphs((1, 2, 4, 8, 16), context_len=1024) >= 1
+    finally:
+        stop.set()
+        t.join(10)
+    stats = e.runner.graph_stats
+    assert copies[0] > 0
+    assert stats["capture_failures"] == 0 and stats["failed"] is None, stats
+    assert stats["captures"] >= 3 and stats["replays"] > 0, stats
+    eager = LLMEngine(EngineConfig(model="test", device="cuda", cache=CacheConfig(num_blocks=512)),
+                      model=model, tokenizer=tok)
+    eager.runner.graphs = None
+    want = eager.generate(reqs)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+
+
+def test_warmup_compiles_and_captures_before_serving():
+    model, tok, _ = load_model(MODEL, "bfloat16", "cuda", seed=7)
+    e = LLMEngine(EngineConfig(model="test", device="cuda", cache=CacheConfig(num_blocks=2048),
+                               speculative=SpeculativeConfig(method="ngram", num_tokens=3)),
+                  model=model, tokenizer=tok)
+    assert e.wants_warmup
+    report = e.warmup()
+    assert report["captures"] >= 3 and report["capture_failures"] == 0, report
+    captured = e.runner.graph_stats["captures"]
+    e.generate([{"prompt_token_ids": list(range(10, 400)), "max_tokens": 8, "ignore_eos": True}])
+    assert e.runner.graph_stats["captures"] - captured <= 2, e.runner.graph_stats  # few new shapes

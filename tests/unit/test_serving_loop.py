@@ -89,3 +89,22 @@ def test_an_injected_failure_fires_once():
         assert engine.steps == 3
     finally:
         loop.stop()
+
+
+def test_a_slow_step_is_logged_with_what_it_ran(caplog):
+    class SlowEngine(FlakyEngine):
+        def step(self, _layer_done=None):
+            time.sleep(0.03 if self.pending == 2 else 0.0)
+            self.last_step = {"seqs": 3, "tokens": 4100, "graph": None}
+            return super().step()
+
+    engine = SlowEngine(pending=3, fail=0)
+    with caplog.at_level("WARNING", logger="engine.serving_loop"):
+        loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=0.02).start()
+        try:
+            until(lambda: engine.pending == 0)
+        finally:
+            loop.stop()
+    slow = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+    assert loop.slow_steps == 1 and len(slow) == 1, slow
+    assert "'tokens': 4100" in slow[0]
