@@ -72,9 +72,10 @@ _gc_monitor: GCMonitor | None = None
 
 
 def after_startup() -> None:
-    """Once the worker is built (model loaded, engine warmed up): move every object alive now into
-    the permanent generation (gc.freeze), so later collections walk only what serving allocates,
-    and start timing collections. What serving SGLang and vLLM do too."""
+    """Once a process is ready to serve (a pool actor's worker built and warmed up, `tandem up`'s
+    router listening): move every object alive now into the permanent generation (gc.freeze), so
+    later collections walk only what serving allocates, and start timing collections. SGLang and
+    vLLM freeze after start-up too."""
     global _gc_monitor
     gc.collect()
     gc.freeze()

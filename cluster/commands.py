@@ -217,6 +217,9 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
+    from cluster.actor_common import after_startup
+
+    after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:
         await stop.wait()
     finally:

@@ -34,8 +34,15 @@ log = logging.getLogger(__name__)
 
 class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, local_prefill_threshold: float = 256,
-                 rendezvous: str | None = None, transfer_config=None, engine: LLMEngine | None = None):
+                 rendezvous: str | None = None, transfer_config=None, engine: LLMEngine | None = None,
+                 router_timeout_s: float = 30.0):
+        """`router_timeout_s`: a router that has not asked for its outputs for this long is gone
+        (live routers ask every 0.5 s); its requests are aborted and their KV freed."""
         self.worker_id = worker_id
+        self.router_timeout_s = router_timeout_s
+        self._router_seen: dict[str, float] = {}  # router id -> monotonic time of its last poll
+        self._routers_checked = 0.0
+        self._routers_expired: set[str] = set()  # handled already; a poll or reserve revives one
         self.engine = engine or LLMEngine(engine_config)
         # kernels compiled and decode graphs captured before the first request, not inside it
         self.warmup = self.engine.warmup() if self.engine.wants_warmup else None
@@ -102,6 +109,8 @@ class DecodeWorker:
     def get_outputs(self, router_id: str, timeout_s: float = 1.0) -> list[dict[str, Any]]:
         """Everything produced for `router_id` since the last call (one list entry per step),
         waiting up to `timeout_s` for the first."""
+        self._router_seen[router_id] = time.monotonic()
+        self._routers_expired.discard(router_id)
         box = self._outbox(router_id)
         out: list[dict[str, Any]] = []
         try:
@@ -134,6 +143,8 @@ class DecodeWorker:
         e = self.engine
         req = e.make_request(rid, prompt_token_ids=ids, sampling=SamplingParams(**sampling))
         self.owner[rid] = router_id
+        self._router_seen[router_id] = time.monotonic()   # a reserve proves the router alive
+        self._routers_expired.discard(router_id)
         self.counters["requests"] += 1
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(ids)
@@ -170,7 +181,46 @@ class DecodeWorker:
 
     def _before_step(self) -> None:
         self._poll_transfers()
+        self._expire_routers()
         self._snapshot = self._stats()
+
+    def _expire_routers(self) -> None:
+        """A router that stopped polling (crashed, or cut off) would leave its requests decoding
+        into an outbox nobody reads, holding their KV until max_tokens, and the outbox growing.
+        Abort them and leave one error per request in its outbox, so a router that comes back
+        learns what happened (and places them again) instead of waiting for its deadline."""
+        now = time.monotonic()
+        if now - self._routers_checked < min(1.0, self.router_timeout_s / 4):
+            return
+        self._routers_checked = now
+        gone = {r for r, t in list(self._router_seen.items())
+                if now - t > self.router_timeout_s and r not in self._routers_expired}
+        if not gone:
+            return
+        for rid, router in list(self.owner.items()):
+            if router in gone:
+                log.warning("router %s silent for over %.0f s: aborting its request %s", router,
+                            self.router_timeout_s, rid)
+                self._abort(rid)
+                self._outbox(router).put([{"request_id": rid, "error": f"aborted on {self.worker_id}: its router "
+                                           f"did not poll for {self.router_timeout_s:.0f} s"}])
+                self.counters["router_timeouts"] = self.counters.get("router_timeouts", 0) + 1
+        with self._outbox_lock:
+            for router in gone:
+                box = self._outboxes.get(router)
+                if box is None:
+                    continue
+                kept = []                   # keep only the error messages, drop the token stream
+                while True:
+                    try:
+                        kept.extend(m for m in box.get_nowait() if "error" in m)
+                    except queue.Empty:
+                        break
+                if kept:
+                    box.put(kept)
+                else:
+                    del self._outboxes[router]
+        self._routers_expired |= gone
 
     def _poll_transfers(self) -> None:
         if self.sender is not None:

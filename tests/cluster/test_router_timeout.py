@@ -1,0 +1,56 @@
+"""A decode actor whose router stops polling (crashed, or cut off) aborts that router's requests,
+frees their KV and keeps one error per request for the router, while other routers' requests
+decode on. Real DecodeWorker and engine (smollm2-135m on CPU); no Ray needed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from decode_workers.worker import DecodeWorker
+from engine.config import EngineConfig
+
+
+def _until(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_silent_router_loses_its_requests_and_their_kv():
+    w = DecodeWorker("decode-t", EngineConfig(model="smollm2-135m"), router_timeout_s=0.6)  # ~20+ ms steps: long requests stay running
+    stop = threading.Event()
+    live_out: list[dict] = []
+
+    def live_router():                       # polls like ClusterView's pump
+        while not stop.is_set():
+            live_out.extend(w.get_outputs("r-live", 0.05))
+
+    t = threading.Thread(target=live_router, daemon=True)
+    t.start()
+    try:
+        sampling = {"max_tokens": 1500, "ignore_eos": True}
+        for i in range(2):
+            w.reserve(f"dead-{i}", "r-dead", list(range(3 + i, 40 + i)), sampling)
+        w.reserve("live-0", "r-live", list(range(50, 90)), {"max_tokens": 1500, "ignore_eos": True})
+        _until(lambda: w.counters.get("router_timeouts", 0) == 2)
+        assert not {"dead-0", "dead-1"} & set(w.engine.scheduler.requests)
+        assert "live-0" in w.engine.scheduler.requests            # the live router's request goes on
+        used = w.loop.run(lambda: w.engine.allocator.num_used_blocks)
+        live_blocks = w.loop.run(lambda: len(w.engine.scheduler.requests["live-0"].block_ids))
+        assert used == live_blocks                                 # the dead router's KV is free
+        # the router comes back: it finds an error for each request instead of a token stream
+        back = w.get_outputs("r-dead", 0.5)
+        assert sorted(m["request_id"] for m in back) == ["dead-0", "dead-1"]
+        assert all("did not poll" in m["error"] for m in back) and all("token_ids" not in m for m in back)
+        # and serves again: a new request from it is not expired on the spot
+        w.reserve("dead-2", "r-dead", list(range(7, 30)), {"max_tokens": 3, "ignore_eos": True})
+        got: list[dict] = []
+        _until(lambda: got.extend(w.get_outputs("r-dead", 0.05)) or any("finish_reason" in m for m in got))
+        assert sum(len(m["token_ids"]) for m in got if "token_ids" in m) == 3
+        assert any(m.get("token_ids") for m in live_out)
+    finally:
+        stop.set()
+        t.join(5)
+        w.shutdown()
