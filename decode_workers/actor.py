@@ -23,6 +23,9 @@ class DecodeActor(PoolActorBase):
     def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None):
         return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id)
 
+    def first_token(self, request_id, first):
+        return self.worker.first_token(request_id, first)
+
     def expect(self, spec_msg):
         return self.worker.expect(spec_msg)
 

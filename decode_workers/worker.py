@@ -6,8 +6,10 @@ A request's stages here, in order:
    the local-prefill threshold (or remote prefill is not offered), queue it for local prefill;
    otherwise take blocks for the whole prompt and answer with the block ids the KV must land in.
 2. `expect`: register the transfer spec with the KV receiver (before the prefill actor sends).
-3. On arrival (polled between steps) the request joins the running batch with every prompt
-   position but the last computed; the last prompt token runs as a decode step and samples.
+3. The KV of the whole prompt arrives (polled between steps), and the router hands over the first
+   output token the prefill actor sampled (`first_token`, after streaming it to the client). With
+   both, the request joins the running batch; its next step computes that token and samples the
+   second.
 4. Each step's new tokens for all sequences go to their routers as one message per router.
 A failed or aborted transfer frees the reserved blocks and ends the request with an error.
 """
@@ -65,6 +67,8 @@ class DecodeWorker:
             self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg)
         self.owner: dict[str, str] = {}  # request id -> router id
         self.remote: dict[str, Request] = {}  # transfer id -> request waiting for its KV
+        self._kv_ready: dict[str, Request] = {}  # request id -> KV arrived, first token not yet
+        self._first: dict[str, dict[str, Any]] = {}  # request id -> first token come before its KV
         self.transfer_of: dict[str, str] = {}  # request id -> transfer id
         self._outboxes: dict[str, queue.SimpleQueue] = {}
         self._outbox_lock = threading.Lock()
@@ -96,6 +100,11 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> bool:
         return self.loop.run(self._abort, request_id)
+
+    def first_token(self, request_id: str, first: dict[str, Any]) -> bool:
+        """The first output token of a remote-prefilled request (engine.RequestOutput.first), which
+        its router has streamed already. False if the request is gone (aborted meanwhile)."""
+        return self.loop.run(self._first_token, request_id, first)
 
     def send_prefix(self, spec_msg: dict[str, Any]) -> None:
         """Send cached prefix blocks of a reserved request to the prefill actor that will extend it."""
@@ -148,17 +157,17 @@ class DecodeWorker:
         self.counters["requests"] += 1
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(ids)
-        remote = transfer_id is not None and self.receiver is not None and n - 1 > cached and n - cached > self.threshold
+        remote = transfer_id is not None and self.receiver is not None and n > cached and n - cached > self.threshold
         if remote and e.allocator.admit(req, n - cached):
             req.num_cached_prompt_tokens = req.num_computed_tokens
             req.admitted_once = True
             first = cached // self.block_size
-            last = e.allocator.blocks_needed(n - 1)
+            last = e.allocator.blocks_needed(n)
             self.counters["remote_prefills"] += 1
             self.remote[transfer_id] = req
             self.transfer_of[rid] = transfer_id
             return {"mode": "remote", "cached_tokens": cached, "first_block": first,
-                    "dst_block_ids": req.block_ids[first:last], "num_tokens": n - 1,
+                    "dst_block_ids": req.block_ids[first:last], "num_tokens": n,
                     "prefix_block_ids": req.block_ids[:first]}
         e.scheduler.add(req)
         self.counters["local_prefills"] += 1
@@ -238,12 +247,30 @@ class DecodeWorker:
             if state is TransferState.DONE:
                 if t0 is not None:
                     self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
-                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_computed_tokens = req.num_prompt_tokens
                 self.engine.allocator.register_full_blocks(req)
-                self.engine.scheduler.add_ready(req)
+                first = self._first.pop(req.request_id, None)
+                if first is not None:
+                    self._admit(req, first)
+                else:                      # the router has not handed the first token over yet
+                    self._kv_ready[req.request_id] = req
             else:
                 self.counters["transfer_failures"] += 1
                 self._emit_error(req.request_id, f"KV transfer {state.value}")
+
+    def _first_token(self, rid: str, first: dict[str, Any]) -> bool:
+        req = self._kv_ready.pop(rid, None)
+        if req is not None:
+            self._admit(req, first)
+            return True
+        if rid in self.transfer_of:        # its KV is still on the way
+            self._first[rid] = first
+            return True
+        return False
+
+    def _admit(self, req: Request, first: dict[str, Any]) -> None:
+        self.engine.accept_first_token(req, first)
+        self.engine.scheduler.add_ready(req)
 
     def _transfer_failed(self, tid: str) -> None:
         # the receiver runs this on our thread for FAILED / ABORTED transfers: free the reservation
@@ -253,6 +280,11 @@ class DecodeWorker:
 
     def _abort(self, rid: str) -> bool:
         self.owner.pop(rid, None)
+        self._first.pop(rid, None)
+        waiting = self._kv_ready.pop(rid, None)
+        if waiting is not None:          # KV here, first token not: not in the engine yet
+            self.engine.allocator.free(waiting)
+            return True
         tid = self.transfer_of.pop(rid, None)
         if tid is not None:
             if tid in self._transfer_started:
@@ -304,7 +336,7 @@ class DecodeWorker:
         e = self.engine
         a = e.allocator
         return {"worker_id": self.worker_id, "pool": "decode", "running": len(e.scheduler.running),
-                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + len(self.remote),
+                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + len(self.remote) + len(self._kv_ready),
                 "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
                 "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
                 "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,

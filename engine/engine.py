@@ -41,6 +41,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # a prefill-only request's first output token, as the decode actor continues from it:
+    # {"token_ids": [t], "text", "finish_reason": "stop" | "length" | None, "rng_state": bytes | None}
+    first: dict[str, Any] | None = None
 
 
 @dataclass
@@ -105,7 +108,9 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt_token_ids)
 
-    def validate(self, ids: list[int], sampling: SamplingParams) -> None:
+    def validate(self, ids: list[int], sampling: SamplingParams, prefill_only: bool = False) -> None:
+        """`prefill_only`: this engine holds the prompt and its first output token only (a prefill
+        actor), so only they must fit its cache; the decode actor checks the rest."""
         if not ids:
             raise InvalidRequestError("the prompt has no tokens")
         vocab = self.model_config.vocab_size
@@ -119,7 +124,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
-        need = self.allocator.blocks_needed(len(ids) + sampling.max_tokens)
+        need = self.allocator.blocks_needed(len(ids) + (1 if prefill_only else sampling.max_tokens))
         if need > self.allocator.num_blocks:
             raise InvalidRequestError(
                 f"prompt + max_tokens needs {need} KV blocks but this worker's cache holds "
@@ -140,7 +145,7 @@ class LLMEngine:
         receiving KV reserves blocks for it first, then calls `scheduler.add_ready`)."""
         sampling = sampling or SamplingParams()
         ids = self.tokenize(prompt, prompt_token_ids, messages)
-        self.validate(ids, sampling)
+        self.validate(ids, sampling, prefill_only)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, sampling, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                       prefill_only=prefill_only)
@@ -242,9 +247,10 @@ class LLMEngine:
 
     def _postprocess(self, req: Request, new: list[int]) -> RequestOutput:
         if req.prefill_only:  # KV computed; the caller hands the blocks on, then frees them
+            first = self._first_output(req, new[0]) if new else None
             self._release(req.request_id)
-            return RequestOutput(req.request_id, [], "", finished=True, finish_reason=req.finish_reason,
-                                 usage=self.usage(req))
+            return RequestOutput(req.request_id, new, first["text"] if first else "", finished=True,
+                                 finish_reason=req.finish_reason, usage=self.usage(req), first=first)
         detok = self.detok[req.request_id]
         detok.add(new)
         if req.finished:
@@ -269,6 +275,48 @@ class LLMEngine:
             out.usage = self.usage(req)
             self._release(req.request_id)
         return out
+
+    def _first_output(self, req: Request, tok: int) -> dict[str, Any]:
+        """What the first output token of a prefill-only request gives its client, decided as the
+        decode path would: its text (held back where a stop string could be starting), whether it
+        ends the request (EOS, max_tokens, the context, a stop string), and the sampler's state
+        after the draw, so a seeded request's later draws on the decode actor are the ones a
+        single engine would make."""
+        sp = req.sampling
+        reason = None
+        if not sp.ignore_eos and tok in req.eos_token_ids:
+            reason = FinishReason.STOP
+        elif sp.max_tokens <= 1 or req.num_prompt_tokens + 1 >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        detok.add([tok])
+        if reason is not None:
+            detok.flush()
+        text = detok.text
+        if sp.stop:
+            hit = self._find_stop(text, sp.stop, 0)
+            if hit is not None:
+                text, reason = text[:hit], FinishReason.STOP
+            elif reason is None:
+                text = text[:max(0, len(text) - (max(map(len, sp.stop)) - 1))]
+        g = self.sampler.generators.get(req.request_id)
+        return {"token_ids": [tok], "text": text, "finish_reason": reason.value if reason else None,
+                "rng_state": bytes(g.get_state().numpy()) if g is not None else None}
+
+    def accept_first_token(self, req: Request, first: dict[str, Any]) -> None:
+        """A request whose prompt KV a prefill actor computed (num_computed_tokens == prompt) takes
+        the first output token that actor sampled (`RequestOutput.first`, already streamed to the
+        client): it is appended, its text counted as emitted, the sampler continues from the
+        prefill's state; the next step computes it and samples the second token."""
+        tok = first["token_ids"][0]
+        req.output_token_ids.append(tok)
+        detok = self.detok[req.request_id]
+        detok.add([tok])
+        detok.emitted = len(first["text"])
+        if first.get("rng_state") is not None:
+            g = torch.Generator()
+            g.set_state(torch.frombuffer(bytearray(first["rng_state"]), dtype=torch.uint8))
+            self.sampler.generators[req.request_id] = g
 
     @staticmethod
     def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:

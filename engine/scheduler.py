@@ -34,8 +34,9 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether logits are needed: completing a request that generates."""
-        return self.completes and not self.request.prefill_only
+        """Whether logits are needed: completing a request (a prefill-only one samples the first
+        output token, which travels to the decode actor with its KV)."""
+        return self.completes
 
 
 @dataclass
@@ -188,6 +189,12 @@ class Scheduler:
                 if req.prefill_only and req.num_computed_tokens >= req.num_tokens:
                     self._complete_prefill(req)
                     produced.append((req, []))
+                continue
+            if req.prefill_only:  # the whole prompt's KV and the first output token: done here
+                req.output_token_ids.append(new[0])
+                self.allocator.register_full_blocks(req)
+                self._complete_prefill(req)
+                produced.append((req, new[:1]))
                 continue
             # accepted drafts are now computed positions; their KV is valid
             accepted = len(new) - 1

@@ -7,6 +7,8 @@ A request's stages here, in order:
    answer with the source block ids of the range the decode actor asked for.
 2. `start(spec)`: begin the transfer, schedule the prompt, and wait: each layer of the final step
    is sent as that layer finishes (earlier chunks' KV of that layer goes in the same message).
+   The step that completes the prompt also samples the request's first output token with its own
+   sampling parameters; `start` returns it once the KV has arrived, and the router streams it.
 3. When the transfer ends (done, failed or aborted), the request's blocks are released; the
    prefix stays in this actor's cache for the session's next turn.
 """
@@ -56,6 +58,7 @@ class PrefillWorker:
                          "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
         self._started: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}  # prefix pulled (if any): queued for compute
+        self._first: dict[str, dict[str, Any]] = {}  # transfer id -> first output token (engine.RequestOutput.first)
         self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
         self._reserved_at: dict[str, float] = {}
         self._snapshot: dict[str, Any] | None = None
@@ -66,16 +69,19 @@ class PrefillWorker:
 
     # ---- called from any thread ---------------------------------------------------------------
     def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int,
-                peer_cached_tokens: int = 0) -> dict[str, Any]:
+                peer_cached_tokens: int = 0, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """Take blocks for the prompt. When the decode actor caches more of it (`peer_cached_tokens`)
-        than this actor does, the answer names the blocks to pull that prefix into."""
-        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block, peer_cached_tokens)
+        than this actor does, the answer names the blocks to pull that prefix into. `sampling`:
+        the request's sampling parameters, for its first output token (greedy when None)."""
+        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block, peer_cached_tokens,
+                             sampling)
 
     def expect_pull(self, spec_msg: dict[str, Any], covers_tokens: int) -> None:
         self.loop.run(self._expect_pull, spec_msg, covers_tokens)
 
     def start(self, spec_msg: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
-        """Compute and send; returns when the transfer has ended (raises if it failed)."""
+        """Compute and send; returns when the transfer has ended (raises if it failed), with the
+        first output token (`first`, see engine.RequestOutput) for the router to stream."""
         fut = self.loop.run(self._start, spec_msg)
         return fut.result(timeout_s)
 
@@ -93,11 +99,13 @@ class PrefillWorker:
         self.receiver.close()
 
     # ---- on the loop thread -------------------------------------------------------------------
-    def _reserve(self, tid: str, ids: list[int], first_block: int, peer_cached: int) -> dict[str, Any]:
+    def _reserve(self, tid: str, ids: list[int], first_block: int, peer_cached: int,
+                 sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.draining:
             raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
-        req = e.make_request(tid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1), prefill_only=True)
+        sp = SamplingParams(**sampling) if sampling else SamplingParams(max_tokens=1)
+        req = e.make_request(tid, prompt_token_ids=ids, sampling=sp, prefill_only=True)
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(ids)
         if not e.allocator.admit(req, n - cached):
@@ -174,7 +182,10 @@ class PrefillWorker:
                 self.sender.send_layer(r.request_id, layer)
 
     def _on_step(self, outputs) -> None:
-        pass  # completions are tracked through the transfer, not through outputs
+        # completions are tracked through the transfer; a step's outputs carry first tokens
+        for o in outputs:
+            if o.first is not None and o.request_id in self.active:
+                self._first[o.request_id] = o.first
 
     def _transfer_ended(self, tid: str) -> None:
         req = self.active.pop(tid, None)
@@ -191,6 +202,7 @@ class PrefillWorker:
         state = self.sender.poll(tid)
         t0 = self._started.pop(tid, None)
         t_sched = self._scheduled_at.pop(tid, None)
+        first = self._first.pop(tid, None)
         fut = self.done.pop(tid, None)
         from kv_transfer.base import TransferState
 
@@ -207,7 +219,7 @@ class PrefillWorker:
                     timings = {"prefix pull": t_sched - t0, "queue+compute+send": now - t_sched}
                 fut.set_result({"cached_tokens": req.num_cached_prompt_tokens,
                                 "computed_tokens": req.num_prompt_tokens - req.num_cached_prompt_tokens,
-                                "timings": timings})
+                                "timings": timings, "first": first})
         else:
             self.counters["transfer_failures"] += 1
             if fut is not None:

@@ -122,7 +122,7 @@ class Router:
         if plan["mode"] == "remote":
             try:
                 att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
-                    rid, transfer_id, ids, plan, decode_id, sess, hashes)
+                    rid, transfer_id, ids, plan, decode_id, sess, hashes, sp)
             except (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError) as e:
                 log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
                 await self._prefill_locally(att, rid, ids, sp)
@@ -157,17 +157,32 @@ class Router:
             last_t = None
             while True:
                 task = att.prefill_task
-                if task is not None and not task.done():
-                    getter = asyncio.ensure_future(queue.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if task.done() and task.exception() is not None and not getter.done():
-                        getter.cancel()
-                        # the prefill actor failed (or died) before the KV arrived
+                if task is not None and not att.first_handled:
+                    if not task.done():
+                        getter = asyncio.ensure_future(queue.get())
+                        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            getter.cancel()
+                            continue                 # the prefill ended: handled just below
+                        msg = getter.result()        # (an error from the decode actor, say)
+                    elif task.exception() is not None:
+                        # the prefill actor failed (or died) before the KV and first token arrived
                         log.warning("remote prefill of %s failed (%s); prefilling locally", rid, task.exception())
                         self.hub.record_migration("prefill_failed")
                         await self._prefill_locally(att, rid, ids + out_ids, _continue(sp, out_ids))
                         continue
-                    msg = await getter
+                    else:
+                        # the KV is on the decode actor; the prefill actor sampled the first token
+                        att.first_handled = True
+                        first = task.result()["first"]
+                        msg = {"request_id": rid, "token_ids": first["token_ids"], "text": first["text"]}
+                        if first["finish_reason"]:   # it ends the request: the decode actor is not needed
+                            msg.update(finish_reason=first["finish_reason"], usage={
+                                "prompt_tokens": len(ids), "cached_prompt_tokens": att.prefill_cached,
+                                "completion_tokens": 1, "draft_tokens": 0, "accepted_draft_tokens": 0})
+                            await att.decode.abort.remote(rid)
+                        elif not await att.decode.first_token.remote(rid, first):
+                            msg = {"request_id": rid, "error": "the decode actor dropped the request"}
                 else:
                     msg = await queue.get()
                 lost_decode = msg.get("worker_lost") and msg["worker_id"] == att.decode_id
@@ -272,7 +287,7 @@ class Router:
         except Exception:  # noqa: BLE001 - a report must not fail the request it reports on
             log.exception("could not report the slow first token of %s", rid)
 
-    async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes):
+    async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes, sp):
         """Reserve on a prefill actor, pull the decode actor's cached prefix into it when it lacks
         some, then start the layer-by-layer transfer into the decode actor's reserved blocks."""
         from kv_transfer.base import TransferSpec
@@ -283,7 +298,7 @@ class Router:
             prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
             prefill = self.view.handle(prefill_id)
             try:
-                res = await prefill.reserve.remote(transfer_id, ids[:-1], plan["first_block"], plan["cached_tokens"])
+                res = await prefill.reserve.remote(transfer_id, ids, plan["first_block"], plan["cached_tokens"], sp)
                 break
             except WorkerUnavailable:
                 tried.add(prefill_id)
@@ -313,7 +328,7 @@ class Router:
             cached = plan["cached_tokens"]
         await decode.expect.remote(spec)
         task = asyncio.ensure_future(prefill.start.remote(spec))
-        self.prefix["prefill"].record(prefill_id, hashes[: (len(ids) - 1) // self.block_size])
+        self.prefix["prefill"].record(prefill_id, hashes[: len(ids) // self.block_size])
         return prefill_id, cached, task
 
     async def _abort_everywhere(self, rid, att: "Attempt") -> None:
@@ -339,6 +354,7 @@ class Attempt:
     prefill_task: Any = None
     transfer_id: str | None = None
     mode: str = "local"
+    first_handled: bool = False  # the prefill actor's first token was streamed and handed over
     marks: dict[str, float] = field(default_factory=dict)  # perf_counter() at each stage (slow-TTFT log)
     prefill_cached: int = 0
 

@@ -83,6 +83,29 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     assert ids == out[0, len(prompt_ids):].tolist()
 
 
+def test_first_token_from_the_prefill_actor_continues_as_one_engine_would(remote, offline):
+    """The prefill actor samples the first output token (the router streams it at once) and the
+    decode actor continues from it, with the sampler's state: seeded sampling gives the offline
+    engine's tokens and text; a first token that ends the request (max_tokens 1, a stop string in
+    it) ends it there, and no KV stays reserved on the decode actor."""
+    prompt = PROMPTS[1]
+    for sampling in ({"temperature": 0.8, "seed": 7, "max_tokens": 16},
+                     {"temperature": 1.2, "top_k": 40, "seed": 3, "max_tokens": 16},
+                     {"max_tokens": 1}):
+        want = offline([{"prompt": prompt, **sampling}])[0]
+        ids, text, last = remote.generate(prompt=prompt, **sampling)
+        assert ids == want["token_ids"] and text == want["text"], sampling
+        assert last.usage.completion_tokens == len(want["token_ids"])
+    assert last.finish_reason == pb.LENGTH
+    greedy = offline([{"prompt": prompt, "max_tokens": 8}])[0]
+    stop = greedy["text"][:3]                   # a stop string inside the first token's text or just after
+    want = offline([{"prompt": prompt, "max_tokens": 8, "stop": [stop]}])[0]
+    ids, text, last = remote.generate(prompt=prompt, max_tokens=8, stop=[stop])
+    assert (ids, text) == (want["token_ids"], want["text"]) and last.finish_reason == pb.STOP
+    stats = remote.worker_stats()
+    assert stats["decode-0"]["kv_blocks_used"] == 0 and stats["prefill-0"]["kv_blocks_used"] == 0
+
+
 def _two_turns(cluster, session):
     first_msgs = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
     ids1, text1, last1 = cluster.generate(messages=first_msgs, session_id=session, max_tokens=40, ignore_eos=True)
@@ -107,10 +130,10 @@ def test_second_turn_hits_the_cache_remote_path(remote, caplog):
     assert "queue+compute+send" in slow[1] and "KV sent to first token" in slow[1], slow[1]
     assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
     new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
-    # the prefill actor computed only the uncached prompt tokens (all but the last, which the
-    # decode actor runs as its first step)
+    # the prefill actor computed exactly the uncached prompt tokens (and sampled the first output
+    # token from the last one's logits)
     computed = after["prefill-0"]["computed_tokens"] - before["prefill-0"]["computed_tokens"]
-    assert computed == new - 1
+    assert computed == new
     assert after["decode-0"]["remote_prefills"] == before["decode-0"]["remote_prefills"] + 1
 
 
