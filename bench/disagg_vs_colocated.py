@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,9 +41,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def layout_name(n_prefill: int, n_decode: int) -> str:
+    return f"{n_prefill}P:{n_decode}D" if n_prefill else f"colocated x{n_decode}"
+
+
 def mode_configs(args) -> dict[str, dict]:
     """Both modes use every GPU: disaggregated splits them between the pools (prefill first), the
-    colocated mode runs one replica per GPU."""
+    colocated mode runs one replica per GPU. With --layouts, one config per listed P:D split
+    instead (0:N is N colocated replicas), named like `tandem simulate` names them."""
     gpu = 1 if args.device == "cuda" else 0
     common = {"model": {"name": args.model, "device": args.device,
                         "dtype": "bfloat16" if args.device == "cuda" else "float32"},
@@ -51,17 +57,23 @@ def mode_configs(args) -> dict[str, dict]:
               "router": {"host": "127.0.0.1", "metrics_port": None}}
     if args.num_blocks:
         common["cache"] = {"num_blocks": args.num_blocks}
+
+    def layout(n_prefill: int, n_decode: int) -> dict:
+        return {**common, "prefill": {"replicas": n_prefill, "num_gpus": gpu},
+                "decode": {"replicas": n_decode, "num_gpus": gpu,
+                           "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
+
+    if getattr(args, "layouts", None):
+        out = {}
+        for item in args.layouts.split(","):
+            p, _, d = item.partition(":")
+            n_prefill, n_decode = int(p), int(d)
+            if n_prefill < 0 or n_decode < 1:
+                raise SystemExit(f"--layouts: {item!r} is not P:D with P >= 0 and D >= 1")
+            out[layout_name(n_prefill, n_decode)] = layout(n_prefill, n_decode)
+        return out
     n_prefill = args.prefill or max(1, args.gpus // 2)
-    return {
-        "disaggregated": {**common,
-                          "prefill": {"replicas": n_prefill, "num_gpus": gpu},
-                          "decode": {"replicas": args.gpus - n_prefill, "num_gpus": gpu,
-                                     "local_prefill_threshold": args.threshold}},
-        "colocated": {**common,
-                      "prefill": {"replicas": 0, "num_gpus": gpu},
-                      "decode": {"replicas": args.gpus, "num_gpus": gpu,
-                                 "local_prefill_threshold": float("inf")}},
-    }
+    return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
 
 
 def _wait_serving(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -84,6 +96,7 @@ def _wait_serving(target: str, proc: subprocess.Popen, timeout_s: float) -> None
 
 
 def run_mode(name: str, config: dict, args, out: Path) -> dict:
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)   # file names (tandem bench does the same to labels)
     port = _free_port()
     config = {**config, "router": {**config["router"], "port": port}}
     cfg_path = out / f"config-{name}.yaml"
@@ -125,6 +138,24 @@ def compare(reports: dict[str, dict]) -> list[dict]:
                      "tpot_p90_disagg_ms": d["tpot_ms"]["p90"], "tpot_p90_coloc_ms": c["tpot_ms"]["p90"],
                      "ttft_p90_disagg_ms": d["ttft_ms"]["p90"], "ttft_p90_coloc_ms": c["ttft_ms"]["p90"]})
     return rows
+
+
+def print_layouts(reports: dict[str, dict], out: Path) -> None:
+    """One row per layout and rate: goodput and TTFT / TPOT p50, p90, p99 (layouts.json too)."""
+    slo = next(iter(reports.values()))["config"]["slo"]
+    print(f"\nSLOs TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms per request")
+    print(f"{'layout':>14} {'rate':>5} {'ok':>4} {'failed':>6} {'goodput':>8} {'TTFT ms p50/p90/p99':>22} "
+          f"{'TPOT ms p50/p90/p99':>22}")
+    rows = []
+    for name, report in reports.items():
+        for run in report["runs"]:
+            sm = run["summary"]
+            t, p = sm["ttft_ms"], sm["tpot_ms"]
+            fmt = lambda d, f: "/".join("-" if d[k] is None else f.format(d[k]) for k in ("p50", "p90", "p99"))  # noqa: E731
+            print(f"{name:>14} {run['rate']:>5g} {sm['ok']:>4} {sm['failed']:>6} {sm['goodput_rps']:>8.2f} "
+                  f"{fmt(t, '{:.0f}'):>22} {fmt(p, '{:.1f}'):>22}")
+            rows.append({"layout": name, "rate": run["rate"], **sm})
+    (out / "layouts.json").write_text(json.dumps(rows, indent=1))
 
 
 def report_comparison(reports: dict[str, dict], out: Path, title: str, args: dict | None) -> None:
@@ -190,6 +221,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--layouts", default="", help="P:D splits to run instead of the two modes, e.g. "
+                                                 "1:3,2:2,3:1,0:4 (0:N = N colocated replicas); prints "
+                                                 "every layout's goodput and latencies per rate")
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--compare", metavar="DIR", help="print the table and plot again from DIR's bench-*.json "
                                                       "(a finished run); runs nothing")
@@ -204,8 +238,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     configs = mode_configs(args)
     reports = {}
-    for name in args.modes.split(","):
+    for name in (configs if args.layouts else args.modes.split(",")):
         reports[name] = run_mode(name, configs[name], args, out)
+    if args.layouts:
+        print_layouts(reports, out)
+        return
     if len(reports) == 2:
         title = (f"{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "
                  f"{args.workload}")

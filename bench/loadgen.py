@@ -151,6 +151,7 @@ class BenchConfig:
     out_dir: str = "bench-results"
     label: str | None = None
     progress: bool = False
+    watch_pools_s: float = 0.0  # > 0: sample the Admin API's pool sizes this often (pool_timeline)
 
 
 class _Progress:
@@ -345,7 +346,12 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
               f"which then end DEADLINE_EXCEEDED); {meaning}", file=out)
         print(table_header(cfg.slo), file=out, flush=True)
         runs, notes = [], []
+        t_bench = time.monotonic()
+        timeline: list[dict] = []
+        watcher = (asyncio.ensure_future(watch_pools(channel, metadata, cfg.watch_pools_s, t_bench, timeline))
+                   if cfg.watch_pools_s > 0 else None)
         for i, rate in enumerate(cfg.rates):
+            started_s = time.monotonic() - t_bench
             plan = plan_sessions(sessions, session_workload=session_workload, rate=rate,
                                  duration_s=cfg.duration_s, max_sessions=cfg.max_sessions)
             prog = _Progress(cfg.progress, rate, cfg.duration_s)
@@ -355,17 +361,40 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
                 metadata=metadata, progress=prog)
             summary = summarize(records, rate=rate, elapsed_s=elapsed, slo=cfg.slo, not_started=not_started)
             summary["sessions"] = len(plan)
-            runs.append({"rate": rate, "session_prefix": f"{tag}-", "summary": summary,
+            runs.append({"rate": rate, "session_prefix": f"{tag}-", "started_s": started_s, "summary": summary,
                          "requests": [r.to_json() for r in records]})
             print(table_row(summary), file=out, flush=True)
             notes.append(table_notes(summary))
+        if watcher is not None:
+            watcher.cancel()
     for line in filter(None, notes):
         print(line, file=out)
     config = {**asdict(cfg), "vocab_size": vocab, "max_context": max_context, "rate_definition": meaning,
               "rate_unit": RATE_UNIT[mode],
               "slo": {"ttft_ms": cfg.slo.ttft_s * 1e3, "tpot_ms": cfg.slo.tpot_s * 1e3}}
     config.pop("progress")
-    return {"label": cfg.label, "created_unix": time.time(), "config": config, "runs": runs}
+    report = {"label": cfg.label, "created_unix": time.time(), "config": config, "runs": runs}
+    if cfg.watch_pools_s > 0:
+        report["pool_timeline"] = timeline
+    return report
+
+
+async def watch_pools(channel, metadata, every_s: float, t0: float, timeline: list[dict]) -> None:
+    """Append {t, pools: {name: {size, target, draining}}} every `every_s` seconds (t: seconds since
+    the bench started) from the Admin API, until cancelled; a failed read is skipped."""
+    import grpc
+
+    from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+
+    stub = admin_pb2_grpc.AdminStub(channel)
+    while True:
+        try:
+            state = await stub.GetClusterState(admin_pb2.GetClusterStateRequest(), metadata=metadata, timeout=5)
+            timeline.append({"t": round(time.monotonic() - t0, 3), "pools": {
+                p.name: {"size": p.size, "target": p.target, "draining": p.draining} for p in state.pools}})
+        except grpc.RpcError:
+            pass
+        await asyncio.sleep(every_s)
 
 
 # ---- output files -------------------------------------------------------------------------------
@@ -389,7 +418,8 @@ def config_from_args(args) -> BenchConfig:
                        drain_timeout_s=args.drain_timeout, seed=args.seed, max_sessions=args.sessions,
                        slo=SLO(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3), max_context=args.max_context,
                        vocab_size=args.vocab_size, out_dir=args.out, label=label,
-                       progress=sys.stderr.isatty() and not args.no_progress)
+                       progress=sys.stderr.isatty() and not args.no_progress,
+                       watch_pools_s=getattr(args, "watch_pools", 0) or 0.0)
 
 
 def cmd_bench(args) -> int:

@@ -217,7 +217,47 @@ def write_outputs(report: dict, out_dir: str | Path, label: str) -> list[Path]:
         paths.append(out / f"bench-{label}-goodput.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    if report.get("pool_timeline"):
+        paths.append(plot_timeline(report, out / f"bench-{label}-timeline.png", plt))
     return paths
+
+
+def plot_timeline(report: dict, path: Path, plt) -> Path:
+    """Pool sizes (and targets) over the whole bench, above each OK request's TTFT and TPOT at the
+    time it was sent, with each rate's start marked: what an autoscaled load ramp did."""
+    tl = report["pool_timeline"]
+    slo = report["config"]["slo"]
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for pool, style in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+        ts = [p["t"] for p in tl if pool in p["pools"]]
+        ax0.step(ts, [p["pools"][pool]["size"] for p in tl if pool in p["pools"]], where="post", color=style,
+                 label=f"{pool} workers")
+        ax0.step(ts, [p["pools"][pool]["target"] for p in tl if pool in p["pools"]], where="post", color=style,
+                 linestyle=":", label=f"{pool} target")
+    ax0.set(ylabel="workers")
+    ax0.legend(fontsize="small", ncol=2)
+    for run in report["runs"]:
+        t0 = run.get("started_s", 0.0)
+        for ax in (ax0, ax1):
+            ax.axvline(t0, color="grey", alpha=0.3)
+        ax0.annotate(f"rate {run['rate']:g}", (t0, ax0.get_ylim()[1]), fontsize="x-small", va="top")
+    for key, unit, limit, color in (("ttft_s", "TTFT", slo["ttft_ms"], "tab:green"),
+                                    ("tpot_s", "TPOT", slo["tpot_ms"], "tab:red")):
+        xs, ys = [], []
+        for run in report["runs"]:
+            for r in run["requests"]:
+                if r["status"] == "OK" and r.get(key) is not None:
+                    xs.append(run.get("started_s", 0.0) + r["arrival_s"])
+                    ys.append(r[key] * 1e3)
+        ax1.scatter(xs, ys, s=6, color=color, label=f"{unit} (ms)")
+        ax1.axhline(limit, color=color, linestyle="--", alpha=0.5)
+    ax1.set(xlabel="seconds since the bench started", ylabel="ms (log)", yscale="log")
+    ax1.legend(fontsize="small")
+    fig.suptitle(f"tandem bench {report['label']}: pools and latency over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---- the command --------------------------------------------------------------------------------

@@ -108,6 +108,9 @@ def _register_bench(sub) -> None:
     b.add_argument("--out", default="bench-results", help="directory for the JSON and PNGs (default bench-results)")
     b.add_argument("--label", help="names the outputs bench-LABEL.* (default: workload and time)")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr (off when not a tty)")
+    b.add_argument("--watch-pools", type=float, default=0, metavar="S",
+                   help="sample pool sizes and targets through the Admin API every S seconds during the "
+                        "run (with --autoscale clusters): JSON pool_timeline and bench-LABEL-timeline.png")
     _client_flags(b)
     b.set_defaults(func=cmd_bench)
 

@@ -22,7 +22,7 @@ def test_bench_sweeps_agent_sessions_and_reports_what_the_cluster_did(make_clust
     c = make_cluster(CLUSTER)
     cmd = [sys.executable, "-m", "cluster.cli", "bench", "--target", c.target, "--workload", "agent-small",
            "--rates", "2,4", "--duration", "3", "--sessions", "3", "--max-context", "400", "--seed", "1",
-           "--out", str(tmp_path), "--label", "ci"]
+           "--out", str(tmp_path), "--label", "ci", "--watch-pools", "0.5"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "SLOs: TTFT <= 1000 ms and TPOT <= 40 ms" in proc.stdout
@@ -56,6 +56,12 @@ def test_bench_sweeps_agent_sessions_and_reports_what_the_cluster_did(make_clust
             assert r["ttft_s"] == r["token_times_s"][0] <= r["e2e_s"]
             if r["turn"] > 0:
                 assert r["cached_prompt_tokens"] > 0, r
-    for name in ("bench-ci-cdf.png", "bench-ci-goodput.png"):  # matplotlib: `make setup` installs it
+    # the pools' sizes through the Admin API, sampled over the whole bench (an autoscaled ramp's plot)
+    tl = report["pool_timeline"]
+    assert len(tl) >= 4 and all(a["t"] < b["t"] for a, b in zip(tl, tl[1:]))
+    assert all(p["pools"]["prefill"]["size"] == 1 and p["pools"]["decode"] == {"size": 1, "target": 1, "draining": 0}
+               for p in tl)
+    assert report["runs"][0]["started_s"] < report["runs"][1]["started_s"] < tl[-1]["t"] + 1
+    for name in ("bench-ci-cdf.png", "bench-ci-goodput.png", "bench-ci-timeline.png"):  # `make setup` installs matplotlib
         assert (tmp_path / name).is_file(), f"{name} missing; stderr: {proc.stderr}"
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
