@@ -99,6 +99,10 @@ def _generate(overrides: dict, prompts: list[list[int]]) -> tuple[list[list[int]
     try:
         outs = [cluster.generate(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True)[0]
                 for p in prompts]
+        # seeded sampling: the remote path's first token is drawn on the prefill GPU and the decode
+        # GPU continues from that sampler state; the draws must be the ones the local path makes
+        outs.append(cluster.generate(prompt_token_ids=prompts[0], max_tokens=24, temperature=0.9, seed=11,
+                                     ignore_eos=True)[0])
         counters = {}
         for stats in cluster.worker_stats().values():
             if stats.get("pool") == "decode":
@@ -112,14 +116,15 @@ def _generate(overrides: dict, prompts: list[list[int]]) -> tuple[list[list[int]
 def test_prefill_on_one_gpu_decode_on_the_other_matches_colocated(ray_gpus):
     base = {"model.name": "smollm2-135m-random", "model.device": "cuda", "model.dtype": "float32",
             "prefill.num_gpus": 1, "decode.num_gpus": 1, "router.metrics_port": None,
-            "scheduler.max_num_batched_tokens": 256, "speculative.method": "off"}
+            "scheduler.max_num_batched_tokens": 256, "speculative.method": "off",
+            "model.warmup": False}   # a correctness test: no need to compile every variant up front
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (700, 90, 1500)]
     remote, counters = _generate({**base, "prefill.replicas": 1, "decode.replicas": 1,
                                   "decode.local_prefill_threshold": 0}, prompts)
-    assert counters.get("remote_prefills", 0) == len(prompts), counters   # every prompt went over NCCL
+    assert counters.get("remote_prefills", 0) == len(prompts) + 1, counters   # every prompt went over NCCL
     assert counters.get("transfer_failures", 0) == 0, counters
     local, counters = _generate({**base, "prefill.replicas": 0, "decode.replicas": 1,
                                  "decode.local_prefill_threshold": float("inf")}, prompts)
-    assert counters.get("local_prefills", 0) == len(prompts), counters
+    assert counters.get("local_prefills", 0) == len(prompts) + 1, counters
     assert remote == local
