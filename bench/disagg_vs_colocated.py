@@ -140,6 +140,57 @@ def compare(reports: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) -> list[dict]:
+    """The simulator's prediction for every measured layout and rate, on the very requests the
+    bench sent: the same sessions (workload, seed, count, context limit), the same start times per
+    rate, turns sent closed-loop and none due past the duration. The perf model is `tandem
+    profile`'s JSON (--perf) or the simulator's assumed 8B-on-H200 default. Prints and returns
+    rows of measured / predicted goodput, TTFT p90 and TPOT p90 (simulated.json too)."""
+    import math
+    import random
+    from dataclasses import replace
+
+    from bench.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
+    from cluster.simulator import SLO, PerfModel, simulate
+
+    perf = PerfModel.from_dict(json.loads(Path(perf_path).read_text())) if perf_path else PerfModel()
+    print(f"\nsimulator beside measurement (perf model: {perf_path or 'assumed 8B on H200'}): "
+          "measured / predicted")
+    print(f"{'layout':>14} {'rate':>5} {'goodput':>13} {'TTFT p90 ms':>15} {'TPOT p90 ms':>15}")
+    rows = []
+    for name, report in reports.items():
+        slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+        cluster = yaml.safe_load((out / f"config-{slug}.yaml").read_text())
+        n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
+        threshold = float(cluster["decode"]["local_prefill_threshold"])
+        colocated = n_prefill == 0 or math.isinf(threshold)
+        c = report["config"]
+        kind, _ = parse_workload(c["workload"])
+        n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
+        sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
+        model = perf if colocated else replace(perf, local_prefill_threshold=threshold)
+        slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
+        for run in report["runs"]:
+            plan = plan_sessions(sessions, session_workload=True, rate=run["rate"], duration_s=c["duration_s"],
+                                 max_sessions=c.get("max_sessions"))
+            specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
+                     for sess in plan for i, t in enumerate(sess.specs)]
+            sim = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
+                           send_until_s=c["duration_s"]).summary
+            m = run["summary"]
+            row = {"layout": name, "rate": run["rate"],
+                   "goodput": (m["goodput_rps"], sim.goodput_rps),
+                   "ttft_p90_ms": (m["ttft_ms"]["p90"], 1e3 * sim.ttft_p90 if sim.ttft_p90 is not None else None),
+                   "tpot_p90_ms": (m["tpot_ms"]["p90"], 1e3 * sim.tpot_p90 if sim.tpot_p90 is not None else None),
+                   "requests": (m["requests"], sim.requests)}
+            rows.append(row)
+            pair = lambda v, f: "/".join("-" if x is None else f.format(x) for x in v)  # noqa: E731
+            print(f"{name:>14} {run['rate']:>5g} {pair(row['goodput'], '{:.2f}'):>13} "
+                  f"{pair(row['ttft_p90_ms'], '{:.0f}'):>15} {pair(row['tpot_p90_ms'], '{:.1f}'):>15}")
+    (out / "simulated.json").write_text(json.dumps({"perf": perf.to_dict(), "rows": rows}, indent=1))
+    return rows
+
+
 def print_layouts(reports: dict[str, dict], out: Path) -> None:
     """One row per layout and rate: goodput and TTFT / TPOT p50, p90, p99 (layouts.json too)."""
     slo = next(iter(reports.values()))["config"]["slo"]
@@ -225,6 +276,9 @@ def main() -> None:
                                                  "1:3,2:2,3:1,0:4 (0:N = N colocated replicas); prints "
                                                  "every layout's goodput and latencies per rate")
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also print the simulator's prediction beside each measured layout and rate")
+    ap.add_argument("--perf", help="perf model JSON for --simulate (from `tandem profile`; default: assumed)")
     ap.add_argument("--compare", metavar="DIR", help="print the table and plot again from DIR's bench-*.json "
                                                       "(a finished run); runs nothing")
     args = ap.parse_args()
@@ -233,6 +287,8 @@ def main() -> None:
         reports = {m: json.loads((d / f"bench-{m}.json").read_text()) for m in ("disaggregated", "colocated")}
         report_comparison(reports, d, f"{args.model}, workload {reports['colocated']['config'].get('workload', '')}",
                           None)
+        if args.simulate:
+            simulate_beside(reports, d, args.perf)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,6 +298,9 @@ def main() -> None:
         reports[name] = run_mode(name, configs[name], args, out)
     if args.layouts:
         print_layouts(reports, out)
+    if args.simulate:
+        simulate_beside(reports, out, args.perf)
+    if args.layouts:
         return
     if len(reports) == 2:
         title = (f"{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "

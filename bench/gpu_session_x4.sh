@@ -14,7 +14,7 @@ W=/tmp/x4; mkdir -p $W
 RATES=${RATES:-1,2,4}
 has sweep && TAIL=12 step sweep ${SWEEP_LIMIT:-560} python3 bench/disagg_vs_colocated.py --model llama3-8b-random \
   --device cuda --layouts ${LAYOUTS:-1:3,2:2,3:1,0:4} --workload agent --rates $RATES --duration ${DURATION:-25} \
-  --drain ${DRAIN:-20} --out $W/sweep
+  --drain ${DRAIN:-20} --simulate ${PERF:+--perf $PERF} --out $W/sweep
 if has ramp; then
   cat > $W/ramp.yaml <<YAML
 model: {name: llama3-8b-random, device: cuda, dtype: bfloat16}

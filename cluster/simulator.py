@@ -340,8 +340,11 @@ def _pct(values: list[float], q: float) -> float:
 class _Simulation:
     def __init__(self, requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,
                  slo: SLO, autoscaler: AutoscalerConfig | None, seed: int, colocated: bool,
-                 worker_startup_s: float, closed_loop: bool, pull_prefix: bool):
+                 worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
+                 send_until_s: float | None = None):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
+        self.send_until_s = send_until_s
+        self.unsent: set[int] = set()  # seq indices a closed-loop session never sent (due too late)
         self.pull_prefix = pull_prefix
         self.colocated = colocated
         self.threshold = math.inf if colocated else perf.local_prefill_threshold
@@ -550,6 +553,11 @@ class _Simulation:
         if self.next_turns is not None and self.next_turns.get(s.spec.session_id):
             nxt = self.next_turns[s.spec.session_id].popleft()
             nxt.arrival_s = (s.finish_s or now) + getattr(nxt.spec, "think_s", 0.0)
+            if self.send_until_s is not None and nxt.arrival_s >= self.send_until_s:
+                # due past the run's end: neither it nor the session's later turns are sent
+                self.unsent.add(id(nxt))
+                self.unsent.update(id(x) for x in self.next_turns.pop(s.spec.session_id))
+                return
             self.push(nxt.arrival_s, "arrive", nxt)
 
     # -- autoscaler in the loop -----------------------------------------------------------------
@@ -630,6 +638,8 @@ class _Simulation:
     def result(self, label: str, prefill: int, decode: int) -> SimResult:
         reqs = []
         for s in self.seqs:
+            if id(s) in self.unsent:
+                continue
             r = s.spec
             ok = s.finish_s is not None
             tpot = ((s.finish_s - s.first_token_s) / (r.output_tokens - 1)
@@ -673,17 +683,20 @@ def summarize(reqs: list[RequestResult], slo: SLO, label: str, prefill: int, dec
 def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,
              slo: SLO = SLO(), autoscaler: AutoscalerConfig | None = None, seed: int = 0, *,
              colocated: bool = False, closed_loop: bool = False, pull_prefix: bool = False,
-             worker_startup_s: float = 60.0, label: str | None = None) -> SimResult:
+             worker_startup_s: float = 60.0, label: str | None = None,
+             send_until_s: float | None = None) -> SimResult:
     """Replay `workload_requests` against `prefill` + `decode` workers. `colocated`: no prefill
     pool, every decode worker prefills everything itself (chunked). `closed_loop`: a session's turn
     k+1 is sent `think_s` after turn k finishes (an agent waits for its answer) instead of at its
     `arrival_s`. With `autoscaler`, pools start at the given sizes and follow the policy; new workers
     take `worker_startup_s` to come up. `pull_prefix`: a prefill worker missing part of the prefix
-    the decode worker holds receives that KV from it (transfer time) rather than recomputing it."""
+    the decode worker holds receives that KV from it (transfer time) rather than recomputing it.
+    `send_until_s` (closed loop): a turn due at or after it is not sent, nor are the session's later
+    turns, as `tandem bench` stops sending at its duration; unsent turns are left out of the result."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
     sim = _Simulation(workload_requests, prefill, decode, perf, slo, autoscaler, seed, colocated,
-                      worker_startup_s, closed_loop, pull_prefix)
+                      worker_startup_s, closed_loop, pull_prefix, send_until_s)
     sim.run()
     label = label or ((f"colocated x{decode}" if colocated else f"{prefill}P:{decode}D")
                       + (" autoscaled" if autoscaler else ""))

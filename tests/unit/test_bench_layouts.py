@@ -32,3 +32,30 @@ def test_layouts_give_one_config_per_split():
     assert math.isinf(c["colocated x4"]["decode"]["local_prefill_threshold"])
     with pytest.raises(SystemExit, match="P:D"):
         mode_configs(_args(layouts="2:0"))
+
+
+def test_simulator_predictions_replay_the_benchs_own_requests(tmp_path):
+    """--simulate: for a measured layout and rate, the simulator runs the same sessions the bench
+    sent (workload, seed, count, start times, duration cut-off) on that layout and reports its
+    prediction beside the measurement."""
+    import yaml
+
+    from bench.disagg_vs_colocated import simulate_beside
+
+    (tmp_path / "config-1P_1D.yaml").write_text(yaml.safe_dump(
+        {"prefill": {"replicas": 1}, "decode": {"replicas": 1, "local_prefill_threshold": 256}}))
+    (tmp_path / "config-colocated_x2.yaml").write_text(yaml.safe_dump(
+        {"prefill": {"replicas": 0}, "decode": {"replicas": 2, "local_prefill_threshold": float("inf")}}))
+    measured = {"goodput_rps": 1.0, "ttft_ms": {"p90": 200.0}, "tpot_ms": {"p90": 12.0}, "requests": 30}
+    report = {"config": {"workload": "agent", "seed": 0, "max_sessions": None, "rates": [0.5, 1.0],
+                         "duration_s": 20.0, "max_context": 32768, "slo": {"ttft_ms": 1000.0, "tpot_ms": 40.0}},
+              "runs": [{"rate": 0.5, "summary": measured}, {"rate": 1.0, "summary": measured}]}
+    rows = simulate_beside({"1P:1D": report, "colocated x2": report}, tmp_path, None)
+    assert [(r["layout"], r["rate"]) for r in rows] == [("1P:1D", 0.5), ("1P:1D", 1.0),
+                                                        ("colocated x2", 0.5), ("colocated x2", 1.0)]
+    for r in rows:
+        assert r["goodput"][0] == 1.0 and r["goodput"][1] > 0
+        assert r["ttft_p90_ms"][1] > 0 and r["tpot_p90_ms"][1] > 0
+        assert r["requests"][1] > 0
+    assert rows[1]["requests"][1] > rows[0]["requests"][1]        # twice the sessions at rate 1
+    assert (tmp_path / "simulated.json").is_file()

@@ -175,3 +175,19 @@ def test_control_path_terms_delay_what_the_client_sees():
     assert slow["remote"].e2e_s == pytest.approx(base["remote"].e2e_s + 0.130)
     with pytest.raises(Exception):
         replace(PERF, remote_overhead_s=-1.0)
+
+
+def test_closed_loop_stops_sending_at_the_runs_end_like_the_bench():
+    """`send_until_s`: a session's turn due at or after the cut-off is not sent, nor its later
+    turns (as `tandem bench` stops at its duration); only sent turns are in the result."""
+    specs = [RequestSpec("a", t, 0.0, 200, 20, shared_prefix_tokens=0 if t == 0 else 150, think_s=5.0)
+             for t in range(6)]
+    full = simulate(specs, 1, 1, PerfModel(), closed_loop=True)
+    cut = simulate(specs, 1, 1, PerfModel(), closed_loop=True, send_until_s=12.0)
+    assert len(full.requests) == 6
+    sent = cut.requests
+    assert [r.turn for r in sent] == list(range(len(sent))) and 1 < len(sent) < 6
+    assert all(r.arrival_s < 12.0 for r in sent)                      # every sent turn was due in time
+    finish = sent[-1].arrival_s + sent[-1].e2e_s
+    assert finish + 5.0 >= 12.0                                       # the next turn would have been late
+    assert cut.summary.requests == len(sent) and cut.summary.rejected == 0
