@@ -231,14 +231,19 @@ def bench_ttft(args) -> list[dict]:
     from cluster.local import RunningCluster
     from protos.tandem.v1 import generation_pb2 as pb
 
-    base = {"model.name": args.model, "model.device": "cuda", "model.dtype": "bfloat16",
+    gpu = 1 if args.device == "cuda" else 0
+    base = {"model.name": args.model, "model.device": args.device,
+            "model.dtype": "bfloat16" if gpu else "float32",
             "scheduler.max_num_batched_tokens": args.chunk, "scheduler.max_num_seqs": 8,
-            "prefill.num_gpus": 1, "decode.num_gpus": 1, "router.metrics_port": None,
+            "prefill.num_gpus": gpu, "decode.num_gpus": gpu, "router.metrics_port": None,
             "speculative.method": "off"}
     modes = {"remote": {**base, "prefill.replicas": 1, "decode.replicas": 1, "decode.local_prefill_threshold": 0},
              "local": {**base, "prefill.replicas": 0, "decode.replicas": 1,
                        "decode.local_prefill_threshold": float("inf")}}
     results: dict[str, dict[int, list[float]]] = {}
+    from engine.weights import load_tokenizer
+
+    vocab = min(100000, load_tokenizer(args.model)[1].vocab_size)   # fresh random prompts, any model
     for mode, overrides in modes.items():
         t = time.perf_counter()
         cluster = RunningCluster(overrides)
@@ -249,7 +254,7 @@ def bench_ttft(args) -> list[dict]:
                 samples = []
                 for rep in range(args.reps + 1):
                     g = torch.Generator().manual_seed(tokens * 100 + rep)   # fresh: no cache hits
-                    ids = torch.randint(1000, 100000, (tokens,), generator=g).tolist()
+                    ids = torch.randint(1000, vocab, (tokens,), generator=g).tolist()
                     req = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(
                         max_tokens=2, temperature=0, ignore_eos=True))
                     t0 = time.perf_counter()
