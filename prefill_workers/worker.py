@@ -38,8 +38,9 @@ class PrefillWorker:
 
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
-        # kernels compiled and decode graphs captured before the first request, not inside it
-        self.warmup = self.engine.warmup() if self.engine.wants_warmup else None
+        # kernels compiled before the first request, not inside it; one output token per warmup
+        # request: a prefill actor's steps are never decode-shaped, so it needs no decode graphs
+        self.warmup = self.engine.warmup(decode_tokens=1) if self.engine.wants_warmup else None
         if self.warmup is not None:
             log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, self.warmup["seconds"],
                      os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
