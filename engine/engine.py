@@ -90,7 +90,7 @@ class LLMEngine:
                                                draft_model=draft_model, proposer=proposer)
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
-        self.last_step: dict[str, Any] = {}  # what the latest step ran (slow-step logs)
+        self.last_step: tuple = ()  # what the latest step ran; last_step_summary() reads it
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -180,13 +180,14 @@ class LLMEngine:
             return []
         batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
-        captures = self.runner.graph_stats["captures"]
+        graphs = self.runner.graphs
+        captures = graphs.captures if graphs is not None else 0
+        # prefill positions counted now, before the scheduler advances the requests
+        prefill = sum(x.num_new_tokens for x in sched.scheduled
+                      if x.request.num_computed_tokens < x.request.num_prompt_tokens)
         logits = self.runner.execute(batch, hook)
-        self.last_step = {"seqs": len(sched.scheduled), "tokens": sched.num_tokens,
-                          "prefill_tokens": sum(s.num_new_tokens for s in sched.scheduled
-                                                if s.request.num_computed_tokens < s.request.num_prompt_tokens),
-                          "graph": str(batch.graph_key) if batch.graph_key is not None else None,
-                          "captured": self.runner.graph_stats["captures"] > captures}
+        self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
+                          graphs is not None and graphs.captures > captures)
         self.stats.steps += 1
         self.stats.tokens_computed += sched.num_tokens
         for s in sched.scheduled:
@@ -205,6 +206,15 @@ class LLMEngine:
                 if out.finished:
                     self.speculator.release(out.request_id)
         return outs
+
+    def last_step_summary(self) -> dict[str, Any]:
+        """What the latest step ran, for a slow-step log: sequences, tokens, prompt tokens among
+        them, the CUDA graph it replayed (None: eager) and whether it captured that graph."""
+        if not self.last_step:
+            return {}
+        seqs, tokens, prefill, key, captured = self.last_step
+        return {"seqs": seqs, "tokens": tokens, "prefill_tokens": prefill,
+                "graph": str(key) if key is not None else None, "captured": captured}
 
     def _verify(self, sched, batch, logits, drafts) -> list[tuple[Request, list[int]]]:
         """Speculative counterpart of sampling + `update_from_output`: accept drafts, cut at stop

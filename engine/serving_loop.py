@@ -127,7 +127,8 @@ class EngineLoop:
                 self.busy_s += dt
                 if dt > self.slow_step_s:
                     self.slow_steps += 1
-                    log.warning("slow engine step: %.0f ms, %s", 1e3 * dt, getattr(self.engine, "last_step", {}))
+                    summary = getattr(self.engine, "last_step_summary", dict)()
+                    log.warning("slow engine step: %.0f ms, %s", 1e3 * dt, summary)
                 consecutive = 0
                 if outputs:
                     self.on_step(outputs)
