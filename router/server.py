@@ -155,9 +155,13 @@ class Router:
             att = await self._place(rid, ids, sp, sess, hashes, lost)
             first = True
             last_t = None
+            handover = None   # the prefill's first token, for the decode actor once it is streamed
+            injected = None   # a message the loop made itself (the decode actor refused the handover)
             while True:
                 task = att.prefill_task
-                if task is not None and not att.first_handled:
+                if injected is not None:
+                    msg, injected = injected, None
+                elif task is not None and not att.first_handled:
                     if not task.done():
                         getter = asyncio.ensure_future(queue.get())
                         await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -180,9 +184,9 @@ class Router:
                             msg.update(finish_reason=first["finish_reason"], usage={
                                 "prompt_tokens": len(ids), "cached_prompt_tokens": att.prefill_cached,
                                 "completion_tokens": 1, "draft_tokens": 0, "accepted_draft_tokens": 0})
-                            await att.decode.abort.remote(rid)
-                        elif not await att.decode.first_token.remote(rid, first):
-                            msg = {"request_id": rid, "error": "the decode actor dropped the request"}
+                            att.release_decode = True    # after the token is out
+                        else:
+                            handover = first             # after the token is out
                 else:
                     msg = await queue.get()
                 lost_decode = msg.get("worker_lost") and msg["worker_id"] == att.decode_id
@@ -232,6 +236,18 @@ class Router:
                     yield resp
                     break
                 yield resp
+                if handover is not None:   # streamed: now the decode actor continues from it
+                    payload, handover = handover, None
+                    try:
+                        taken = await att.decode.first_token.remote(rid, payload)
+                    except Exception as e:  # noqa: BLE001 - its output pump reports a dead actor too
+                        taken, why = False, f"{type(e).__name__}: {e}"
+                    else:
+                        why = "it no longer held the request"
+                    if not taken:
+                        injected = {"request_id": rid, "error": f"the decode actor refused the first token: {why}"}
+            if att.release_decode:
+                await att.decode.abort.remote(rid)   # its reservation: the first token ended the request
             if att.prefill_task is not None:
                 try:
                     await att.prefill_task
@@ -257,8 +273,9 @@ class Router:
     def _log_slow_first_token(self, rid, num_tokens, t0, now, att: "Attempt", migrations: int) -> None:
         """Where a slow first token's time went, as the router saw it: placing it (the decode
         actor's reserve, then the prefill actor's reserve, prefix pull and start), the prefill and
-        transfer (with the prefill actor's own split when it reported one), and the decode actor's
-        steps from the KV's arrival to the token. Never raises: it only reports."""
+        transfer (with the prefill actor's own split when it reported one; the first token comes
+        with its result), and from there to the token's send; or the local prefill and first step.
+        Never raises: it only reports."""
         try:
             m = att.marks
             ms = lambda a, b: f"{1e3 * (b - a):.0f} ms"  # noqa: E731
@@ -354,7 +371,8 @@ class Attempt:
     prefill_task: Any = None
     transfer_id: str | None = None
     mode: str = "local"
-    first_handled: bool = False  # the prefill actor's first token was streamed and handed over
+    first_handled: bool = False  # the prefill actor's first token was taken from its result
+    release_decode: bool = False  # that token ended the request: free the decode reservation
     marks: dict[str, float] = field(default_factory=dict)  # perf_counter() at each stage (slow-TTFT log)
     prefill_cached: int = 0
 
