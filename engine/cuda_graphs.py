@@ -26,6 +26,7 @@ it with one copy, then scatters the table with one device copy: no host synchron
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -195,8 +196,6 @@ class DecodeGraphs:
         return entry[1]
 
     def _capture(self, key: GraphKey) -> torch.Tensor:
-        import time
-
         t0 = time.perf_counter()
         result = self.step(key)  # eager: compiles the Triton kernels, and is this step's output
         current = torch.cuda.current_stream()

@@ -8,6 +8,8 @@ the new token ids, the new text and, when it ends, the finish reason and usage.
 from __future__ import annotations
 
 import itertools
+import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,19 +365,16 @@ class LLMEngine:
         prompt, for prefill over a cached prefix. Shapes that do not fit the cache or the model's
         context are skipped. Afterwards the engine holds no request, its prefix cache is empty
         and its stats are zero. Returns what ran and how long it took."""
-        import random as _random
-        import time as _time
-
         if self.has_unfinished():
             raise RuntimeError("warmup needs an idle engine")
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         launches = 0
         if self.runner._fused():  # the Triton ops: compile each attention variant first
             from engine.kernels.paged_attention import compile_variants
 
             kv = self.kv_cache.tensor[0]
             launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
-        rng = _random.Random(seed)
+        rng = random.Random(seed)
         vocab = self.model_config.vocab_size
         capacity = self.allocator.num_blocks * self.allocator.block_size
         budget = capacity // 2
@@ -409,7 +408,7 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)
-        return {"shapes": ran, "kernel_variants": launches, "seconds": round(_time.perf_counter() - t0, 3),
+        return {"shapes": ran, "kernel_variants": launches, "seconds": round(time.perf_counter() - t0, 3),
                 **self.runner.graph_stats}
 
     # ---- offline ----------------------------------------------------------------------------
