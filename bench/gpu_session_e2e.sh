@@ -7,7 +7,8 @@ set -u
 source bench/gpu_session_common.sh
 STEPS=" ${STEPS:-transfer ttft tests e2e} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
-has transfer && TAIL=24 step bench_transfer 50 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json"
+has transfer && TAIL=24 step bench_transfer 90 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" --profile /tmp/prof
+has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
 has ttft && TAIL=6 step bench_ttft 90 python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
 has e2e && TAIL=16 step e2e ${E2E_LIMIT:-320} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
   --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e

@@ -126,6 +126,30 @@ class Endpoint:
             out.append([float(data.sum()), float((data * w).sum())])
         return out
 
+    # ---- one transfer under torch.profiler ------------------------------------------------------
+    def profile_start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        try:                          # record the transport's threads too, and CUDA syncs
+            cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True,
+                                                         enable_cuda_sync_events=True)
+            self._prof = profile(activities=acts, experimental_config=cfg)
+        except TypeError:
+            self._prof = profile(activities=acts)
+        self._prof.__enter__()
+
+    def profile_mark(self) -> float:
+        """A marker op in the trace and the wall clock at it: maps trace time to wall time."""
+        with torch.profiler.record_function("bench.mark"):
+            return time.time()
+
+    def profile_stop(self, path: str) -> str:
+        _sync(self.device)
+        self._prof.__exit__(None, None, None)
+        self._prof.export_chrome_trace(path)
+        return path
+
     def set_message_bytes(self, nbytes: int) -> None:
         from dataclasses import replace
 
@@ -214,10 +238,69 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
               f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
               f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
     print("messages sent:", ray.get(prefill.messages_sent.remote()))
+    profiled = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        profiled = profile_transfer(prefill, decode, mid, num_blocks, args.profile)
     for a in (prefill, decode):
         ray.kill(a)
     del store
-    return {"rows": rows, "message_sweep": sweep}, raw
+    return {"rows": rows, "message_sweep": sweep, "profiled": profiled}, raw
+
+
+def profile_transfer(prefill, decode, tokens: int, num_blocks: int, out_dir: str) -> dict:
+    """One transfer of `tokens` under torch.profiler on both actors: prints one timeline (ms from the
+    sender's first call) of the transport's host ops (gloo frames, NCCL posts, gathers, scatters,
+    allocations, CUDA syncs) and the GPU kernels on both sides; writes both Chrome traces."""
+    spec = _spec(f"p{tokens}", tokens, num_blocks, 999)
+    ray.get([prefill.profile_start.remote(), decode.profile_start.remote()])
+    marks = ray.get([prefill.profile_mark.remote(), decode.profile_mark.remote()])
+    ray.get(decode.expect.remote(spec.to_msg()))
+    sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+    paths = ray.get([prefill.profile_stop.remote(f"{out_dir}/trace-prefill.json"),
+                     decode.profile_stop.remote(f"{out_dir}/trace-decode.json")])
+    t0 = sent["start"]
+    events = []
+    for side, path, mark in zip(("send", "recv"), paths, marks):
+        events += _trace_events(side, path, mark, t0)
+    events.sort()
+    total = (done - t0) * 1e3
+    print(f"\nprofiled transfer, {tokens} tokens ({tokens * TOKEN_BYTES / MiB:.0f} MiB): {total:.2f} ms "
+          f"from the sender's first call to the receiver's DONE (profiler on: slower than the table)")
+    print(f"{'start ms':>9} {'dur ms':>7} {'side':>4} {'where':>12}  what")
+    for start, dur, side, where, name in events:
+        print(f"{start:>9.3f} {dur:>7.3f} {side:>4} {where:>12}  {name[:90]}")
+    return {"tokens": tokens, "ms": total, "traces": paths,
+            "events": [dict(zip(("start_ms", "dur_ms", "side", "where", "name"), e)) for e in events]}
+
+
+_HOST_OPS = ("nccl:", "gloo:", "c10d::", "aten::index_select", "aten::index_copy", "aten::empty",
+             "aten::to", "aten::copy_", "cudaStreamSynchronize", "cudaEventSynchronize",
+             "cudaDeviceSynchronize", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaStreamWaitEvent",
+             "record_param_comms", "bench.")
+
+
+def _trace_events(side: str, path: str, mark_wall: float, t0: float) -> list[tuple]:
+    """(start ms from t0, duration ms, side, thread or stream, name) of the interesting events of
+    one Chrome trace, placed on the wall clock through the bench.mark op."""
+    trace = json.loads(Path(path).read_text())
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    marks = [e for e in evs if e.get("name") == "bench.mark"]
+    if not marks:
+        return []
+    shift = mark_wall * 1e3 - marks[0]["ts"] / 1e3           # trace ms -> wall ms
+    out = []
+    for e in evs:
+        name, cat = e.get("name", ""), e.get("cat", "")
+        gpu = cat in ("kernel", "gpu_memcpy", "gpu_memset")
+        if not gpu and not name.startswith(_HOST_OPS):
+            continue
+        start = e["ts"] / 1e3 + shift - t0 * 1e3
+        if start < -1.0 or name == "bench.mark":
+            continue
+        where = f"stream {e.get('args', {}).get('stream', e.get('tid'))}" if gpu else f"tid {e.get('tid')}"
+        out.append((round(start, 3), round(e.get("dur", 0) / 1e3, 3), side, str(where)[-12:], name))
+    return out
 
 
 def _raw_at(raw_by_size: dict[int, float], nbytes: int) -> float:
@@ -298,6 +381,9 @@ def main() -> None:
     ap.add_argument("--no-transfer", action="store_true", help="skip tables 1 and 2")
     ap.add_argument("--model", default="llama3-8b-random")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (scheduler.max_num_batched_tokens)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also run one transfer of the middle prompt under torch.profiler on both "
+                         "actors: print its timeline, write the Chrome traces to DIR")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the same transfer code over gloo, small sizes, to try the script out")

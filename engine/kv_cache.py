@@ -39,15 +39,37 @@ class KVCache:
         return (2, n_blocks, *self.tensor.shape[3:])
 
     def block_index(self, block_ids) -> torch.Tensor:
+        """Block ids as a long tensor on the cache's device. On CUDA the ids go through pinned
+        memory, so the copy is queued on the current stream and never waits for it (a copy from
+        pageable memory first synchronizes the stream, which would block the transport's thread
+        behind the data it is about to move)."""
         if isinstance(block_ids, torch.Tensor):
             return block_ids
-        return torch.as_tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            ids = ids.pin_memory()
+        return ids.to(self.device, non_blocking=True)
+
+    def gather_layers(self, layers: range, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(layers), 2, n, block_size, Hkv, D]: those blocks of consecutive layers, one kernel
+        (the layers' K and V planes are one dimension of a view of the cache)."""
+        idx = self.block_index(block_ids)
+        src = self.tensor[layers.start:layers.stop].flatten(0, 1)
+        shape = (len(layers), *self.block_payload_shape(len(idx)))
+        if out is None:
+            return src.index_select(1, idx).view(shape)
+        torch.index_select(src, 1, idx, out=out.view(-1, *shape[2:]))
+        return out
+
+    def scatter_layers(self, layers: range, block_ids, data: torch.Tensor) -> None:
+        """Write `data` (shaped like `gather_layers`' result) into those blocks, one kernel."""
+        dst = self.tensor[layers.start:layers.stop].flatten(0, 1)
+        dst.index_copy_(1, self.block_index(block_ids), data.to(self.dtype).flatten(0, 1))
 
     def gather_blocks(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
-        idx = self.block_index(block_ids)
-        if out is None:
-            return self.tensor[layer].index_select(1, idx)
-        return torch.index_select(self.tensor[layer], 1, idx, out=out)
+        data = self.gather_layers(range(layer, layer + 1), block_ids,
+                                  None if out is None else out.unsqueeze(0))
+        return data[0]
 
     def scatter_blocks(self, layer: int, block_ids, data: torch.Tensor) -> None:
-        self.tensor[layer].index_copy_(1, self.block_index(block_ids), data.to(self.dtype))
+        self.scatter_layers(range(layer, layer + 1), block_ids, data.unsqueeze(0))

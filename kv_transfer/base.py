@@ -117,25 +117,44 @@ class TransferSpec:
                                           "src_block_ids", "dst_block_ids", "num_tokens")})
 
 
+def layer_runs(layers: list[int]) -> list[tuple[int, range]]:
+    """Split a message's layers into runs of consecutive layer numbers: (offset in the message,
+    layers). A prefill's layers 0..L-1 are one run, so a message is one gather and one scatter."""
+    runs: list[tuple[int, range]] = []
+    for i, layer in enumerate(layers):
+        if runs and runs[-1][1].stop == layer:
+            runs[-1] = (runs[-1][0], range(runs[-1][1].start, layer + 1))
+        else:
+            runs.append((i, range(layer, layer + 1)))
+    return runs
+
+
 @runtime_checkable
 class BlockStore(Protocol):
     """The KV cache of one actor, layout-agnostic: the transport only gathers and scatters whole
-    blocks of one layer. Llama: a layer's payload for n blocks is [2, n, block_size, Hkv, D] (K and
-    V, blocks on dim 1: one index_select of the cache's layer, no transpose copy); an MLA cache would
-    have one latent per token instead. `block_ids` may be a list or a long tensor on the store's
+    blocks of a run of consecutive layers (one kernel per message, not one per layer). Llama: a
+    layer's payload for n blocks is [2, n, block_size, Hkv, D] (K and V, blocks on dim 1: one
+    index_select of a view of the cache, no transpose copy); an MLA cache would have one latent per
+    token instead. `block_ids` may be a list or a long tensor on the store's
     device (the transport builds that index once per transfer, not once per layer)."""
     num_layers: int
     dtype: torch.dtype
     device: torch.device
 
-    def gather_blocks(self, layer: int, block_ids: "list[int] | torch.Tensor",
+    def gather_layers(self, layers: range, block_ids: "list[int] | torch.Tensor",
                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """Contiguous copy of those blocks of `layer`, `block_payload_shape(n)`; into `out` (a
-        contiguous tensor of that shape, e.g. one layer's slice of a multi-layer message) if given."""
+        """Contiguous copy of those blocks of consecutive `layers`, [len(layers),
+        *block_payload_shape(n)]; into `out` (a contiguous tensor of that shape, e.g. a message
+        buffer) if given."""
         ...
 
-    def scatter_blocks(self, layer: int, block_ids: "list[int] | torch.Tensor", data: torch.Tensor) -> None:
-        """Write `data` (shaped like `gather_blocks`' result) into those blocks of `layer`."""
+    def scatter_layers(self, layers: range, block_ids: "list[int] | torch.Tensor", data: torch.Tensor) -> None:
+        """Write `data` (shaped like `gather_layers`' result) into those blocks of `layers`."""
+        ...
+
+    def block_index(self, block_ids: "list[int] | torch.Tensor") -> torch.Tensor:
+        """Block ids as a long tensor on the store's device, built without waiting for the
+        device (the transport builds one per transfer and end, not one per message)."""
         ...
 
     def block_payload_shape(self, n_blocks: int) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              TransferState)
+                              TransferState, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -360,8 +360,8 @@ class _PeerRecvLoop:
         index = self._index.get(landing.rid)
         if index is None:
             index = self._index[landing.rid] = store.block_index(list(landing.rec.spec.dst_block_ids))
-        for i, layer in enumerate(landing.layers):
-            store.scatter_blocks(layer, index, landing.buf[i])
+        for at, run in layer_runs(landing.layers):
+            store.scatter_layers(run, index, landing.buf[at:at + len(run)])
 
     def _on_stream(self, stream=None):
         stream = stream or self._stream

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
-                              KVTransferError, ReleaseCallback, TransferSpec, TransferState)
+                              KVTransferError, ReleaseCallback, TransferSpec, TransferState,
+                              layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -47,6 +48,7 @@ _POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling posted messages: backoff wh
 
 def _ignore(_request_id: str) -> None:
     pass
+
 
 
 class LayerStreamSender(KVSender):
@@ -295,15 +297,15 @@ class _PeerSendWorker:
         store = self.sender.store
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
+            index = self._index.get(rid)
+            if index is None:                # queued before the waits: it need not wait for them
+                index = self._index[rid] = store.block_index(list(spec.src_block_ids))
             for event in events:
                 if event is not None and self._stream is not None:
                     self._stream.wait_event(event)
-            index = self._index.get(rid)
-            if index is None:
-                index = self._index[rid] = store.block_index(list(spec.src_block_ids))
             data = torch.empty((len(layers), *shape), dtype=store.dtype, device=store.device)
-            for i, layer in enumerate(layers):
-                store.gather_blocks(layer, index, out=data[i])
+            for at, run in layer_runs(layers):
+                store.gather_layers(run, index, out=data[at:at + len(run)])
             return data
 
     def _post(self, link: PeerLink, data: torch.Tensor) -> Pending:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
-                              KVTransferTimeout, TransferSpec, TransferState)
+                              KVTransferTimeout, TransferSpec, TransferState, layer_runs)
 from kv_transfer.fake import make_fake_pair
 from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
 from kv_transfer.testing import TensorBlockStore
@@ -262,6 +262,30 @@ def test_layout_mismatch_fails_cleanly():
     receiver.close()
 
 
+def test_layer_runs_split_a_message_into_consecutive_layers():
+    assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
+    assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
+    assert layer_runs([3]) == [(0, range(3, 4))]
+
+
+def test_multi_layer_gather_and_scatter_match_plain_indexing():
+    """One kernel per run of layers: the same bytes as indexing each layer's blocks in torch."""
+    src = TensorBlockStore(num_layers=5, num_blocks=9, generator=torch.Generator().manual_seed(7))
+    dst = TensorBlockStore(num_layers=5, num_blocks=9)
+    ids, to = [4, 0, 7], [2, 8, 5]
+    want = torch.stack([src.tensor[layer][:, ids] for layer in range(1, 4)])
+    out = torch.full_like(want, -1.0)
+    assert src.gather_layers(range(1, 4), ids, out=out) is out
+    assert torch.equal(out, want)
+    assert torch.equal(src.gather_layers(range(1, 4), ids), want)
+    dst.scatter_layers(range(1, 4), to, out)
+    for layer in range(5):
+        for s, d in zip(ids, to):
+            expect = src.block(layer, s) if 1 <= layer < 4 else torch.zeros_like(src.block(layer, s))
+            assert torch.equal(dst.block(layer, d), expect), (layer, s, d)
+    assert int((dst.tensor != 0).sum()) == 3 * 3 * dst.tensor[0, :, 0].numel()   # nothing else written
+
+
 def test_backend_follows_the_cache_device():
     assert backend_for("cpu") == "gloo"
     assert backend_for(torch.device("cuda", 1)) == "nccl"
@@ -336,11 +360,11 @@ def test_an_unexpected_error_in_the_receiver_fails_its_transfers_and_the_next_on
     class FlakyStore(TensorBlockStore):
         fail = 1
 
-        def scatter_blocks(self, layer, block_ids, data):
+        def scatter_layers(self, layers, block_ids, data):
             if self.fail:
                 self.fail -= 1
                 raise RuntimeError("CUDA out of memory (simulated)")
-            super().scatter_blocks(layer, block_ids, data)
+            super().scatter_layers(layers, block_ids, data)
 
     dst, rel = FlakyStore(num_blocks=12), Releases()
     sender, receiver, _ = make_fake_pair(src, dst, config=FAST, on_receiver_release=rel)
