@@ -150,6 +150,39 @@ class Endpoint:
         self._prof.export_chrome_trace(path)
         return path
 
+    def set_trace(self, on: bool) -> list:
+        """Turn the transport's step trace on or off; returns what it recorded."""
+        recorded = (self.sender.trace or []) + (self.receiver.trace or [])
+        self.sender.trace = [] if on else None
+        self.receiver.trace = [] if on else None
+        return recorded
+
+    def copy_speed(self, tokens: int, layers: int, reps: int = 20) -> dict:
+        """GB/s (bytes read + written) of gathering `layers` layers of a `tokens`-token prompt's
+        shuffled blocks into one message buffer and scattering them back, the engine's path
+        (Triton on CUDA) against torch's index_select / index_copy_."""
+        n = tokens // BLOCK
+        ids = self.store.block_index(torch.randperm(self.store.num_blocks)[:n].tolist())
+        run = range(0, layers)
+        buf = self.store.gather_layers(run, ids)
+        flat = self.store.tensor[:layers].flatten(0, 1)
+        ways = {"engine gather": lambda: self.store.gather_layers(run, ids, out=buf),
+                "engine scatter": lambda: self.store.scatter_layers(run, ids, buf),
+                "torch gather": lambda: torch.index_select(flat, 1, ids, out=buf.view(-1, *buf.shape[2:])),
+                "torch scatter": lambda: flat.index_copy_(1, ids, buf.flatten(0, 1))}
+        out = {}
+        for name, fn in ways.items():
+            fn()
+            _sync(self.device)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                _sync(self.device)
+                times.append(time.perf_counter() - t0)
+            out[name] = 2 * buf.numel() * buf.element_size() / statistics.median(times) / 1e9
+        return {"tokens": tokens, "layers": layers, "mib": buf.numel() * buf.element_size() / MiB, **out}
+
     def set_message_bytes(self, nbytes: int) -> None:
         from dataclasses import replace
 
@@ -238,6 +271,13 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
               f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
               f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
     print("messages sent:", ray.get(prefill.messages_sent.remote()))
+    traced = trace_transfer(prefill, decode, mid, num_blocks)
+    copies = [ray.get(prefill.copy_speed.remote(tokens, layers)) for tokens in args.prompts for layers in (1, 8)]
+    print("\nblock gather/scatter of one message, GB/s read + written (H200 HBM: ~4100 GB/s copy, "
+          "docs/benchmarks.md)")
+    print(f"{'tokens':>7} {'layers':>6} {'MiB':>6} " + " ".join(f"{k:>15}" for k in list(copies[0])[3:]))
+    for c in copies:
+        print(f"{c['tokens']:>7} {c['layers']:>6} {c['mib']:>6.0f} " + " ".join(f"{v:>15.0f}" for v in list(c.values())[3:]))
     profiled = None
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -245,18 +285,20 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
     for a in (prefill, decode):
         ray.kill(a)
     del store
-    return {"rows": rows, "message_sweep": sweep, "profiled": profiled}, raw
+    return {"rows": rows, "message_sweep": sweep, "traced": traced, "block_copy": copies,
+            "profiled": profiled}, raw
 
 
 def profile_transfer(prefill, decode, tokens: int, num_blocks: int, out_dir: str) -> dict:
     """One transfer of `tokens` under torch.profiler on both actors: prints one timeline (ms from the
     sender's first call) of the transport's host ops (gloo frames, NCCL posts, gathers, scatters,
     allocations, CUDA syncs) and the GPU kernels on both sides; writes both Chrome traces."""
-    spec = _spec(f"p{tokens}", tokens, num_blocks, 999)
     ray.get([prefill.profile_start.remote(), decode.profile_start.remote()])
     marks = ray.get([prefill.profile_mark.remote(), decode.profile_mark.remote()])
-    ray.get(decode.expect.remote(spec.to_msg()))
-    sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+    for warm in (True, False):       # the first ops of a thread under the profiler are slow
+        spec = _spec(f"p{tokens}-{warm}", tokens, num_blocks, 999)
+        ray.get(decode.expect.remote(spec.to_msg()))
+        sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
     paths = ray.get([prefill.profile_stop.remote(f"{out_dir}/trace-prefill.json"),
                      decode.profile_stop.remote(f"{out_dir}/trace-decode.json")])
     t0 = sent["start"]
@@ -303,6 +345,24 @@ def _trace_events(side: str, path: str, mark_wall: float, t0: float) -> list[tup
     return out
 
 
+def trace_transfer(prefill, decode, tokens: int, num_blocks: int) -> dict:
+    """One transfer with the transport's own step trace on (no profiler): when each message was
+    picked, posted and done on the sender, announced, posted and landed on the receiver."""
+    ray.get([prefill.set_trace.remote(True), decode.set_trace.remote(True)])
+    spec = _spec(f"trace{tokens}", tokens, num_blocks, 777)
+    ray.get(decode.expect.remote(spec.to_msg()))
+    sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+    steps = sorted(ray.get(prefill.set_trace.remote(False)) + ray.get(decode.set_trace.remote(False)))
+    t0 = sent["start"]
+    print(f"\ntraced transfer, {tokens} tokens: {(done - t0) * 1e3:.2f} ms from the sender's first call "
+          f"to the receiver's DONE; its steps (ms from the first call):")
+    for t, what, _rid in steps:
+        print(f"{(t - t0) * 1e3:>9.3f}  {what}")
+    print(f"{(sent['last_queued'] - t0) * 1e3:>9.3f}  (last layer queued)\n{(done - t0) * 1e3:>9.3f}  (DONE seen by the owner)")
+    return {"tokens": tokens, "ms": (done - t0) * 1e3,
+            "steps": [((t - t0) * 1e3, what) for t, what, _rid in steps]}
+
+
 def _raw_at(raw_by_size: dict[int, float], nbytes: int) -> float:
     """Raw GB/s at the measured size nearest `nbytes` from below (the wire's best at that size)."""
     sizes = sorted(raw_by_size)
@@ -319,7 +379,8 @@ def bench_ttft(args) -> list[dict]:
             "model.dtype": "bfloat16" if gpu else "float32",
             "scheduler.max_num_batched_tokens": args.chunk, "scheduler.max_num_seqs": 8,
             "prefill.num_gpus": gpu, "decode.num_gpus": gpu, "router.metrics_port": None,
-            "speculative.method": "off"}
+            "speculative.method": "off",
+            "router.slow_ttft_log_s": 0.0}    # the router logs where each first token's time went
     modes = {"remote": {**base, "prefill.replicas": 1, "decode.replicas": 1, "decode.local_prefill_threshold": 0},
              "local": {**base, "prefill.replicas": 0, "decode.replicas": 1,
                        "decode.local_prefill_threshold": float("inf")}}

@@ -28,6 +28,7 @@ class KVCache:
         self.block_size = shape[3]
         self.dtype = dtype
         self.device = self.tensor.device
+        self._use_triton: bool | None = None     # decided on the first block copy
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,8 +55,14 @@ class KVCache:
         """[len(layers), 2, n, block_size, Hkv, D]: those blocks of consecutive layers, one kernel
         (the layers' K and V planes are one dimension of a view of the cache)."""
         idx = self.block_index(block_ids)
-        src = self.tensor[layers.start:layers.stop].flatten(0, 1)
         shape = (len(layers), *self.block_payload_shape(len(idx)))
+        if self._triton_copy():
+            from engine.kernels.block_copy import copy_blocks
+
+            out = torch.empty(shape, dtype=self.dtype, device=self.device) if out is None else out
+            copy_blocks(self.tensor, layers, idx, out, to_buf=True)
+            return out
+        src = self.tensor[layers.start:layers.stop].flatten(0, 1)
         if out is None:
             return src.index_select(1, idx).view(shape)
         torch.index_select(src, 1, idx, out=out.view(-1, *shape[2:]))
@@ -63,8 +70,22 @@ class KVCache:
 
     def scatter_layers(self, layers: range, block_ids, data: torch.Tensor) -> None:
         """Write `data` (shaped like `gather_layers`' result) into those blocks, one kernel."""
+        idx = self.block_index(block_ids)
+        if self._triton_copy() and data.dtype == self.dtype and data.is_contiguous():
+            from engine.kernels.block_copy import copy_blocks
+
+            copy_blocks(self.tensor, layers, idx, data, to_buf=False)
+            return
         dst = self.tensor[layers.start:layers.stop].flatten(0, 1)
-        dst.index_copy_(1, self.block_index(block_ids), data.to(self.dtype).flatten(0, 1))
+        dst.index_copy_(1, idx, data.to(self.dtype).flatten(0, 1))
+
+    def _triton_copy(self) -> bool:
+        """Block copies through engine.kernels.block_copy: on CUDA, where Triton is installed."""
+        if self._use_triton is None:
+            from engine.kernels import triton_available
+
+            self._use_triton = self.device.type == "cuda" and triton_available()
+        return self._use_triton
 
     def gather_blocks(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         data = self.gather_layers(range(layer, layer + 1), block_ids,

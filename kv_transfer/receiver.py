@@ -65,6 +65,7 @@ class LayerStreamReceiver(KVReceiver):
         self._loops: dict[str, _PeerRecvLoop] = {}
         self._early: OrderedDict[str, str] = OrderedDict()    # rid -> what came before expect()
         self._closed = False
+        self.trace: list[tuple[float, str, str]] | None = None   # as LayerStreamSender.trace
 
     def expect(self, spec: TransferSpec) -> None:
         if spec.receiver_id != self.connector.self_id:
@@ -239,6 +240,7 @@ class _PeerRecvLoop:
             return
         if op != "layers":
             raise KVTransferError(f"unknown control frame {op!r} from {self.peer!r}")
+        self._mark("recv.frame", rid)
         while len(self._landings) >= self.receiver.config.max_inflight_messages:
             self._land(wait=True)                  # bound the staging memory
         layers = [int(x) for x in frame["layers"]]
@@ -250,6 +252,7 @@ class _PeerRecvLoop:
             buf = torch.empty([len(layers), *frame["shape"]], dtype=getattr(torch, frame["dtype"]),
                               device=store.device)
             posted = self.link.irecv_data(buf)
+        self._mark(f"recv.posted {len(layers)}", rid)
         with self.receiver._lock:
             rec = table.start_work(rid)
             if rec is None:
@@ -311,6 +314,7 @@ class _PeerRecvLoop:
         """Count the landed message's layers and give back its claim on the blocks (also when
         the scatter raises: the claim must not outlive the message)."""
         moved = 0
+        self._mark("recv.landed", landing.rid)
         try:
             if landing.layers and landing.event is None:     # CPU: scatter now the data is here
                 self._scatter(landing)
@@ -362,6 +366,11 @@ class _PeerRecvLoop:
             index = self._index[landing.rid] = store.block_index(list(landing.rec.spec.dst_block_ids))
         for at, run in layer_runs(landing.layers):
             store.scatter_layers(run, index, landing.buf[at:at + len(run)])
+
+    def _mark(self, what: str, rid: str) -> None:
+        trace = self.receiver.trace
+        if trace is not None:
+            trace.append((time.time(), what, rid))
 
     def _on_stream(self, stream=None):
         stream = stream or self._stream

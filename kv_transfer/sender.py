@@ -64,6 +64,9 @@ class LayerStreamSender(KVSender):
         self._workers: dict[str, _PeerSendWorker] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # (time.time(), event, request id) of each message's steps while a list (benchmarks
+        # diagnose a transfer with it); None: nothing is recorded
+        self.trace: list[tuple[float, str, str]] | None = None
 
     def begin(self, spec: TransferSpec) -> None:
         if spec.sender_id != self.connector.self_id:
@@ -75,7 +78,8 @@ class LayerStreamSender(KVSender):
             raise KVTransferError("sender is closed")
         self._table.add(spec, peer=spec.receiver_id)
         self._queued[spec.request_id] = 0
-        self._worker(spec.receiver_id)
+        # the worker checks the link and builds the block index now, while the prefill computes
+        self._worker(spec.receiver_id).put(("begin", spec.request_id))
         self._table.run_releases()
 
     def send_layer(self, request_id: str, layer: int, ready_event: Any = None) -> None:
@@ -163,6 +167,7 @@ class _PeerSendWorker:
         self._inflight: deque[_Message] = deque()
         self._index: dict[str, torch.Tensor] = {}   # rid -> src block index on the device
         self._abort_checked: dict[str, float] = {}
+        self._prepared: set[str] = set()            # rids whose link was checked at begin()
         self._stream = None
         self.messages_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
@@ -186,6 +191,8 @@ class _PeerSendWorker:
         while not (stopping and not self._backlog and not self._inflight):
             # Block only when there is nothing to send and nothing to watch.
             block = not self._backlog and not self._inflight and not stopping
+            if block:
+                self._prune()
             stopping |= self._take(block)
             try:
                 progressed = self._complete(wait=False)
@@ -193,6 +200,8 @@ class _PeerSendWorker:
                     item = self._backlog.popleft()
                     if item[0] == "layer":
                         self._send_layers(item)
+                    elif item[0] == "begin":
+                        self._prepare(item[1])
                     else:        # frames are FIFO: the peer has seen every layer frame before it
                         self._send_end(*item[1:])
                     progressed = True
@@ -224,11 +233,33 @@ class _PeerSendWorker:
         except queue.Empty:
             return False
 
+    def _mark(self, what: str, rid: str) -> None:
+        trace = self.sender.trace
+        if trace is not None:
+            trace.append((time.time(), what, rid))
+
+    def _prepare(self, rid: str) -> None:
+        """At begin(): the store lookups (receiver aborted? link still current?) and the block
+        index, off the path of the first layer."""
+        rec = self.sender._table.get(rid)
+        if rec is None or rec.state.terminal:
+            return
+        if self._receiver_aborted(rec.spec, first=True):
+            self.sender._table.finish(rid, TransferState.ABORTED,
+                                      KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
+            return
+        self._link(fresh=True)
+        self._block_index(rid, rec.spec)
+        self._prepared.add(rid)
+        self._mark("send.prepared", rid)
+
     def _send_layers(self, first: tuple) -> None:
         _, rid, idx, event = first
+        self._mark("send.pick", rid)
         table, cfg = self.sender._table, self.sender.config
+        fresh = idx == 0 and rid not in self._prepared
         known = table.get(rid)
-        if known is not None and not known.state.terminal and self._receiver_aborted(known.spec, first=idx == 0):
+        if known is not None and not known.state.terminal and self._receiver_aborted(known.spec, first=fresh):
             table.finish(rid, TransferState.ABORTED,
                          KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
         rec = table.start_work(rid)
@@ -238,7 +269,7 @@ class _PeerSendWorker:
             return
         spec, posted = rec.spec, None
         try:
-            link = self._link(fresh=idx == 0)
+            link = self._link(fresh=fresh)
             shape = tuple(self.sender.store.block_payload_shape(len(spec.src_block_ids)))
             layer_bytes = math.prod(shape) * self.sender.store.dtype.itemsize
             events = [event]             # more ready layers of the same request join the message
@@ -259,6 +290,7 @@ class _PeerSendWorker:
                              "shape": list(shape), "dtype": str(data.dtype).removeprefix("torch.")},
                             cfg.timeout_s)
             posted = self._post(link, data)
+            self._mark(f"send.posted {len(layers)}", rid)
             self._inflight.append(_Message(rec, len(layers), posted, data, data.numel() * data.element_size()))
             self.messages_sent += 1
             if idx + len(layers) == spec.num_layers:
@@ -279,6 +311,7 @@ class _PeerSendWorker:
             elif not msg.op.done():
                 return progressed
             self._inflight.popleft()
+            self._mark("send.done", msg.rec.request_id)
             table.end_work(msg.rec, msg.num_layers)
             progressed = True
         return progressed
@@ -297,9 +330,7 @@ class _PeerSendWorker:
         store = self.sender.store
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
-            index = self._index.get(rid)
-            if index is None:                # queued before the waits: it need not wait for them
-                index = self._index[rid] = store.block_index(list(spec.src_block_ids))
+            index = self._block_index(rid, spec)   # queued before the waits: it need not wait
             for event in events:
                 if event is not None and self._stream is not None:
                     self._stream.wait_event(event)
@@ -307,6 +338,14 @@ class _PeerSendWorker:
             for at, run in layer_runs(layers):
                 store.gather_layers(run, index, out=data[at:at + len(run)])
             return data
+
+    def _block_index(self, rid: str, spec: TransferSpec) -> torch.Tensor:
+        index = self._index.get(rid)
+        if index is None:
+            ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with ctx:                        # on the stream the gathers run on
+                index = self._index[rid] = self.sender.store.block_index(list(spec.src_block_ids))
+        return index
 
     def _post(self, link: PeerLink, data: torch.Tensor) -> Pending:
         if self._stream is None:
@@ -317,9 +356,17 @@ class _PeerSendWorker:
     def _skip_queued(self, rid: str) -> None:
         self._backlog = deque(item for item in self._backlog if not (item[0] == "layer" and item[1] == rid))
 
+    def _prune(self) -> None:
+        """Idle: drop what begin() prepared for transfers that ended without sending every layer
+        (aborted, failed or timed out before the prefill got to them)."""
+        table = self.sender._table
+        for rid in [r for r in self._index if (rec := table.get(r)) is None or rec.state.terminal]:
+            self._forget(rid)
+
     def _forget(self, rid: str) -> None:
         self._index.pop(rid, None)
         self._abort_checked.pop(rid, None)
+        self._prepared.discard(rid)
 
     def _receiver_aborted(self, spec: TransferSpec, first: bool) -> bool:
         now = time.monotonic()
@@ -355,3 +402,4 @@ class _PeerSendWorker:
             table.end_work(self._inflight.popleft().rec, 0)
         self._index.clear()
         self._abort_checked.clear()
+        self._prepared.clear()

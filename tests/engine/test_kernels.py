@@ -32,6 +32,7 @@ if not triton_available():  # a missing install must fail CI, not hide the kerne
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off; "
                 "`make setup` installs triton", pytrace=False)
 
+from engine.kernels.block_copy import copy_blocks  # noqa: E402
 from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from engine.kernels.kv_write import write_kv  # noqa: E402
 import engine.kernels.paged_attention as pa  # noqa: E402
@@ -328,6 +329,27 @@ def test_silu_and_mul_matches_reference(dtype):
     assert rel_err(out, torch.nn.functional.silu(gate) * up) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers, row", [(range(0, 3), (4, 2, 8)), (range(2, 3), (3, 1, 5))])
+def test_block_copy_matches_torch_indexing(dtype, layers, row):
+    """Gather blocks of a run of layers into a buffer and scatter them back elsewhere: the same
+    bytes as torch's index_select / index_copy_ on the block dim; no other block is touched (odd
+    row sizes exercise the row mask)."""
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(4, 2, 10, *row, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.tensor([7, 0, 3, 9], device=DEVICE)
+    buf = torch.full((len(layers), 2, 4, *row), float("nan"), dtype=dtype, device=DEVICE)
+    copy_blocks(cache, layers, ids, buf, to_buf=True)
+    want = cache[layers.start:layers.stop].flatten(0, 1).index_select(1, ids).view(buf.shape)
+    assert torch.equal(buf, want)
+    dst = torch.zeros_like(cache)
+    to = torch.tensor([1, 8, 2, 5], device=DEVICE, dtype=torch.int32)
+    copy_blocks(dst, layers, to, buf, to_buf=False)
+    ref = torch.zeros_like(cache)
+    ref[layers.start:layers.stop].flatten(0, 1).index_copy_(1, to.long(), buf.flatten(0, 1))
+    assert torch.equal(dst, ref)
+
+
 def _attention_inputs():
     gen = torch.Generator().manual_seed(9)
     return make_batch(gen, [2, 1], [5, 7], 4, 2, 16, 16)
@@ -373,6 +395,15 @@ def _bad_other_calls():
         "rotary-positions-float": lambda: rotary_embedding(k, k, slots.float(), torch.randn(8, 16, device=DEVICE)),
         "silu-odd-width": lambda: silu_and_mul(torch.randn(3, 7, device=DEVICE)),
         "silu-3d": lambda: silu_and_mul(torch.randn(3, 2, 8, device=DEVICE)),
+        "block-copy-layers-out-of-range": lambda: copy_blocks(
+            torch.zeros(2, 2, 4, 3, device=DEVICE), range(1, 3), slots, torch.zeros(2, 2, 3, 3, device=DEVICE), True),
+        "block-copy-buf-shape": lambda: copy_blocks(
+            torch.zeros(2, 2, 4, 3, device=DEVICE), range(0, 1), slots, torch.zeros(1, 2, 2, 3, device=DEVICE), True),
+        "block-copy-buf-dtype": lambda: copy_blocks(
+            torch.zeros(2, 2, 4, 3, device=DEVICE), range(0, 1), slots,
+            torch.zeros(1, 2, 3, 3, device=DEVICE, dtype=torch.float16), True),
+        "block-copy-float-ids": lambda: copy_blocks(
+            torch.zeros(2, 2, 4, 3, device=DEVICE), range(0, 1), slots.float(), torch.zeros(1, 2, 3, 3, device=DEVICE), True),
     }
 
 

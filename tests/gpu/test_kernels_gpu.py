@@ -181,3 +181,23 @@ def test_silu_and_mul_matches_reference():
     gate_up = torch.randn(1024, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert rel_err(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up) < BF16_TOL
+
+
+def test_block_copy_at_llama_sizes_matches_torch_indexing():
+    """The KV transport's gather and scatter kernel on a Llama-3-8B-shaped bf16 cache: a 256 MiB
+    message (8 layers x 512 shuffled blocks) out of the cache and into other blocks, equal to
+    torch's index_select / index_copy_; other blocks untouched."""
+    from engine.kernels.block_copy import copy_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = torch.randn(32, 2, 1100, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(1100, device="cuda", generator=gen)
+    src, dst = perm[:512], perm[512:1024]
+    layers = range(8, 16)
+    buf = torch.empty(8, 2, 512, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    copy_blocks(cache, layers, src, buf, to_buf=True)
+    assert torch.equal(buf, cache[8:16].flatten(0, 1).index_select(1, src).view(buf.shape))
+    ref = cache.clone()
+    ref[8:16].flatten(0, 1).index_copy_(1, dst, buf.flatten(0, 1))
+    copy_blocks(cache, layers, dst, buf, to_buf=False)
+    assert torch.equal(cache, ref)

@@ -262,6 +262,27 @@ def test_layout_mismatch_fails_cleanly():
     receiver.close()
 
 
+def test_begin_prepares_the_link_and_an_abort_before_any_layer_leaks_nothing(pair):
+    """begin() has the worker connect and build the block index while the prefill computes; a
+    transfer aborted before its first layer drops what was prepared once the worker is idle."""
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    spec = make_spec("req-early")
+    receiver.expect(spec)
+    sender.begin(spec)
+    worker = sender._workers["decode-0"]
+    until(lambda: worker.link is not None and spec.request_id in worker._index)
+    sender.abort(spec.request_id)
+    receiver.abort(spec.request_id)
+    until(lambda: not worker._index and not worker._prepared)
+    assert s_rel.calls == Counter({spec.request_id: 1})
+    nxt = make_spec("req-next")          # the prepared link carries the next transfer
+    receiver.expect(nxt)
+    sender.send(nxt)
+    assert receiver.wait(nxt.request_id, 2) is TransferState.DONE
+    for layer in nxt.layers:
+        assert_layer_copied(src, dst, layer)
+
+
 def test_layer_runs_split_a_message_into_consecutive_layers():
     assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
     assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
