@@ -138,6 +138,7 @@ class BlockStore(Protocol):
     token instead. `block_ids` may be a list or a long tensor on the store's
     device (the transport builds that index once per transfer, not once per layer)."""
     num_layers: int
+    num_blocks: int
     dtype: torch.dtype
     device: torch.device
 

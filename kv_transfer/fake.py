@@ -39,6 +39,7 @@ class _Pipe:
         self.frames: queue.Queue = queue.Queue()    # two FIFOs, as gloo tags / two groups are
         self.data: queue.Queue = queue.Queue()
         self.layers_sent = 0
+        self.frames_sent = 0
         self.dead = False
 
     def kill(self) -> None:
@@ -96,6 +97,7 @@ class FakeLink:
         if msg["op"] == "layers" and self.pipe.faults.delay_s:
             time.sleep(self.pipe.faults.delay_s)
         self._put(self.pipe.frames, encode_frame(msg))
+        self.pipe.frames_sent += 1
 
     def isend_data(self, tensor: torch.Tensor) -> "_FakeOp":
         self.send_data(tensor, 0.0)

@@ -73,6 +73,9 @@ class LayerStreamReceiver(KVReceiver):
                              f"this is {self.connector.self_id!r}")
         if max(spec.layers) >= self.store.num_layers:
             raise ValueError(f"spec {spec.request_id!r}: layer {max(spec.layers)} out of range")
+        if min(spec.dst_block_ids) < 0 or max(spec.dst_block_ids) >= self.store.num_blocks:
+            raise ValueError(f"spec {spec.request_id!r}: destination block ids outside "
+                             f"0..{self.store.num_blocks - 1}")
         if self._closed:
             raise KVTransferError("receiver is closed")
         deadline = self._table.clock() + self.config.start_timeout_s
@@ -153,6 +156,7 @@ class _Landing:
     buf: torch.Tensor
     posted_at: float
     event: Any = None                # CUDA: recorded after the stream-ordered scatter
+    claimed: bool = True             # holds a claim on the blocks (CPU: taken only to scatter)
 
 
 class _PeerRecvLoop:
@@ -241,36 +245,57 @@ class _PeerRecvLoop:
         if op != "layers":
             raise KVTransferError(f"unknown control frame {op!r} from {self.peer!r}")
         self._mark("recv.frame", rid)
-        while len(self._landings) >= self.receiver.config.max_inflight_messages:
-            self._land(wait=True)                  # bound the staging memory
         layers = [int(x) for x in frame["layers"]]
+        parts = [int(x) for x in frame.get("parts") or [len(layers)]]
+        if sum(parts) != len(layers) or min(parts) < 1:
+            raise KVTransferError(f"corrupt control frame from {self.peer!r}: parts {parts} "
+                                  f"for {len(layers)} layers")
+        while self._landings and len(self._landings) + len(parts) > self.receiver.config.max_inflight_messages:
+            self._land(wait=True)                  # bound the staging memory
         store = self.receiver.store
-        # Posted from a stream with nothing queued on it: NCCL's stream waits for the poster's
-        # stream, and on the scatter stream that would hold this receive until the previous
-        # message's scatter is done (wire and scatter would take turns instead of overlapping).
+        # Every part's receive is posted before any bookkeeping, so the wire never waits for this
+        # thread. Posted from a stream with nothing queued on it: NCCL's stream waits for the
+        # poster's stream, and on the scatter stream that would hold this receive until the
+        # previous message's scatter is done (wire and scatter would take turns, not overlap).
+        posts = []
         with self._on_stream(self._recv_stream):
-            buf = torch.empty([len(layers), *frame["shape"]], dtype=getattr(torch, frame["dtype"]),
-                              device=store.device)
-            posted = self.link.irecv_data(buf)
-        self._mark(f"recv.posted {len(layers)}", rid)
+            for n in parts:
+                buf = torch.empty([n, *frame["shape"]], dtype=getattr(torch, frame["dtype"]), device=store.device)
+                posts.append((buf, self.link.irecv_data(buf)))
+        self._mark(f"recv.posted {parts}", rid)
+        at = 0
+        for n, (buf, posted) in zip(parts, posts):
+            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, posted)
+            at += n
+
+    def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor, posted: Pending) -> None:
+        """Account one posted message (`part`: its idx and layers) to its transfer and queue its
+        scatter behind the receive; or, for a transfer that is gone or a message that does not fit
+        it, receive the data only to drop it."""
+        table, layers = self.receiver._table, part["layers"]
+        # CUDA queues the scatter now, behind the receive, so the blocks are claimed now; on CPU
+        # the data lands in staging and is scattered once here, so the claim waits until then
+        # (an abort meanwhile releases the blocks at once and nothing is written)
+        ordered = self._stream is not None
         with self.receiver._lock:
-            rec = table.start_work(rid)
+            rec = table.start_work(rid) if ordered else table.live(rid)
             if rec is None:
                 known = table.get(rid)
                 if known is None:
                     self.receiver._note_early(rid, "its KV arrived")
-                elif frame["idx"] + len(layers) == known.spec.num_layers:   # the sender is done with it
+                elif part["idx"] + len(layers) == known.spec.num_layers:   # the sender is done with it
                     self._clear_abort(known.spec)
         expected = self._next_idx.get(rid, 0)
-        problem = self._check(rec.spec, expected, frame, buf) if rec is not None else ""
+        problem = self._check(rec.spec, expected, part, buf) if rec is not None else ""
         if rec is None or problem:      # receive the data only to keep the link in step
             self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic()))
             if problem:                 # nothing will be written: give the blocks back first
-                table.end_work(rec, 0)
+                if ordered:
+                    table.end_work(rec, 0)
                 table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
             self._forget(rid)
             return
-        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic())
+        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic(), claimed=ordered)
         self._landings.append(landing)
         self._next_idx[rid] = expected + len(layers)
         if self._next_idx[rid] == rec.spec.num_layers:
@@ -313,17 +338,23 @@ class _PeerRecvLoop:
     def _retire(self, landing: _Landing) -> None:
         """Count the landed message's layers and give back its claim on the blocks (also when
         the scatter raises: the claim must not outlive the message)."""
-        moved = 0
+        moved, rec, table = 0, landing.rec, self.receiver._table
         self._mark("recv.landed", landing.rid)
+        if rec is not None and not landing.claimed:      # CPU: claim the blocks to scatter
+            rec = table.start_work(landing.rid)
+            if rec is not landing.rec:   # it ended meanwhile: the blocks are not ours to write
+                if rec is not None:
+                    table.end_work(rec, 0)
+                self._forget(landing.rid)
+                return
         try:
             if landing.layers and landing.event is None:     # CPU: scatter now the data is here
                 self._scatter(landing)
             moved = len(landing.layers)
         finally:
-            if landing.rec is not None:
-                table = self.receiver._table
-                table.end_work(landing.rec, moved, table.clock() + self.receiver.config.timeout_s)
-                if landing.rec.state.terminal:
+            if rec is not None:
+                table.end_work(rec, moved, table.clock() + self.receiver.config.timeout_s)
+                if rec.state.terminal:
                     self._forget(landing.rid)
 
     def _abandon_landings(self) -> None:
@@ -342,7 +373,7 @@ class _PeerRecvLoop:
         table = self.receiver._table
         while self._landings:
             landing = self._landings.popleft()
-            if landing.rec is not None:
+            if landing.rec is not None and landing.claimed:
                 table.end_work(landing.rec, 0)
         self._next_idx.clear()
         self._index.clear()

@@ -136,15 +136,21 @@ class TransferTable:
             return sum(1 for r in self._records.values() if r.peer == peer and not r.state.terminal)
 
     # ---- background side ----------------------------------------------------------------------
-    def start_work(self, request_id: str) -> TransferRecord | None:
-        """Claim the blocks of an unfinished transfer for one message (several may be in flight);
-        None if it is finished."""
+    def start_work(self, request_id: str, messages: int = 1) -> TransferRecord | None:
+        """Claim the blocks of an unfinished transfer for `messages` messages (several may be in
+        flight; each gives its claim back with end_work); None if it is finished."""
         with self._cond:
             rec = self._records.get(request_id)
             if rec is None or rec.state.terminal:
                 return None
-            rec.busy += 1
+            rec.busy += messages
             return rec
+
+    def live(self, request_id: str) -> TransferRecord | None:
+        """The record of an unfinished transfer, without claiming its blocks; None if finished."""
+        with self._cond:
+            rec = self._records.get(request_id)
+            return None if rec is None or rec.state.terminal else rec
 
     def end_work(self, rec: TransferRecord, advanced: int, next_deadline: float = math.inf) -> None:
         """Give back one message's claim on the blocks; `advanced`: layers it moved (0 if none).

@@ -54,12 +54,17 @@ def _ignore(_request_id: str) -> None:
 class LayerStreamSender(KVSender):
     def __init__(self, store: BlockStore, connector: Connector,
                  config: KVTransferConfig = KVTransferConfig(),
-                 on_release: ReleaseCallback = _ignore, clock: Callable[[], float] = time.monotonic):
+                 on_release: ReleaseCallback = _ignore, clock: Callable[[], float] = time.monotonic,
+                 on_transition: Callable[[], None] | None = None):
+        """`on_transition`: called from the transport's thread when a transfer ends, so an owner
+        idle between polls (the prefill loop waiting to hand over) can reap it at once; it must
+        only signal."""
         self.store = store
         self.connector = connector
         self.config = config
         self._table = TransferTable(on_release, releases_on=(TransferState.DONE, TransferState.FAILED,
-                                                             TransferState.ABORTED), clock=clock)
+                                                             TransferState.ABORTED), clock=clock,
+                                    on_transition=on_transition)
         self._queued: dict[str, int] = {}             # owner thread only: layers queued so far
         self._workers: dict[str, _PeerSendWorker] = {}
         self._lock = threading.Lock()
@@ -74,6 +79,8 @@ class LayerStreamSender(KVSender):
                              f"this is {self.connector.self_id!r}")
         if max(spec.layers) >= self.store.num_layers:
             raise ValueError(f"spec {spec.request_id!r}: layer {max(spec.layers)} out of range")
+        if min(spec.src_block_ids) < 0 or max(spec.src_block_ids) >= self.store.num_blocks:
+            raise ValueError(f"spec {spec.request_id!r}: source block ids outside 0..{self.store.num_blocks - 1}")
         if self._closed:
             raise KVTransferError("sender is closed")
         self._table.add(spec, peer=spec.receiver_id)
@@ -144,6 +151,12 @@ class LayerStreamSender(KVSender):
             if w is None:
                 w = self._workers[peer] = _PeerSendWorker(self, peer)
             return w
+
+
+def _split(n: int, per_msg: int) -> list[int]:
+    """n layers in as few messages of at most per_msg layers as possible, sizes within one."""
+    k = -(-n // per_msg)
+    return [n // k + (i < n % k) for i in range(k)]
 
 
 @dataclass
@@ -254,6 +267,9 @@ class _PeerSendWorker:
         self._mark("send.prepared", rid)
 
     def _send_layers(self, first: tuple) -> None:
+        """Send the request's layers that are ready now, from `first` on: as many messages of up
+        to max_message_bytes as the window has room for, announced by one control frame, so the
+        receiver posts every receive at once and the wire never waits for a frame in between."""
         _, rid, idx, event = first
         self._mark("send.pick", rid)
         table, cfg = self.sender._table, self.sender.config
@@ -262,41 +278,49 @@ class _PeerSendWorker:
         if known is not None and not known.state.terminal and self._receiver_aborted(known.spec, first=fresh):
             table.finish(rid, TransferState.ABORTED,
                          KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
-        rec = table.start_work(rid)
+        shape = tuple(self.sender.store.block_payload_shape(len(known.spec.src_block_ids))) if known else ()
+        per_msg = max(1, cfg.max_message_bytes // (math.prod(shape) * self.sender.store.dtype.itemsize or 1))
+        room = per_msg * (cfg.max_inflight_messages - len(self._inflight))
+        events = [event]                 # more ready layers of the same request join
+        while (len(events) < room and self._backlog and self._backlog[0][0] == "layer"
+               and self._backlog[0][1] == rid):
+            events.append(self._backlog.popleft()[3])
+        parts = _split(len(events), per_msg)
+        rec = table.start_work(rid, len(parts))
         if rec is None:                  # aborted or failed meanwhile: skip its queued layers
             self._skip_queued(rid)
             self._forget(rid)
             return
-        spec, posted = rec.spec, None
+        spec, claims = rec.spec, len(parts)
         try:
             link = self._link(fresh=fresh)
-            shape = tuple(self.sender.store.block_payload_shape(len(spec.src_block_ids)))
-            layer_bytes = math.prod(shape) * self.sender.store.dtype.itemsize
-            events = [event]             # more ready layers of the same request join the message
-            while (self._backlog and self._backlog[0][0] == "layer" and self._backlog[0][1] == rid
-                   and (len(events) + 1) * layer_bytes <= cfg.max_message_bytes):
-                events.append(self._backlog.popleft()[3])
             layers = list(spec.layers[idx:idx + len(events)])
-            try:
-                data = self._gather(rid, spec, layers, shape, events)
-            except Exception as exc:     # bad block ids, OOM: this transfer only, tell the peer
+            try:                         # staging first: an OOM fails this transfer only
+                bufs = [torch.empty((n, *shape), dtype=self.sender.store.dtype, device=self.sender.store.device)
+                        for n in parts]
+            except Exception as exc:
                 table.finish(rid, TransferState.FAILED, KVTransferError(
-                    f"transfer {rid!r}: gather of layers {layers} failed: {exc}"))
+                    f"transfer {rid!r}: no staging memory for layers {layers}: {exc}"))
                 self._skip_queued(rid)
                 self._forget(rid)
-                self._send_end(rid, "failed", f"sender could not read layers {layers}: {exc}")
+                self._send_end(rid, "failed", f"sender could not stage layers {layers}: {exc}")
                 return
-            link.send_frame({"op": "layers", "rid": rid, "idx": idx, "layers": layers,
-                             "shape": list(shape), "dtype": str(data.dtype).removeprefix("torch.")},
+            link.send_frame({"op": "layers", "rid": rid, "idx": idx, "layers": layers, "parts": parts,
+                             "shape": list(shape), "dtype": str(bufs[0].dtype).removeprefix("torch.")},
                             cfg.timeout_s)
-            posted = self._post(link, data)
-            self._mark(f"send.posted {len(layers)}", rid)
-            self._inflight.append(_Message(rec, len(layers), posted, data, data.numel() * data.element_size()))
-            self.messages_sent += 1
+            at = 0
+            for n, buf in zip(parts, bufs):   # each part's send is ordered after its own gather
+                self._gather(rid, spec, layers[at:at + n], events[at:at + n], buf)
+                posted = self._post(link, buf)
+                claims -= 1
+                self._mark(f"send.posted {n}", rid)
+                self._inflight.append(_Message(rec, n, posted, buf, buf.numel() * buf.element_size()))
+                self.messages_sent += 1
+                at += n
             if idx + len(layers) == spec.num_layers:
                 self._forget(rid)
         finally:
-            if posted is None:
+            for _ in range(claims):       # parts never posted (the link broke): give them back
                 table.end_work(rec, 0)
 
     def _complete(self, wait: bool) -> bool:
@@ -325,8 +349,8 @@ class _PeerSendWorker:
             self.link.send_frame({"op": "end", "rid": rid, "state": state, "reason": reason[:200]},
                                  self.sender.config.timeout_s)
 
-    def _gather(self, rid: str, spec: TransferSpec, layers: list[int], shape: tuple[int, ...],
-                events: list[Any]) -> torch.Tensor:
+    def _gather(self, rid: str, spec: TransferSpec, layers: list[int], events: list[Any],
+                out: torch.Tensor) -> None:
         store = self.sender.store
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
@@ -334,10 +358,8 @@ class _PeerSendWorker:
             for event in events:
                 if event is not None and self._stream is not None:
                     self._stream.wait_event(event)
-            data = torch.empty((len(layers), *shape), dtype=store.dtype, device=store.device)
             for at, run in layer_runs(layers):
-                store.gather_layers(run, index, out=data[at:at + len(run)])
-            return data
+                store.gather_layers(run, index, out=out[at:at + len(run)])
 
     def _block_index(self, rid: str, spec: TransferSpec) -> torch.Tensor:
         index = self._index.get(rid)

@@ -349,11 +349,11 @@ class DistConnector:
 
 def make_dist_sender(actor_id: str, store: BlockStore, rendezvous: "dist.Store | str | DistConnector",
                      config: KVTransferConfig = KVTransferConfig(),
-                     on_release: ReleaseCallback | None = None) -> LayerStreamSender:
+                     on_release: ReleaseCallback | None = None, on_transition=None) -> LayerStreamSender:
     """`rendezvous`: "host:port" of the controller's store, a store, or this actor's connector
     (one DistConnector per actor process: a second one would publish a second nonce)."""
     return LayerStreamSender(store, _connector(actor_id, rendezvous, store, config), config,
-                             on_release=on_release or (lambda _rid: None))
+                             on_release=on_release or (lambda _rid: None), on_transition=on_transition)
 
 
 def make_dist_receiver(actor_id: str, store: BlockStore, rendezvous: "dist.Store | str | DistConnector",

@@ -46,7 +46,10 @@ class PrefillWorker:
                      os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
-        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended)
+        # a finished transfer wakes the loop, which hands the result over at once instead of at
+        # its next idle poll (up to idle_wait_s later, on every remote first token)
+        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended,
+                                       on_transition=self._wake)
         # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
         self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg)
         self.pulling: dict[str, tuple[str, int]] = {}  # pull transfer id -> (transfer id, tokens it covers)
@@ -69,6 +72,11 @@ class PrefillWorker:
         self.loop.start()
 
     # ---- called from any thread ---------------------------------------------------------------
+    def _wake(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.wake()
+
     def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int,
                 peer_cached_tokens: int = 0, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """Take blocks for the prompt. When the decode actor caches more of it (`peer_cached_tokens`)

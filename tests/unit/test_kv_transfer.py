@@ -63,6 +63,18 @@ def until(cond, timeout: float = 3.0) -> None:
         time.sleep(0.005)
 
 
+def stream(sender, spec, gap_s: float) -> threading.Thread:
+    """A slow prefill: begin, then one layer every `gap_s`, from a thread of its own."""
+    def run():
+        sender.begin(spec)
+        for layer in spec.layers:
+            time.sleep(gap_s)
+            sender.send_layer(spec.request_id, layer)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def assert_layer_copied(src, dst, layer, src_ids=SRC, dst_ids=DST) -> None:
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst.block(layer, d), src.block(layer, s)), (layer, s, d)
@@ -146,10 +158,9 @@ def test_send_layer_out_of_order_is_refused(pair):
 
 def test_receiver_abort_mid_transfer_frees_blocks_on_both_sides(pair):
     sender, receiver, net, src, dst, s_rel, r_rel = pair
-    net.set_faults("prefill-0", "decode-0", delay_s=0.05)     # a slow prefill
     spec = make_spec()
     receiver.expect(spec)
-    sender.send(spec)
+    prefill = stream(sender, spec, 0.05)                     # a slow prefill
     until(lambda: receiver.progress(spec.request_id)[0] >= 1)
     receiver.abort(spec.request_id)
     assert r_rel.calls == Counter({spec.request_id: 1})       # released before abort() returns
@@ -158,6 +169,7 @@ def test_receiver_abort_mid_transfer_frees_blocks_on_both_sides(pair):
         sender.wait(spec.request_id, timeout=2)                # the sender learned and stopped
     assert s_rel.calls == Counter({spec.request_id: 1})
     receiver.abort(spec.request_id)                            # idempotent
+    prefill.join()
     sender.abort(spec.request_id)
     time.sleep(0.15)
     assert dst.cache[3, :, list(DST)].abs().sum() == 0         # nothing landed after the abort
@@ -182,10 +194,9 @@ def test_sender_abort_reaches_the_receiver(pair):
 
 def test_slow_peer_times_out_and_releases(pair):
     sender, receiver, net, src, dst, s_rel, r_rel = pair
-    net.set_faults("prefill-0", "decode-0", delay_s=0.6)      # > timeout_s between layers
     spec = make_spec(layers=(0, 1))
     receiver.expect(spec)
-    sender.send(spec)
+    stream(sender, spec, 0.6)                                 # > timeout_s between layers
     until(lambda: receiver.progress(spec.request_id)[0] == 1)
     with pytest.raises(KVTransferTimeout):
         receiver.wait(spec.request_id, timeout=5)
@@ -283,6 +294,57 @@ def test_begin_prepares_the_link_and_an_abort_before_any_layer_leaks_nothing(pai
         assert_layer_copied(src, dst, layer)
 
 
+def test_the_senders_owner_is_signalled_when_a_transfer_ends():
+    """The prefill loop sleeps between polls; the sender signals it from its own thread when a
+    transfer is done, so the first token is handed over at once."""
+    from kv_transfer.fake import FakeNetwork
+    from kv_transfer.receiver import LayerStreamReceiver
+    from kv_transfer.sender import LayerStreamSender
+
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(2))
+    net, signals = FakeNetwork(), []
+    sender = LayerStreamSender(src, net.connector("prefill-0"), FAST,
+                               on_transition=lambda: signals.append(threading.get_ident()))
+    receiver = LayerStreamReceiver(TensorBlockStore(num_blocks=12), net.connector("decode-0"), FAST)
+    try:
+        spec = make_spec("req-sig")
+        receiver.expect(spec)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 2) is TransferState.DONE
+        until(lambda: len(signals) == 1)
+        assert signals[0] != threading.get_ident()        # from the transport's thread
+        assert sender.poll(spec.request_id) is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ready_layers_beyond_the_window_wait_for_room():
+    """Six ready layers, one per message, four messages in flight at most: a first frame for four,
+    a second for two once room frees up, in order, bit-exact."""
+    src = TensorBlockStore(num_layers=6, num_blocks=12, generator=torch.Generator().manual_seed(4))
+    dst = TensorBlockStore(num_layers=6, num_blocks=12)
+    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=LAYER_BYTES, max_inflight_messages=4)
+    sender, receiver, net = make_fake_pair(src, dst, config=config)
+    try:
+        net.set_faults("prefill-0", "decode-0", delay_s=0.1)
+        first = make_spec("req-0", layers=(0,), src=(2,), dst=(3,))
+        spec = make_spec(layers=range(6))
+        receiver.expect(first)
+        receiver.expect(spec)
+        sender.send(first)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 3) is TransferState.DONE
+        for layer in spec.layers:
+            assert_layer_copied(src, dst, layer)
+        assert _messages(sender) == 1 + 6
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent == 3
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_layer_runs_split_a_message_into_consecutive_layers():
     assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
     assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
@@ -335,7 +397,8 @@ def _messages(sender) -> int:
 @pytest.mark.parametrize("max_layers, messages", [(4, 1), (2, 2), (1, 4)])
 def test_layers_ready_together_travel_as_few_messages(max_layers, messages):
     """All four layers queued at once (a prefill that finished before the link was free) go as
-    ceil(4 / layers per message) messages, each one gather and one send, still bit-exact."""
+    ceil(4 / layers per message) messages, each one gather and one send, announced by one frame,
+    still bit-exact."""
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(3))
     dst = TensorBlockStore(num_blocks=12)
     config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
@@ -357,6 +420,8 @@ def test_layers_ready_together_travel_as_few_messages(max_layers, messages):
         for layer in spec.layers:
             assert_layer_copied(src, dst, layer)
         assert _messages(sender) == 1 + messages
+        # one control frame announces all of them: the receiver posts every receive at once
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent == 2
     finally:
         sender.close()
         receiver.close()
