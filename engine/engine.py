@@ -374,6 +374,10 @@ class LLMEngine:
 
             kv = self.kv_cache.tensor[0]
             launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
+        if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
+            from engine.kernels.block_copy import compile_variants as compile_block_copy
+
+            launches += compile_block_copy(self.kv_cache.tensor)
         rng = random.Random(seed)
         vocab = self.model_config.vocab_size
         capacity = self.allocator.num_blocks * self.allocator.block_size

@@ -56,7 +56,7 @@ class KVCache:
         (the layers' K and V planes are one dimension of a view of the cache)."""
         idx = self.block_index(block_ids)
         shape = (len(layers), *self.block_payload_shape(len(idx)))
-        if self._triton_copy():
+        if self.uses_triton_copy():
             from engine.kernels.block_copy import copy_blocks
 
             out = torch.empty(shape, dtype=self.dtype, device=self.device) if out is None else out
@@ -71,7 +71,7 @@ class KVCache:
     def scatter_layers(self, layers: range, block_ids, data: torch.Tensor) -> None:
         """Write `data` (shaped like `gather_layers`' result) into those blocks, one kernel."""
         idx = self.block_index(block_ids)
-        if self._triton_copy() and data.dtype == self.dtype and data.is_contiguous():
+        if self.uses_triton_copy() and data.dtype == self.dtype and data.is_contiguous():
             from engine.kernels.block_copy import copy_blocks
 
             copy_blocks(self.tensor, layers, idx, data, to_buf=False)
@@ -79,7 +79,7 @@ class KVCache:
         dst = self.tensor[layers.start:layers.stop].flatten(0, 1)
         dst.index_copy_(1, idx, data.to(self.dtype).flatten(0, 1))
 
-    def _triton_copy(self) -> bool:
+    def uses_triton_copy(self) -> bool:
         """Block copies through engine.kernels.block_copy: on CUDA, where Triton is installed."""
         if self._use_triton is None:
             from engine.kernels import triton_available

@@ -16,7 +16,9 @@ import triton.language as tl
 from engine.kernels.validate import INDEX_DTYPES, next_power_of_2, require_runnable, require_tensor
 
 
-@triton.jit
+# The per-transfer integers (blocks in the message, first plane) are not specialized: Triton would
+# compile a variant per divisibility class, each a second-long stall in the middle of serving.
+@triton.jit(do_not_specialize=["n_blocks", "first_plane"])
 def _block_copy_kernel(cache_ptr, buf_ptr, idx_ptr, n_blocks, cache_blocks, first_plane, row_elems,
                        TO_BUF: tl.constexpr, BLOCK: tl.constexpr):
     # buffer row r = plane p (K/V of each layer of the run, in order), block j of the index
@@ -33,6 +35,16 @@ def _block_copy_kernel(cache_ptr, buf_ptr, idx_ptr, n_blocks, cache_blocks, firs
     else:
         x = tl.load(buf_ptr + r * row_elems + offs, mask=mask)
         tl.store(cache_ptr + cache_row * row_elems + offs, x, mask=mask)
+
+
+def compile_variants(cache: torch.Tensor) -> int:
+    """Compile both directions now (engine warmup), by copying block 0 of layer 0 out and back in
+    (the cache is unchanged). Returns the number of launches."""
+    ids = torch.zeros(1, dtype=torch.long, device=cache.device)
+    buf = torch.empty((1, cache.shape[1], 1, *cache.shape[3:]), dtype=cache.dtype, device=cache.device)
+    copy_blocks(cache, range(0, 1), ids, buf, to_buf=True)
+    copy_blocks(cache, range(0, 1), ids, buf, to_buf=False)
+    return 2
 
 
 def copy_blocks(cache: torch.Tensor, layers: range, block_ids: torch.Tensor, buf: torch.Tensor,

@@ -350,6 +350,15 @@ def test_block_copy_matches_torch_indexing(dtype, layers, row):
     assert torch.equal(dst, ref)
 
 
+def test_block_copy_warmup_leaves_the_cache_unchanged():
+    from engine.kernels.block_copy import compile_variants as compile_block_copy
+
+    cache = torch.randn(3, 2, 5, 4, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    before = cache.clone()
+    assert compile_block_copy(cache) == 2
+    assert torch.equal(cache, before)
+
+
 def _attention_inputs():
     gen = torch.Generator().manual_seed(9)
     return make_batch(gen, [2, 1], [5, 7], 4, 2, 16, 16)

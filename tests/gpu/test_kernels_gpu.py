@@ -201,3 +201,21 @@ def test_block_copy_at_llama_sizes_matches_torch_indexing():
     ref[8:16].flatten(0, 1).index_copy_(1, dst, buf.flatten(0, 1))
     copy_blocks(cache, layers, dst, buf, to_buf=False)
     assert torch.equal(cache, ref)
+
+
+def test_block_copy_compiles_once_per_direction_at_warmup():
+    """Engine warmup compiles the block copy; transfers of any size, from any first layer, reuse
+    those two binaries (a compile mid-serving stalls every request on the actor for a second)."""
+    from engine.kernels import block_copy as bc
+
+    cache = torch.zeros(6, 2, 64, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    assert bc.compile_variants(cache) == 2
+    compiled = lambda: sum(len(c[0]) for c in bc._block_copy_kernel.device_caches.values())  # noqa: E731
+    before = compiled()
+    for n, layers in ((37, range(1, 3)), (16, range(2, 6)), (1, range(5, 6)), (64, range(0, 6))):
+        ids = torch.randperm(64, device="cuda")[:n]
+        buf = torch.empty(len(layers), 2, n, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        bc.copy_blocks(cache, layers, ids, buf, to_buf=True)
+        bc.copy_blocks(cache, layers, ids, buf, to_buf=False)
+    torch.cuda.synchronize()
+    assert compiled() == before
