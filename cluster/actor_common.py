@@ -11,6 +11,8 @@ import os
 import socket
 import time
 
+import ray
+
 log = logging.getLogger(__name__)
 
 
@@ -99,6 +101,14 @@ def describe(worker_id: str, pool: str) -> dict:
     return {"worker_id": worker_id, "pool": pool, "pid": os.getpid(), "node": node, "host": socket.gethostname()}
 
 
+# Pool actors are threaded: each call holds a thread while it waits (a prefill's start until its
+# KV is delivered, a reserve while a long step runs, an output long-poll), so under load hundreds
+# can be waiting at once. Health and control calls have threads of their own: a pool full of
+# waiting requests must not make the controller's health check time out and kill a busy actor
+# (the two-GPU run lost its prefill actor that way at 8 sessions/s).
+ACTOR_CONCURRENCY = {"max_concurrency": 512, "concurrency_groups": {"health": 4}}
+
+
 class PoolActorBase:
     """What every pool actor answers, around its runtime object `self.worker`."""
 
@@ -106,15 +116,18 @@ class PoolActorBase:
     worker_id: str
     pool: str
 
+    @ray.method(concurrency_group="health")
     def ready(self) -> dict:
         return {**describe(self.worker_id, self.pool), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
 
     def abort(self, request_id):
         return self.worker.abort(request_id)
 
+    @ray.method(concurrency_group="health")
     def stats(self):
         return {**self.worker.stats(), **gc_stats()}
 
+    @ray.method(concurrency_group="health")
     def set_draining(self, draining: bool = True):
         self.worker.draining = draining
         return self.worker.stats()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ray
 
-from cluster.actor_common import PoolActorBase, after_startup, setup_process
+from cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
 
 
-@ray.remote(max_concurrency=64)
+@ray.remote(**ACTOR_CONCURRENCY)
 class DecodeActor(PoolActorBase):
     pool = "decode"
 

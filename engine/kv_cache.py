@@ -40,16 +40,14 @@ class KVCache:
         return (2, n_blocks, *self.tensor.shape[3:])
 
     def block_index(self, block_ids) -> torch.Tensor:
-        """Block ids as a long tensor on the cache's device. On CUDA the ids go through pinned
-        memory, so the copy is queued on the current stream and never waits for it (a copy from
-        pageable memory first synchronizes the stream, which would block the transport's thread
-        behind the data it is about to move)."""
+        """Block ids as a long tensor on the cache's device, copied on the current stream. From
+        pageable memory, so the host first waits for that stream to drain: the KV transport copies
+        on a stream it keeps idle (`kv_transfer.base.device_index`). Not through pinned memory:
+        a pinned allocation serializes the device's streams, so a decode step would wait for a KV
+        receive that waits on the prefill actor."""
         if isinstance(block_ids, torch.Tensor):
             return block_ids
-        ids = torch.as_tensor(block_ids, dtype=torch.long)
-        if self.device.type == "cuda":
-            ids = ids.pin_memory()
-        return ids.to(self.device, non_blocking=True)
+        return torch.as_tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
 
     def gather_layers(self, layers: range, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """[len(layers), 2, n, block_size, Hkv, D]: those blocks of consecutive layers, one kernel

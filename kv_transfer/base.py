@@ -129,6 +129,20 @@ def layer_runs(layers: list[int]) -> list[tuple[int, range]]:
     return runs
 
 
+def device_index(store: "BlockStore", block_ids: "list[int] | tuple[int, ...]", stream: Any,
+                 user: Any) -> torch.Tensor:
+    """`block_ids` as an index on the store's device, for kernels queued on stream `user`. On
+    CUDA the copy runs on `stream`, one the caller keeps idle (a copy from pageable memory waits
+    for its stream to drain first; on `user`, which waits for the wire or for a prefill's layers,
+    that would block the transport's thread), and `user` is ordered after it."""
+    if stream is None:
+        return store.block_index(list(block_ids))
+    with torch.cuda.stream(stream):
+        index = store.block_index(list(block_ids))
+    user.wait_stream(stream)
+    return index
+
+
 @runtime_checkable
 class BlockStore(Protocol):
     """The KV cache of one actor, layout-agnostic: the transport only gathers and scatters whole

@@ -33,7 +33,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              TransferState, layer_runs)
+                              TransferState, device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -187,7 +187,7 @@ class _PeerRecvLoop:
         if store.device.type == "cuda":
             torch.cuda.set_device(store.device)
             self._stream = torch.cuda.Stream(store.device)         # scatters
-            self._recv_stream = torch.cuda.Stream(store.device)    # posts receives, runs nothing
+            self._recv_stream = torch.cuda.Stream(store.device)    # posts receives; block-id copies only
         try:
             self.link = self.receiver.connector.connect(self.peer, as_sender=False)
             frames: queue.SimpleQueue = queue.SimpleQueue()
@@ -254,7 +254,7 @@ class _PeerRecvLoop:
             self._land(wait=True)                  # bound the staging memory
         store = self.receiver.store
         # Every part's receive is posted before any bookkeeping, so the wire never waits for this
-        # thread. Posted from a stream with nothing queued on it: NCCL's stream waits for the
+        # thread. Posted from a stream that holds only block-id copies: NCCL's stream waits for the
         # poster's stream, and on the scatter stream that would hold this receive until the
         # previous message's scatter is done (wire and scatter would take turns, not overlap).
         posts = []
@@ -393,8 +393,9 @@ class _PeerRecvLoop:
     def _scatter(self, landing: _Landing) -> None:
         store = self.receiver.store
         index = self._index.get(landing.rid)
-        if index is None:
-            index = self._index[landing.rid] = store.block_index(list(landing.rec.spec.dst_block_ids))
+        if index is None:     # on the idle receive-posting stream; the scatter stream waits for it
+            index = self._index[landing.rid] = device_index(store, landing.rec.spec.dst_block_ids,
+                                                            self._recv_stream, self._stream)
         for at, run in layer_runs(landing.layers):
             store.scatter_layers(run, index, landing.buf[at:at + len(run)])
 

@@ -36,7 +36,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, ReleaseCallback, TransferSpec, TransferState,
-                              layer_runs)
+                              device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -181,7 +181,7 @@ class _PeerSendWorker:
         self._index: dict[str, torch.Tensor] = {}   # rid -> src block index on the device
         self._abort_checked: dict[str, float] = {}
         self._prepared: set[str] = set()            # rids whose link was checked at begin()
-        self._stream = None
+        self._stream = self._index_stream = None
         self.messages_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self._thread.start()
@@ -199,7 +199,8 @@ class _PeerSendWorker:
         device = self.sender.store.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            self._stream = torch.cuda.Stream(device)
+            self._stream = torch.cuda.Stream(device)           # gathers, then NCCL sends
+            self._index_stream = torch.cuda.Stream(device)     # block-id copies only: kept idle
         stopping, idle_s = False, _POLL_MIN_S
         while not (stopping and not self._backlog and not self._inflight):
             # Block only when there is nothing to send and nothing to watch.
@@ -353,8 +354,8 @@ class _PeerSendWorker:
                 out: torch.Tensor) -> None:
         store = self.sender.store
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        index = self._block_index(rid, spec)
         with ctx:
-            index = self._block_index(rid, spec)   # queued before the waits: it need not wait
             for event in events:
                 if event is not None and self._stream is not None:
                     self._stream.wait_event(event)
@@ -363,10 +364,9 @@ class _PeerSendWorker:
 
     def _block_index(self, rid: str, spec: TransferSpec) -> torch.Tensor:
         index = self._index.get(rid)
-        if index is None:
-            ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-            with ctx:                        # on the stream the gathers run on
-                index = self._index[rid] = self.sender.store.block_index(list(spec.src_block_ids))
+        if index is None:                    # gathers run on self._stream, after the copy
+            index = self._index[rid] = device_index(self.sender.store, spec.src_block_ids,
+                                                    self._index_stream, self._stream)
         return index
 
     def _post(self, link: PeerLink, data: torch.Tensor) -> Pending:

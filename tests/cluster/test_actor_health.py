@@ -1,0 +1,33 @@
+"""A pool actor whose request threads are all waiting still answers its health checks: the
+controller kills an actor whose stats call times out, so a busy actor must never look dead.
+Real DecodeActor (smollm2-135m on CPU) in the session's local Ray."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from cluster.config import load_config
+from decode_workers.actor import DecodeActor
+
+
+def test_health_calls_answer_while_every_request_thread_waits(ray_session):
+    engine = load_config(None, {"model.name": "smollm2-135m"}).engine
+    # one request thread, taken by an output long-poll that waits its full 4 s (no outputs)
+    actor = DecodeActor.options(max_concurrency=1, num_cpus=1).remote("decode-h", engine, 256.0, None)
+    try:
+        ray.get(actor.ready.remote(), timeout=120)
+        poll = actor.get_outputs.remote("router-x", 4.0)
+        time.sleep(0.5)                                   # the long-poll holds the only request thread
+        t0 = time.monotonic()
+        stats = ray.get(actor.stats.remote(), timeout=2.0)
+        assert stats["worker_id"] == "decode-h" and time.monotonic() - t0 < 2.0
+        ray.get(actor.set_draining.remote(True), timeout=2.0)
+        end = time.monotonic() + 2.0                      # the loop's next snapshot shows it
+        while not ray.get(actor.stats.remote(), timeout=2.0)["draining"]:
+            assert time.monotonic() < end, "draining never showed in stats"
+            time.sleep(0.05)
+        assert not ray.get(poll, timeout=10)             # the long-poll itself ends normally
+    finally:
+        ray.kill(actor)
