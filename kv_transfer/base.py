@@ -253,3 +253,40 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+class StagingSlots:
+    """Message buffers of one transport thread, carved from one allocation made on first use:
+    `slots` slots of `slot_bytes` (the window's messages at their largest). So a transfer makes
+    no device allocation: on a miss the caching allocator calls cudaMalloc, and a device
+    allocation (like a pinned one) serializes the device's streams, so the actor's next engine
+    step would wait for whatever is in flight there, a KV receive waiting on a prefill among
+    them. A message larger than a slot, or beyond the free slots, gets a tensor of its own.
+    One thread only."""
+
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device):
+        self.slots, self.slot_bytes, self.device = slots, slot_bytes, device
+        self._free = list(range(slots - 1, -1, -1))
+        self._mem: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int | None]:
+        """A contiguous buffer of that shape and its slot (None: its own tensor)."""
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if nbytes > self.slot_bytes or not self._free or nbytes % dtype.itemsize:
+            return torch.empty(shape, dtype=dtype, device=self.device), None
+        if self._mem is None:
+            self._mem = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        slot = self._free.pop()
+        start = slot * self.slot_bytes
+        return self._mem[start:start + nbytes].view(dtype).view(shape), slot
+
+    def give(self, slot: int | None) -> None:
+        """The buffer of `slot` is no longer read or written by anything queued."""
+        if slot is not None:
+            self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)

@@ -33,7 +33,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              TransferState, device_index, layer_runs)
+                              StagingSlots, TransferState, device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -157,6 +157,7 @@ class _Landing:
     posted_at: float
     event: Any = None                # CUDA: recorded after the stream-ordered scatter
     claimed: bool = True             # holds a claim on the blocks (CPU: taken only to scatter)
+    slot: int | None = None          # its staging slot, free again once retired
 
 
 class _PeerRecvLoop:
@@ -169,6 +170,8 @@ class _PeerRecvLoop:
         self._stopping = False
         self._stream = self._recv_stream = None
         self._landings: deque[_Landing] = deque()
+        cfg = receiver.config
+        self._staging = StagingSlots(cfg.max_inflight_messages, cfg.max_message_bytes, receiver.store.device)
         self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
@@ -258,17 +261,23 @@ class _PeerRecvLoop:
         # poster's stream, and on the scatter stream that would hold this receive until the
         # previous message's scatter is done (wire and scatter would take turns, not overlap).
         posts = []
+        dtype = getattr(torch, frame["dtype"])
         with self._on_stream(self._recv_stream):
             for n in parts:
-                buf = torch.empty([n, *frame["shape"]], dtype=getattr(torch, frame["dtype"]), device=store.device)
-                posts.append((buf, self.link.irecv_data(buf)))
+                buf, slot = self._staging.take((n, *frame["shape"]), dtype)
+                try:
+                    posts.append((buf, slot, self.link.irecv_data(buf)))
+                except BaseException:
+                    self._staging.give(slot)
+                    raise
         self._mark(f"recv.posted {parts}", rid)
         at = 0
-        for n, (buf, posted) in zip(parts, posts):
-            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, posted)
+        for n, (buf, slot, posted) in zip(parts, posts):
+            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, slot, posted)
             at += n
 
-    def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor, posted: Pending) -> None:
+    def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor, slot: int | None,
+               posted: Pending) -> None:
         """Account one posted message (`part`: its idx and layers) to its transfer and queue its
         scatter behind the receive; or, for a transfer that is gone or a message that does not fit
         it, receive the data only to drop it."""
@@ -288,14 +297,14 @@ class _PeerRecvLoop:
         expected = self._next_idx.get(rid, 0)
         problem = self._check(rec.spec, expected, part, buf) if rec is not None else ""
         if rec is None or problem:      # receive the data only to keep the link in step
-            self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic()))
+            self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic(), slot=slot))
             if problem:                 # nothing will be written: give the blocks back first
                 if ordered:
                     table.end_work(rec, 0)
                 table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
             self._forget(rid)
             return
-        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic(), claimed=ordered)
+        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic(), claimed=ordered, slot=slot)
         self._landings.append(landing)
         self._next_idx[rid] = expected + len(layers)
         if self._next_idx[rid] == rec.spec.num_layers:
@@ -338,6 +347,12 @@ class _PeerRecvLoop:
     def _retire(self, landing: _Landing) -> None:
         """Count the landed message's layers and give back its claim on the blocks (also when
         the scatter raises: the claim must not outlive the message)."""
+        try:
+            self._retire_landed(landing)
+        finally:                             # landed and scattered: its buffer is free again
+            self._staging.give(landing.slot)
+
+    def _retire_landed(self, landing: _Landing) -> None:
         moved, rec, table = 0, landing.rec, self.receiver._table
         self._mark("recv.landed", landing.rid)
         if rec is not None and not landing.claimed:      # CPU: claim the blocks to scatter
@@ -373,6 +388,7 @@ class _PeerRecvLoop:
         table = self.receiver._table
         while self._landings:
             landing = self._landings.popleft()
+            self._staging.give(landing.slot)
             if landing.rec is not None and landing.claimed:
                 table.end_work(landing.rec, 0)
         self._next_idx.clear()

@@ -36,7 +36,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, ReleaseCallback, TransferSpec, TransferState,
-                              device_index, layer_runs)
+                              StagingSlots, device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -166,6 +166,7 @@ class _Message:
     op: Pending
     data: torch.Tensor      # kept alive until the send completes
     nbytes: int
+    slot: int | None = None  # its staging slot, free again once the send completes
 
 
 class _PeerSendWorker:
@@ -182,6 +183,7 @@ class _PeerSendWorker:
         self._abort_checked: dict[str, float] = {}
         self._prepared: set[str] = set()            # rids whose link was checked at begin()
         self._stream = self._index_stream = None
+        self._staging: StagingSlots | None = None
         self.messages_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self._thread.start()
@@ -293,12 +295,13 @@ class _PeerSendWorker:
             self._forget(rid)
             return
         spec, claims = rec.spec, len(parts)
+        staging, bufs = self._staging_for(cfg), []
         try:
             link = self._link(fresh=fresh)
             layers = list(spec.layers[idx:idx + len(events)])
             try:                         # staging first: an OOM fails this transfer only
-                bufs = [torch.empty((n, *shape), dtype=self.sender.store.dtype, device=self.sender.store.device)
-                        for n in parts]
+                for n in parts:
+                    bufs.append(staging.take((n, *shape), self.sender.store.dtype))
             except Exception as exc:
                 table.finish(rid, TransferState.FAILED, KVTransferError(
                     f"transfer {rid!r}: no staging memory for layers {layers}: {exc}"))
@@ -307,15 +310,16 @@ class _PeerSendWorker:
                 self._send_end(rid, "failed", f"sender could not stage layers {layers}: {exc}")
                 return
             link.send_frame({"op": "layers", "rid": rid, "idx": idx, "layers": layers, "parts": parts,
-                             "shape": list(shape), "dtype": str(bufs[0].dtype).removeprefix("torch.")},
+                             "shape": list(shape), "dtype": str(bufs[0][0].dtype).removeprefix("torch.")},
                             cfg.timeout_s)
             at = 0
-            for n, buf in zip(parts, bufs):   # each part's send is ordered after its own gather
+            for n, (buf, slot) in zip(parts, list(bufs)):   # each send is ordered after its gather
                 self._gather(rid, spec, layers[at:at + n], events[at:at + n], buf)
                 posted = self._post(link, buf)
                 claims -= 1
+                bufs.pop(0)
                 self._mark(f"send.posted {n}", rid)
-                self._inflight.append(_Message(rec, n, posted, buf, buf.numel() * buf.element_size()))
+                self._inflight.append(_Message(rec, n, posted, buf, buf.numel() * buf.element_size(), slot))
                 self.messages_sent += 1
                 at += n
             if idx + len(layers) == spec.num_layers:
@@ -323,6 +327,10 @@ class _PeerSendWorker:
         finally:
             for _ in range(claims):       # parts never posted (the link broke): give them back
                 table.end_work(rec, 0)
+            if bufs and self._stream is not None:
+                self._stream.synchronize()    # a gather queued into them may still run
+            for _buf, slot in bufs:
+                staging.give(slot)
 
     def _complete(self, wait: bool) -> bool:
         """Retire finished messages, oldest first (NCCL completes them in order); with `wait`,
@@ -336,6 +344,7 @@ class _PeerSendWorker:
             elif not msg.op.done():
                 return progressed
             self._inflight.popleft()
+            self._staging.give(msg.slot)
             self._mark("send.done", msg.rec.request_id)
             table.end_work(msg.rec, msg.num_layers)
             progressed = True
@@ -361,6 +370,14 @@ class _PeerSendWorker:
                     self._stream.wait_event(event)
             for at, run in layer_runs(layers):
                 store.gather_layers(run, index, out=out[at:at + len(run)])
+
+    def _staging_for(self, cfg: KVTransferConfig) -> StagingSlots:
+        """The message buffers; made again (once idle) when the message size was changed."""
+        st = self._staging
+        if st is None or (st.slot_bytes != cfg.max_message_bytes and st.free == st.slots):
+            st = self._staging = StagingSlots(cfg.max_inflight_messages, cfg.max_message_bytes,
+                                              self.sender.store.device)
+        return st
 
     def _block_index(self, rid: str, spec: TransferSpec) -> torch.Tensor:
         index = self._index.get(rid)
@@ -421,7 +438,9 @@ class _PeerSendWorker:
         if self._stream is not None:          # no gather may still read blocks we hand back
             self._stream.synchronize()
         while self._inflight:
-            table.end_work(self._inflight.popleft().rec, 0)
+            msg = self._inflight.popleft()
+            table.end_work(msg.rec, 0)
+            self._staging.give(msg.slot)
         self._index.clear()
         self._abort_checked.clear()
         self._prepared.clear()

@@ -242,6 +242,14 @@ def test_peer_dies_after_layer_k_fails_both_sides(pair):
     sender.send(again)
     assert receiver.wait("req-2", timeout=2) is TransferState.DONE
     assert net.links_created == 2
+    # every staging buffer came back, from the broken link's messages too
+    sender.wait("req-2", timeout=2)
+    worker = sender._workers["decode-0"]
+    until(lambda: not worker._inflight)
+    assert worker._staging.free == worker._staging.slots
+    loop = receiver._loops["prefill-0"]
+    until(lambda: not loop._landings)
+    assert loop._staging.free == loop._staging.slots
 
 
 def test_data_before_expect_fails_the_later_expect(pair):
@@ -343,6 +351,27 @@ def test_ready_layers_beyond_the_window_wait_for_room():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_staging_slots_reuse_one_allocation():
+    from kv_transfer.base import StagingSlots
+
+    st = StagingSlots(2, 64, torch.device("cpu"))
+    a, sa = st.take((2, 4), torch.float32)                  # 32 bytes: a slot
+    b, sb = st.take((16,), torch.float32)                   # 64 bytes: the other slot
+    assert {sa, sb} == {0, 1} and st.free == 0
+    base = st._mem.data_ptr()
+    assert {a.data_ptr(), b.data_ptr()} == {base, base + 64}
+    c, sc = st.take((2,), torch.float32)                    # none free: a tensor of its own
+    big, sbig = st.take((17,), torch.float32)               # larger than a slot: its own too
+    assert sc is None and sbig is None and c.data_ptr() != base
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert torch.equal(a, torch.ones(2, 4)) and torch.equal(b, torch.full((16,), 2.0))   # disjoint
+    st.give(sa)
+    st.give(sc)                                             # None: nothing to give back
+    d, sd = st.take((1, 3), torch.float32)
+    assert sd == sa and d.data_ptr() == a.data_ptr() and st._mem.data_ptr() == base
 
 
 def test_layer_runs_split_a_message_into_consecutive_layers():
