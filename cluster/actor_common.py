@@ -106,7 +106,7 @@ def describe(worker_id: str, pool: str) -> dict:
 # can be waiting at once. Health and control calls have threads of their own: a pool full of
 # waiting requests must not make the controller's health check time out and kill a busy actor
 # (the two-GPU run lost its prefill actor that way at 8 sessions/s).
-ACTOR_CONCURRENCY = {"max_concurrency": 512, "concurrency_groups": {"health": 4}}
+ACTOR_CONCURRENCY = {"max_concurrency": 256, "concurrency_groups": {"health": 4}}
 
 
 class PoolActorBase:

@@ -20,8 +20,8 @@ class DecodeActor(PoolActorBase):
         self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous)
         after_startup()
 
-    def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None):
-        return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id)
+    def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None, prefill_id=None):
+        return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id, prefill_id)
 
     def first_token(self, request_id, first):
         return self.worker.first_token(request_id, first)

@@ -91,9 +91,13 @@ class DecodeWorker:
             loop.wake()
 
     def reserve(self, request_id: str, router_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-                transfer_id: str | None = None) -> dict[str, Any]:
-        """`transfer_id` set: remote prefill is on offer under that transfer id."""
-        return self.loop.run(self._reserve, request_id, router_id, prompt_token_ids, sampling, transfer_id)
+                transfer_id: str | None = None, prefill_id: str | None = None) -> dict[str, Any]:
+        """`transfer_id` set: remote prefill is on offer under that transfer id. `prefill_id`: the
+        prefill actor the router will ask first; a remote reservation then also registers the
+        receive from it (the answer says `expecting`), which saves the router an `expect` call
+        (and its wait for this loop's current step) on every remote prefill."""
+        return self.loop.run(self._reserve, request_id, router_id, prompt_token_ids, sampling, transfer_id,
+                             prefill_id)
 
     def expect(self, spec_msg: dict[str, Any]) -> None:
         self.loop.run(self._expect, spec_msg)
@@ -146,7 +150,7 @@ class DecodeWorker:
                 box = self._outboxes[router_id] = queue.SimpleQueue()
             return box
 
-    def _reserve(self, rid, router_id, ids, sampling, transfer_id) -> dict[str, Any]:
+    def _reserve(self, rid, router_id, ids, sampling, transfer_id, prefill_id=None) -> dict[str, Any]:
         if self.draining:
             raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
@@ -166,9 +170,21 @@ class DecodeWorker:
             self.counters["remote_prefills"] += 1
             self.remote[transfer_id] = req
             self.transfer_of[rid] = transfer_id
-            return {"mode": "remote", "cached_tokens": cached, "first_block": first,
+            plan = {"mode": "remote", "cached_tokens": cached, "first_block": first,
                     "dst_block_ids": req.block_ids[first:last], "num_tokens": n,
                     "prefix_block_ids": req.block_ids[:first]}
+            if prefill_id is not None:
+                from kv_transfer.base import TransferSpec
+
+                try:
+                    self._expect_spec(TransferSpec(transfer_id, prefill_id, self.worker_id,
+                                                   tuple(range(e.kv_cache.num_layers)), (),
+                                                   tuple(plan["dst_block_ids"]), n))
+                except BaseException:
+                    self._abort(rid)      # the reserved blocks go back
+                    raise
+                plan["expecting"] = prefill_id
+            return plan
         e.scheduler.add(req)
         self.counters["local_prefills"] += 1
         return {"mode": "local", "cached_tokens": cached}
@@ -179,8 +195,11 @@ class DecodeWorker:
         spec = TransferSpec.from_msg(spec_msg)
         if spec.request_id not in self.remote:
             raise KeyError(f"no reservation for transfer {spec.request_id!r} on {self.worker_id}")
-        self._transfer_started[spec.request_id] = time.perf_counter()
+        self._expect_spec(spec)
+
+    def _expect_spec(self, spec) -> None:
         self.receiver.expect(spec)
+        self._transfer_started[spec.request_id] = time.perf_counter()
 
     def _send_prefix(self, spec_msg: dict[str, Any]) -> None:
         from kv_transfer.base import TransferSpec

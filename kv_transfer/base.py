@@ -72,7 +72,9 @@ class TransferSpec:
     into `dst_block_ids` of `receiver_id`'s cache; the blocks cover `num_tokens` token positions.
     Both ends get the same spec (the router hands it to both); src and dst ids pair up by index.
     `request_id` names one attempt: a retry or another chunk of chunked prefill gets its own id
-    (e.g. "req-7/2"), so late data of an old attempt can never land in the new one's blocks."""
+    (e.g. "req-7/2"), so late data of an old attempt can never land in the new one's blocks.
+    The receiver never reads `src_block_ids`: its copy may leave them empty (the decode actor
+    registers the receive when it reserves, before the prefill actor has picked its blocks)."""
     request_id: str
     sender_id: str
     receiver_id: str
@@ -92,7 +94,7 @@ class TransferSpec:
                              f"{self.sender_id!r} -> {self.receiver_id!r}")
         if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
             raise ValueError(f"transfer spec: layers must be distinct and >= 0, got {self.layers}")
-        if len(self.src_block_ids) != len(self.dst_block_ids) or not self.src_block_ids:
+        if not self.dst_block_ids or (self.src_block_ids and len(self.src_block_ids) != len(self.dst_block_ids)):
             raise ValueError(f"transfer spec: {len(self.src_block_ids)} src blocks vs "
                              f"{len(self.dst_block_ids)} dst blocks")
         if len(set(self.dst_block_ids)) != len(self.dst_block_ids):

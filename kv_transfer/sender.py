@@ -79,6 +79,8 @@ class LayerStreamSender(KVSender):
                              f"this is {self.connector.self_id!r}")
         if max(spec.layers) >= self.store.num_layers:
             raise ValueError(f"spec {spec.request_id!r}: layer {max(spec.layers)} out of range")
+        if len(spec.src_block_ids) != len(spec.dst_block_ids):
+            raise ValueError(f"spec {spec.request_id!r}: the sender needs a source block per destination")
         if min(spec.src_block_ids) < 0 or max(spec.src_block_ids) >= self.store.num_blocks:
             raise ValueError(f"spec {spec.request_id!r}: source block ids outside 0..{self.store.num_blocks - 1}")
         if self._closed:

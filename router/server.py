@@ -105,6 +105,12 @@ class Router:
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill."""
         offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
         transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
+        prefill_hint = None
+        if offer_remote:   # named in the reserve, so the decode actor registers the receive then
+            try:
+                prefill_hint = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
+            except RequestFailed:
+                prefill_hint = None
         tried = set(exclude)
         while True:
             decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
@@ -112,7 +118,7 @@ class Router:
             # count it at once, so concurrent arrivals see this load before the worker reports it
             self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
             try:
-                plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id)
+                plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id, prefill_hint)
                 break
             except (WorkerUnavailable, ray.exceptions.RayActorError):
                 self.view.inflight[decode_id] -= 1
@@ -311,13 +317,21 @@ class Router:
 
         decode = self.view.handle(decode_id)
         tried: set[str] = set()
+        expecting = plan.get("expecting")   # the decode actor registered the receive from it
         while True:
-            prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
-            prefill = self.view.handle(prefill_id)
+            if expecting is not None:
+                prefill_id, prefill = expecting, self.view.handle(expecting)
+                if prefill is None:
+                    raise WorkerUnavailable(f"{expecting} left the prefill pool")
+            else:
+                prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
+                prefill = self.view.handle(prefill_id)
             try:
                 res = await prefill.reserve.remote(transfer_id, ids, plan["first_block"], plan["cached_tokens"], sp)
                 break
             except WorkerUnavailable:
+                if expecting is not None:   # the receive waits for that actor: prefill locally
+                    raise
                 tried.add(prefill_id)
         try:
             return await self._transfer_from(prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res,
@@ -343,7 +357,8 @@ class Router:
             await prefill.expect_pull.remote({**pull, "owner": transfer_id}, plan["cached_tokens"])
             await decode.send_prefix.remote(pull)
             cached = plan["cached_tokens"]
-        await decode.expect.remote(spec)
+        if plan.get("expecting") != prefill_id:
+            await decode.expect.remote(spec)
         task = asyncio.ensure_future(prefill.start.remote(spec))
         self.prefix["prefill"].record(prefill_id, hashes[: len(ids) // self.block_size])
         return prefill_id, cached, task
