@@ -374,6 +374,39 @@ def test_staging_slots_reuse_one_allocation():
     assert sd == sa and d.data_ptr() == a.data_ptr() and st._mem.data_ptr() == base
 
 
+def test_transfers_stage_their_messages_in_the_preallocated_slots(monkeypatch):
+    """Every message of a run of transfers, on both ends, is staged in a slot of the one
+    allocation (a fresh tensor would be a device allocation on the GPU path)."""
+    from kv_transfer.base import StagingSlots
+
+    taken = []
+    real = StagingSlots.take
+
+    def spy(self, shape, dtype):
+        buf, slot = real(self, shape, dtype)
+        taken.append(slot)
+        return buf, slot
+
+    monkeypatch.setattr(StagingSlots, "take", spy)
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(6))
+    dst = TensorBlockStore(num_blocks=12)
+    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=2 * LAYER_BYTES)
+    sender, receiver, _ = make_fake_pair(src, dst, config=config)
+    try:
+        for i in range(3):
+            spec = make_spec(f"req-{i}")
+            receiver.expect(spec)
+            sender.send(spec)
+            assert receiver.wait(spec.request_id, 2) is TransferState.DONE
+            for layer in spec.layers:
+                assert_layer_copied(src, dst, layer)
+        assert len(taken) >= 2 * 3 * 2 and None not in taken     # >= 2 messages a transfer, both ends
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_layer_runs_split_a_message_into_consecutive_layers():
     assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
     assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
