@@ -407,6 +407,57 @@ def test_transfers_stage_their_messages_in_the_preallocated_slots(monkeypatch):
         receiver.close()
 
 
+def test_receiver_abort_between_parts_of_one_frame_writes_nothing_more():
+    """Four ready layers go as four messages under one frame. The receiver aborts while the first
+    is being scattered: the other three are received and dropped (the link stays in step), none
+    lands in the released blocks, the blocks are released once, every staging slot comes back,
+    and the next transfer on the link arrives whole."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(8))
+    scattering, go_on = threading.Event(), threading.Event()
+
+    class SlowStore(TensorBlockStore):
+        hold = True
+
+        def scatter_layers(self, layers, block_ids, data):
+            if self.hold:
+                self.hold = False
+                scattering.set()
+                go_on.wait(5)
+            super().scatter_layers(layers, block_ids, data)
+
+    dst, rel = SlowStore(num_blocks=12), Releases()
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=LAYER_BYTES)          # one layer per message
+    sender, receiver, net = make_fake_pair(src, dst, config=config, on_receiver_release=rel)
+    try:
+        net.set_faults("prefill-0", "decode-0", delay_s=0.1)         # the layers queue up meanwhile
+        spec = make_spec("req-parts")
+        receiver.expect(spec)
+        sender.send(spec)
+        assert scattering.wait(3)
+        receiver.abort(spec.request_id)          # the first layer is being scattered right now
+        go_on.set()                              # releases run on the owner's poll, once it lands
+        until(lambda: receiver.poll(spec.request_id) is TransferState.ABORTED and rel.calls[spec.request_id] == 1)
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1   # one frame, four parts
+        loop = receiver._loops["prefill-0"]
+        until(lambda: not loop._landings)
+        assert loop._staging.free == loop._staging.slots
+        for layer in (1, 2, 3):                  # nothing after the abort was written
+            assert dst.cache[layer, :, list(DST)].abs().sum() == 0
+        net.set_faults("prefill-0", "decode-0")
+        nxt = make_spec("req-after", src=(1, 4, 6), dst=(0, 2, 4))
+        receiver.expect(nxt)
+        sender.send(nxt)
+        assert receiver.wait(nxt.request_id, 2) is TransferState.DONE
+        for layer in nxt.layers:
+            assert_layer_copied(src, dst, layer, (1, 4, 6), (0, 2, 4))
+        assert rel.calls[spec.request_id] == 1
+    finally:
+        go_on.set()
+        sender.close()
+        receiver.close()
+
+
 def test_layer_runs_split_a_message_into_consecutive_layers():
     assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
     assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
