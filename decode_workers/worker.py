@@ -195,7 +195,10 @@ class DecodeWorker:
         spec = TransferSpec.from_msg(spec_msg)
         if spec.request_id not in self.remote:
             raise KeyError(f"no reservation for transfer {spec.request_id!r} on {self.worker_id}")
-        self._expect_spec(spec)
+        if spec.request_id in self._transfer_started:   # registered at reserve, from another actor
+            self.receiver.redirect(spec)
+        else:
+            self._expect_spec(spec)
 
     def _expect_spec(self, spec) -> None:
         self.receiver.expect(spec)

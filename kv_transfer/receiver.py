@@ -89,6 +89,23 @@ class LayerStreamReceiver(KVReceiver):
                 self._loops[spec.sender_id] = _PeerRecvLoop(self, spec.sender_id)
         self._table.run_releases()
 
+    def redirect(self, spec: TransferSpec) -> None:
+        """Point a registered transfer at another sender (`spec.sender_id`), as long as nothing of
+        it has arrived: the decode actor registers the receive when it reserves, naming the prefill
+        actor the router asked first; if that one could not take the request, the router uses
+        another. Same request id, layers and destination blocks."""
+        with self._lock:
+            rec = self._table.get(spec.request_id)
+            if rec is None or rec.state is not TransferState.WAITING or rec.busy or rec.layers_done:
+                raise KVTransferError(f"transfer {spec.request_id!r} cannot be redirected: "
+                                      f"{'unknown' if rec is None else rec.state.value}")
+            if (rec.spec.layers, rec.spec.dst_block_ids, rec.spec.receiver_id) != \
+                    (spec.layers, spec.dst_block_ids, spec.receiver_id):
+                raise ValueError(f"transfer {spec.request_id!r}: a redirect keeps its layers and blocks")
+            self._table.reassign(rec, spec, peer=spec.sender_id)
+            if spec.sender_id not in self._loops and not self._closed:
+                self._loops[spec.sender_id] = _PeerRecvLoop(self, spec.sender_id)
+
     def poll(self, request_id: str) -> TransferState:
         state = self._table.state(request_id)
         self._table.run_releases()

@@ -146,6 +146,11 @@ class TransferTable:
             rec.busy += messages
             return rec
 
+    def reassign(self, rec: TransferRecord, spec: TransferSpec, peer: str) -> None:
+        """A transfer that has not started gets another spec and peer (the receiver's redirect)."""
+        with self._cond:
+            rec.spec, rec.peer = spec, peer
+
     def live(self, request_id: str) -> TransferRecord | None:
         """The record of an unfinished transfer, without claiming its blocks; None if finished."""
         with self._cond:

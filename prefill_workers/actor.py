@@ -19,8 +19,8 @@ class PrefillActor(PoolActorBase):
         self.worker = PrefillWorker(worker_id, engine_config, rendezvous)
         after_startup()
 
-    def reserve(self, transfer_id, prompt_token_ids, first_block, peer_cached_tokens=0, sampling=None):
-        return self.worker.reserve(transfer_id, prompt_token_ids, first_block, peer_cached_tokens, sampling)
+    def reserve(self, transfer_id, prompt_token_ids, sampling=None):
+        return self.worker.reserve(transfer_id, prompt_token_ids, sampling)
 
     def expect_pull(self, spec_msg, covers_tokens):
         return self.worker.expect_pull(spec_msg, covers_tokens)

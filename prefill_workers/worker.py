@@ -3,8 +3,9 @@ in chunks under the step's token budget) and streams each layer's KV to a decode
 that layer is done in the step that completes the prompt.
 
 A request's stages here, in order:
-1. `reserve(tokens, first_block)`: take blocks for the prompt (its cached prefix included) and
-   answer with the source block ids of the range the decode actor asked for.
+1. `reserve(tokens)`: take blocks for the prompt (its cached prefix included) and answer with
+   them and how much was cached (the router, asking the decode actor at the same time, picks the
+   range to send and any prefix the decode actor holds that this actor should pull, `expect_pull`).
 2. `start(spec)`: begin the transfer, schedule the prompt, and wait: each layer of the final step
    is sent as that layer finishes (earlier chunks' KV of that layer goes in the same message).
    The step that completes the prompt also samples the request's first output token with its own
@@ -77,13 +78,14 @@ class PrefillWorker:
         if loop is not None:
             loop.wake()
 
-    def reserve(self, transfer_id: str, prompt_token_ids: list[int], first_block: int,
-                peer_cached_tokens: int = 0, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Take blocks for the prompt. When the decode actor caches more of it (`peer_cached_tokens`)
-        than this actor does, the answer names the blocks to pull that prefix into. `sampling`:
-        the request's sampling parameters, for its first output token (greedy when None)."""
-        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, first_block, peer_cached_tokens,
-                             sampling)
+    def reserve(self, transfer_id: str, prompt_token_ids: list[int],
+                sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Take blocks for the prompt (its cached prefix shared). Answers `cached_tokens` and the
+        prompt's `block_ids`; the router, which also holds the decode actor's answer (the two
+        reserves run at once), slices the blocks to send and the prefix to pull from them.
+        `sampling`: the request's sampling parameters, for its first output token (greedy when
+        None)."""
+        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, sampling)
 
     def expect_pull(self, spec_msg: dict[str, Any], covers_tokens: int) -> None:
         self.loop.run(self._expect_pull, spec_msg, covers_tokens)
@@ -108,8 +110,7 @@ class PrefillWorker:
         self.receiver.close()
 
     # ---- on the loop thread -------------------------------------------------------------------
-    def _reserve(self, tid: str, ids: list[int], first_block: int, peer_cached: int,
-                 sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _reserve(self, tid: str, ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.draining:
             raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
@@ -122,13 +123,7 @@ class PrefillWorker:
         req.num_cached_prompt_tokens = req.num_computed_tokens
         self.reserved[tid] = req
         self._reserved_at[tid] = time.monotonic()
-        last = e.allocator.blocks_needed(n)
-        out = {"cached_tokens": cached, "src_block_ids": req.block_ids[first_block:last]}
-        bs = e.allocator.block_size
-        if peer_cached > cached:  # cheaper to pull the prefix than to recompute it
-            out["pull_first_block"] = cached // bs
-            out["pull_dst_block_ids"] = req.block_ids[cached // bs: peer_cached // bs]
-        return out
+        return {"cached_tokens": cached, "block_ids": req.block_ids[:e.allocator.blocks_needed(n)]}
 
     def _expect_pull(self, spec_msg: dict[str, Any], covers: int) -> None:
         from kv_transfer.base import TransferSpec

@@ -58,6 +58,7 @@ class Router:
         self.num_layers = model_config.num_layers
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
+        self._background: set[asyncio.Future] = set()   # fire-and-forget cleanups, kept referenced
         self.max_migrations = 2  # per request, then UNAVAILABLE
         self.slow_ttft_s: float | None = 1.0  # log where the time went for first tokens slower than this
         self.hub = get_hub()
@@ -105,30 +106,41 @@ class Router:
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill."""
         offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
         transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
-        prefill_hint = None
-        if offer_remote:   # named in the reserve, so the decode actor registers the receive then
+        prefill_hint, early = None, None
+        if offer_remote:
+            # The prefill actor is picked first and reserved on while the decode actor reserves
+            # (the two answers are independent); it is named in the decode actor's reserve, which
+            # then registers the KV receive from it. Both save a sequential call per remote prefill.
             try:
                 prefill_hint = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
             except RequestFailed:
                 prefill_hint = None
+            if prefill_hint is not None:
+                early = asyncio.ensure_future(self._reserve_prefill(prefill_hint, transfer_id, ids, sp))
         tried = set(exclude)
-        while True:
-            decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
-            decode = self.view.handle(decode_id)
-            # count it at once, so concurrent arrivals see this load before the worker reports it
-            self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
-            try:
-                plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id, prefill_hint)
-                break
-            except (WorkerUnavailable, ray.exceptions.RayActorError):
-                self.view.inflight[decode_id] -= 1
-                tried.add(decode_id)
+        try:
+            while True:
+                decode_id = self._pick("decode", sess.decode_worker if sess else None, hashes, exclude=tried)
+                decode = self.view.handle(decode_id)
+                # count it at once, so concurrent arrivals see this load before the worker reports it
+                self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
+                try:
+                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id, prefill_hint)
+                    break
+                except (WorkerUnavailable, ray.exceptions.RayActorError):
+                    self.view.inflight[decode_id] -= 1
+                    tried.add(decode_id)
+        except BaseException:
+            self._drop_prefill_reservation(early, prefill_hint, transfer_id)
+            raise
         att = Attempt(decode_id, decode, transfer_id=transfer_id, mode=plan["mode"])
         att.marks["decode_reserved"] = time.perf_counter()
-        if plan["mode"] == "remote":
+        if plan["mode"] != "remote":                  # prefilled locally: the early one is not needed
+            self._drop_prefill_reservation(early, prefill_hint, transfer_id)
+        else:
             try:
                 att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
-                    rid, transfer_id, ids, plan, decode_id, sess, hashes, sp)
+                    rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early)
             except (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError) as e:
                 log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
                 await self._prefill_locally(att, rid, ids, sp)
@@ -136,6 +148,32 @@ class Router:
                 att.marks["prefill_started"] = time.perf_counter()
                 att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
         return att
+
+    async def _reserve_prefill(self, prefill_id: str, transfer_id: str, ids, sp) -> tuple[Any, dict]:
+        """-> (the actor's handle, its reservation)."""
+        handle = self.view.handle(prefill_id)
+        if handle is None:
+            raise WorkerUnavailable(f"{prefill_id} left the prefill pool")
+        return handle, await handle.reserve.remote(transfer_id, ids, sp)
+
+    def _drop_prefill_reservation(self, early, prefill_id, transfer_id) -> None:
+        """In the background: once the early prefill reservation has been answered, free it."""
+        if early is None:
+            return
+
+        async def drop():
+            try:
+                handle, _ = await early
+            except Exception:  # noqa: BLE001 - nothing was reserved
+                return
+            try:
+                await handle.abort.remote(transfer_id)
+            except Exception:  # noqa: BLE001 - a dead actor holds no KV
+                pass
+
+        task = asyncio.ensure_future(drop())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prefill_locally(self, att: "Attempt", rid, ids, sp) -> None:
         """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
@@ -310,29 +348,31 @@ class Router:
         except Exception:  # noqa: BLE001 - a report must not fail the request it reports on
             log.exception("could not report the slow first token of %s", rid)
 
-    async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes, sp):
-        """Reserve on a prefill actor, pull the decode actor's cached prefix into it when it lacks
-        some, then start the layer-by-layer transfer into the decode actor's reserved blocks."""
-        from kv_transfer.base import TransferSpec
-
+    async def _start_remote_prefill(self, rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early=None):
+        """Take the prefill actor's reservation (made alongside the decode actor's, `early`; else
+        reserve now), pull the decode actor's cached prefix into it when it lacks some, then start
+        the layer-by-layer transfer into the decode actor's reserved blocks."""
         decode = self.view.handle(decode_id)
         tried: set[str] = set()
-        expecting = plan.get("expecting")   # the decode actor registered the receive from it
-        while True:
-            if expecting is not None:
-                prefill_id, prefill = expecting, self.view.handle(expecting)
-                if prefill is None:
-                    raise WorkerUnavailable(f"{expecting} left the prefill pool")
-            else:
+        res = None
+        if early is not None:
+            prefill_id = plan.get("expecting")   # the decode actor registered the receive from it
+            try:
+                prefill, res = await early
+            except (WorkerUnavailable, ray.exceptions.RayActorError) as e:
+                # draining, out of KV blocks or gone: another prefill actor (the decode actor's
+                # receive is pointed at it by `expect`), as when none was reserved early
+                log.info("prefill actor %s unavailable for %s (%s); trying another", prefill_id, rid, e)
+                tried.add(prefill_id)
+        if res is None:
+            while True:
                 prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
                 prefill = self.view.handle(prefill_id)
-            try:
-                res = await prefill.reserve.remote(transfer_id, ids, plan["first_block"], plan["cached_tokens"], sp)
-                break
-            except WorkerUnavailable:
-                if expecting is not None:   # the receive waits for that actor: prefill locally
-                    raise
-                tried.add(prefill_id)
+                try:
+                    res = await prefill.reserve.remote(transfer_id, ids, sp)
+                    break
+                except WorkerUnavailable:
+                    tried.add(prefill_id)
         try:
             return await self._transfer_from(prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res,
                                              hashes)
@@ -341,22 +381,25 @@ class Router:
             raise
 
     async def _transfer_from(self, prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res, hashes):
+        """`plan`: the decode actor's reservation (its cached tokens, the blocks the KV lands in);
+        `res`: the prefill actor's (its cached tokens, all the prompt's blocks)."""
         from kv_transfer.base import TransferSpec
 
         layers = list(range(self.num_layers))
-        n = len(plan["dst_block_ids"])
-        spec = TransferSpec(transfer_id, prefill_id, decode_id, layers, res["src_block_ids"][:n],
+        first, n, bs = plan["first_block"], len(plan["dst_block_ids"]), self.block_size
+        blocks = res["block_ids"]
+        spec = TransferSpec(transfer_id, prefill_id, decode_id, layers, blocks[first:first + n],
                             plan["dst_block_ids"], plan["num_tokens"]).to_msg()
-        cached = res["cached_tokens"]
-        if "pull_dst_block_ids" in res:
-            first = res["pull_first_block"]
-            pull_dst = res["pull_dst_block_ids"]
+        cached, peer_cached = res["cached_tokens"], plan["cached_tokens"]
+        if peer_cached > cached:   # the decode actor holds more of the prefix: pull it, do not recompute
+            at = cached // bs      # both counts are whole blocks
+            pull_dst = blocks[at:peer_cached // bs]
             pull = TransferSpec(f"{transfer_id}/pull", decode_id, prefill_id, layers,
-                                plan["prefix_block_ids"][first:first + len(pull_dst)], pull_dst,
-                                len(pull_dst) * self.block_size).to_msg()
-            await prefill.expect_pull.remote({**pull, "owner": transfer_id}, plan["cached_tokens"])
+                                plan["prefix_block_ids"][at:at + len(pull_dst)], pull_dst,
+                                len(pull_dst) * bs).to_msg()
+            await prefill.expect_pull.remote({**pull, "owner": transfer_id}, peer_cached)
             await decode.send_prefix.remote(pull)
-            cached = plan["cached_tokens"]
+            cached = peer_cached
         if plan.get("expecting") != prefill_id:
             await decode.expect.remote(spec)
         task = asyncio.ensure_future(prefill.start.remote(spec))

@@ -134,6 +134,9 @@ def test_second_turn_hits_the_cache_remote_path(remote, caplog):
     # token from the last one's logits)
     computed = after["prefill-0"]["computed_tokens"] - before["prefill-0"]["computed_tokens"]
     assert computed == new
+    # the part of the prompt the decode actor had cached and the prefill actor had not (the first
+    # turn's output) was pulled from the decode actor, not recomputed
+    assert after["prefill-0"]["pulled_tokens"] > before["prefill-0"]["pulled_tokens"]
     assert after["decode-0"]["remote_prefills"] == before["decode-0"]["remote_prefills"] + 1
 
 

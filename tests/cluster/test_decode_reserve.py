@@ -47,6 +47,22 @@ def test_reserve_registers_the_receive_from_the_named_prefill_actor(worker):
     assert used_blocks(w) == 0
 
 
+def test_expect_from_another_prefill_actor_redirects_the_registered_receive(worker):
+    """The router's first prefill actor could not take the request: its `expect` names another,
+    and the receive registered at reserve now waits for that one."""
+    from kv_transfer.base import TransferSpec
+
+    w = worker
+    plan = w.reserve("req-4", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-4", "prefill-9")
+    n = len(plan["dst_block_ids"])
+    spec = TransferSpec("t-4", "prefill-7", "decode-r", tuple(range(w.engine.kv_cache.num_layers)),
+                        tuple(range(n)), tuple(plan["dst_block_ids"]), plan["num_tokens"])
+    w.expect(spec.to_msg())
+    assert w.receiver._table.get("t-4").peer == "prefill-7"
+    assert w.receiver.poll("t-4") is TransferState.WAITING
+    assert w.abort("req-4") and used_blocks(w) == 0
+
+
 def test_a_receive_that_cannot_be_registered_fails_the_reserve_and_keeps_nothing(worker):
     w = worker
     with pytest.raises(ValueError, match="distinct"):     # the sender cannot be the receiver itself

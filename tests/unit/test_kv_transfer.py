@@ -458,6 +458,24 @@ def test_receiver_abort_between_parts_of_one_frame_writes_nothing_more():
         receiver.close()
 
 
+def test_a_registered_receive_can_be_pointed_at_another_sender_until_data_arrives(pair):
+    """The decode actor registers a receive naming the prefill actor asked first; when another one
+    takes the request, `redirect` points it there (same blocks). Refused once data has arrived."""
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    first_choice = TransferSpec("req-r", "prefill-9", "decode-0", (0, 1, 2, 3), (), DST, 11)
+    receiver.expect(first_choice)
+    spec = make_spec("req-r")                         # from prefill-0, with its source blocks
+    with pytest.raises(ValueError, match="keeps its layers and blocks"):
+        receiver.redirect(make_spec("req-r", dst=(5, 9, 2)))
+    receiver.redirect(spec)
+    sender.send(spec)
+    assert receiver.wait("req-r", 2) is TransferState.DONE
+    for layer in spec.layers:
+        assert_layer_copied(src, dst, layer)
+    with pytest.raises(KVTransferError, match="cannot be redirected"):
+        receiver.redirect(spec)
+
+
 def test_layer_runs_split_a_message_into_consecutive_layers():
     assert layer_runs([0, 1, 2, 3]) == [(0, range(0, 4))]
     assert layer_runs([4, 5, 7, 8, 9, 2]) == [(0, range(4, 6)), (2, range(7, 10)), (5, range(2, 3))]
