@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -273,10 +274,8 @@ class StagingSlots:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int | None]:
         """A contiguous buffer of that shape and its slot (None: its own tensor)."""
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if nbytes > self.slot_bytes or not self._free or nbytes % dtype.itemsize:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.slot_bytes or not self._free:
             return torch.empty(shape, dtype=dtype, device=self.device), None
         if self._mem is None:
             self._mem = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)

@@ -272,7 +272,6 @@ class _PeerRecvLoop:
                                   f"for {len(layers)} layers")
         while self._landings and len(self._landings) + len(parts) > self.receiver.config.max_inflight_messages:
             self._land(wait=True)                  # bound the staging memory
-        store = self.receiver.store
         # Every part's receive is posted before any bookkeeping, so the wire never waits for this
         # thread. Posted from a stream that holds only block-id copies: NCCL's stream waits for the
         # poster's stream, and on the scatter stream that would hold this receive until the

@@ -50,7 +50,6 @@ def _ignore(_request_id: str) -> None:
     pass
 
 
-
 class LayerStreamSender(KVSender):
     def __init__(self, store: BlockStore, connector: Connector,
                  config: KVTransferConfig = KVTransferConfig(),
@@ -167,7 +166,6 @@ class _Message:
     num_layers: int
     op: Pending
     data: torch.Tensor      # kept alive until the send completes
-    nbytes: int
     slot: int | None = None  # its staging slot, free again once the send completes
 
 
@@ -321,7 +319,7 @@ class _PeerSendWorker:
                 claims -= 1
                 bufs.pop(0)
                 self._mark(f"send.posted {n}", rid)
-                self._inflight.append(_Message(rec, n, posted, buf, buf.numel() * buf.element_size(), slot))
+                self._inflight.append(_Message(rec, n, posted, buf, slot))
                 self.messages_sent += 1
                 at += n
             if idx + len(layers) == spec.num_layers:
