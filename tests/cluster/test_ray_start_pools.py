@@ -178,14 +178,24 @@ def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
     procs = _Processes(tmp_path, env)
     channel = None
     try:
-        # The head pod: rayStartParams {num-cpus: "0"}, so no pool actor can land here.
-        procs.start("ray-head", [RAY, "start", "--head", "--block", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                                 f"--temp-dir={temp_dir}", "--disable-usage-stats",
-                                 f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-                                 *_node_ports()])
-        _wait_for("the head's GCS", lambda: subprocess.run(
-            [RAY, "health-check", f"--address={address}"], capture_output=True, env=env, timeout=30).returncode == 0,
-            NODE_START_S, procs)
+        # The head pod: rayStartParams {num-cpus: "0"}, so no pool actor can land here. Started
+        # again, with fresh ports, if it exits during startup (as the kubelet restarts the pod):
+        # Ray picks some component ports at random and refuses to start when one collides with
+        # a port it was given ("... is trying to use a port number ... used by other components").
+        for attempt in range(NODE_START_ATTEMPTS):
+            head = procs.start("ray-head" + (f"-retry{attempt}" if attempt else ""), [
+                RAY, "start", "--head", "--block", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+                f"--temp-dir={temp_dir}", "--disable-usage-stats",
+                f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}", *_node_ports()])
+            try:
+                _wait_for("the head's GCS", lambda: subprocess.run(
+                    [RAY, "health-check", f"--address={address}"], capture_output=True, env=env,
+                    timeout=30).returncode == 0, NODE_START_S, procs)
+                break
+            except AssertionError:
+                if head.poll() is None or attempt + 1 == NODE_START_ATTEMPTS:
+                    raise
+                procs.forget(head)
         # The worker groups: rayStartParams.resources '"{\"tandem_prefill\": 1}"' and the decode one.
         # One node at a time: two raylets registering at once on a 2-core machine once made one of
         # them time out asking the GCS for its node info. A `ray start` that exits during startup is
