@@ -11,12 +11,22 @@ has() { [[ "$STEPS" == *" $1 "* ]]; }
 has transfer && TAIL=24 step bench_transfer 90 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" --profile /tmp/prof
 has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
 has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
+# PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first prefill and
+# decode actors for that long, from PYSPY_AT seconds after they start, into $OUT/pyspy-*.txt
+if has e2e && [ -n "${PYSPY:-}" ] && [ -x .devbundle/py-spy ]; then
+  for a in PrefillActor DecodeActor; do (
+    until pid=$(pgrep -f "ray::$a" | head -1) && [ -n "$pid" ]; do sleep 1; done; sleep "${PYSPY_AT:-40}"
+    .devbundle/py-spy record -d "$PYSPY" -r 50 --idle --threads --nonblocking --native -f raw -o "$OUT/pyspy-$a.txt" -p "$pid" \
+      > "$OUT/pyspy-$a.log" 2>&1 || .devbundle/py-spy record -d "$PYSPY" -r 50 --idle --threads --nonblocking -f raw \
+      -o "$OUT/pyspy-$a.txt" -p "$pid" >> "$OUT/pyspy-$a.log" 2>&1 ) & done; fi
 has e2e && TAIL=16 step e2e ${E2E_LIMIT:-320} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
-  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e
+  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e ${MODES:+--modes $MODES}
 # one file for everything (a call brings back only a few files): bench JSONs, tandem up logs, Ray's logs
 if has e2e; then A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)   # each actor: warmup, slow steps
   grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A
-  for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$(sed -n 2p $f) $f: $n slow steps"; done; fi
+  for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$(sed -n 2p $f) $f: $n slow steps"; done
+  grep -ho 'slow engine step.*' $A | cut -c1-700 | head -${SLOW_SHOWN:-0}
+  grep -ho 'Triton compiled a kernel while serving.*' $A | cut -c1-1200 | sort | uniq -c | sort -rn | head -20; fi
 has e2e && tar -czf "$OUT/e2e.tgz" -C / tmp/e2e $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
 has tests && TAIL=3 step tests_gpu ${TESTS_LIMIT:-260} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
 ls -la "$OUT"

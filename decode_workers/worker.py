@@ -29,6 +29,7 @@ from engine.engine import LLMEngine, RequestOutput
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from cluster.latency import LatencyWindow
 from engine.request import WorkerUnavailable
+from engine.kernels.compile_watch import watch as compile_watch
 from engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -370,6 +371,7 @@ class DecodeWorker:
                 "loop_error": repr(self.loop.error) if self.loop.error else None,
                 "last_step_error": self.loop.last_step_error,
                 "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
+                "late_compiles": compile_watch.late,
                 "cuda_graphs": e.runner.graph_stats, **self.counters}
 
 

@@ -103,6 +103,22 @@ def capture_query_lens(key: GraphKey) -> list[int]:
     return lens + [0] * (key.batch - len(lens))
 
 
+_PART_ALIGN = 4   # int32 elements: 16 bytes
+
+
+def packed_starts(lengths: list[int]) -> list[int]:
+    """Offsets (in int32 elements) of parts packed into one buffer, each 16-byte aligned, and the
+    buffer's length last. Triton specializes a pointer argument on whether it is 16-byte aligned:
+    parts packed end to end would start at offsets that change with the batch's sizes, and each
+    new alignment pattern compiles another kernel variant in the middle of a step (a second or
+    more; the two-GPU serving run logged 26 such compiles in 20 s)."""
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += -(-n // _PART_ALIGN) * _PART_ALIGN
+    return starts + [at]
+
+
 class StaticInputs:
     """The device buffers captured graphs read, and the packing of one step into them."""
 
@@ -111,12 +127,13 @@ class StaticInputs:
         self.device = device
         T, B = max_tokens, max_batch
         # header offsets: ids, positions, slots, logits rows [T each]; query_start_loc [B + 1]; seq_lens [B]
-        self.offsets = (0, T, 2 * T, 3 * T, 4 * T, 5 * T + B + 1, 5 * T + 2 * B + 1)
+        self.offsets = tuple(packed_starts([T, T, T, T, B + 1, B]))
         self.header_len = self.offsets[-1]
         self.buffer = torch.zeros(self.header_len + B * max_blocks, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)
         o = self.offsets
-        view = lambda i: self.buffer[o[i]:o[i + 1]]  # noqa: E731
+        sizes = (T, T, T, T, B + 1, B)
+        view = lambda i: self.buffer[o[i]:o[i] + sizes[i]]  # noqa: E731
         self.input_ids, self.positions, self.slots, self.logits_rows = (view(i) for i in range(4))
         self.query_start_loc, self.seq_lens = view(4), view(5)
         # what the header holds with no step in it: no tokens, nothing written or read

@@ -173,6 +173,7 @@ class LLMEngine:
     def step(self, layer_done=None) -> list[RequestOutput]:
         """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
         (prefill actors stream that layer of the requests this step completes)."""
+        t0 = time.perf_counter()
         drafts = {}
         if self.speculator is not None:
             drafts = self.speculator.propose(self.scheduler.running, self.scheduler.requests)
@@ -180,6 +181,7 @@ class LLMEngine:
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
             return []
+        t1 = time.perf_counter()
         batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
         graphs = self.runner.graphs
@@ -187,9 +189,9 @@ class LLMEngine:
         # prefill positions counted now, before the scheduler advances the requests
         prefill = sum(x.num_new_tokens for x in sched.scheduled
                       if x.request.num_computed_tokens < x.request.num_prompt_tokens)
+        t2 = time.perf_counter()
         logits = self.runner.execute(batch, hook)
-        self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
-                          graphs is not None and graphs.captures > captures)
+        t3 = time.perf_counter()
         self.stats.steps += 1
         self.stats.tokens_computed += sched.num_tokens
         for s in sched.scheduled:
@@ -202,21 +204,30 @@ class LLMEngine:
             produced = self.scheduler.update_from_output(sched, sampled)
         else:
             produced = self._verify(sched, batch, logits, drafts)
+        t4 = time.perf_counter()
         outs = [self._postprocess(req, new) for req, new in produced]
         if self.speculator is not None:
             for out in outs:
                 if out.finished:
                     self.speculator.release(out.request_id)
+        # host time per phase: "sample" includes waiting for the device to finish the step
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
+        self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
+                          graphs is not None and graphs.captures > captures, phases)
         return outs
 
     def last_step_summary(self) -> dict[str, Any]:
         """What the latest step ran, for a slow-step log: sequences, tokens, prompt tokens among
-        them, the CUDA graph it replayed (None: eager) and whether it captured that graph."""
+        them, the CUDA graph it replayed (None: eager), whether it captured that graph, and the
+        host milliseconds of each phase (`sample` includes the wait for the device: a long one
+        there means the GPU was slow or waiting; a long `execute` means the launches were)."""
         if not self.last_step:
             return {}
-        seqs, tokens, prefill, key, captured = self.last_step
+        seqs, tokens, prefill, key, captured, phases = self.last_step
         return {"seqs": seqs, "tokens": tokens, "prefill_tokens": prefill,
-                "graph": str(key) if key is not None else None, "captured": captured}
+                "graph": str(key) if key is not None else None, "captured": captured,
+                "ms": dict(zip(("schedule", "prepare", "execute", "sample", "output"),
+                               (round(1e3 * x, 1) for x in phases)))}
 
     def _verify(self, sched, batch, logits, drafts) -> list[tuple[Request, list[int]]]:
         """Speculative counterpart of sampling + `update_from_output`: accept drafts, cut at stop
@@ -369,6 +380,10 @@ class LLMEngine:
             raise RuntimeError("warmup needs an idle engine")
         t0 = time.perf_counter()
         launches = 0
+        if self.kv_cache.device.type == "cuda":   # from here on, every Triton compile is counted
+            from engine.kernels.compile_watch import watch
+
+            watch.install()
         if self.runner._fused():  # the Triton ops: compile each attention variant first
             from engine.kernels.paged_attention import compile_variants
 
@@ -412,6 +427,9 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)
+            from engine.kernels.compile_watch import watch
+
+            watch.arm()                 # a compile after this one is logged: warmup missed it
         return {"shapes": ran, "kernel_variants": launches, "seconds": round(time.perf_counter() - t0, 3),
                 **self.runner.graph_stats}
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs,
+from engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
                                 capture_query_lens, graph_key, token_buckets)
 from engine.kv_cache import KVCache
 from engine.scheduler import SchedulerOutput
@@ -146,13 +146,13 @@ class ModelRunner:
         # eager on CUDA: one pinned buffer [ids | positions | slots | logits rows | qsl | seq_lens | table]
         T, N, B = len(h.ids), len(h.logits_index), len(h.seq_lens)
         parts = (h.ids, h.positions, h.slots, h.logits_index, h.query_start_loc, np.asarray(h.seq_lens), h.table.reshape(-1))
-        bounds = np.cumsum([0] + [len(p) for p in parts])
-        host = torch.empty(int(bounds[-1]), dtype=torch.int32, pin_memory=dev.type == "cuda")
+        starts = packed_starts([len(p) for p in parts])
+        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=dev.type == "cuda")
         hn = host.numpy()
-        for p, a, b in zip(parts, bounds[:-1], bounds[1:]):
-            hn[a:b] = p
+        for p, a in zip(parts, starts):
+            hn[a:a + len(p)] = p
         buf = host.to(dev, non_blocking=True)
-        v = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        v = [buf[a:a + len(p)] for p, a in zip(parts, starts)]
         meta = AttentionMetadata(
             slot_mapping=v[2], query_start_loc=v[4], seq_lens=v[5], block_tables=v[6].view(B, -1),
             query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens,

@@ -13,8 +13,10 @@ Used by both worker kinds (prefill and decode actors); the loop itself holds no 
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -31,6 +33,51 @@ def _noop() -> None:
 
 class InjectedStepFailure(RuntimeError):
     pass
+
+
+class _StepSampler:
+    """Where a long step's thread is: once a step has run for `after_s`, a daemon thread samples
+    the loop thread's Python stack every `every_s` until the step ends. A slow-step log then
+    names the lines it sat on (a device wait in sampling, a launch blocked in the allocator, a
+    compile) instead of only its length. Costs nothing while steps are short."""
+
+    def __init__(self, after_s: float, every_s: float = 0.05):
+        self.after_s, self.every_s = after_s, every_s
+        self._started: float | None = None
+        self._ident: int | None = None
+        self._seen: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="step-sampler", daemon=True)
+            self._thread.start()
+        self._ident = threading.get_ident()
+        self._started = time.perf_counter()
+
+    def end(self) -> list[tuple[str, int]]:
+        """The step ended: the stacks seen (innermost frames first) and how often, commonest first."""
+        with self._lock:
+            self._started = None
+            seen, self._seen = self._seen, collections.Counter()
+        return seen.most_common(3)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            started, ident = self._started, self._ident
+            if started is None or time.perf_counter() - started < self.after_s:
+                continue
+            frame = sys._current_frames().get(ident)
+            where = []
+            while frame is not None and len(where) < 6:
+                code = frame.f_code
+                where.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+                frame = frame.f_back
+            with self._lock:
+                if self._started is started:
+                    self._seen[" < ".join(where)] += 1
 
 
 class EngineLoop:
@@ -55,6 +102,8 @@ class EngineLoop:
         self.busy_s = 0.0  # time spent in engine steps (utilisation metric)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._sampler = _StepSampler(slow_step_s / 2)
+        self._allocator_seen: dict[str, int] | None = None
 
     def start(self) -> "EngineLoop":
         """Start the thread. Separate from __init__: the hooks usually read the owner's
@@ -122,13 +171,19 @@ class EngineLoop:
                     self._inject = None
                     raise InjectedStepFailure("injected step failure (chaos test)")
                 t0 = time.perf_counter()
-                outputs = self.engine.step(self.layer_done)
+                self._sampler.begin()
+                try:
+                    outputs = self.engine.step(self.layer_done)
+                finally:
+                    where = self._sampler.end()
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 if dt > self.slow_step_s:
                     self.slow_steps += 1
                     summary = getattr(self.engine, "last_step_summary", dict)()
-                    log.warning("slow engine step: %.0f ms, %s", 1e3 * dt, summary)
+                    log.warning("slow engine step: %.0f ms, %s; allocator since the last slow step: %s; "
+                                "sampled at: %s", 1e3 * dt, summary, self._allocator_delta(),
+                                "; ".join(f"{n}x {stack}" for stack, n in where) or "-")
                 consecutive = 0
                 if outputs:
                     self.on_step(outputs)
@@ -156,6 +211,20 @@ class EngineLoop:
                 break
             if item is not None:
                 item[3].set_exception(self._stopped_error())
+
+    def _allocator_delta(self) -> dict[str, int]:
+        """cudaMallocs, frees and out-of-memory retries by torch's caching allocator since the
+        previous call (any of them stalls the device's other streams, NCCL's included)."""
+        cache = getattr(self.engine, "kv_cache", None)
+        if cache is None or getattr(cache.device, "type", "cpu") != "cuda":
+            return {}
+        import torch
+
+        stats = torch.cuda.memory_stats(cache.device)
+        now = {"mallocs": stats.get("segment.all.allocated", 0), "frees": stats.get("segment.all.freed", 0),
+               "retries": stats.get("num_alloc_retries", 0)}
+        before, self._allocator_seen = self._allocator_seen, now
+        return {k: v - before[k] for k, v in now.items()} if before else now
 
     def _stopped_error(self) -> WorkerUnavailable:
         why = f": {self.error!r}"[:300] if self.error is not None else ""

@@ -26,6 +26,7 @@ from cluster.latency import LatencyWindow
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import Request, SamplingParams, WorkerUnavailable
+from engine.kernels.compile_watch import watch as compile_watch
 from engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -270,4 +271,5 @@ class PrefillWorker:
                 "loop_error": repr(self.loop.error) if self.loop.error else None,
                 "last_step_error": self.loop.last_step_error,
                 "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
+                "late_compiles": compile_watch.late,
                 "cuda_graphs": e.runner.graph_stats, **self.counters}

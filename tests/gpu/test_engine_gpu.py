@@ -184,3 +184,25 @@ def test_warmup_compiles_and_captures_before_serving():
     captured = e.runner.graph_stats["captures"]
     e.generate([{"prompt_token_ids": list(range(10, 400)), "max_tokens": 8, "ignore_eos": True}])
     assert e.runner.graph_stats["captures"] - captured <= 2, e.runner.graph_stats  # few new shapes
+
+
+def test_serving_after_warmup_compiles_no_kernel():
+    """Mixed batches of any sizes (prefill chunks beside decode and verify rows, odd token and
+    sequence counts, cached prefixes) run only kernel variants warmup compiled: a compile inside
+    a step stalls every sequence in it for a second or more (the two-GPU serving run had 26 in
+    20 s, from metadata packed at offsets that changed the pointers' alignment)."""
+    from engine.kernels.compile_watch import watch
+
+    model, tok, _ = load_model(MODEL, "bfloat16", "cuda", seed=7)
+    e = LLMEngine(EngineConfig(model="test", device="cuda", cache=CacheConfig(num_blocks=2048),
+                               speculative=SpeculativeConfig(method="ngram", num_tokens=3)),
+                  model=model, tokenizer=tok)
+    e.warmup()
+    late = watch.late
+    rng = torch.Generator().manual_seed(3)
+    lengths = (37, 390, 1001, 5, 77, 263, 130, 19, 611, 2)
+    prompts = [torch.randint(10, 1000, (n,), generator=rng).tolist() for n in lengths]
+    prompts.append(prompts[1] + prompts[3] + prompts[0])          # extends a cached prefix
+    reqs = [{"prompt_token_ids": p, "max_tokens": 9 + i % 5, "ignore_eos": True} for i, p in enumerate(prompts)]
+    e.generate(reqs, arrivals=[0, 0, 1, 2, 3, 5, 6, 6, 8, 9, 11])
+    assert watch.late == late, f"{watch.late - late} kernel compiles while serving; last: {watch.last_late}"

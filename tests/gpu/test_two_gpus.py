@@ -59,9 +59,18 @@ class Endpoint:
     def wait(self, rid: str) -> str:
         return self.end.wait(rid, 60).value
 
-    def cuda_mallocs(self) -> int:
-        """cudaMalloc calls by torch's allocator so far (each serializes the device's streams)."""
-        return torch.cuda.memory_stats()["segment.all.allocated"]
+    def record_allocations(self) -> None:
+        """From now on, keep the Python stack of every allocation torch's allocator makes."""
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def new_segments(self) -> list[str]:
+        """Where each cudaMalloc by torch's allocator since `record_allocations` came from (each
+        one serializes the device's streams); recording stops."""
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return [f"{e['size']} bytes at " + " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
+                                                   for f in e.get("frames", [])[:8])
+                for e in trace if e["action"] == "segment_alloc"]
 
     def blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.stack([self.store.gather_blocks(layer, block_ids) for layer in range(LAYERS)]).cpu()
@@ -110,21 +119,22 @@ def test_transfers_after_the_first_make_no_device_allocation(ray_gpus):
     receiver = Endpoint.remote("decode-0", addr, None, 2 * layer_bytes)
     try:
         g = torch.Generator().manual_seed(5)
-        before = None
         for i, n in enumerate((40, 40, 7, 33, 40)):     # the first one warms the pair up
             src = torch.randperm(BLOCKS, generator=g)[:n].tolist()
             dst = torch.randperm(BLOCKS, generator=g)[:n].tolist()
             rid = f"m{i}"
             spec = TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, n * 16).to_msg()
+            if i:
+                ray.get([sender.record_allocations.remote(), receiver.record_allocations.remote()])
             ray.get(receiver.expect.remote(spec))
             ray.get(sender.stream.remote(spec))
             assert ray.get(receiver.wait.remote(rid)) == "done"
             assert ray.get(sender.wait.remote(rid)) == "done"
+            if i:       # the transfer only: the check below allocates for its own copies
+                made = ray.get([sender.new_segments.remote(), receiver.new_segments.remote()])
+                assert made == [[], []], f"transfer {i} ({n} blocks): cudaMalloc on sender, receiver: {made}"
             sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
             assert torch.equal(sent, got)
-            if i == 0:
-                before = ray.get([sender.cuda_mallocs.remote(), receiver.cuda_mallocs.remote()])
-        assert ray.get([sender.cuda_mallocs.remote(), receiver.cuda_mallocs.remote()]) == before
     finally:
         for a in (sender, receiver):
             ray.kill(a)

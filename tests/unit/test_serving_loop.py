@@ -110,3 +110,27 @@ def test_a_slow_step_is_logged_with_what_it_ran(caplog):
     slow = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
     assert loop.slow_steps == 1 and len(slow) == 1, slow
     assert "'tokens': 4100" in slow[0]
+
+
+def test_a_slow_step_log_names_where_the_step_sat(caplog):
+    """The loop samples a long step's stack, so the log says which line the time went to."""
+    def waits_on_the_device():
+        time.sleep(0.4)
+
+    class SlowEngine(FlakyEngine):
+        def step(self, _layer_done=None):
+            if self.pending == 2:
+                waits_on_the_device()
+            return super().step()
+
+    engine = SlowEngine(pending=3, fail=0)
+    with caplog.at_level("WARNING", logger="engine.serving_loop"):
+        loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=0.1).start()
+        try:
+            until(lambda: engine.pending == 0)
+        finally:
+            loop.stop()
+    slow = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+    assert len(slow) == 1, slow
+    where = slow[0].split("sampled at: ")[1]
+    assert where.split("x ", 1)[0].isdigit() and "waits_on_the_device" in where.split(" < ")[0], where
