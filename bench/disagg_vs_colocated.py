@@ -59,7 +59,8 @@ def mode_configs(args) -> dict[str, dict]:
         common["cache"] = {"num_blocks": args.num_blocks}
 
     def layout(n_prefill: int, n_decode: int) -> dict:
-        return {**common, "prefill": {"replicas": n_prefill, "num_gpus": gpu},
+        queue = getattr(args, "prefill_queue_limit", 0) or float("inf")
+        return {**common, "prefill": {"replicas": n_prefill, "num_gpus": gpu, "max_queued_tokens": queue},
                 "decode": {"replicas": n_decode, "num_gpus": gpu,
                            "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
 
@@ -258,6 +259,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="prefill actors when disaggregated (default gpus/2)")
     ap.add_argument("--threshold", type=float, default=256,
                     help="disaggregated: decode prefills uncached suffixes up to this many tokens itself")
+    ap.add_argument("--prefill-queue-limit", type=int, default=0,
+                    help="disaggregated: prefill.max_queued_tokens, past which decode actors prefill "
+                         "locally (0: no limit, always remote)")
     ap.add_argument("--speculative", default="ngram", help="both modes")
     ap.add_argument("--chunk", type=int, default=8192, help="scheduler.max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)

@@ -20,7 +20,7 @@ if has e2e && [ -n "${PYSPY:-}" ] && [ -x .devbundle/py-spy ]; then
       > "$OUT/pyspy-$a.log" 2>&1 || .devbundle/py-spy record -d "$PYSPY" -r 50 --idle --threads --nonblocking -f raw \
       -o "$OUT/pyspy-$a.txt" -p "$pid" >> "$OUT/pyspy-$a.log" 2>&1 ) & done; fi
 has e2e && TAIL=16 step e2e ${E2E_LIMIT:-320} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 \
-  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e ${MODES:+--modes $MODES}
+  --workload agent --rates ${RATES:-0.5,1,2} --duration ${DURATION:-30} --drain ${DRAIN:-45} --out /tmp/e2e ${MODES:+--modes $MODES} ${E2E_ARGS:-}
 # one file for everything (a call brings back only a few files): bench JSONs, tandem up logs, Ray's logs
 if has e2e; then A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)   # each actor: warmup, slow steps
   grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A

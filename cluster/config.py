@@ -39,6 +39,11 @@ class PoolConfig:
     # decode pool only: prompts whose uncached part is at most this many tokens are prefilled by the
     # decode actor itself; math.inf is the colocated mode.
     local_prefill_threshold: float = 256
+    # prefill pool only: a prefill actor that holds this many uncached prompt tokens of a router's
+    # remote prefills (queued or computing) gets no more from that router; the decode actor prefills
+    # the request itself instead. A backlogged prefill pool costs a request more TTFT than a local
+    # prefill costs the decode batch in TPOT (conditional disaggregation). inf: always remote.
+    max_queued_tokens: float = math.inf
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -47,6 +52,8 @@ class PoolConfig:
             raise ConfigError("pool: num_gpus and num_cpus must be >= 0")
         if self.local_prefill_threshold < 0:
             raise ConfigError("pool: local_prefill_threshold must be >= 0")
+        if not self.max_queued_tokens > 0:
+            raise ConfigError(f"pool: max_queued_tokens must be > 0 (inf: no limit), got {self.max_queued_tokens}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class Router:
 
     def __init__(self, view: ClusterView, tokenizer, model_config, block_size: int, sessions,
                  limits: RequestLimits = RequestLimits(), local_prefill_threshold: float = 256,
-                 admission: AdmissionConfig = AdmissionConfig()):
+                 admission: AdmissionConfig = AdmissionConfig(), max_prefill_queued_tokens: float = math.inf):
         self.view = view
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
@@ -55,6 +56,10 @@ class Router:
         self.sessions = sessions
         self.limits = limits
         self.threshold = local_prefill_threshold
+        # uncached prompt tokens of this router's remote prefills not yet sent, per prefill actor:
+        # past the limit an actor gets no more, and decode actors prefill locally meanwhile
+        self.max_prefill_queued = max_prefill_queued_tokens
+        self.prefill_queued: dict[str, int] = {}
         self.num_layers = model_config.num_layers
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
@@ -105,7 +110,6 @@ class Router:
         loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill."""
         offer_remote = self.threshold != float("inf") and bool(self.view.views("prefill"))
-        transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
         prefill_hint, early = None, None
         if offer_remote:
             # The prefill actor is picked first and reserved on while the decode actor reserves
@@ -115,8 +119,18 @@ class Router:
                 prefill_hint = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
             except RequestFailed:
                 prefill_hint = None
-            if prefill_hint is not None:
-                early = asyncio.ensure_future(self._reserve_prefill(prefill_hint, transfer_id, ids, sp))
+            if self._prefill_backlogged(prefill_hint, len(ids)):
+                roomy = [w.worker_id for w in self.view.views("prefill")
+                         if not self._prefill_backlogged(w.worker_id, len(ids))]
+                prefill_hint = min(roomy, key=lambda w: self.prefill_queued.get(w, 0), default=None)
+                if prefill_hint is None:          # every prefill actor is backlogged: prefill locally
+                    offer_remote = False
+                    self.counters["prefill_backlogged"] = self.counters.get("prefill_backlogged", 0) + 1
+        transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
+        hold = None       # counted on the prefill actor at once, so concurrent arrivals see it
+        if prefill_hint is not None and offer_remote:
+            hold = self._hold_prefill(prefill_hint, len(ids))
+            early = asyncio.ensure_future(self._reserve_prefill(prefill_hint, transfer_id, ids, sp))
         tried = set(exclude)
         try:
             while True:
@@ -131,23 +145,53 @@ class Router:
                     self.view.inflight[decode_id] -= 1
                     tried.add(decode_id)
         except BaseException:
+            self._release_prefill(hold)
             self._drop_prefill_reservation(early, prefill_hint, transfer_id)
             raise
         att = Attempt(decode_id, decode, transfer_id=transfer_id, mode=plan["mode"])
         att.marks["decode_reserved"] = time.perf_counter()
         if plan["mode"] != "remote":                  # prefilled locally: the early one is not needed
+            self._release_prefill(hold)
             self._drop_prefill_reservation(early, prefill_hint, transfer_id)
         else:
             try:
                 att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
                     rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early)
-            except (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError) as e:
+            except BaseException as e:
+                self._release_prefill(hold)
+                if not isinstance(e, (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError)):
+                    raise
                 log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
                 await self._prefill_locally(att, rid, ids, sp)
             else:
                 att.marks["prefill_started"] = time.perf_counter()
                 att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
+                if hold is None or hold[0] != att.prefill_id:    # another prefill actor took it
+                    self._release_prefill(hold)
+                    hold = self._hold_prefill(att.prefill_id, len(ids))
+                att.prefill_task.add_done_callback(lambda _: self._release_prefill(hold))
         return att
+
+    def _prefill_backlogged(self, prefill_id: str | None, tokens: int) -> bool:
+        """Whether `prefill_id` holds too many prompt tokens of this router's remote prefills to
+        take `tokens` more (an idle actor takes any prompt, however long)."""
+        queued = self.prefill_queued.get(prefill_id, 0) if prefill_id is not None else 0
+        return queued > 0 and queued + tokens > self.max_prefill_queued
+
+    def _hold_prefill(self, prefill_id: str, tokens: int) -> tuple[str, int]:
+        """Count `tokens` on `prefill_id` until `_release_prefill` of what this returns."""
+        self.prefill_queued[prefill_id] = self.prefill_queued.get(prefill_id, 0) + tokens
+        return prefill_id, tokens
+
+    def _release_prefill(self, hold: tuple[str, int] | None) -> None:
+        if hold is None:
+            return
+        prefill_id, tokens = hold
+        left = self.prefill_queued.get(prefill_id, 0) - tokens
+        if left > 0:
+            self.prefill_queued[prefill_id] = left
+        else:
+            self.prefill_queued.pop(prefill_id, None)
 
     async def _reserve_prefill(self, prefill_id: str, transfer_id: str, ids, sp) -> tuple[Any, dict]:
         """-> (the actor's handle, its reservation)."""
@@ -564,7 +608,8 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     router = Router(view, tokenizer, model_config, config.engine.cache.block_size, sessions, limits,
                     config.decode.local_prefill_threshold,
                     AdmissionConfig(max_in_flight=rc.max_in_flight, max_queue=rc.max_queue,
-                                    max_streams_per_client=rc.max_streams_per_client))
+                                    max_streams_per_client=rc.max_streams_per_client),
+                    config.prefill.max_queued_tokens)
     router.slow_ttft_s = rc.slow_ttft_log_s
     view.on_refresh = lambda state: publish_cluster_metrics(router.hub, state)
     server = grpc.aio.server(interceptors=list(interceptors), options=[

@@ -226,6 +226,38 @@ def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
     assert all(v == 0 for v in c.wait_idle().values())
 
 
+def test_a_backlogged_prefill_pool_sends_new_prompts_to_local_prefill(make_cluster, offline):
+    """prefill.max_queued_tokens: while the prefill actor holds that many prompt tokens of the
+    router's remote prefills, new prompts are prefilled by the decode actor itself (every prompt
+    would go remote otherwise: threshold 0); outputs are the same either way and nothing leaks."""
+    c = make_cluster({**REMOTE, "prefill.max_queued_tokens": 1, "prefill.replicas": 1, "decode.replicas": 1})
+    reqs = [{"prompt": f"{PROMPTS[i % 4]} # {i}\n" + "value = compute(value)\n" * 20, "max_tokens": 5}
+            for i in range(8)]
+    ref = offline(reqs)
+    results: list = [None] * len(reqs)
+    errors: list = []
+    start = threading.Barrier(len(reqs))
+
+    def run(i):
+        try:
+            start.wait(30)
+            results[i] = c.generate(prompt=reqs[i]["prompt"], max_tokens=5, session_id=f"q{i}")[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert results == [r["token_ids"] for r in ref]
+    d = c.worker_stats()["decode-0"]
+    assert d["remote_prefills"] >= 1 and d["local_prefills"] >= 1, d     # an idle prefill actor takes one
+    assert d["remote_prefills"] + d["local_prefills"] == len(reqs)
+    assert all(v == 0 for v in c.wait_idle().values())
+
+
 def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
     c = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 2}, redis_url=redis_server)
     other = c.add_router(redis_url=redis_server)

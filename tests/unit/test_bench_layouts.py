@@ -19,6 +19,8 @@ def test_two_modes_split_the_gpus():
     c = mode_configs(_args())
     assert (c["disaggregated"]["prefill"]["replicas"], c["disaggregated"]["decode"]["replicas"]) == (1, 1)
     assert c["disaggregated"]["decode"]["local_prefill_threshold"] == 256
+    assert math.isinf(c["disaggregated"]["prefill"]["max_queued_tokens"])
+    assert mode_configs(_args(prefill_queue_limit=16384))["disaggregated"]["prefill"]["max_queued_tokens"] == 16384
     assert (c["colocated"]["prefill"]["replicas"], c["colocated"]["decode"]["replicas"]) == (0, 2)
     assert math.isinf(c["colocated"]["decode"]["local_prefill_threshold"])
     assert c["colocated"]["decode"]["num_gpus"] == 1 and c["colocated"]["model"]["dtype"] == "bfloat16"
