@@ -43,7 +43,13 @@ def bind_request(request_id: str, **fields: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        _request_fields.reset(token)
+        try:
+            _request_fields.reset(token)
+        except ValueError:
+            # the block is left in another context than it was entered in: an async generator
+            # (a gRPC stream the client cancelled) closed by the event loop's finalizer. Our
+            # fields were never bound in that context, so there is nothing to undo there.
+            pass
 
 
 class RequestContextFilter(logging.Filter):

@@ -183,6 +183,26 @@ def test_json_logs_carry_the_bound_request_id(monkeypatch):
         logging.getLogger().removeHandler(handler)
 
 
+def test_a_stream_closed_from_another_context_leaves_the_binding_cleanly():
+    """A gRPC stream the client cancels is an async generator closed by the event loop's
+    finalizer, in another context than it ran in: leaving bind_request there must not raise
+    (the router logged "Task exception was never retrieved" for each such stream)."""
+    import contextvars
+
+    async def stream():
+        with bind_request("r-cancelled"):
+            yield 1
+            yield 2
+
+    async def main():
+        gen = stream()
+        assert await gen.__anext__() == 1
+        closing = asyncio.get_running_loop().create_task(gen.aclose(), context=contextvars.Context())
+        await closing                                # raised ValueError before
+
+    asyncio.run(main())
+
+
 def test_key_value_format_and_bad_level(monkeypatch):
     out = io.StringIO()
     handler = setup_logging(level="INFO", fmt="kv", stream=out)
