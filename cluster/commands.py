@@ -25,6 +25,9 @@ def register(sub) -> None:
     up.add_argument("--redis-url", help="share sessions between routers through Redis")
     up.add_argument("--local-prefill-threshold", type=float,
                     help="uncached prompt tokens up to which decode actors prefill locally (inf = colocated)")
+    up.add_argument("--prefill-queue-limit", type=float,
+                    help="prompt tokens a router keeps queued on one prefill actor; past it decode actors "
+                         "prefill locally (prefill.max_queued_tokens; default inf)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
     up.add_argument("--autoscale", action="store_true", help="size each pool from its own load (bounds in config)")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
@@ -159,6 +162,7 @@ def cmd_up(args) -> int:
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
+                 "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
                  "autoscaler.enabled": True if args.autoscale else None}
     config = load_config(args.config, overrides)

@@ -4,7 +4,7 @@
     cache: {block_size: 16, num_blocks: null, ...}       # engine.config.CacheConfig
     scheduler: {max_num_seqs: 256, ...}                  # engine.config.SchedulerConfig
     speculative: {method: off, num_tokens: 5, ...}       # engine.config.SpeculativeConfig (decode actors)
-    prefill: {replicas: 1, resource_name: tandem_prefill, num_gpus: 0, ...}
+    prefill: {replicas: 1, resource_name: tandem_prefill, num_gpus: 0, max_queued_tokens: .inf}
     decode:  {replicas: 1, resource_name: tandem_decode, num_gpus: 0, local_prefill_threshold: 256}
     router:  {host: 127.0.0.1, port: 50051, redis_url: null, session_ttl_s: 3600, ...}
     autoscaler: {enabled: false, prefill_min: 1, prefill_max: 8, ttft_target_s: 2.0, ...}  # cluster.autoscaler
