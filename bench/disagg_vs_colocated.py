@@ -169,7 +169,9 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
         kind, _ = parse_workload(c["workload"])
         n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
         sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
-        model = perf if colocated else replace(perf, local_prefill_threshold=threshold)
+        model = perf if colocated else replace(
+            perf, local_prefill_threshold=threshold,
+            prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
         slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
         for run in report["runs"]:
             plan = plan_sessions(sessions, session_workload=True, rate=run["rate"], duration_s=c["duration_s"],

@@ -5,6 +5,7 @@ simulator's performance model to it. `tandem simulate` replays a workload agains
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -160,6 +161,8 @@ def cmd_simulate(args) -> int:
     specs = load_workload(args.workload, random.Random(args.seed), num_sessions=args.sessions,
                           session_rate_per_s=args.session_rate)
     perf = load_perf(args.perf)
+    if args.prefill_queue_limit is not None:
+        perf = dataclasses.replace(perf, prefill_queue_limit=args.prefill_queue_limit)
     slo = SLO(args.ttft_slo, args.tpot_slo)
     opts: dict[str, Any] = {"closed_loop": args.closed_loop, "pull_prefix": not args.no_pull_prefix}
     if args.sweep:
@@ -192,6 +195,8 @@ def register(sub) -> None:
     sm.add_argument("--sweep", type=int, metavar="GPUS", help="every prefill:decode split of GPUS workers, "
                                                              "and all of them colocated")
     sm.add_argument("--perf", help="perf model JSON from `tandem profile` (default: assumed 8B on H200)")
+    sm.add_argument("--prefill-queue-limit", type=float,
+                    help="the cluster's prefill.max_queued_tokens (default: the perf model's, inf)")
     sm.add_argument("--sessions", type=int, default=50)
     sm.add_argument("--session-rate", type=float, default=1.0, help="new sessions per second")
     sm.add_argument("--ttft-slo", type=float, default=2.0)

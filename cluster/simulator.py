@@ -7,8 +7,9 @@ A discrete-event simulation of Tandem's request path, with service times from a 
    least loaded.
 2. It waits there (FIFO) for a batch slot and KV for prompt + output; the prompt's cached prefix
    (an LRU per worker, by session or by block hash) is reused, not reserved again.
-3. Uncached part <= `local_prefill_threshold` (or no prefill workers): the decode worker prefills it
-   itself, in chunks inside its steps. Otherwise the prefill worker with the earliest estimated
+3. Uncached part <= `local_prefill_threshold` (or no prefill workers, or every prefill worker holds
+   `prefill_queue_limit` prompt tokens not yet delivered, the router's rule): the decode worker
+   prefills it itself, in chunks inside its steps. Otherwise the prefill worker with the earliest estimated
    finish (its queue plus the work its own cache leaves) computes it FIFO, and streams the KV layer
    by layer, so the KV is ready at max(compute end, compute start + transfer time). That is the
    first token. (`pull_prefix`: what if the prefill worker received the decode worker's cached
@@ -73,6 +74,9 @@ class PerfModel:
     request_overhead_s: float = 0.0
     remote_overhead_s: float = 0.0
     local_prefill_threshold: float = 256  # uncached tokens a decode worker prefills itself
+    # prefill.max_queued_tokens: prompt tokens queued on a prefill worker past which requests are
+    # prefilled by their decode worker instead (the router's rule); inf: always remote
+    prefill_queue_limit: float = math.inf
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
     kv_capacity_tokens: int = 700_000  # KV per worker (decode: running + prefix cache)
@@ -84,6 +88,8 @@ class PerfModel:
                   "request_overhead_s", "remote_overhead_s")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
+        if not self.prefill_queue_limit > 0:
+            raise ConfigError("perf model: prefill_queue_limit must be > 0 (inf: no limit)")
         if min(self.max_batch, self.max_step_tokens, self.kv_capacity_tokens, self.block_tokens) < 1:
             raise ConfigError("perf model: max_batch, max_step_tokens, kv_capacity_tokens and "
                               "block_tokens must be >= 1")
@@ -134,8 +140,9 @@ class PerfModel:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if math.isinf(d["local_prefill_threshold"]):
-            d["local_prefill_threshold"] = "inf"  # JSON has no infinity
+        for key in _MAYBE_INF:
+            if math.isinf(d[key]):
+                d[key] = "inf"  # JSON has no infinity
         return d
 
     @classmethod
@@ -145,9 +152,13 @@ class PerfModel:
         if unknown:
             raise ConfigError(f"perf model: unknown key(s) {sorted(unknown)}")
         d = dict(d)
-        if isinstance(d.get("local_prefill_threshold"), str):
-            d["local_prefill_threshold"] = float(d["local_prefill_threshold"])
+        for key in _MAYBE_INF:
+            if isinstance(d.get(key), str):
+                d[key] = float(d[key])
         return cls(**d)
+
+
+_MAYBE_INF = ("local_prefill_threshold", "prefill_queue_limit")
 
 
 @dataclass(frozen=True)
@@ -304,6 +315,8 @@ class _PrefillWorker(_Worker):
         super().__init__(*a)
         self.free_s = 0.0
         self.jobs: deque[tuple[float, float, int]] = deque()  # (start, end, tokens), FIFO
+        self.queued: deque[tuple[float, int]] = deque()      # (KV delivered at, prompt tokens)
+        self.queued_tokens = 0
 
     def idle(self, now: float) -> bool:
         return self.free_s <= now
@@ -441,13 +454,23 @@ class _Simulation:
             w.held += r.input_tokens + r.output_tokens
             s.reserved = need
             uncached = r.input_tokens - hit
-            prefills = [p for p in self.prefills if p.accepting]
+            prefills = [p for p in self.prefills if p.accepting and not self._backlogged(p, r.input_tokens, now)]
             if uncached <= self.threshold or not prefills:
                 s.kind, s.cached, s.prefill_left, s.context = "local", hit, uncached, hit
                 w.local.append(s)
                 self._step_if_idle(w, now)
             else:
                 self._send_to_prefill(s, prefills, hit, now)
+
+    def _backlogged(self, p: _PrefillWorker, tokens: int, now: float) -> bool:
+        """The router's rule: a prefill worker holding queued or computing prompt tokens gets no
+        more once they would pass the limit (an idle one takes any prompt)."""
+        limit = self.perf.prefill_queue_limit
+        if math.isinf(limit):
+            return False
+        while p.queued and p.queued[0][0] <= now:     # delivered: off the router's count
+            p.queued_tokens -= p.queued.popleft()[1]
+        return p.queued_tokens > 0 and p.queued_tokens + tokens > limit
 
     def _send_to_prefill(self, s: _Seq, prefills: list[_PrefillWorker], decode_hit: int,
                          now: float) -> None:
@@ -477,6 +500,8 @@ class _Simulation:
         s.decode.awaiting_kv += 1
         # layer-by-layer streaming hides the transfer under compute unless it is the slower one
         ready = max(end, start + perf.transfer_s(n_in - decode_hit)) + perf.remote_overhead_s
+        p.queued.append((ready, n_in))
+        p.queued_tokens += n_in
         self.recent_ttft.append((ready, ready - now))
         self.push(ready, "kv_ready", s)
 

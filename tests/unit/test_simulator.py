@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -32,6 +33,21 @@ def test_more_decode_workers_lower_tpot_when_decode_bound():
     four = simulate(reqs, 1, 4, PERF, SLO_).summary
     assert four.tpot_p50 < 0.5 * one.tpot_p50
     assert four.rejected == one.rejected == 0
+
+
+def test_prefill_queue_limit_sends_the_overflow_to_local_prefill():
+    """The router's prefill.max_queued_tokens: past it, prompts are prefilled by their decode
+    worker. Under a prompt burst one prefill worker cannot keep up with, the cap turns its queue
+    into local prefills and TTFT drops; without it every prompt waits in that queue."""
+    reqs = burst(20, 4000, 2, over_s=4.0)          # 20 x 0.4 s of prefill in 4 s
+    queued = simulate(reqs, 1, 1, PERF, SLO_)
+    capped = simulate(reqs, 1, 1, replace(PERF, prefill_queue_limit=8000), SLO_)
+    assert all(r.prefill == "remote" for r in queued.requests)
+    kinds = [r.prefill for r in capped.requests]
+    assert kinds.count("remote") >= 5 and kinds.count("local") >= 5, kinds
+    assert capped.summary.ttft_p90 < 0.5 * queued.summary.ttft_p90
+    # an idle prefill worker takes a prompt longer than the limit
+    assert simulate(burst(1, 4000, 2), 1, 1, replace(PERF, prefill_queue_limit=100), SLO_).requests[0].prefill == "remote"
 
 
 def test_more_prefill_workers_lower_ttft_when_prefill_heavy():
@@ -151,7 +167,7 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_perf_model_json_round_trip():
-    for perf in (PERF, PerfModel(local_prefill_threshold=math.inf)):
+    for perf in (PERF, PerfModel(local_prefill_threshold=math.inf), replace(PERF, prefill_queue_limit=8000)):
         text = json.dumps(perf.to_dict())
         assert "Infinity" not in text
         assert PerfModel.from_dict(json.loads(text)) == perf
