@@ -3,7 +3,10 @@
 # the GPU tests. STEPS picks a subset (default: "transfer ttft tests e2e"). Each
 # step has its own time limit; logs and JSON go to $OUT (the e2e run's files, with every Ray log,
 # packed into $OUT/e2e.tgz). All four steps do not fit one call's 600 s: run
-# STEPS="transfer ttft tests" (about 8 min) and STEPS=e2e RATES=2,4,8 (about 5 min) as two calls.
+# STEPS="transfer ttft tests" (about 8 min) and STEPS=e2e RATES=2,4,8 (about 6 min) as two calls.
+# E2E_ARGS passes flags to bench/disagg_vs_colocated.py, e.g. E2E_ARGS="--prefill-queue-limit 16384";
+# MODES=disaggregated runs one mode; SLOW_SHOWN=N prints the first N slow-step logs; every Triton
+# compile after warmup is printed (there should be none).
 set -u
 source bench/gpu_session_common.sh
 STEPS=" ${STEPS:-transfer ttft tests e2e} "
