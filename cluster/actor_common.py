@@ -129,8 +129,10 @@ class PoolActorBase:
 
     @ray.method(concurrency_group="health")
     def set_draining(self, draining: bool = True):
+        """Stop (or resume) taking new requests; the answer is the latest stats with the new state
+        (the snapshot itself is taken by the engine loop between steps, so it may predate this)."""
         self.worker.draining = draining
-        return self.worker.stats()
+        return {**self.worker.stats(), "draining": draining}
 
     def shutdown(self):
         self.worker.shutdown()
