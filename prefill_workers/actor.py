@@ -27,3 +27,6 @@ class PrefillActor(PoolActorBase):
 
     def start(self, spec_msg):
         return self.worker.start(spec_msg)
+
+    def first_token(self, transfer_id):
+        return self.worker.first_token(transfer_id)

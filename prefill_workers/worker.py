@@ -9,15 +9,18 @@ A request's stages here, in order:
 2. `start(spec)`: begin the transfer, schedule the prompt, and wait: each layer of the final step
    is sent as that layer finishes (earlier chunks' KV of that layer goes in the same message).
    The step that completes the prompt also samples the request's first output token with its own
-   sampling parameters; `start` returns it once the KV has arrived, and the router streams it.
+   sampling parameters: `first_token` returns it at once (the router streams it while the last
+   layers are still on the wire), and `start` returns it again once the KV has arrived.
 3. When the transfer ends (done, failed or aborted), the request's blocks are released; the
    prefix stays in this actor's cache for the session's next turn.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -65,6 +68,10 @@ class PrefillWorker:
         self._started: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}  # prefix pulled (if any): queued for compute
         self._first: dict[str, dict[str, Any]] = {}  # transfer id -> first output token (engine.RequestOutput.first)
+        # transfer id -> the first token's future, made by whichever of `first_token` (the router's
+        # call) and the loop comes first; resolved ones nobody asked for are dropped oldest first
+        self._first_ready: collections.OrderedDict[str, Future] = collections.OrderedDict()
+        self._first_lock = threading.Lock()
         self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
         self._reserved_at: dict[str, float] = {}
         self._snapshot: dict[str, Any] | None = None
@@ -94,8 +101,24 @@ class PrefillWorker:
     def start(self, spec_msg: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute and send; returns when the transfer has ended (raises if it failed), with the
         first output token (`first`, see engine.RequestOutput) for the router to stream."""
-        fut = self.loop.run(self._start, spec_msg)
+        try:
+            fut = self.loop.run(self._start, spec_msg)
+        except BaseException as e:      # never started: a `first_token` waiter must not wait on
+            self._resolve_first(spec_msg["request_id"], None, e)
+            raise
         return fut.result(timeout_s)
+
+    def first_token(self, transfer_id: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """`{"first": engine.RequestOutput.first, "timings": {...}}` for `transfer_id`'s prompt as
+        soon as the step that completes the prompt has sampled its first output token, before its
+        last layers have landed on the decode actor. Raises if the transfer ends without one
+        (failed, aborted)."""
+        fut = self._first_future(transfer_id)
+        try:
+            return fut.result(timeout_s)
+        finally:
+            with self._first_lock:
+                self._first_ready.pop(transfer_id, None)
 
     def abort(self, transfer_id: str) -> bool:
         return self.loop.run(self._abort, transfer_id)
@@ -190,7 +213,30 @@ class PrefillWorker:
         # completions are tracked through the transfer; a step's outputs carry first tokens
         for o in outputs:
             if o.first is not None and o.request_id in self.active:
-                self._first[o.request_id] = o.first
+                tid, now = o.request_id, time.perf_counter()
+                self._first[tid] = o.first
+                t0, t_sched = self._started.get(tid), self._scheduled_at.get(tid)
+                timings = ({"prefix pull": t_sched - t0, "queue+compute": now - t_sched}
+                           if t0 is not None and t_sched is not None else {})
+                self._resolve_first(tid, {"first": o.first, "timings": timings})
+
+    def _first_future(self, tid: str) -> Future:
+        with self._first_lock:
+            fut = self._first_ready.get(tid)
+            if fut is None:
+                fut = self._first_ready[tid] = Future()
+                if len(self._first_ready) > 4096:        # resolved long ago and never asked for
+                    for old in [t for t, f in self._first_ready.items() if f.done()][:1024]:
+                        del self._first_ready[old]
+            return fut
+
+    def _resolve_first(self, tid: str, first: dict[str, Any] | None, error: BaseException | None = None) -> None:
+        fut = self._first_future(tid)
+        if not fut.done():
+            if first is not None:
+                fut.set_result(first)
+            else:
+                fut.set_exception(error or RuntimeError(f"transfer {tid} ended without a first token"))
 
     def _transfer_ended(self, tid: str) -> None:
         req = self.active.pop(tid, None)
@@ -208,6 +254,8 @@ class PrefillWorker:
         t0 = self._started.pop(tid, None)
         t_sched = self._scheduled_at.pop(tid, None)
         first = self._first.pop(tid, None)
+        if first is None:       # ended before its first token (else `_on_step` resolved it)
+            self._resolve_first(tid, None, RuntimeError(f"KV transfer {tid} {state.value} without a first token"))
         fut = self.done.pop(tid, None)
         from kv_transfer.base import TransferState
 

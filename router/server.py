@@ -155,8 +155,8 @@ class Router:
             self._drop_prefill_reservation(early, prefill_hint, transfer_id)
         else:
             try:
-                att.prefill_id, att.prefill_cached, att.prefill_task = await self._start_remote_prefill(
-                    rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early)
+                att.prefill_id, att.prefill_cached, att.prefill_task, att.first_task = \
+                    await self._start_remote_prefill(rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early)
             except BaseException as e:
                 self._release_prefill(hold)
                 if not isinstance(e, (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError)):
@@ -224,7 +224,9 @@ class Router:
         for the decode actor's own prefill instead."""
         await att.decode.abort.remote(rid)
         await att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
-        att.prefill_id = att.prefill_task = None
+        if att.first_task is not None:
+            att.first_task.cancel()
+        att.prefill_id = att.prefill_task = att.first_task = None
 
     async def _generate(self, v, ids, sampling, rid, t0):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
@@ -250,23 +252,33 @@ class Router:
                 if injected is not None:
                     msg, injected = injected, None
                 elif task is not None and not att.first_handled:
-                    if not task.done():
+                    early = att.first_task
+                    if early is not None and early.done() and (early.cancelled() or early.exception() is not None):
+                        early = att.first_task = None   # no early token: the prefill's result brings it
+                    if not task.done() and not (early is not None and early.done()):
                         getter = asyncio.ensure_future(queue.get())
-                        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait({getter, task} | ({early} if early is not None else set()),
+                                           return_when=asyncio.FIRST_COMPLETED)
                         if not getter.done():
                             getter.cancel()
-                            continue                 # the prefill ended: handled just below
+                            continue                 # the prefill ended or sampled: handled just below
                         msg = getter.result()        # (an error from the decode actor, say)
-                    elif task.exception() is not None:
+                    elif task.done() and task.exception() is not None:
                         # the prefill actor failed (or died) before the KV and first token arrived
                         log.warning("remote prefill of %s failed (%s); prefilling locally", rid, task.exception())
                         self.hub.record_migration("prefill_failed")
                         await self._prefill_locally(att, rid, ids + out_ids, _continue(sp, out_ids))
                         continue
                     else:
-                        # the KV is on the decode actor; the prefill actor sampled the first token
+                        # the prefill actor sampled the first token: stream it now (the decode
+                        # actor takes it before or after its KV lands); a transfer that fails later
+                        # comes back as the decode actor's error, and the request moves on from there
                         att.first_handled = True
-                        first = task.result()["first"]
+                        if early is not None and early.done():
+                            first = early.result()["first"]
+                            att.marks["first_timings"] = early.result()["timings"]
+                        else:
+                            first = task.result()["first"]
                         msg = {"request_id": rid, "token_ids": first["token_ids"], "text": first["text"]}
                         if first["finish_reason"]:   # it ends the request: the decode actor is not needed
                             msg.update(finish_reason=first["finish_reason"], usage={
@@ -376,7 +388,11 @@ class Router:
                              f"then local prefill + first step {ms(m.get('kv_sent', now), now)}")
             elif "prefill_started" in m:
                 parts.append(f"prefill placed on {att.prefill_id} {ms(m['decode_reserved'], m['prefill_started'])}")
-                if "kv_sent" in m:
+                if "kv_sent" not in m:    # the common case: the token went out ahead of the last layers
+                    split = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in m.get("first_timings", {}).items())
+                    parts.append(f"prefill to first token {ms(m['prefill_started'], now)}"
+                                 + (f" ({split})" if split else "") + ", KV still on the wire")
+                else:
                     ok = task.done() and not task.cancelled() and task.exception() is None
                     split = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in
                                       (task.result().get("timings", {}) if ok else {}).items())
@@ -447,8 +463,10 @@ class Router:
         if plan.get("expecting") != prefill_id:
             await decode.expect.remote(spec)
         task = asyncio.ensure_future(prefill.start.remote(spec))
+        # the first token as soon as it is sampled, while the last layers are still on the wire
+        early = asyncio.ensure_future(prefill.first_token.remote(transfer_id))
         self.prefix["prefill"].record(prefill_id, hashes[: len(ids) // self.block_size])
-        return prefill_id, cached, task
+        return prefill_id, cached, task, early
 
     async def _abort_everywhere(self, rid, att: "Attempt") -> None:
         calls = [att.decode.abort.remote(rid)]
@@ -462,6 +480,8 @@ class Router:
                 pass
         if att.prefill_task is not None:
             att.prefill_task.cancel()
+        if att.first_task is not None:
+            att.first_task.cancel()
 
 
 @dataclass
@@ -471,6 +491,7 @@ class Attempt:
     decode: Any
     prefill_id: str | None = None
     prefill_task: Any = None
+    first_task: Any = None       # the prefill actor's first token, ahead of the transfer's end
     transfer_id: str | None = None
     mode: str = "local"
     first_handled: bool = False  # the prefill actor's first token was taken from its result

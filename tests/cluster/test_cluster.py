@@ -127,7 +127,9 @@ def test_second_turn_hits_the_cache_remote_path(remote, caplog):
     slow = [r.getMessage() for r in caplog.records if "slow first token" in r.getMessage()]
     assert len(slow) == 2, slow
     assert "remote on decode-0" in slow[1] and "prefill placed on prefill-0" in slow[1], slow[1]
-    assert "queue+compute+send" in slow[1] and "KV sent to first token" in slow[1], slow[1]
+    # the prefill actor's own split of its time, whether the token came ahead of the transfer's end
+    # (the usual case) or with it
+    assert "queue+compute" in slow[1] and ("KV still on the wire" in slow[1] or "KV sent to first token" in slow[1]), slow[1]
     assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
     new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
     # the prefill actor computed exactly the uncached prompt tokens (and sampled the first output

@@ -1,0 +1,68 @@
+"""The prefill actor hands out a prompt's first output token as soon as it is sampled, ahead of
+the KV transfer's end, and never leaves a caller of `first_token` waiting on a transfer that
+failed. A real PrefillWorker (smollm2-135m on CPU) over the real transport (gloo, a TCPStore
+rendezvous); its decode peer never joins, so the transfer cannot finish before the connect
+timeout, while the prompt's compute does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kv_transfer.base import KVTransferConfig, TransferSpec
+
+
+@pytest.fixture
+def prefill():
+    from engine.config import CacheConfig, EngineConfig
+    from kv_transfer.torch_dist import start_rendezvous_store
+    from prefill_workers.worker import PrefillWorker
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    w = PrefillWorker("prefill-t", EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=256)),
+                      f"127.0.0.1:{port}", transfer_config=KVTransferConfig(connect_timeout_s=4.0, timeout_s=4.0))
+    yield w
+    w.shutdown()
+    del store
+
+
+def test_first_token_comes_before_the_transfer_ends(prefill):
+    from engine.engine import LLMEngine
+
+    ids = list(range(100, 180))
+    res = prefill.reserve("t1", ids, {"max_tokens": 4})
+    spec = TransferSpec("t1", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
+                        tuple(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
+    outcome: dict = {}
+
+    def start():
+        try:
+            outcome["result"] = prefill.start(spec)
+        except Exception as e:  # noqa: BLE001
+            outcome["error"] = e
+        outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=start)
+    t.start()
+    got = prefill.first_token("t1", timeout_s=30)
+    at = time.monotonic()
+    assert "at" not in outcome, "start returned first: the token waited for the transfer"
+    # the same token a plain engine samples after this prompt (greedy); the worker's engine is busy
+    ref = LLMEngine(prefill.engine.config).generate([{"prompt_token_ids": ids, "max_tokens": 1}])[0]
+    assert got["first"]["token_ids"] == ref["token_ids"]
+    assert set(got["timings"]) == {"prefix pull", "queue+compute"}
+    t.join(60)
+    assert "error" in outcome and outcome["at"] > at        # the peer never joined: the transfer failed
+    assert prefill.engine.allocator.num_used_blocks == 0     # and its blocks came back
+
+
+def test_first_token_of_a_transfer_that_never_started_raises_at_once(prefill):
+    bad = TransferSpec("t-unknown", "prefill-t", "decode-absent", (0,), (0,), (0,), 16).to_msg()
+    with pytest.raises(Exception):
+        prefill.start(bad)                                   # no reservation under that id
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        prefill.first_token("t-unknown", timeout_s=30)
+    assert time.monotonic() - t0 < 1.0
