@@ -352,7 +352,8 @@ class Router:
                 try:
                     await att.prefill_task
                 except Exception as e:  # noqa: BLE001 - the tokens arrived; only a late report failed
-                    log.warning("prefill of %s reported %s after its KV arrived", rid, e)
+                    if not att.release_decode:     # else its transfer was aborted on purpose
+                        log.warning("prefill of %s reported %s after its tokens were streamed", rid, e)
             self.counters["ok"] += 1
             self.prefix["decode"].record(att.decode_id, block_hashes(ids + out_ids, self.block_size))
             if v.session_id:
