@@ -39,8 +39,8 @@ class PoolConfig:
     # decode pool only: prompts whose uncached part is at most this many tokens are prefilled by the
     # decode actor itself; math.inf is the colocated mode.
     local_prefill_threshold: float = 256
-    # prefill pool only: a prefill actor that holds this many uncached prompt tokens of a router's
-    # remote prefills (queued or computing) gets no more from that router; the decode actor prefills
+    # prefill pool only: a prefill actor that holds this many prompt tokens of a router's remote
+    # prefills (queued, computing or sending) gets no more from that router; the decode actor prefills
     # the request itself instead. A backlogged prefill pool costs a request more TTFT than a local
     # prefill costs the decode batch in TPOT (conditional disaggregation). inf: always remote.
     max_queued_tokens: float = math.inf

@@ -56,8 +56,8 @@ class Router:
         self.sessions = sessions
         self.limits = limits
         self.threshold = local_prefill_threshold
-        # uncached prompt tokens of this router's remote prefills not yet sent, per prefill actor:
-        # past the limit an actor gets no more, and decode actors prefill locally meanwhile
+        # prompt tokens of this router's remote prefills not yet delivered, per prefill actor: past
+        # the limit an actor gets no more, and decode actors prefill locally meanwhile
         self.max_prefill_queued = max_prefill_queued_tokens
         self.prefill_queued: dict[str, int] = {}
         self.num_layers = model_config.num_layers

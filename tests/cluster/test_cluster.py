@@ -201,27 +201,36 @@ def test_deadline_exceeded_frees_every_block(remote):
     assert used and all(v == 0 for v in used.values()), used
 
 
-def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
-    c = make_cluster({**MODEL, "decode.local_prefill_threshold": 24, "prefill.replicas": 2, "decode.replicas": 2})
-    reqs = [{"prompt": f"{PROMPTS[i % 4]}\n# variant {i}: " + "x = 1\n" * (i % 7), "max_tokens": 6}
-            for i in range(32)]
-    ref = offline(reqs)
-    results: list = [None] * 32
+def _generate_concurrently(c, reqs: list[dict], session_prefix: str) -> list[list[int]]:
+    """Send every request at once (one thread each, released together; session i is
+    `session_prefix` + i) and return their token ids in order; fails on any error."""
+    results: list = [None] * len(reqs)
     errors: list = []
+    start = threading.Barrier(len(reqs))
 
     def run(i):
         try:
-            results[i] = c.generate(prompt=reqs[i]["prompt"], max_tokens=6, session_id=f"s{i}")[0]
+            start.wait(30)
+            results[i] = c.generate(prompt=reqs[i]["prompt"], max_tokens=reqs[i]["max_tokens"],
+                                    session_id=f"{session_prefix}{i}")[0]
         except Exception as e:  # noqa: BLE001
             errors.append((i, e))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     assert not errors, errors
-    assert results == [r["token_ids"] for r in ref]
+    return results
+
+
+def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
+    c = make_cluster({**MODEL, "decode.local_prefill_threshold": 24, "prefill.replicas": 2, "decode.replicas": 2})
+    reqs = [{"prompt": f"{PROMPTS[i % 4]}\n# variant {i}: " + "x = 1\n" * (i % 7), "max_tokens": 6}
+            for i in range(32)]
+    ref = offline(reqs)
+    assert _generate_concurrently(c, reqs, "s") == [r["token_ids"] for r in ref]
     stats = c.worker_stats()
     assert all(stats[w]["requests"] > 0 for w in ("decode-0", "decode-1")), "both decode actors should serve"
     assert sum(stats[w]["prefills"] for w in ("prefill-0", "prefill-1")) > 0
@@ -236,24 +245,7 @@ def test_a_backlogged_prefill_pool_sends_new_prompts_to_local_prefill(make_clust
     reqs = [{"prompt": f"{PROMPTS[i % 4]} # {i}\n" + "value = compute(value)\n" * 20, "max_tokens": 5}
             for i in range(8)]
     ref = offline(reqs)
-    results: list = [None] * len(reqs)
-    errors: list = []
-    start = threading.Barrier(len(reqs))
-
-    def run(i):
-        try:
-            start.wait(30)
-            results[i] = c.generate(prompt=reqs[i]["prompt"], max_tokens=5, session_id=f"q{i}")[0]
-        except Exception as e:  # noqa: BLE001
-            errors.append((i, e))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    assert results == [r["token_ids"] for r in ref]
+    assert _generate_concurrently(c, reqs, "q") == [r["token_ids"] for r in ref]
     d = c.worker_stats()["decode-0"]
     assert d["remote_prefills"] >= 1 and d["local_prefills"] >= 1, d     # an idle prefill actor takes one
     assert d["remote_prefills"] + d["local_prefills"] == len(reqs)
