@@ -9,6 +9,7 @@ import tempfile
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -26,8 +27,27 @@ except ImportError:  # pragma: no cover - the test extra installs it
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
 CHART = ROOT / "deploy" / "helm" / "tandem"
-# shared/ sits next to the checkout (the session's and CI's layout alike).
-CRD_DIR = ROOT.parent / "shared" / "kuberay" / "crds"
+
+
+def _crd_dir() -> Path:
+    """shared/kuberay/crds beside the checkout (the session's and CI's layout), or beside the
+    repository this one was cloned from (a throwaway clone made elsewhere, e.g. under /tmp)."""
+    here = ROOT.parent / "shared" / "kuberay" / "crds"
+    if here.is_dir():
+        return here
+    try:
+        origin = subprocess.run(["git", "-C", str(ROOT), "remote", "get-url", "origin"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return here
+    if origin and Path(origin).is_dir():
+        beside = Path(origin).resolve().parent / "shared" / "kuberay" / "crds"
+        if beside.is_dir():
+            return beside
+    return here
+
+
+CRD_DIR = _crd_dir()
 K8S_VERSION = "1.30"  # oldest Kubernetes the manifests target (native gRPC probes are GA from 1.27)
 RAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml",
              "RayJob": "ray.io_rayjobs.yaml"}

@@ -91,6 +91,17 @@ def test_an_injected_failure_fires_once():
         loop.stop()
 
 
+def run_logging_slow_steps(engine, slow_step_s: float, caplog) -> tuple[EngineLoop, list[str]]:
+    """Serve `engine` until it has no work; the loop and its slow-step log messages."""
+    with caplog.at_level("WARNING", logger="engine.serving_loop"):
+        loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=slow_step_s).start()
+        try:
+            until(lambda: engine.pending == 0)
+        finally:
+            loop.stop()
+    return loop, [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+
+
 def test_a_slow_step_is_logged_with_what_it_ran(caplog):
     class SlowEngine(FlakyEngine):
         def step(self, _layer_done=None):
@@ -100,14 +111,7 @@ def test_a_slow_step_is_logged_with_what_it_ran(caplog):
         def last_step_summary(self):
             return {"seqs": 3, "tokens": 4100, "graph": None}
 
-    engine = SlowEngine(pending=3, fail=0)
-    with caplog.at_level("WARNING", logger="engine.serving_loop"):
-        loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=0.02).start()
-        try:
-            until(lambda: engine.pending == 0)
-        finally:
-            loop.stop()
-    slow = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+    loop, slow = run_logging_slow_steps(SlowEngine(pending=3, fail=0), 0.02, caplog)
     assert loop.slow_steps == 1 and len(slow) == 1, slow
     assert "'tokens': 4100" in slow[0]
 
@@ -123,14 +127,7 @@ def test_a_slow_step_log_names_where_the_step_sat(caplog):
                 waits_on_the_device()
             return super().step()
 
-    engine = SlowEngine(pending=3, fail=0)
-    with caplog.at_level("WARNING", logger="engine.serving_loop"):
-        loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=0.1).start()
-        try:
-            until(lambda: engine.pending == 0)
-        finally:
-            loop.stop()
-    slow = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+    _, slow = run_logging_slow_steps(SlowEngine(pending=3, fail=0), 0.1, caplog)
     assert len(slow) == 1, slow
     where = slow[0].split("sampled at: ")[1]
     assert where.split("x ", 1)[0].isdigit() and "waits_on_the_device" in where.split(" < ")[0], where
