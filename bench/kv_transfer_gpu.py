@@ -9,6 +9,8 @@
    raw at the same total bytes; plus a streamed run where the layers are queued one at a time, a
    prefill's per-layer compute apart, reporting the tail the transfer adds after the last layer.
    The last repetition of each size is checked bit-exact (per-layer checksums on both sides).
+   Then the middle prompt again while both actors' Python is busy (as an engine loop keeps it),
+   at Python's default GIL switch interval and at the one the pool actors serve with.
 3. ttft (with --ttft): time to first token through the gRPC API for the same prompt lengths, with
    prefill on a prefill actor (GPU 0) and the KV streamed to the decode actor (GPU 1), against the
    decode actor prefilling locally on one GPU, same engine, same model (llama3-8b-random).
@@ -112,6 +114,34 @@ class Endpoint:
         last_queued = time.time()
         self.sender.wait(spec.request_id, CONFIG.timeout_s)
         return {"start": start, "last_queued": last_queued}
+
+    def set_busy(self, switch_s: float | None, on_ms: float = 4.0, off_ms: float = 1.0) -> None:
+        """switch_s: start a thread that runs pure Python `on_ms` then sleeps `off_ms`, as an engine
+        loop does between its kernel launches and waits, and serve with that GIL switch interval;
+        None: stop it (Python's default 5 ms interval again)."""
+        import threading
+
+        stop = getattr(self, "_busy_stop", None)
+        if stop is not None:
+            stop.set()
+            self._busy_thread.join()
+            self._busy_stop = None
+        sys.setswitchinterval(switch_s or 0.005)
+        if switch_s is None:
+            return
+
+        def busy(stop: threading.Event) -> None:
+            x = 0
+            while not stop.is_set():
+                end = time.perf_counter() + on_ms / 1e3
+                while time.perf_counter() < end:
+                    for i in range(100):
+                        x += i
+                time.sleep(off_ms / 1e3)
+
+        self._busy_stop = threading.Event()
+        self._busy_thread = threading.Thread(target=busy, args=(self._busy_stop,), daemon=True)
+        self._busy_thread.start()
 
     def wait_done(self, rid: str) -> float:
         self.receiver.wait(rid, CONFIG.timeout_s)
@@ -271,6 +301,7 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
               f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
               f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
     print("messages sent:", ray.get(prefill.messages_sent.remote()))
+    busy = busy_owner(args, prefill, decode, mid, num_blocks) if args.busy_reps else []
     traced = trace_transfer(prefill, decode, mid, num_blocks)
     copies = [ray.get(prefill.copy_speed.remote(tokens, layers)) for tokens in args.prompts for layers in (1, 8)]
     print("\nblock gather/scatter of one message, GB/s read + written (H200 HBM: ~4100 GB/s copy, "
@@ -286,7 +317,41 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
         ray.kill(a)
     del store
     return {"rows": rows, "message_sweep": sweep, "traced": traced, "block_copy": copies,
-            "profiled": profiled}, raw
+            "profiled": profiled, "busy_owner": busy}, raw
+
+
+def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict]:
+    """The transfer while both actors' Python is busy, as a prefill or decode loop keeps it (a
+    thread running Python 4 ms of every 5): the transport's threads must take the GIL from it at
+    every step (frame, receive posts, landings). Python's default switch interval (5 ms) against
+    the 200 us the pool actors serve with (cluster/actor_common.py), and idle actors as the base."""
+    from cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+
+    nbytes, gap = tokens * TOKEN_BYTES, args.prefill_s_per_token * tokens / LAYERS
+    rows = []
+    for label, switch in (("idle actors", None), ("busy, 5 ms switch", 0.005),
+                          (f"busy, {DEFAULT_GIL_SWITCH_INTERVAL_S * 1e6:.0f} us switch", DEFAULT_GIL_SWITCH_INTERVAL_S)):
+        ray.get([a.set_busy.remote(switch) for a in (prefill, decode)])
+        times, tails = [], []
+        for rep in range(args.busy_reps + 1):
+            for streamed in (False, True):
+                spec = _spec(f"b{label[:4]}{switch}-{rep}-{streamed}", tokens, num_blocks, 300 + rep)
+                ray.get(decode.expect.remote(spec.to_msg()))
+                sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap if streamed else 0.0),
+                                      decode.wait_done.remote(spec.request_id)])
+                if rep:
+                    (tails if streamed else times).append(done - (sent["last_queued"] if streamed else sent["start"]))
+        t = statistics.median(times)
+        rows.append({"owner": label, "switch_s": switch, "tokens": tokens, "seconds": t, "gbps": nbytes / t / 1e9,
+                     "tail_ms": statistics.median(tails) * 1e3, "samples_ms": [x * 1e3 for x in times],
+                     "tail_samples_ms": [x * 1e3 for x in tails]})
+    ray.get([a.set_busy.remote(None) for a in (prefill, decode)])
+    print(f"\nbusy actors, {tokens}-token prompt, median of {args.busy_reps}: all layers ready (ms, GB/s) and "
+          f"streamed (tail after the last layer)")
+    print(f"{'actors':>22} {'ms':>8} {'GB/s':>7} {'tail ms':>8}")
+    for r in rows:
+        print(f"{r['owner']:>22} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} {r['tail_ms']:>8.2f}")
+    return rows
 
 
 def profile_transfer(prefill, decode, tokens: int, num_blocks: int, out_dir: str) -> dict:
@@ -438,6 +503,8 @@ def main() -> None:
                     help="max_message_bytes for the main table (0: the sweep's best)")
     ap.add_argument("--prefill-s-per-token", type=float, default=30e-6,
                     help="streamed run: prefill time per prompt token (H200, Llama-3-8B: ~30 us)")
+    ap.add_argument("--busy-reps", type=int, default=5,
+                    help="repetitions of the busy-actor table (GIL switch interval); 0: skip it")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT remote vs local (loads the model)")
     ap.add_argument("--no-transfer", action="store_true", help="skip tables 1 and 2")
     ap.add_argument("--model", default="llama3-8b-random")

@@ -1,7 +1,7 @@
 """What every pool actor does at start: pin its torch threads to the CPUs Ray gave it, log as
 the rest of Tandem does (one JSON object per line at TANDEM_LOG_LEVEL, default INFO, into the
-actor's Ray log), keep Python's garbage collector out of the serving path, and describe itself
-(pid, node) for the controller."""
+actor's Ray log), keep Python's garbage collector out of the serving path, hand the GIL between
+threads within a fraction of a millisecond, and describe itself (pid, node) for the controller."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
 
 import ray
@@ -30,6 +31,7 @@ def setup_process(num_cpus: float) -> None:
 
     torch.set_num_threads(max(1, int(num_cpus)))
     setup_logging()
+    gil_switch_interval()     # a bad $TANDEM_GIL_SWITCH_INTERVAL_S fails the actor now, not after warmup
 
 
 class GCMonitor:
@@ -72,22 +74,49 @@ class GCMonitor:
 
 _gc_monitor: GCMonitor | None = None
 
+# How long a thread may hold the GIL while another waits for it. Python's default is 5 ms: a
+# thread that wakes (a KV transfer's frame arrived, a Ray call came in, an output is ready to
+# stream) waits up to that long while the engine loop runs Python (scheduling, sampling, output
+# bookkeeping), and a transfer or a call that wakes several times pays it each time. 200 us hands
+# the GIL over ~20x sooner; the cost is a switch per 200 us only while two threads both want to run
+# (docs/benchmarks.md, issue 5, measures both).
+GIL_SWITCH_INTERVAL_ENV = "TANDEM_GIL_SWITCH_INTERVAL_S"
+DEFAULT_GIL_SWITCH_INTERVAL_S = 200e-6
+
+
+def gil_switch_interval() -> float:
+    """The interval this process serves with: $TANDEM_GIL_SWITCH_INTERVAL_S, else 200 us."""
+    raw = os.environ.get(GIL_SWITCH_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GIL_SWITCH_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 1e-6 <= value <= 1.0:
+        raise ValueError(f"{GIL_SWITCH_INTERVAL_ENV}={raw!r}: give seconds between 1e-6 and 1 "
+                         f"(Python's default is 0.005; Tandem serves with {DEFAULT_GIL_SWITCH_INTERVAL_S})")
+    return value
+
 
 def after_startup() -> None:
     """Once a process is ready to serve (a pool actor's worker built and warmed up, `tandem up`'s
     router listening): move every object alive now into the permanent generation (gc.freeze), so
-    later collections walk only what serving allocates, and start timing collections. SGLang and
-    vLLM freeze after start-up too."""
+    later collections walk only what serving allocates, and start timing collections (SGLang and
+    vLLM freeze after start-up too); then shorten the GIL's switch interval (above)."""
     global _gc_monitor
     gc.collect()
     gc.freeze()
     if _gc_monitor is None:
         _gc_monitor = GCMonitor()
-    log.info("startup objects frozen: %d; later collections skip them", gc.get_freeze_count())
+    sys.setswitchinterval(gil_switch_interval())
+    log.info("startup objects frozen: %d; later collections skip them; GIL switch interval %.0f us",
+             gc.get_freeze_count(), sys.getswitchinterval() * 1e6)
 
 
 def gc_stats() -> dict:
-    return _gc_monitor.stats() if _gc_monitor is not None else {}
+    out = _gc_monitor.stats() if _gc_monitor is not None else {}
+    return {**out, "gil_switch_interval_s": sys.getswitchinterval()}
 
 
 def describe(worker_id: str, pool: str) -> dict:

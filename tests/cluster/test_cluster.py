@@ -68,6 +68,9 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     stats = remote.worker_stats()
     assert stats["decode-0"]["remote_prefills"] >= 6, "these requests were meant to take the remote path"
     assert stats["prefill-0"]["prefills"] >= 6
+    from cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+    assert stats["decode-0"]["gil_switch_interval_s"] == stats["prefill-0"]["gil_switch_interval_s"] \
+        == DEFAULT_GIL_SWITCH_INTERVAL_S, "the actors serve with Python's 5 ms GIL switch interval"
 
     import torch
     from transformers import AutoModelForCausalLM
