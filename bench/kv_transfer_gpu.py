@@ -57,6 +57,9 @@ class Endpoint:
         from kv_transfer.testing import TensorBlockStore
         from kv_transfer.torch_dist import DistConnector
 
+        from cluster.actor_common import gil_switch_interval
+
+        sys.setswitchinterval(gil_switch_interval())    # as the pool actors serve
         self.device = device
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -118,7 +121,7 @@ class Endpoint:
     def set_busy(self, switch_s: float | None, on_ms: float = 4.0, off_ms: float = 1.0) -> None:
         """switch_s: start a thread that runs pure Python `on_ms` then sleeps `off_ms`, as an engine
         loop does between its kernel launches and waits, and serve with that GIL switch interval;
-        None: stop it (Python's default 5 ms interval again)."""
+        None: stop it (the pool actors' interval again)."""
         import threading
 
         stop = getattr(self, "_busy_stop", None)
@@ -126,7 +129,9 @@ class Endpoint:
             stop.set()
             self._busy_thread.join()
             self._busy_stop = None
-        sys.setswitchinterval(switch_s or 0.005)
+        from cluster.actor_common import gil_switch_interval
+
+        sys.setswitchinterval(switch_s or gil_switch_interval())
         if switch_s is None:
             return
 
