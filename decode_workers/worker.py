@@ -97,8 +97,10 @@ class DecodeWorker:
         prefill actor the router will ask first; a remote reservation then also registers the
         receive from it (the answer says `expecting`), which saves the router an `expect` call
         (and its wait for this loop's current step) on every remote prefill."""
-        return self.loop.run(self._reserve, request_id, router_id, prompt_token_ids, sampling, transfer_id,
-                             prefill_id)
+        # makes and admits a new request (or queues a local prefill): it may run inside a step once
+        # its kernels are queued, instead of after it (EngineLoop.call_mid_step)
+        return self.loop.run_mid_step(self._reserve, request_id, router_id, prompt_token_ids, sampling,
+                                      transfer_id, prefill_id)
 
     def expect(self, spec_msg: dict[str, Any]) -> None:
         self.loop.run(self._expect, spec_msg)

@@ -170,9 +170,13 @@ class LLMEngine:
             self.speculator.release(rid)  # frees a draft model's blocks at once
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self, layer_done=None) -> list[RequestOutput]:
+    def step(self, layer_done=None, after_launch=None) -> list[RequestOutput]:
         """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
-        (prefill actors stream that layer of the requests this step completes)."""
+        (prefill actors stream that layer of the requests this step completes).
+        `after_launch(wait_device)` runs once the step's kernels are queued, before the host waits
+        for them; `wait_device()` blocks until they are done (None on CPU, where they already
+        are). On a GPU that is most of a long prefill step: time a serving loop can spend on calls
+        that do not touch the running step (see EngineLoop.call_mid_step)."""
         t0 = time.perf_counter()
         drafts = {}
         if self.speculator is not None:
@@ -192,6 +196,12 @@ class LLMEngine:
         t2 = time.perf_counter()
         logits = self.runner.execute(batch, hook)
         t3 = time.perf_counter()
+        if after_launch is not None:
+            done = None
+            if self.kv_cache.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            after_launch(done.synchronize if done is not None else None)
         self.stats.steps += 1
         self.stats.tokens_computed += sched.num_tokens
         for s in sched.scheduled:

@@ -1,6 +1,10 @@
 """A background thread that owns an engine: every engine mutation (add, abort, reserve blocks ...)
 runs on it, between steps, so the engine needs no locks. Callers submit functions and get
-futures back; outputs of each step go to `on_step(outputs)`.
+futures back; outputs of each step go to `on_step(outputs)`. Calls that cannot disturb the
+running step (making, admitting and queueing new requests) may be submitted with
+`call_mid_step`: they also run inside a step, once its kernels are queued and before the host
+waits for them, so on a GPU they wait for a step's launches, not for the whole step (a prefill
+actor's reserve and start used to wait up to one long prefill step each).
 
 A step that raises (a kernel error, an out-of-memory, a bug) costs the requests the engine holds,
 not the actor: `on_step_error(exc)` fails them (their routers retry them elsewhere) and frees their
@@ -29,6 +33,18 @@ log = logging.getLogger(__name__)
 
 def _noop() -> None:
     pass
+
+
+_DEVICE_DONE = object()    # the device waiter's wake-up, through the mid-step call queue
+
+
+def _run_call(item: tuple) -> None:
+    fn, args, kwargs, fut = item
+    if fut.set_running_or_notify_cancel():
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
 
 
 class InjectedStepFailure(RuntimeError):
@@ -84,7 +100,10 @@ class EngineLoop:
     def __init__(self, engine, on_step: Callable[[list], None], before_step: Callable[[], None] | None = None,
                  layer_done: Callable | None = None, idle_wait_s: float = 0.005, name: str = "engine-loop",
                  on_step_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3,
-                 slow_step_s: float = 0.5):
+                 slow_step_s: float = 0.5, serve_mid_step: bool = True):
+        """`serve_mid_step`: while a step's kernels run on the device, serve `call_mid_step` calls
+        as they come (a thread waits for the device and wakes the loop when the step is done);
+        False: only right after the launches and between steps."""
         self.engine = engine
         self.on_step = on_step
         self.on_step_error = on_step_error
@@ -98,6 +117,10 @@ class EngineLoop:
         self.layer_done = layer_done
         self.idle_wait_s = idle_wait_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._mid_calls: queue.SimpleQueue = queue.SimpleQueue()   # also run inside a step
+        self.mid_step_calls = 0       # how many of them ran inside a step (the rest between steps)
+        self.serve_mid_step = serve_mid_step
+        self._device_waits: queue.SimpleQueue | None = None    # the device waiter's work
         self._stop = threading.Event()
         self.busy_s = 0.0  # time spent in engine steps (utilisation metric)
         self.error: BaseException | None = None
@@ -119,6 +142,22 @@ class EngineLoop:
             return fut
         self._calls.put((fn, args, kwargs, fut))
         return fut
+
+    def call_mid_step(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
+        """As `call`, and `fn` may also run inside a step, after its kernels are queued. Only for
+        functions that leave the running step's requests, blocks and batch alone: making a
+        request, admitting it to free blocks, queueing it for a later step. Never an abort or a
+        free: the device may still be reading the blocks."""
+        fut: Future = Future()
+        if self._stop.is_set():
+            fut.set_exception(self._stopped_error())
+            return fut
+        self._mid_calls.put((fn, args, kwargs, fut))
+        self._calls.put((_noop, (), {}, Future()))    # an idle loop wakes for it
+        return fut
+
+    def run_mid_step(self, fn: Callable[..., Any], *args, timeout: float | None = 60.0, **kwargs) -> Any:
+        return self.call_mid_step(fn, *args, **kwargs).result(timeout)
 
     def inject_step_failure(self, token_id: int | None = None) -> None:
         """Loop thread (via call/run): make the next step whose requests include a prompt with
@@ -143,21 +182,56 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     def _drain_calls(self, block: bool) -> None:
+        self._drain_mid_calls(in_step=False)
         try:
             item = self._calls.get(timeout=self.idle_wait_s) if block else self._calls.get_nowait()
         except queue.Empty:
             return
         while item is not None:
-            fn, args, kwargs, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+            _run_call(item)
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:
+                break
+        self._drain_mid_calls(in_step=False)
+
+    def _serve_while_device_runs(self, wait_device: Callable[[], None] | None) -> None:
+        """Inside a step, its kernels queued: run mid-step calls until the device is done (a
+        daemon thread blocks in `wait_device`, which releases the GIL, then wakes this one)."""
+        self._drain_mid_calls()
+        if wait_device is None or not self.serve_mid_step:
+            return
+        if self._device_waits is None:
+            self._device_waits = queue.SimpleQueue()
+            threading.Thread(target=self._wait_devices, name=f"{self._thread.name}-device-wait",
+                             daemon=True).start()
+        self._device_waits.put(wait_device)
+        while True:
+            item = self._mid_calls.get()
+            if item is _DEVICE_DONE:
                 return
+            _run_call(item)
+            self.mid_step_calls += 1
+
+    def _wait_devices(self) -> None:
+        while True:
+            wait_device = self._device_waits.get()
+            try:
+                wait_device()
+            except BaseException:  # noqa: BLE001 - the step's own sync raises it again, on the loop
+                pass
+            finally:
+                self._mid_calls.put(_DEVICE_DONE)
+
+    def _drain_mid_calls(self, in_step: bool = True) -> None:
+        while True:
+            try:
+                item = self._mid_calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _DEVICE_DONE:       # (cannot be pending here; never run it as a call)
+                _run_call(item)
+                self.mid_step_calls += in_step
 
     def _run(self) -> None:
         consecutive = 0
@@ -173,7 +247,7 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 self._sampler.begin()
                 try:
-                    outputs = self.engine.step(self.layer_done)
+                    outputs = self.engine.step(self.layer_done, after_launch=self._serve_while_device_runs)
                 finally:
                     where = self._sampler.end()
                 dt = time.perf_counter() - t0
@@ -204,13 +278,14 @@ class EngineLoop:
                     self.error = e
                     self._stop.set()
         # fail whatever is still queued
-        while True:
-            try:
-                item = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[3].set_exception(self._stopped_error())
+        for calls in (self._calls, self._mid_calls):
+            while True:
+                try:
+                    item = calls.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item is not _DEVICE_DONE:
+                    item[3].set_exception(self._stopped_error())
 
     def _allocator_delta(self) -> dict[str, int]:
         """cudaMallocs, frees and out-of-memory retries by torch's caching allocator since the

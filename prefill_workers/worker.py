@@ -53,7 +53,11 @@ class PrefillWorker:
         conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
         # a finished transfer wakes the loop, which hands the result over at once instead of at
         # its next idle poll (up to idle_wait_s later, on every remote first token)
-        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._transfer_ended,
+        # the release callback only notes the end: it can fire inside a mid-step call (begin()
+        # runs pending releases), and ending a transfer touches the scheduler, which the running
+        # step owns until its outputs are in; `_before_step` handles the ends
+        self._ended: list[str] = []
+        self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._ended.append,
                                        on_transition=self._wake)
         # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
         self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg)
@@ -93,16 +97,18 @@ class PrefillWorker:
         reserves run at once), slices the blocks to send and the prefix to pull from them.
         `sampling`: the request's sampling parameters, for its first output token (greedy when
         None)."""
-        return self.loop.run(self._reserve, transfer_id, prompt_token_ids, sampling)
+        # reserve, expect_pull and start only make, admit and queue new requests: they run inside
+        # a long prefill step once its kernels are queued, not after it (EngineLoop.call_mid_step)
+        return self.loop.run_mid_step(self._reserve, transfer_id, prompt_token_ids, sampling)
 
     def expect_pull(self, spec_msg: dict[str, Any], covers_tokens: int) -> None:
-        self.loop.run(self._expect_pull, spec_msg, covers_tokens)
+        self.loop.run_mid_step(self._expect_pull, spec_msg, covers_tokens)
 
     def start(self, spec_msg: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute and send; returns when the transfer has ended (raises if it failed), with the
         first output token (`first`, see engine.RequestOutput) for the router to stream."""
         try:
-            fut = self.loop.run(self._start, spec_msg)
+            fut = self.loop.run_mid_step(self._start, spec_msg)
         except BaseException as e:      # never started: a `first_token` waiter must not wait on
             self._resolve_first(spec_msg["request_id"], None, e)
             raise
@@ -159,6 +165,8 @@ class PrefillWorker:
 
     def _before_step(self) -> None:
         self._poll_transfers()
+        while self._ended:
+            self._transfer_ended(self._ended.pop(0))
         self._snapshot = self._stats()
 
     def _poll_transfers(self) -> None:

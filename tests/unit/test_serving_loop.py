@@ -1,7 +1,9 @@
 """The engine loop's failure policy, on a stand-in engine (pure control flow): a step that raises
 fails its requests through the hook and the loop serves on; a run of failures stops it, and calls
-on a stopped loop raise WorkerUnavailable (routers then try another actor)."""
+on a stopped loop raise WorkerUnavailable (routers then try another actor). And which calls may
+run inside a step."""
 
+import threading
 import time
 
 import pytest
@@ -19,7 +21,7 @@ class FlakyEngine:
     def has_unfinished(self) -> bool:
         return self.pending > 0
 
-    def step(self, _layer_done=None):
+    def step(self, _layer_done=None, after_launch=None):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("kernel exploded")
@@ -45,6 +47,61 @@ def test_a_failing_step_calls_the_hook_and_the_loop_goes_on():
         assert loop.last_step_error == "RuntimeError: kernel exploded"
         assert loop.run(lambda: 42) == 42          # still serving calls
         assert outputs == ["out"] * 5
+    finally:
+        loop.stop()
+
+
+class LongStepEngine:
+    """One step: queues its "kernels" (after_launch), then waits `device_s` for the "device"."""
+
+    def __init__(self, device_s: float):
+        self.device_s, self.pending, self.launched, self.finished_at = device_s, 1, threading.Event(), None
+
+    def has_unfinished(self) -> bool:
+        return self.pending > 0
+
+    def step(self, _layer_done=None, after_launch=None):
+        done_at = time.monotonic() + self.device_s
+        wait_device = lambda: time.sleep(max(0.0, done_at - time.monotonic()))  # noqa: E731
+        self.launched.set()
+        if after_launch is not None:      # the loop may serve mid-step calls until the "device" is done
+            after_launch(wait_device)
+        wait_device()                     # the step's own sync (sampling): at once if waited already
+        self.pending -= 1
+        self.finished_at = time.monotonic()
+        return []
+
+
+def test_mid_step_calls_run_while_the_step_waits_for_the_device_and_others_after_it():
+    engine = LongStepEngine(device_s=0.6)
+    loop = EngineLoop(engine, on_step=lambda _: None).start()
+    try:
+        assert engine.launched.wait(5)
+        time.sleep(0.05)                       # inside the step, its launches done
+        ran = {}
+        mid = loop.call_mid_step(lambda: ran.setdefault("mid", time.monotonic()))
+        between = loop.call(lambda: ran.setdefault("between", time.monotonic()))
+        mid.result(5), between.result(5)
+        assert ran["mid"] < engine.finished_at <= ran["between"]
+        assert loop.mid_step_calls == 1
+        with pytest.raises(ZeroDivisionError):     # an error goes to the caller, the step goes on
+            loop.run_mid_step(lambda: 1 / 0)
+        assert loop.run_mid_step(lambda: 7) == 7   # idle loop: runs between steps
+        assert loop.error is None and loop.step_errors == 0
+    finally:
+        loop.stop()
+    with pytest.raises(WorkerUnavailable):
+        loop.run_mid_step(lambda: 1)
+
+
+def test_without_mid_step_serving_a_call_made_during_the_device_wait_waits_for_the_step():
+    engine = LongStepEngine(device_s=0.3)
+    loop = EngineLoop(engine, on_step=lambda _: None, serve_mid_step=False).start()
+    try:
+        assert engine.launched.wait(5)
+        time.sleep(0.05)
+        ran = loop.run_mid_step(time.monotonic)
+        assert ran >= engine.finished_at and loop.mid_step_calls == 0
     finally:
         loop.stop()
 
@@ -104,7 +161,7 @@ def run_logging_slow_steps(engine, slow_step_s: float, caplog) -> tuple[EngineLo
 
 def test_a_slow_step_is_logged_with_what_it_ran(caplog):
     class SlowEngine(FlakyEngine):
-        def step(self, _layer_done=None):
+        def step(self, _layer_done=None, after_launch=None):
             time.sleep(0.03 if self.pending == 2 else 0.0)
             return super().step()
 
@@ -122,7 +179,7 @@ def test_a_slow_step_log_names_where_the_step_sat(caplog):
         time.sleep(0.4)
 
     class SlowEngine(FlakyEngine):
-        def step(self, _layer_done=None):
+        def step(self, _layer_done=None, after_launch=None):
             if self.pending == 2:
                 waits_on_the_device()
             return super().step()
