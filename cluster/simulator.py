@@ -8,8 +8,9 @@ A discrete-event simulation of Tandem's request path, with service times from a 
 2. It waits there (FIFO) for a batch slot and KV for prompt + output; the prompt's cached prefix
    (an LRU per worker, by session or by block hash) is reused, not reserved again.
 3. Uncached part <= `local_prefill_threshold` (or no prefill workers, or every prefill worker holds
-   `prefill_queue_limit` prompt tokens not yet delivered, the router's rule): the decode worker
-   prefills it itself, in chunks inside its steps. Otherwise the prefill worker with the earliest estimated
+   `prefill_queue_limit` prompt tokens not yet delivered and the decode worker's own queue of
+   prefills is the shorter, the router's rule): the decode worker prefills it itself, in chunks
+   inside its steps. Otherwise the prefill worker with the earliest estimated
    finish (its queue plus the work its own cache leaves) computes it FIFO, and streams the KV layer
    by layer, so the KV is ready at max(compute end, compute start + transfer time). That is the
    first token. (`pull_prefix`: what if the prefill worker received the decode worker's cached
@@ -454,7 +455,15 @@ class _Simulation:
             w.held += r.input_tokens + r.output_tokens
             s.reserved = need
             uncached = r.input_tokens - hit
-            prefills = [p for p in self.prefills if p.accepting and not self._backlogged(p, r.input_tokens, now)]
+            accepting = [p for p in self.prefills if p.accepting]
+            prefills = [p for p in accepting if not self._backlogged(p, r.input_tokens, now)]
+            if accepting and not prefills and uncached > self.threshold:
+                # every prefill worker past the limit: local only while the decode worker's own
+                # queue of prefills (prompt tokens, until their first token) is the shorter one
+                local_q = sum(x.spec.input_tokens - x.cached for x in w.local if x.prefill_left > 0)
+                shortest = min(accepting, key=lambda p: p.queued_tokens)
+                if local_q >= shortest.queued_tokens:
+                    prefills = [shortest]
             if uncached <= self.threshold or not prefills:
                 s.kind, s.cached, s.prefill_left, s.context = "local", hit, uncached, hit
                 w.local.append(s)

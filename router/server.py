@@ -27,7 +27,7 @@ from router.admission import AdmissionConfig, AdmissionLimiter, Overloaded, clie
 from router.auth import bearer_token
 from router.cluster_view import ClusterView
 from router.prefix_index import PrefixIndex
-from router.routing import any_ready, choose_worker
+from router.routing import any_ready, choose_worker, prefill_placement
 from router.sessions import SessionState, make_session_store
 from router.validation import RequestLimits, validate_request
 
@@ -59,7 +59,8 @@ class Router:
         # prompt tokens of this router's remote prefills not yet delivered, per prefill actor: past
         # the limit an actor gets no more, and decode actors prefill locally meanwhile
         self.max_prefill_queued = max_prefill_queued_tokens
-        self.prefill_queued: dict[str, int] = {}
+        self.prefill_queued: dict[str, int] = {}   # prompt tokens placed on each prefill actor, not yet delivered
+        self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet
         self.num_layers = model_config.num_layers
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
@@ -119,17 +120,19 @@ class Router:
                 prefill_hint = self._pick("prefill", sess.prefill_worker if sess else None, hashes)
             except RequestFailed:
                 prefill_hint = None
-            if self._prefill_backlogged(prefill_hint, len(ids)):
-                roomy = [w.worker_id for w in self.view.views("prefill")
-                         if not self._prefill_backlogged(w.worker_id, len(ids))]
-                prefill_hint = min(roomy, key=lambda w: self.prefill_queued.get(w, 0), default=None)
-                if prefill_hint is None:          # every prefill actor is backlogged: prefill locally
+            if prefill_hint is not None and self.max_prefill_queued != math.inf:
+                decode_ids = [sess.decode_worker] if sess and sess.decode_worker else \
+                    [w.worker_id for w in self.view.views("decode")]
+                local = min((self.local_queued.get(w, 0) for w in decode_ids), default=0)
+                prefill_hint = prefill_placement(prefill_hint, [w.worker_id for w in self.view.views("prefill")],
+                                                 self.prefill_queued, local, len(ids), self.max_prefill_queued)
+                if prefill_hint is None:      # every prefill actor is backlogged: prefill locally
                     offer_remote = False
                     self.counters["prefill_backlogged"] = self.counters.get("prefill_backlogged", 0) + 1
         transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}" if offer_remote else None
         hold = None       # counted on the prefill actor at once, so concurrent arrivals see it
         if prefill_hint is not None and offer_remote:
-            hold = self._hold_prefill(prefill_hint, len(ids))
+            hold = self._hold(self.prefill_queued, prefill_hint, len(ids))
             early = asyncio.ensure_future(self._reserve_prefill(prefill_hint, transfer_id, ids, sp))
         tried = set(exclude)
         try:
@@ -145,20 +148,22 @@ class Router:
                     self.view.inflight[decode_id] -= 1
                     tried.add(decode_id)
         except BaseException:
-            self._release_prefill(hold)
+            self._release(hold)
             self._drop_prefill_reservation(early, prefill_hint, transfer_id)
             raise
         att = Attempt(decode_id, decode, transfer_id=transfer_id, mode=plan["mode"])
         att.marks["decode_reserved"] = time.perf_counter()
         if plan["mode"] != "remote":                  # prefilled locally: the early one is not needed
-            self._release_prefill(hold)
+            # counted on the decode actor until its first token (prefill_placement weighs it)
+            att.local_hold = self._hold(self.local_queued, decode_id, len(ids) - plan.get("cached_tokens", 0))
+            self._release(hold)
             self._drop_prefill_reservation(early, prefill_hint, transfer_id)
         else:
             try:
                 att.prefill_id, att.prefill_cached, att.prefill_task, att.first_task = \
                     await self._start_remote_prefill(rid, transfer_id, ids, plan, decode_id, sess, hashes, sp, early)
             except BaseException as e:
-                self._release_prefill(hold)
+                self._release(hold)
                 if not isinstance(e, (WorkerUnavailable, RequestFailed, ray.exceptions.RayActorError)):
                     raise
                 log.info("remote prefill of %s unavailable (%s); prefilling locally", rid, e)
@@ -166,32 +171,29 @@ class Router:
             else:
                 att.marks["prefill_started"] = time.perf_counter()
                 att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
-                if hold is None or hold[0] != att.prefill_id:    # another prefill actor took it
-                    self._release_prefill(hold)
-                    hold = self._hold_prefill(att.prefill_id, len(ids))
-                att.prefill_task.add_done_callback(lambda _: self._release_prefill(hold))
+                if hold is None or hold[1] != att.prefill_id:    # another prefill actor took it
+                    self._release(hold)
+                    hold = self._hold(self.prefill_queued, att.prefill_id, len(ids))
+                att.prefill_task.add_done_callback(lambda _: self._release(hold))
         return att
 
-    def _prefill_backlogged(self, prefill_id: str | None, tokens: int) -> bool:
-        """Whether `prefill_id` holds too many prompt tokens of this router's remote prefills to
-        take `tokens` more (an idle actor takes any prompt, however long)."""
-        queued = self.prefill_queued.get(prefill_id, 0) if prefill_id is not None else 0
-        return queued > 0 and queued + tokens > self.max_prefill_queued
+    @staticmethod
+    def _hold(queued: dict[str, int], worker_id: str, tokens: int) -> tuple[dict[str, int], str, int]:
+        """Count `tokens` of this router's prompts on `worker_id` in `queued` (prefill_queued or
+        local_queued) until `_release` of what this returns."""
+        queued[worker_id] = queued.get(worker_id, 0) + tokens
+        return queued, worker_id, tokens
 
-    def _hold_prefill(self, prefill_id: str, tokens: int) -> tuple[str, int]:
-        """Count `tokens` on `prefill_id` until `_release_prefill` of what this returns."""
-        self.prefill_queued[prefill_id] = self.prefill_queued.get(prefill_id, 0) + tokens
-        return prefill_id, tokens
-
-    def _release_prefill(self, hold: tuple[str, int] | None) -> None:
+    @staticmethod
+    def _release(hold: tuple[dict[str, int], str, int] | None) -> None:
         if hold is None:
             return
-        prefill_id, tokens = hold
-        left = self.prefill_queued.get(prefill_id, 0) - tokens
+        queued, worker_id, tokens = hold
+        left = queued.get(worker_id, 0) - tokens
         if left > 0:
-            self.prefill_queued[prefill_id] = left
+            queued[worker_id] = left
         else:
-            self.prefill_queued.pop(prefill_id, None)
+            queued.pop(worker_id, None)
 
     async def _reserve_prefill(self, prefill_id: str, transfer_id: str, ids, sp) -> tuple[Any, dict]:
         """-> (the actor's handle, its reservation)."""
@@ -223,7 +225,9 @@ class Router:
         """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
         for the decode actor's own prefill instead."""
         await att.decode.abort.remote(rid)
-        await att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+        plan = await att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+        if att.local_hold is None:
+            att.local_hold = self._hold(self.local_queued, att.decode_id, len(ids) - plan.get("cached_tokens", 0))
         if att.first_task is not None:
             att.first_task.cancel()
         att.prefill_id = att.prefill_task = att.first_task = None
@@ -305,6 +309,8 @@ class Router:
                     log.warning("moving %s off %s after %d tokens: %s", rid, att.decode_id, len(out_ids),
                                 msg.get("error"))
                     self.view.inflight[att.decode_id] -= 1
+                    self._release(att.local_hold)
+                    att.local_hold = None
                     if not lost_decode:
                         await self._abort_everywhere(rid, att)
                     cont = ids + out_ids
@@ -317,6 +323,8 @@ class Router:
                 if first:
                     resp.request_id = rid
                     first = False
+                    self._release(att.local_hold)
+                    att.local_hold = None
                     self.hub.record_first_token(now - t0)
                     if self.slow_ttft_s is not None and now - t0 > self.slow_ttft_s:
                         self._log_slow_first_token(rid, len(ids), t0, now, att, migrations)
@@ -363,6 +371,8 @@ class Router:
                     num_tokens=len(ids) + len(out_ids), turn=(sess.turn + 1 if sess else 1)))
         finally:
             self.view.queues.pop(rid, None)
+            if att is not None:
+                self._release(att.local_hold)
             if att is not None and self.view.inflight.get(att.decode_id):
                 self.view.inflight[att.decode_id] -= 1
             if not finished and att is not None:
@@ -497,6 +507,7 @@ class Attempt:
     mode: str = "local"
     first_handled: bool = False  # the prefill actor's first token was taken from its result
     release_decode: bool = False  # that token ended the request: free the decode reservation
+    local_hold: Any = None        # a local prefill counted in Router.local_queued until its first token
     marks: dict[str, float] = field(default_factory=dict)  # perf_counter() at each stage (slow-TTFT log)
     prefill_cached: int = 0
 

@@ -188,3 +188,42 @@ def test_record_is_idempotent():
         index.record("d0", chain(0, 10 + turn)[: 10 + turn])
     assert len(index) == 59
     assert index.match(chain(0, 59)) == {"d0": 59}
+
+
+# --- prefill_placement (prefill.max_queued_tokens) ----------------------------------------------
+
+def test_prefill_placement_keeps_the_hint_with_room_else_the_least_queued_with_room():
+    from router.routing import prefill_placement
+
+    assert prefill_placement("p0", ["p0", "p1"], {}, 0, 5000, 16384) == "p0"
+    assert prefill_placement("p0", ["p0", "p1"], {"p0": 12000}, 0, 5000, 16384) == "p1"
+    assert prefill_placement("p0", ["p0", "p1", "p2"], {"p0": 12000, "p1": 9000, "p2": 3000}, 0, 5000, 16384) == "p2"
+    assert prefill_placement("p0", ["p0"], {"p0": 0}, 10**6, 50000, 16384) == "p0"   # idle: any prompt
+    assert prefill_placement(None, [], {}, 0, 5000, 16384) is None
+    assert prefill_placement("p0", ["p0"], {"p0": 30000}, 0, 5000, float("inf")) == "p0"
+
+
+def test_prefill_placement_overflows_to_local_only_while_the_local_queue_is_shorter():
+    from router.routing import prefill_placement
+
+    full = {"p0": 14000, "p1": 15000}
+    assert prefill_placement("p0", ["p0", "p1"], full, 0, 5000, 16384) is None          # decode idle
+    assert prefill_placement("p0", ["p0", "p1"], full, 13999, 5000, 16384) is None
+    # the decode actor's own queue is as long as the shortest prefill queue: wait there instead
+    assert prefill_placement("p1", ["p0", "p1"], full, 14000, 5000, 16384) == "p0"
+    assert prefill_placement("p1", ["p0", "p1"], full, 10**6, 5000, 16384) == "p0"
+
+
+def test_prefill_placement_splits_a_burst_between_the_two_queues():
+    """Prompts arriving together past the cap alternate between the prefill queue and the decode
+    actor's own: neither grows far past the other (before, every one went local)."""
+    from router.routing import prefill_placement
+
+    prefill, local = {"p0": 0}, 0
+    for _ in range(40):
+        where = prefill_placement("p0", ["p0"], prefill, local, 4000, 16384)
+        if where is None:
+            local += 4000
+        else:
+            prefill[where] += 4000
+    assert abs(prefill["p0"] - local) <= 4000 and prefill["p0"] >= 16384
