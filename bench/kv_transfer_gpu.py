@@ -329,13 +329,14 @@ def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict
     """The transfer while both actors' Python is busy, as a prefill or decode loop keeps it (a
     thread running Python 4 ms of every 5): the transport's threads must take the GIL from it at
     every step (frame, receive posts, landings). Python's default switch interval (5 ms) against
-    the 200 us the pool actors serve with (cluster/actor_common.py), and idle actors as the base."""
+    the 200 us the pool actors serve with (cluster/actor_common.py) (or --busy-intervals-us), and
+    idle actors as the base."""
     from cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
 
     nbytes, gap = tokens * TOKEN_BYTES, args.prefill_s_per_token * tokens / LAYERS
     rows = []
-    for label, switch in (("idle actors", None), ("busy, 5 ms switch", 0.005),
-                          (f"busy, {DEFAULT_GIL_SWITCH_INTERVAL_S * 1e6:.0f} us switch", DEFAULT_GIL_SWITCH_INTERVAL_S)):
+    intervals = args.busy_intervals_us or [5000.0, DEFAULT_GIL_SWITCH_INTERVAL_S * 1e6]
+    for label, switch in [("idle actors", None)] + [(f"busy, {us:g} us switch", us / 1e6) for us in intervals]:
         ray.get([a.set_busy.remote(switch) for a in (prefill, decode)])
         times, tails = [], []
         for rep in range(args.busy_reps + 1):
@@ -510,6 +511,8 @@ def main() -> None:
                     help="streamed run: prefill time per prompt token (H200, Llama-3-8B: ~30 us)")
     ap.add_argument("--busy-reps", type=int, default=5,
                     help="repetitions of the busy-actor table (GIL switch interval); 0: skip it")
+    ap.add_argument("--busy-intervals-us", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="GIL switch intervals (us) of the busy-actor table (default: Python's 5000 and Tandem's)")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT remote vs local (loads the model)")
     ap.add_argument("--no-transfer", action="store_true", help="skip tables 1 and 2")
     ap.add_argument("--model", default="llama3-8b-random")
