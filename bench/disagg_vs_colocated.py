@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -60,7 +61,13 @@ def mode_configs(args) -> dict[str, dict]:
 
     def layout(n_prefill: int, n_decode: int) -> dict:
         queue = getattr(args, "prefill_queue_limit", 0) or float("inf")
-        return {**common, "prefill": {"replicas": n_prefill, "num_gpus": gpu, "max_queued_tokens": queue},
+        # The same decode slots in every layout: --max-num-seqs per GPU, all held by the decode
+        # actors (a 1P:1D decode actor holds 2 colocated replicas' sequences). With 64 per actor in
+        # both modes the 1P:1D decode actor ran out of slots at 8 sessions/s, and local prefills
+        # waited behind KV-delivered requests for 10-13 s (docs/benchmarks.md, issue 10).
+        seqs = math.ceil(args.max_num_seqs * (n_prefill + n_decode) / n_decode)
+        return {**common, "scheduler": {**common["scheduler"], "max_num_seqs": seqs},
+                "prefill": {"replicas": n_prefill, "num_gpus": gpu, "max_queued_tokens": queue},
                 "decode": {"replicas": n_decode, "num_gpus": gpu,
                            "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
 
@@ -147,7 +154,6 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
     rate, turns sent closed-loop and none due past the duration. The perf model is `tandem
     profile`'s JSON (--perf) or the simulator's assumed 8B-on-H200 default. Prints and returns
     rows of measured / predicted goodput, TTFT p90 and TPOT p90 (simulated.json too)."""
-    import math
     import random
     from dataclasses import replace
 
@@ -266,7 +272,9 @@ def main() -> None:
                          "locally (0: no limit, always remote)")
     ap.add_argument("--speculative", default="ngram", help="both modes")
     ap.add_argument("--chunk", type=int, default=8192, help="scheduler.max_num_batched_tokens")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="decode sequence slots per GPU: the decode actors of a layout hold all of its GPUs' "
+                         "(1P:1D: 128 on its one decode actor)")
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per actor (0: from free memory)")
     ap.add_argument("--workload", default="agent")
     ap.add_argument("--rates", default="0.25,0.5,1")

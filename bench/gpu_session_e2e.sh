@@ -4,7 +4,7 @@
 # step has its own time limit; logs and JSON go to $OUT (the e2e run's files, with every Ray log,
 # packed into $OUT/e2e.tgz). All four steps do not fit one call's 600 s: run
 # STEPS="transfer ttft tests" (about 8 min) and STEPS=e2e RATES=2,4,8 (about 6 min) as two calls.
-# E2E_ARGS passes flags to bench/disagg_vs_colocated.py, e.g. E2E_ARGS="--prefill-queue-limit 16384";
+# TTFT_ARGS replaces the TTFT step's "--reps 3" (e.g. "--reps 8 --prompts 8192"). E2E_ARGS passes flags to bench/disagg_vs_colocated.py, e.g. E2E_ARGS="--prefill-queue-limit 16384";
 # MODES=disaggregated runs one mode; SLOW_SHOWN=N prints the first N slow-step logs; every Triton
 # compile after warmup is printed (there should be none).
 set -u
@@ -13,7 +13,7 @@ STEPS=" ${STEPS:-transfer ttft tests e2e} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has transfer && TAIL=30 step bench_transfer 120 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" --profile /tmp/prof
 has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
-has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer --reps 3 --out "$OUT/kv_transfer_ttft.json"
+has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer ${TTFT_ARGS:---reps 3} --out "$OUT/kv_transfer_ttft.json"
 # PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first prefill and
 # decode actors for that long, from PYSPY_AT seconds after they start, into $OUT/pyspy-*.txt
 if has e2e && [ -n "${PYSPY:-}" ] && [ -x .devbundle/py-spy ]; then

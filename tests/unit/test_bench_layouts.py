@@ -24,6 +24,10 @@ def test_two_modes_split_the_gpus():
     assert (c["colocated"]["prefill"]["replicas"], c["colocated"]["decode"]["replicas"]) == (0, 2)
     assert math.isinf(c["colocated"]["decode"]["local_prefill_threshold"])
     assert c["colocated"]["decode"]["num_gpus"] == 1 and c["colocated"]["model"]["dtype"] == "bfloat16"
+    # the same decode slots in both: the one decode actor holds both GPUs' worth
+    assert c["disaggregated"]["scheduler"]["max_num_seqs"] == 128
+    assert c["colocated"]["scheduler"]["max_num_seqs"] == 64
+    assert c["colocated"]["scheduler"]["max_num_batched_tokens"] == 8192
 
 
 def test_layouts_give_one_config_per_split():
@@ -31,6 +35,7 @@ def test_layouts_give_one_config_per_split():
     assert list(c) == ["1P:3D", "2P:2D", "3P:1D", "colocated x4"]
     assert [(v["prefill"]["replicas"], v["decode"]["replicas"]) for v in c.values()] == [(1, 3), (2, 2), (3, 1), (0, 4)]
     assert c["3P:1D"]["decode"]["local_prefill_threshold"] == 256
+    assert [v["scheduler"]["max_num_seqs"] for v in c.values()] == [86, 128, 256, 64]
     assert math.isinf(c["colocated x4"]["decode"]["local_prefill_threshold"])
     with pytest.raises(SystemExit, match="P:D"):
         mode_configs(_args(layouts="2:0"))
