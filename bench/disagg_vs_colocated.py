@@ -178,6 +178,9 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
         model = perf if colocated else replace(
             perf, local_prefill_threshold=threshold,
             prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
+        seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
+        if seqs:                         # the layout's decode slots per actor, as the bench set them
+            model = replace(model, max_batch=int(seqs))
         slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
         for run in report["runs"]:
             plan = plan_sessions(sessions, session_workload=True, rate=run["rate"], duration_s=c["duration_s"],
