@@ -4,14 +4,14 @@
 # step has its own time limit; logs and JSON go to $OUT (the e2e run's files, with every Ray log,
 # packed into $OUT/e2e.tgz). All four steps do not fit one call's 600 s: run
 # STEPS="transfer ttft tests" (about 8 min) and STEPS=e2e RATES=2,4,8 (about 6 min) as two calls.
-# TTFT_ARGS replaces the TTFT step's "--reps 3" (e.g. "--reps 8 --prompts 8192"). E2E_ARGS passes flags to bench/disagg_vs_colocated.py, e.g. E2E_ARGS="--prefill-queue-limit 16384";
+# TRANSFER_ARGS replaces the transfer step's "--profile /tmp/prof". TTFT_ARGS replaces the TTFT step's "--reps 3" (e.g. "--reps 8 --prompts 8192"). E2E_ARGS passes flags to bench/disagg_vs_colocated.py, e.g. E2E_ARGS="--prefill-queue-limit 16384";
 # MODES=disaggregated runs one mode; SLOW_SHOWN=N prints the first N slow-step logs; every Triton
 # compile after warmup is printed (there should be none).
 set -u
 source bench/gpu_session_common.sh
 STEPS=" ${STEPS:-transfer ttft tests e2e} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
-has transfer && TAIL=30 step bench_transfer 120 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" --profile /tmp/prof
+has transfer && TAIL=30 step bench_transfer 120 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" ${TRANSFER_ARGS:---profile /tmp/prof}
 has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
 has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer ${TTFT_ARGS:---reps 3} --out "$OUT/kv_transfer_ttft.json"
 # PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first prefill and

@@ -104,16 +104,19 @@ class Endpoint:
         self.receiver.expect(TransferSpec.from_msg(spec_msg))
 
     def send(self, spec_msg: dict, layer_gap_s: float = 0.0) -> dict:
-        """Queue every layer (gap 0: all at once; else one per gap, like a prefill computing
-        them). -> wall-clock start and the moment the last layer was queued."""
+        """Queue every layer (gap 0: all at once, `KVSender.send` as a prefix pull does; else one
+        per gap, like a prefill computing them). -> wall-clock start and when the last layer was
+        queued."""
         spec = TransferSpec.from_msg(spec_msg)
         _sync(self.device)
         start = time.time()
-        self.sender.begin(spec)
-        for layer in spec.layers:
-            if layer_gap_s:              # the prefill's thread is free while the GPU computes
+        if not layer_gap_s:              # all ready: the call a prefix pull makes
+            self.sender.send(spec)
+        else:
+            self.sender.begin(spec)
+            for layer in spec.layers:    # the prefill's thread is free while the GPU computes
                 time.sleep(layer_gap_s)
-            self.sender.send_layer(spec.request_id, layer)
+                self.sender.send_layer(spec.request_id, layer)
         last_queued = time.time()
         self.sender.wait(spec.request_id, CONFIG.timeout_s)
         return {"start": start, "last_queued": last_queued}

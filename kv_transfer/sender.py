@@ -111,6 +111,25 @@ class LayerStreamSender(KVSender):
         self._worker(rec.peer).put(("layer", request_id, idx, ready_event))
         self._table.run_releases()
 
+    def send(self, spec: TransferSpec) -> None:
+        """begin + every layer, all ready now (a prefix pull, a cache copy): one ready event for
+        all of them and one pass, instead of an event and a table lookup per layer."""
+        self.begin(spec)
+        rec = self._table.get(spec.request_id)
+        if rec is None or rec.state.terminal:
+            self._queued.pop(spec.request_id, None)
+            self._table.run_releases()
+            return
+        ready = None
+        if self.store.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        del self._queued[spec.request_id]
+        worker = self._worker(rec.peer)
+        for idx in range(spec.num_layers):
+            worker.put(("layer", spec.request_id, idx, ready))
+        self._table.run_releases()
+
     def poll(self, request_id: str) -> TransferState:
         state = self._table.state(request_id)
         self._table.run_releases()
@@ -365,7 +384,7 @@ class _PeerSendWorker:
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         index = self._block_index(rid, spec)
         with ctx:
-            for event in events:
+            for event in dict.fromkeys(events):      # layers queued together share one event
                 if event is not None and self._stream is not None:
                     self._stream.wait_event(event)
             for at, run in layer_runs(layers):

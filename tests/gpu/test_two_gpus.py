@@ -56,6 +56,14 @@ class Endpoint:
             self.store.tensor[layer].mul_(-1.0)      # still queued on the GPU when send_layer runs
             self.end.send_layer(spec.request_id, layer)
 
+    def send_all(self, spec_msg: dict) -> None:
+        """All layers ready at once (a prefix pull): `send` queues them behind one event, which
+        must still come after the writes queued on the compute stream."""
+        spec = TransferSpec.from_msg(spec_msg)
+        for layer in spec.layers:
+            self.store.tensor[layer].mul_(-1.0)
+        self.end.send(spec)
+
     def wait(self, rid: str) -> str:
         return self.end.wait(rid, 60).value
 
@@ -88,12 +96,12 @@ def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message):
     try:
         assert ray.get(sender.gpu_uuid.remote()) != ray.get(receiver.gpu_uuid.remote())
         g = torch.Generator().manual_seed(layers_per_message)
-        for rid in ("a", "b"):      # the second reuses the pair's groups
+        for rid in ("a", "b", "c"):      # later ones reuse the pair's groups; "c" is all ready at once
             src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
             dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
             spec = TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 40 * 16).to_msg()
             ray.get(receiver.expect.remote(spec))
-            ray.get(sender.stream.remote(spec))
+            ray.get((sender.send_all if rid == "c" else sender.stream).remote(spec))
             assert ray.get(receiver.wait.remote(rid)) == "done"
             assert ray.get(sender.wait.remote(rid)) == "done"
             sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
