@@ -55,6 +55,7 @@ class FakeNetwork:
         self._faults: dict[tuple[str, str], LinkFaults] = {}
         self._aborts: set[tuple[str, str, str]] = set()
         self.links_created = 0
+        self.epoch = 0            # bumped by every abort notice and death (Connector.peer_epoch)
 
     def connector(self, actor_id: str) -> "FakeConnector":
         return FakeConnector(self, actor_id)
@@ -70,6 +71,7 @@ class FakeNetwork:
     def kill(self, actor_id: str) -> None:
         """The actor dies: every pipe it is on breaks."""
         with self._lock:
+            self.epoch += 1
             for key, pipe in list(self._pipes.items()):
                 if actor_id in key:
                     pipe.kill()
@@ -187,7 +189,17 @@ class FakeConnector:
     def is_current(self, link: FakeLink) -> bool:
         return self.network._is_current(link.pipe)
 
+    def peer_epoch(self, peer_id: str) -> tuple:
+        """Changes whenever an abort is posted, an actor dies, or this pair's pipe is replaced or
+        broken (coarser than the real connector's, never finer)."""
+        with self.network._lock:
+            pipe = self.network._pipes.get((self.self_id, peer_id))
+            return (self.network.epoch, id(pipe) if pipe is not None else None,
+                    pipe.dead if pipe is not None else None)
+
     def post_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
+        with self.network._lock:
+            self.network.epoch += 1
         self.network._aborts.add((sender_id, receiver_id, request_id))
 
     def abort_posted(self, sender_id: str, receiver_id: str, request_id: str) -> bool:

@@ -201,6 +201,7 @@ class _PeerSendWorker:
         self._index: dict[str, torch.Tensor] = {}   # rid -> src block index on the device
         self._abort_checked: dict[str, float] = {}
         self._prepared: set[str] = set()            # rids whose link was checked at begin()
+        self._epoch_seen: Any = None                # the peer's epoch at the last full check
         self._stream = self._index_stream = None
         self._staging: StagingSlots | None = None
         self.messages_sent = 0
@@ -279,11 +280,20 @@ class _PeerSendWorker:
         rec = self.sender._table.get(rid)
         if rec is None or rec.state.terminal:
             return
-        if self._receiver_aborted(rec.spec, first=True):
-            self.sender._table.finish(rid, TransferState.ABORTED,
-                                      KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
-            return
-        self._link(fresh=True)
+        conn = self.sender.connector
+        epoch = conn.peer_epoch(self.peer) if hasattr(conn, "peer_epoch") else None
+        if epoch is not None and self.link is not None and epoch == self._epoch_seen:
+            # one lookup instead of three: the receiver has not restarted, broken the pair or
+            # posted an abort since the last full check (an abort of this request posted before
+            # that check is missed here; the receiver drops the data, as it does any late data)
+            self._abort_checked[rid] = time.monotonic()
+        else:
+            if self._receiver_aborted(rec.spec, first=True):
+                self.sender._table.finish(rid, TransferState.ABORTED,
+                                          KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
+                return
+            self._link(fresh=True)
+            self._epoch_seen = epoch
         self._block_index(rid, rec.spec)
         self._prepared.add(rid)
         self._mark("send.prepared", rid)
@@ -463,3 +473,4 @@ class _PeerSendWorker:
         self._index.clear()
         self._abort_checked.clear()
         self._prepared.clear()
+        self._epoch_seen = None

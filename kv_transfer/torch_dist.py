@@ -14,12 +14,16 @@ controller hosts, under a per-pair PrefixStore:
     kv/pair/.../g<gen>/{gloo,nccl}/...           that generation's group rendezvous keys
     kv/pair/.../g<gen>/broken                    set by a receiver that gave that generation up
     kv/abort/<sender>/<receiver>/<request id>    a receiver's abort, read by the sender
+    kv/epoch/<receiver>                          a counter the receiver bumps when it starts, marks a
+                                                 pair broken or posts an abort
 
 The sender picks each generation (a fresh counter value per connect) and offers it; the receiver
 joins the newest offer it has not used before. So a restarted sender (same id, new process) or a
 rebuilt link never meets stale keys: the receiver waits for an offer newer than the generation that
 broke. A restarted receiver has a new nonce, hence a fresh key space; the sender checks the
-receiver's nonce and the `broken` mark before each transfer, so it rebuilds instead of failing.
+receiver's nonce and the `broken` mark before each transfer, so it rebuilds instead of failing:
+three lookups, unless the receiver's epoch counter (one lookup) shows nothing changed since the
+last time it did.
 
 Control frames always travel on the gloo group (CPU): an idle receiver keeps a frame receive posted
 there, which costs a blocked thread, where on NCCL it would be a kernel spinning on the GPU. On GPU
@@ -241,6 +245,7 @@ class DistConnector:
         self.backend = backend_for(self.device)
         self.nonce = uuid.uuid4().hex[:12]
         self.store.set(f"kv/nonce/{self_id}", self.nonce)
+        self._bump_epoch()                     # a restart: senders check this pair afresh
         self.links_created = 0
         self._joined: dict[str, int] = {}     # receiver: peer -> last generation joined
         self._live: list[DistLink] = []
@@ -301,8 +306,15 @@ class DistConnector:
         except Exception:
             return False
 
+    def peer_epoch(self, peer_id: str) -> int | None:
+        try:
+            return int(self.store.add(f"kv/epoch/{peer_id}", 0))
+        except Exception:
+            return None
+
     def post_abort(self, sender_id: str, receiver_id: str, request_id: str) -> None:
         self.store.set(_abort_key(sender_id, receiver_id, request_id), "1")
+        self._bump_epoch()        # after the key: a sender that sees the new epoch finds it
 
     def abort_posted(self, sender_id: str, receiver_id: str, request_id: str) -> bool:
         try:
@@ -339,8 +351,12 @@ class DistConnector:
     def _mark_broken(self, base: str, gen: int) -> None:
         try:
             self.store.set(f"{base}/g{gen}/broken", "1")
+            self._bump_epoch()
         except Exception:
             pass
+
+    def _bump_epoch(self) -> None:
+        self.store.add(f"kv/epoch/{self.self_id}", 1)
 
     def _forget(self, link: DistLink) -> None:
         with self._lock:

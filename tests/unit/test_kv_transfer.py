@@ -602,3 +602,48 @@ def test_an_unexpected_error_in_the_receiver_fails_its_transfers_and_the_next_on
     finally:
         sender.close()
         receiver.close()
+
+
+def test_begin_checks_the_link_in_one_lookup_while_the_receivers_epoch_is_unchanged(pair):
+    """The full check (receiver aborted? link still current?) costs three store round trips on the
+    real connector; while the receiver's epoch (one round trip) is unchanged since the last full
+    check, begin() skips it. An abort notice or a dead peer changes the epoch, and the next
+    transfer is checked in full again: the abort is found, the pair rebuilt."""
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    conn = sender.connector
+    checks = Counter()
+    for name in ("is_current", "abort_posted"):
+        real = getattr(conn, name)
+        setattr(conn, name, lambda *a, _real=real, _name=name: (checks.update([_name]), _real(*a))[1])
+
+    def transfer(rid: str) -> TransferState:
+        spec = make_spec(rid)
+        receiver.expect(spec)
+        sender.begin(spec)
+        worker = sender._workers["decode-0"]
+        until(lambda: spec.request_id in worker._prepared or sender.poll(rid).terminal)
+        for layer in spec.layers:
+            sender.send_layer(rid, layer)
+        try:
+            return receiver.wait(rid, 2)
+        except KVTransferError:
+            return receiver.poll(rid)
+
+    assert transfer("r1") is TransferState.DONE           # first: full check (the link is new)
+    first = checks.copy()
+    assert first["abort_posted"] >= 1
+    assert transfer("r2") is TransferState.DONE           # epoch unchanged: no full check at begin
+    assert checks == first
+    spec = make_spec("r3")                                 # the receiver aborts r3 before it starts
+    receiver.expect(spec)
+    receiver.abort("r3")
+    sender.begin(spec)
+    until(lambda: sender.poll("r3") is TransferState.ABORTED)
+    assert checks["abort_posted"] > first["abort_posted"]
+    net.kill("decode-0")                                   # the pair dies: checked in full, rebuilt
+    until(lambda: "prefill-0" not in receiver._loops)     # (the receiver's reader has seen it)
+    before = checks["is_current"]
+    assert transfer("r4") is TransferState.DONE
+    assert checks["is_current"] > before and net.links_created == 2
+    for layer in range(4):
+        assert_layer_copied(src, dst, layer)
