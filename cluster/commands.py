@@ -27,7 +27,8 @@ def register(sub) -> None:
                     help="uncached prompt tokens up to which decode actors prefill locally (inf = colocated)")
     up.add_argument("--prefill-queue-limit", type=float,
                     help="prompt tokens a router keeps queued on one prefill actor; past it decode actors "
-                         "prefill locally (prefill.max_queued_tokens; default inf)")
+                         "prefill locally while their own prefill queue is the shorter "
+                         "(prefill.max_queued_tokens; default inf)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
     up.add_argument("--autoscale", action="store_true", help="size each pool from its own load (bounds in config)")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
