@@ -373,6 +373,7 @@ class DecodeWorker:
                 "loop_error": repr(self.loop.error) if self.loop.error else None,
                 "last_step_error": self.loop.last_step_error,
                 "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
+                "mid_step_calls": self.loop.mid_step_calls,
                 "late_compiles": compile_watch.late,
                 "cuda_graphs": e.runner.graph_stats, **self.counters}
 

@@ -56,8 +56,8 @@ class Router:
         self.sessions = sessions
         self.limits = limits
         self.threshold = local_prefill_threshold
-        # prompt tokens of this router's remote prefills not yet delivered, per prefill actor: past
-        # the limit an actor gets no more, and decode actors prefill locally meanwhile
+        # past max_prefill_queued tokens of this router's remote prefills on a prefill actor, it gets
+        # no more while a decode actor's own queue of local prefills is shorter (prefill_placement)
         self.max_prefill_queued = max_prefill_queued_tokens
         self.prefill_queued: dict[str, int] = {}   # prompt tokens placed on each prefill actor, not yet delivered
         self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet

@@ -72,6 +72,7 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     for actor in ("decode-0", "prefill-0"):
         assert stats[actor]["gil_switch_interval_s"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S), \
             f"{actor} serves with Python's 5 ms GIL switch interval"
+        assert stats[actor]["mid_step_calls"] >= 0
 
     import torch
     from transformers import AutoModelForCausalLM
