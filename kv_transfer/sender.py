@@ -280,8 +280,7 @@ class _PeerSendWorker:
         rec = self.sender._table.get(rid)
         if rec is None or rec.state.terminal:
             return
-        conn = self.sender.connector
-        epoch = conn.peer_epoch(self.peer) if hasattr(conn, "peer_epoch") else None
+        epoch = self.sender.connector.peer_epoch(self.peer)
         if epoch is not None and self.link is not None and epoch == self._epoch_seen:
             # one lookup instead of three: the receiver has not restarted, broken the pair or
             # posted an abort since the last full check (an abort of this request posted before
