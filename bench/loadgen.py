@@ -99,6 +99,34 @@ def plan_sessions(sessions: list[list[RequestSpec]], *, session_workload: bool, 
     return plan[:max_sessions] if max_sessions else plan
 
 
+@dataclass(frozen=True)
+class RampPlan:
+    specs: list[RequestSpec]  # every step's turns; session ids `r<step>-<id>`, first turns at their start
+    send_until_s: dict[str, float]  # session id -> its step's end: turns due from then on are not sent
+    step_starts_s: tuple[float, ...]
+
+
+def plan_ramp(sessions: list[list[RequestSpec]], rates: Iterable[float], step_s: float) -> RampPlan:
+    """What `tandem bench --rates R1,R2,.. --duration S` sends to a session workload, on one
+    timeline for the simulator: step i starts at i * S and is `plan_sessions` at rate R_i with fresh
+    session ids, each session's turns cut at its step's end. The bench also waits between steps for
+    the requests still in flight; here the steps run back to back."""
+    specs: list[RequestSpec] = []
+    until: dict[str, float] = {}
+    starts = []
+    for i, rate in enumerate(rates):
+        t0 = i * step_s
+        starts.append(t0)
+        for sess in plan_sessions(sessions, session_workload=True, rate=rate, duration_s=step_s):
+            sid = f"r{i}-{sess.session_id}"
+            until[sid] = t0 + step_s
+            first = sess.specs[0].arrival_s
+            specs += [replace(t, session_id=sid, arrival_s=t0 + sess.start_s + t.arrival_s - first)
+                      for t in sess.specs]
+    specs.sort(key=lambda r: (r.arrival_s, r.session_id, r.turn))
+    return RampPlan(specs, until, tuple(starts))
+
+
 def load_sessions(kind: str, path: str | None, rng: random.Random, *, num_sessions: int,
                   max_context: int | None) -> list[list[RequestSpec]]:
     """The workload's sessions, each fitted to `max_context`. Agent sessions are generated at 1 new

@@ -222,9 +222,10 @@ def write_outputs(report: dict, out_dir: str | Path, label: str) -> list[Path]:
     return paths
 
 
-def plot_timeline(report: dict, path: Path, plt) -> Path:
+def plot_timeline(report: dict, path: Path, plt, title: str | None = None) -> Path:
     """Pool sizes (and targets) over the whole bench, above each OK request's TTFT and TPOT at the
-    time it was sent, with each rate's start marked: what an autoscaled load ramp did."""
+    time it was sent, with each rate's start marked: what an autoscaled load ramp did. `tandem
+    simulate --ramp` writes its report in the same shape and draws it here too (its own title)."""
     tl = report["pool_timeline"]
     slo = report["config"]["slo"]
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
@@ -253,7 +254,7 @@ def plot_timeline(report: dict, path: Path, plt) -> Path:
         ax1.axhline(limit, color=color, linestyle="--", alpha=0.5)
     ax1.set(xlabel="seconds since the bench started", ylabel="ms (log)", yscale="log")
     ax1.legend(fontsize="small")
-    fig.suptitle(f"tandem bench {report['label']}: pools and latency over time")
+    fig.suptitle(title or f"tandem bench {report['label']}: pools and latency over time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -154,23 +154,75 @@ def load_perf(path: str | None):
     return PerfModel.from_dict(d.get("perf_model", d))
 
 
+def perf_for_cluster(perf, cluster):
+    """`perf` with what a cluster config sets rather than the hardware: the decode actors'
+    local-prefill threshold, sequence slots and step token budget, the prefill queue cap, and the
+    KV per worker when the config fixes its blocks."""
+    e = cluster.engine
+    kv = {"kv_capacity_tokens": e.cache.num_blocks * e.cache.block_size} if e.cache.num_blocks else {}
+    return dataclasses.replace(perf, local_prefill_threshold=cluster.decode.local_prefill_threshold,
+                               prefill_queue_limit=cluster.prefill.max_queued_tokens,
+                               max_batch=e.scheduler.max_num_seqs,
+                               max_step_tokens=e.scheduler.max_num_batched_tokens, **kv)
+
+
 def cmd_simulate(args) -> int:
     from bench.workloads import load_workload
+    from cluster.autoscaler import AutoscalerConfig
+    from cluster.config import load_config
     from cluster.simulator import SLO, format_table, simulate, sweep
 
-    specs = load_workload(args.workload, random.Random(args.seed), num_sessions=args.sessions,
-                          session_rate_per_s=args.session_rate)
-    perf = load_perf(args.perf)
+    perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
+    if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
+        cluster = load_config(args.config)
+        perf, sizes = perf_for_cluster(perf, cluster), (cluster.prefill.replicas, cluster.decode.replicas)
+        autoscaler = cluster.autoscaler if args.autoscale or cluster.autoscale else None
+    elif args.autoscale:
+        autoscaler = AutoscalerConfig()
+    prefill = sizes[0] if args.prefill is None else args.prefill
+    decode = sizes[1] if args.decode is None else args.decode
     if args.prefill_queue_limit is not None:
         perf = dataclasses.replace(perf, prefill_queue_limit=args.prefill_queue_limit)
+    if (args.out or args.step_s) and not args.ramp:
+        raise ValueError("--out and --step-s go with --ramp")
+    if args.sweep and (autoscaler or args.ramp):
+        raise ValueError("--sweep runs static layouts; drop --autoscale and --ramp, or give --prefill/--decode")
     slo = SLO(args.ttft_slo, args.tpot_slo)
-    opts: dict[str, Any] = {"closed_loop": args.closed_loop, "pull_prefix": not args.no_pull_prefix}
+    opts: dict[str, Any] = {"pull_prefix": not args.no_pull_prefix, "seed": args.seed}
+    one = {"colocated": args.config is not None and math.isinf(perf.local_prefill_threshold),
+           "max_workers": args.max_workers, "worker_startup_s": args.worker_startup_s}
+    if args.ramp:
+        return _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, {**opts, **one})
+    specs = load_workload(args.workload, random.Random(args.seed), num_sessions=args.sessions,
+                          session_rate_per_s=args.session_rate)
+    opts["closed_loop"] = args.closed_loop
     if args.sweep:
-        results = sweep(specs, args.sweep, perf, slo, seed=args.seed, **opts)
+        results = sweep(specs, args.sweep, perf, slo, **opts)
     else:
-        results = [simulate(specs, args.prefill, args.decode, perf, slo, seed=args.seed, **opts)]
+        results = [simulate(specs, prefill, decode, perf, slo, autoscaler, **opts, **one)]
     print(f"workload {args.workload}: {len(specs)} requests; SLO TTFT <= {slo.ttft_s} s, TPOT <= {slo.tpot_s} s")
     print(format_table(results))
+    return 0
+
+
+def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
+    from cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
+
+    rates = [float(r) for r in args.ramp.split(",") if r.strip()]
+    step_s = args.step_s or 60.0
+    plan = ramp_plan(args.workload, rates, step_s, args.seed)
+    result = run_ramp(plan, prefill, decode, perf, slo, autoscaler, **opts)
+    print(f"workload {args.workload}: ramp {args.ramp} new sessions/s, {step_s:g} s each, "
+          f"{len(result.requests)} requests sent (closed loop); start {result.summary.label}; "
+          f"SLO TTFT <= {slo.ttft_s} s, TPOT <= {slo.tpot_s} s")
+    print_ramp(result, plan, rates, slo)
+    if args.out:
+        label = args.label or f"ramp-{prefill}p{decode}d" + ("-autoscaled" if autoscaler else "")
+        config = {"workload": args.workload, "seed": args.seed, "perf": perf.to_dict(), "start": [prefill, decode],
+                  "autoscaler": autoscaler.to_dict() if autoscaler else None, "max_workers": args.max_workers,
+                  "worker_startup_s": args.worker_startup_s, "cluster_config": args.config}
+        for p in write_ramp(ramp_report(result, plan, rates, step_s, slo, label, config), args.out, label):
+            print(f"wrote {p}")
     return 0
 
 
@@ -190,8 +242,8 @@ def register(sub) -> None:
     sm = sub.add_parser("simulate", help="what-if: replay a workload against N prefill and M decode workers")
     sm.add_argument("--workload", default="coding-agent", help="coding-agent, coding-agent-small, or a "
                                                                 "Mooncake .jsonl / Azure .csv trace")
-    sm.add_argument("--prefill", type=int, default=1)
-    sm.add_argument("--decode", type=int, default=1)
+    sm.add_argument("--prefill", type=int, help="prefill workers (default: --config's replicas, else 1)")
+    sm.add_argument("--decode", type=int, help="decode workers (default: --config's replicas, else 1)")
     sm.add_argument("--sweep", type=int, metavar="GPUS", help="every prefill:decode split of GPUS workers, "
                                                              "and all of them colocated")
     sm.add_argument("--perf", help="perf model JSON from `tandem profile` (default: assumed 8B on H200)")
@@ -205,4 +257,17 @@ def register(sub) -> None:
     sm.add_argument("--no-pull-prefix", action="store_true",
                     help="prefill workers recompute prefixes the decode worker holds (Tandem pulls them)")
     sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--config", help="a cluster YAML as for `tandem up`: pool sizes, decode.local_prefill_threshold, "
+                                     "prefill.max_queued_tokens, scheduler slots and step tokens, the autoscaler")
+    sm.add_argument("--autoscale", action="store_true",
+                    help="run the autoscaler policy in the loop (settings: --config's autoscaler section)")
+    sm.add_argument("--max-workers", type=int, metavar="GPUS",
+                    help="workers in all: a scale-up past it waits for a drained worker's slot")
+    sm.add_argument("--worker-startup-s", type=float, default=60.0, help="a new worker's start-up time (default 60)")
+    sm.add_argument("--ramp", metavar="RATES", help="e.g. 0.5,2,4,2,0.5: new sessions/s per step, as `tandem bench "
+                                                    "--rates RATES --duration STEP_S` sends them (closed loop)")
+    sm.add_argument("--step-s", type=float, help="seconds of arrivals per --ramp step (default 60)")
+    sm.add_argument("--out", help="with --ramp: write sim-LABEL.json (tandem bench's shape) and, autoscaled, "
+                                  "sim-LABEL-timeline.png here")
+    sm.add_argument("--label", help="names the --out files (default: ramp-<P>p<D>d[-autoscaled])")
     sm.set_defaults(func=cmd_simulate)

@@ -19,7 +19,7 @@ A discrete-event simulation of Tandem's request path, with service times from a 
 
 Outputs per-request TTFT/TPOT/e2e and a summary; `sweep` tries every prefill:decode split of a
 worker budget plus the colocated mode. With an `AutoscalerConfig` the policy in cluster.autoscaler
-runs every period on a snapshot built from the simulation, with a startup delay for new workers.
+runs every period on a snapshot built from the simulation; new workers start after a delay.
 Everything is deterministic for a given workload and seed (the seed only breaks routing ties).
 """
 
@@ -31,7 +31,7 @@ import math
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -189,6 +189,8 @@ class PoolSample:
     decode_live: int
     prefill_target: int
     decode_target: int
+    prefill_draining: int = 0
+    decode_draining: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,7 @@ class _Worker:
         self.accepting = False  # started and not draining
         self.draining = False
         self.gone = False
+        self.pending = False  # created past max_workers: waits for a slot before it starts
         self.cache = PrefixCache(block_tokens)
 
 
@@ -355,9 +358,12 @@ class _Simulation:
     def __init__(self, requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,
                  slo: SLO, autoscaler: AutoscalerConfig | None, seed: int, colocated: bool,
                  worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
-                 send_until_s: float | None = None):
+                 send_until_s: float | Mapping[str, float] | None = None,
+                 max_workers: int | None = None):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
         self.send_until_s = send_until_s
+        self.max_workers = max_workers
+        self.slot_queue: deque[_Worker] = deque()  # created past max_workers, oldest first
         self.unsent: set[int] = set()  # seq indices a closed-loop session never sent (due too late)
         self.pull_prefix = pull_prefix
         self.colocated = colocated
@@ -405,11 +411,25 @@ class _Simulation:
 
     def _add_worker(self, pool: list, cls: type, now: float, started: bool = False) -> None:
         w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens)
-        pool.append(w)
         if started:
             w.up = w.accepting = True
+        elif self.max_workers is not None and self._slots_held() >= self.max_workers:
+            w.pending = True  # like a Ray actor asking for a GPU that no node has free
+            self.slot_queue.append(w)
         else:
             self.push(w.ready_s, "ready", w)
+        pool.append(w)
+
+    def _slots_held(self) -> int:
+        return sum(not w.gone and not w.pending for w in self.prefills + self.decodes)
+
+    def _start_pending(self, now: float) -> None:
+        """Workers waiting for a slot start, oldest first, as drained workers free theirs."""
+        while self.slot_queue and self._slots_held() < self.max_workers:
+            w = self.slot_queue.popleft()
+            if not w.gone:
+                w.pending, w.ready_s = False, now + self.startup_s
+                self.push(w.ready_s, "ready", w)
 
     def _on_ready(self, now: float, w: _Worker) -> None:
         if w.gone:
@@ -587,7 +607,10 @@ class _Simulation:
         if self.next_turns is not None and self.next_turns.get(s.spec.session_id):
             nxt = self.next_turns[s.spec.session_id].popleft()
             nxt.arrival_s = (s.finish_s or now) + getattr(nxt.spec, "think_s", 0.0)
-            if self.send_until_s is not None and nxt.arrival_s >= self.send_until_s:
+            until = self.send_until_s
+            if isinstance(until, Mapping):
+                until = until.get(s.spec.session_id)
+            if until is not None and nxt.arrival_s >= until:
                 # due past the run's end: neither it nor the session's later turns are sent
                 self.unsent.add(id(nxt))
                 self.unsent.update(id(x) for x in self.next_turns.pop(s.spec.session_id))
@@ -606,8 +629,10 @@ class _Simulation:
         p_target = 0 if self.colocated else d.prefill_target
         self._resize(self.prefills, _PrefillWorker, p_target, now)
         self._resize(self.decodes, _DecodeWorker, d.decode_target, now)
-        self.samples.append(PoolSample(now, snap.prefill.size, snap.decode.size, p_target, d.decode_target))
-        if self.done < len(self.seqs):
+        self._start_pending(now)
+        self.samples.append(PoolSample(now, snap.prefill.size, snap.decode.size, p_target, d.decode_target,
+                                       snap.prefill.draining, snap.decode.draining))
+        if self.done + len(self.unsent) < len(self.seqs):  # unsent turns never finish
             self.push(now + cfg.period_s, "control")
 
     def _resize(self, pool: list, cls: type, target: int, now: float) -> None:
@@ -718,7 +743,8 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
              slo: SLO = SLO(), autoscaler: AutoscalerConfig | None = None, seed: int = 0, *,
              colocated: bool = False, closed_loop: bool = False, pull_prefix: bool = False,
              worker_startup_s: float = 60.0, label: str | None = None,
-             send_until_s: float | None = None) -> SimResult:
+             send_until_s: float | Mapping[str, float] | None = None,
+             max_workers: int | None = None) -> SimResult:
     """Replay `workload_requests` against `prefill` + `decode` workers. `colocated`: no prefill
     pool, every decode worker prefills everything itself (chunked). `closed_loop`: a session's turn
     k+1 is sent `think_s` after turn k finishes (an agent waits for its answer) instead of at its
@@ -726,11 +752,15 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     take `worker_startup_s` to come up. `pull_prefix`: a prefill worker missing part of the prefix
     the decode worker holds receives that KV from it (transfer time) rather than recomputing it.
     `send_until_s` (closed loop): a turn due at or after it is not sent, nor are the session's later
-    turns, as `tandem bench` stops sending at its duration; unsent turns are left out of the result."""
+    turns, as `tandem bench` stops sending at its duration; unsent turns are left out of the result.
+    A mapping gives each session id its own cut-off (a ramp of runs). `max_workers` (GPUs in all):
+    a new worker past it waits for a drained worker's slot, then starts."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
+    if max_workers is not None and (0 if colocated else prefill) + decode > max_workers:
+        raise ValueError(f"{prefill} prefill + {decode} decode workers exceed max_workers={max_workers}")
     sim = _Simulation(workload_requests, prefill, decode, perf, slo, autoscaler, seed, colocated,
-                      worker_startup_s, closed_loop, pull_prefix, send_until_s)
+                      worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers)
     sim.run()
     label = label or ((f"colocated x{decode}" if colocated else f"{prefill}P:{decode}D")
                       + (" autoscaled" if autoscaler else ""))
