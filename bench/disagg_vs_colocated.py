@@ -13,6 +13,8 @@ rate for both modes side by side (with their ratio) and TPOT p90 per rate. Every
     python bench/disagg_vs_colocated.py --model tiny-random --device cpu --workload agent-small \
         --rates 1,2 --duration 10 --out /tmp/e2e        # the same, small, on a CPU machine
     python bench/disagg_vs_colocated.py --compare results/   # table and comparison.png again
+    python bench/disagg_vs_colocated.py --layouts 1:3,2:2,3:1,0:4 --rates 1,2,4 --duration 25 \
+        --predict --perf bench/perf/h200-llama3-8b.json   # the simulator only, on this machine
 """
 
 from __future__ import annotations
@@ -148,19 +150,55 @@ def compare(reports: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) -> list[dict]:
-    """The simulator's prediction for every measured layout and rate, on the very requests the
-    bench sent: the same sessions (workload, seed, count, context limit), the same start times per
-    rate, turns sent closed-loop and none due past the duration. The perf model is `tandem
-    profile`'s JSON (--perf) or the simulator's assumed 8B-on-H200 default. Prints and returns
-    rows of measured / predicted goodput, TTFT p90 and TPOT p90 (simulated.json too)."""
+def _load_perf(perf_path: str | None):
+    from cluster.simulator import PerfModel
+
+    return PerfModel.from_dict(json.loads(Path(perf_path).read_text())) if perf_path else PerfModel()
+
+
+def predict(cluster: dict, bench: dict, perf, rates=None) -> dict:
+    """The simulator's summary of one layout (`cluster`: its `tandem up` config) at `rates` (default:
+    all) of `bench` (a `tandem bench` report's config: workload, seed, rates, duration_s,
+    max_sessions, max_context, slo), on the very requests the bench sends: the same sessions, the
+    same start times per rate, turns sent closed-loop and none due past the duration.
+    -> {rate: SimSummary}"""
     import random
     from dataclasses import replace
 
     from bench.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-    from cluster.simulator import SLO, PerfModel, simulate
+    from cluster.simulator import SLO, simulate
 
-    perf = PerfModel.from_dict(json.loads(Path(perf_path).read_text())) if perf_path else PerfModel()
+    n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
+    threshold = float(cluster["decode"]["local_prefill_threshold"])
+    colocated = n_prefill == 0 or math.isinf(threshold)
+    c = bench
+    kind, _ = parse_workload(c["workload"])
+    n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
+    sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
+    model = perf if colocated else replace(
+        perf, local_prefill_threshold=threshold,
+        prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
+    seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
+    if seqs:                         # the layout's decode slots per actor, as the bench set them
+        model = replace(model, max_batch=int(seqs))
+    slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
+    out = {}
+    for rate in c["rates"] if rates is None else rates:
+        plan = plan_sessions(sessions, session_workload=True, rate=rate, duration_s=c["duration_s"],
+                             max_sessions=c.get("max_sessions"))
+        specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
+                 for sess in plan for i, t in enumerate(sess.specs)]
+        out[rate] = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
+                             send_until_s=c["duration_s"]).summary
+    return out
+
+
+def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) -> list[dict]:
+    """The simulator's prediction (`predict`) for every measured layout and rate, on the very
+    requests the bench sent. The perf model is `tandem profile`'s JSON (--perf) or the simulator's
+    assumed 8B-on-H200 default. Prints and returns rows of measured / predicted goodput, TTFT p90
+    and TPOT p90 (simulated.json too)."""
+    perf = _load_perf(perf_path)
     print(f"\nsimulator beside measurement (perf model: {perf_path or 'assumed 8B on H200'}): "
           "measured / predicted")
     print(f"{'layout':>14} {'rate':>5} {'goodput':>13} {'TTFT p90 ms':>15} {'TPOT p90 ms':>15}")
@@ -168,27 +206,9 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
     for name, report in reports.items():
         slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)
         cluster = yaml.safe_load((out / f"config-{slug}.yaml").read_text())
-        n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
-        threshold = float(cluster["decode"]["local_prefill_threshold"])
-        colocated = n_prefill == 0 or math.isinf(threshold)
-        c = report["config"]
-        kind, _ = parse_workload(c["workload"])
-        n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
-        sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
-        model = perf if colocated else replace(
-            perf, local_prefill_threshold=threshold,
-            prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
-        seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
-        if seqs:                         # the layout's decode slots per actor, as the bench set them
-            model = replace(model, max_batch=int(seqs))
-        slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
+        predicted = predict(cluster, report["config"], perf, [run["rate"] for run in report["runs"]])
         for run in report["runs"]:
-            plan = plan_sessions(sessions, session_workload=True, rate=run["rate"], duration_s=c["duration_s"],
-                                 max_sessions=c.get("max_sessions"))
-            specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
-                     for sess in plan for i, t in enumerate(sess.specs)]
-            sim = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
-                           send_until_s=c["duration_s"]).summary
+            sim = predicted[run["rate"]]
             m = run["summary"]
             row = {"layout": name, "rate": run["rate"],
                    "goodput": (m["goodput_rps"], sim.goodput_rps),
@@ -201,6 +221,72 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
                   f"{pair(row['ttft_p90_ms'], '{:.0f}'):>15} {pair(row['tpot_p90_ms'], '{:.1f}'):>15}")
     (out / "simulated.json").write_text(json.dumps({"perf": perf.to_dict(), "rows": rows}, indent=1))
     return rows
+
+
+def print_predictions(configs: dict[str, dict], args) -> list[dict]:
+    """--predict: the simulator's prediction for every layout and rate, on the requests the bench
+    would send (workload, seed, duration cut-off, --max-context or the preset model's context),
+    with no cluster started. Prints goodput and TTFT / TPOT p50, p90, p99 (predicted.json too)."""
+    from engine.config import PRESETS
+
+    context = args.max_context or (PRESETS[args.model].max_position_embeddings if args.model in PRESETS else 0)
+    if not context:
+        raise SystemExit(f"--predict: give --max-context for {args.model!r} (not a preset)")
+    bench = {"workload": args.workload, "seed": args.seed, "max_sessions": None, "duration_s": args.duration,
+             "rates": [float(r) for r in args.rates.split(",")], "max_context": context,
+             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
+    perf = _load_perf(args.perf)
+    print(f"predicted (perf model: {args.perf or 'assumed 8B on H200'}; {args.workload}, {args.duration:g} s per "
+          f"rate, seed {args.seed}); SLOs TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.tpot_slo_ms:g} ms")
+    print(f"{'layout':>14} {'rate':>5} {'sent':>5} {'goodput':>8} {'TTFT ms p50/p90/p99':>22} "
+          f"{'TPOT ms p50/p90/p99':>22} {'SLO met':>8}")
+    rows = []
+    for name, cluster in configs.items():
+        for rate, sim in predict(cluster, bench, perf).items():
+            trio = lambda a, b, c, f: "/".join(f.format(x * 1e3) for x in (a, b, c))  # noqa: E731
+            print(f"{name:>14} {rate:>5g} {sim.requests:>5} {sim.goodput_rps:>8.2f} "
+                  f"{trio(sim.ttft_p50, sim.ttft_p90, sim.ttft_p99, '{:.0f}'):>22} "
+                  f"{trio(sim.tpot_p50, sim.tpot_p90, sim.tpot_p99, '{:.1f}'):>22} {sim.slo_attainment:>8.1%}")
+            rows.append({"layout": name, "rate": rate, "decode_slots": cluster["scheduler"]["max_num_seqs"],
+                         **{k: v for k, v in vars(sim).items() if k != "label"}})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "predicted.json").write_text(json.dumps({"perf": perf.to_dict(), "bench": bench, "rows": rows}, indent=1))
+    print(f"wrote {out / 'predicted.json'}")
+    plot_predictions(rows, bench["slo"], out / "predicted.png",
+                     f"{args.model}, {args.workload}: simulated layouts ({args.perf or 'assumed perf model'})")
+    return rows
+
+
+def plot_predictions(rows: list[dict], slo: dict, path: Path, title: str) -> None:
+    """Goodput, TTFT p90 and TPOT p90 against rate, one line per layout (with matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = ((axes[0], "goodput_rps", 1, "goodput (requests/s within both SLOs)", None),
+              (axes[1], "ttft_p90", 1e3, "TTFT p90 (ms, log)", slo["ttft_ms"]),
+              (axes[2], "tpot_p90", 1e3, "TPOT p90 (ms)", slo["tpot_ms"]))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    for ax, key, scale, ylabel, limit in panels:
+        for name in layouts:
+            mine = [r for r in rows if r["layout"] == name]
+            ax.plot([r["rate"] for r in mine], [r[key] * scale for r in mine], "o-", label=name)
+        if limit is not None:
+            ax.axhline(limit, color="grey", linestyle="--", label="SLO")
+        ax.set(xlabel="offered rate (new sessions / s)", ylabel=ylabel,
+               yscale="log" if key == "ttft_p90" else "linear")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def print_layouts(reports: dict[str, dict], out: Path) -> None:
@@ -296,6 +382,9 @@ def main() -> None:
     ap.add_argument("--simulate", action="store_true",
                     help="also print the simulator's prediction beside each measured layout and rate")
     ap.add_argument("--perf", help="perf model JSON for --simulate (from `tandem profile`; default: assumed)")
+    ap.add_argument("--predict", action="store_true",
+                    help="start nothing: print the simulator's prediction for each layout (or mode) and rate, "
+                         "on the requests the bench would send, with the decode slots it would give each")
     ap.add_argument("--compare", metavar="DIR", help="print the table and plot again from DIR's bench-*.json "
                                                       "(a finished run); runs nothing")
     args = ap.parse_args()
@@ -307,9 +396,13 @@ def main() -> None:
         if args.simulate:
             simulate_beside(reports, d, args.perf)
         return
+    configs = mode_configs(args)
+    if args.predict:
+        names = list(configs) if args.layouts else args.modes.split(",")
+        print_predictions({n: configs[n] for n in names}, args)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    configs = mode_configs(args)
     reports = {}
     for name in (configs if args.layouts else args.modes.split(",")):
         reports[name] = run_mode(name, configs[name], args, out)

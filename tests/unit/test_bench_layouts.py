@@ -66,3 +66,27 @@ def test_simulator_predictions_replay_the_benchs_own_requests(tmp_path):
         assert r["requests"][1] > 0
     assert rows[1]["requests"][1] > rows[0]["requests"][1]        # twice the sessions at rate 1
     assert (tmp_path / "simulated.json").is_file()
+
+
+def test_predict_gives_each_layout_the_benchs_decode_slots_and_starts_nothing(tmp_path, capsys):
+    """--predict: every layout and rate through the simulator on the requests the bench would send,
+    each layout with the decode slots the bench would give it; TTFT/TPOT p50/p90/p99 and goodput."""
+    import json
+
+    from bench.disagg_vs_colocated import predict, print_predictions
+    from cluster.simulator import PerfModel
+
+    args = _args(layouts="1:1,0:2", workload="agent-small", rates="1,2", duration=10.0, seed=0, max_context=0,
+                 model="tiny-random", perf=None, ttft_slo_ms=1000.0, tpot_slo_ms=40.0, out=str(tmp_path))
+    configs = mode_configs(args)
+    rows = print_predictions(configs, args)
+    assert [(r["layout"], r["rate"], r["decode_slots"]) for r in rows] == [
+        ("1P:1D", 1.0, 128), ("1P:1D", 2.0, 128), ("colocated x2", 1.0, 64), ("colocated x2", 2.0, 64)]
+    assert all(r["requests"] > 0 and r["ttft_p99"] >= r["ttft_p90"] >= r["ttft_p50"] > 0 for r in rows)
+    assert "TTFT ms p50/p90/p99" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "predicted.json").read_text())
+    assert saved["bench"]["max_context"] == 2048 and len(saved["rows"]) == 4   # tiny-random's context
+    # the slots matter: a 1P:1D decode worker held to 1 slot predicts a much longer TTFT
+    bench = saved["bench"]
+    one_slot = {**configs["1P:1D"], "scheduler": {**configs["1P:1D"]["scheduler"], "max_num_seqs": 1}}
+    assert predict(one_slot, bench, PerfModel())[2.0].ttft_p90 > 2 * rows[1]["ttft_p90"]
