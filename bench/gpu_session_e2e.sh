@@ -11,7 +11,7 @@ set -u
 source bench/gpu_session_common.sh
 STEPS=" ${STEPS:-transfer ttft tests e2e} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
-has transfer && TAIL=30 step bench_transfer 120 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" ${TRANSFER_ARGS:---profile /tmp/prof}
+has transfer && TAIL=${TRANSFER_TAIL:-30} step bench_transfer ${TRANSFER_LIMIT:-240} python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" ${TRANSFER_ARGS:---profile /tmp/prof}
 has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
 has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer ${TTFT_ARGS:---reps 3} --out "$OUT/kv_transfer_ttft.json"
 # PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first prefill and

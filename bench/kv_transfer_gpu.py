@@ -42,6 +42,11 @@ MiB = 1 << 20
 LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
 CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
+# The transfer table is measured under each of these (KVTransferConfig fields): Tandem's defaults,
+# then without the growing first message, then also through c10d's send/recv (the path before
+# kv_transfer.nccl_direct), the baseline of the ratios.
+VARIANTS = {"default": {}, "equal-messages": {"first_message_bytes": 0},
+            "c10d-equal": {"direct_nccl": False, "first_message_bytes": 0}}
 
 
 def _sync(device: str) -> None:
@@ -60,6 +65,7 @@ class Endpoint:
         from cluster.actor_common import gil_switch_interval
 
         sys.setswitchinterval(gil_switch_interval())    # as the pool actors serve
+        self.actor_id, self.rendezvous = actor_id, rendezvous
         self.device = device
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -229,6 +235,25 @@ class Endpoint:
     def messages_sent(self) -> int:
         return sum(w.messages_sent for w in self.sender._workers.values())
 
+    def configure(self, **overrides) -> None:
+        """New sender, receiver and connector with these KVTransferConfig fields changed (the
+        message size kept): the pair rendezvous afresh, so `direct_nccl` takes effect."""
+        from dataclasses import replace
+
+        from kv_transfer.receiver import LayerStreamReceiver
+        from kv_transfer.sender import LayerStreamSender
+        from kv_transfer.torch_dist import DistConnector
+
+        cfg = replace(CONFIG, max_message_bytes=self.sender.config.max_message_bytes, **overrides)
+        self.sender.close()
+        self.receiver.close()
+        self.conn = DistConnector(self.actor_id, self.rendezvous, self.device, cfg)
+        self.sender = LayerStreamSender(self.store, self.conn, cfg)
+        self.receiver = LayerStreamReceiver(self.store, self.conn, cfg)
+
+    def data_paths(self) -> list[str]:
+        return ["direct" if getattr(link, "direct", None) is not None else "c10d" for link in self.conn._live]
+
 
 def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
     n = tokens // BLOCK
@@ -277,38 +302,33 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
     ray.get(prefill.set_message_bytes.remote(args.message_bytes or best["message_mib"] * MiB))
     print(f"using {(args.message_bytes or best['message_mib'] * MiB) / MiB:.0f} MiB messages below")
 
-    rows = []
-    for tokens in args.prompts:
-        nbytes = tokens * TOKEN_BYTES
-        times, tails = [], []
-        for rep in range(args.reps + 1):
-            spec = _spec(f"t{tokens}-{rep}", tokens, num_blocks, rep)
-            ray.get(decode.expect.remote(spec.to_msg()))
-            sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
-            if rep:                                   # the first is warm-up
-                times.append(done - sent["start"])
-        exact = (ray.get(prefill.checksums.remote(list(spec.src_block_ids)))
-                 == ray.get(decode.checksums.remote(list(spec.dst_block_ids))))
-        gap = args.prefill_s_per_token * tokens / LAYERS  # one layer's share of the prefill
-        for rep in range(args.reps):
-            spec = _spec(f"s{tokens}-{rep}", tokens, num_blocks, 100 + rep)
-            ray.get(decode.expect.remote(spec.to_msg()))
-            sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap), decode.wait_done.remote(spec.request_id)])
-            tails.append(done - sent["last_queued"])
-        t = statistics.median(times)
-        raw_same = _raw_at(raw_by_size, nbytes)
-        rows.append({"tokens": tokens, "mib": nbytes / MiB, "seconds": t, "gbps": nbytes / t / 1e9,
-                     "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
-                     "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
-                     "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
-    print(f"\nTandem transfer, Llama-3-8B KV ({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
-    print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'exact':>6} "
-          f"{'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
-              f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
-              f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
-    print("messages sent:", ray.get(prefill.messages_sent.remote()))
+    by_variant = {}
+    for name in args.variants:
+        overrides = VARIANTS[name]
+        ray.get([prefill.configure.remote(**overrides), decode.configure.remote(**overrides)])
+        rows = _transfer_rows(args, prefill, decode, num_blocks, raw_by_size, name)
+        by_variant[name] = {"config": overrides, "rows": rows,
+                            "data_path": ray.get([prefill.data_paths.remote(), decode.data_paths.remote()])}
+        print(f"\nTandem transfer ({name}: {overrides or 'defaults'}; links: "
+              f"{by_variant[name]['data_path']}), Llama-3-8B KV ({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
+        print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'exact':>6} "
+              f"{'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
+        for r in rows:
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
+                  f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
+                  f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
+    if len(by_variant) > 1:
+        base = args.variants[-1]
+        print(f"\nall layers ready, ms (ratio to {base}, the same run)")
+        print(f"{'tokens':>7} " + " ".join(f"{v:>22}" for v in args.variants))
+        for i, tokens in enumerate(args.prompts):
+            ref = by_variant[base]["rows"][i]["seconds"]
+            print(f"{tokens:>7} " + " ".join(
+                f"{by_variant[v]['rows'][i]['seconds'] * 1e3:>13.2f} ({by_variant[v]['rows'][i]['seconds'] / ref:.2f}x)"
+                for v in args.variants))
+    first = args.variants[0]
+    ray.get([prefill.configure.remote(**VARIANTS[first]), decode.configure.remote(**VARIANTS[first])])
+    rows = by_variant[first]["rows"]
     busy = busy_owner(args, prefill, decode, mid, num_blocks) if args.busy_reps else []
     traced = trace_transfer(prefill, decode, mid, num_blocks)
     copies = [ray.get(prefill.copy_speed.remote(tokens, layers)) for tokens in args.prompts for layers in (1, 8)]
@@ -324,8 +344,38 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
     for a in (prefill, decode):
         ray.kill(a)
     del store
-    return {"rows": rows, "message_sweep": sweep, "traced": traced, "block_copy": copies,
+    return {"rows": rows, "variants": by_variant, "message_sweep": sweep, "traced": traced, "block_copy": copies,
             "profiled": profiled, "busy_owner": busy}, raw
+
+
+def _transfer_rows(args, prefill, decode, num_blocks: int, raw_by_size: dict[int, float], tag: str) -> list[dict]:
+    """Tandem's transfer of each prompt size: all layers ready (median of reps, after a warm-up),
+    and streamed as a prefill computes them (the tail after the last layer)."""
+    rows = []
+    for tokens in args.prompts:
+        nbytes = tokens * TOKEN_BYTES
+        times, tails = [], []
+        for rep in range(args.reps + 1):
+            spec = _spec(f"{tag}-t{tokens}-{rep}", tokens, num_blocks, rep)
+            ray.get(decode.expect.remote(spec.to_msg()))
+            sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+            if rep:                                   # the first is warm-up
+                times.append(done - sent["start"])
+        exact = (ray.get(prefill.checksums.remote(list(spec.src_block_ids)))
+                 == ray.get(decode.checksums.remote(list(spec.dst_block_ids))))
+        gap = args.prefill_s_per_token * tokens / LAYERS  # one layer's share of the prefill
+        for rep in range(args.reps):
+            spec = _spec(f"{tag}-s{tokens}-{rep}", tokens, num_blocks, 100 + rep)
+            ray.get(decode.expect.remote(spec.to_msg()))
+            sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap), decode.wait_done.remote(spec.request_id)])
+            tails.append(done - sent["last_queued"])
+        t = statistics.median(times)
+        raw_same = _raw_at(raw_by_size, nbytes)
+        rows.append({"tokens": tokens, "mib": nbytes / MiB, "seconds": t, "gbps": nbytes / t / 1e9,
+                     "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
+                     "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
+                     "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
+    return rows
 
 
 def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict]:
@@ -516,6 +566,10 @@ def main() -> None:
                     help="repetitions of the busy-actor table (GIL switch interval); 0: skip it")
     ap.add_argument("--busy-intervals-us", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="GIL switch intervals (us) of the busy-actor table (default: Python's 5000 and Tandem's)")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                    help="transport settings to measure the transfer table with, in the same run, the "
+                         f"first also for the tables after it (of {', '.join(VARIANTS)}; the last is "
+                         "the ratios' baseline)")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT remote vs local (loads the model)")
     ap.add_argument("--no-transfer", action="store_true", help="skip tables 1 and 2")
     ap.add_argument("--model", default="llama3-8b-random")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -59,12 +60,27 @@ class KVTransferConfig:
     # are issued while earlier data is still on the wire; staging memory is bounded by
     # max_inflight_messages * max_message_bytes on each side.
     max_inflight_messages: int = 4
+    # A transfer of many ready layers starts and ends with a message of about this size and grows
+    # the ones between (plan_messages): the wire starts after a short gather and ends with a short
+    # scatter. 0: equal messages.
+    first_message_bytes: int = 32 << 20
+    # GPU links: post the data's NCCL sends and receives directly on the communicator c10d built
+    # (kv_transfer.nccl_direct), skipping c10d's per-call bookkeeping; off, or where either end
+    # cannot, they go through ProcessGroupNCCL.send/recv.
+    direct_nccl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "start_timeout_s", "connect_timeout_s", "max_message_bytes",
                      "max_inflight_messages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv transfer config: {name} must be > 0, got {getattr(self, name)}")
+        if self.first_message_bytes < 0:
+            raise ValueError(f"kv transfer config: first_message_bytes must be >= 0, got {self.first_message_bytes}")
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of messages in flight to (or from) one peer: each end's staging ring."""
+        return self.max_inflight_messages * self.max_message_bytes
 
 
 @dataclass(frozen=True)
@@ -258,36 +274,106 @@ class KVReceiver(abc.ABC):
     def close(self) -> None: ...
 
 
-class StagingSlots:
-    """Message buffers of one transport thread, carved from one allocation made on first use:
-    `slots` slots of `slot_bytes` (the window's messages at their largest). So a transfer makes
-    no device allocation: on a miss the caching allocator calls cudaMalloc, and a device
-    allocation (like a pinned one) serializes the device's streams, so the actor's next engine
-    step would wait for whatever is in flight there, a KV receive waiting on a prefill among
-    them. A message larger than a slot, or beyond the free slots, gets a tensor of its own.
-    One thread only."""
+class StagingRing:
+    """Message buffers of one transport thread, carved in FIFO order from one allocation of
+    `capacity` bytes made on first use (the window: max_inflight_messages * max_message_bytes). So
+    a transfer makes no device allocation: on a miss the caching allocator calls cudaMalloc, and a
+    device allocation (like a pinned one) serializes the device's streams, so the actor's next
+    engine step would wait for whatever is in flight there, a KV receive waiting on a prefill
+    among them. Both ends retire messages in the order they took them, so a ring fits: buffers
+    of any size (a transfer's messages grow from small to large, `plan_messages`) without
+    fragmentation. A buffer that does not fit gets a tensor of its own. One thread only."""
 
-    def __init__(self, slots: int, slot_bytes: int, device: torch.device):
-        self.slots, self.slot_bytes, self.device = slots, slot_bytes, device
-        self._free = list(range(slots - 1, -1, -1))
+    ALIGN = 512
+
+    @dataclass(eq=False)
+    class Lease:
+        start: int
+        end: int
+        done: bool = False
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity, self.device = capacity, device
+        self._leases: deque[StagingRing.Lease] = deque()
         self._mem: torch.Tensor | None = None
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int | None]:
-        """A contiguous buffer of that shape and its slot (None: its own tensor)."""
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> "tuple[torch.Tensor, StagingRing.Lease | None]":
+        """A contiguous buffer of that shape and its lease (None: a tensor of its own)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self.slot_bytes or not self._free:
+        placed = self._step(self._state(), nbytes)
+        if placed is None:
             return torch.empty(shape, dtype=dtype, device=self.device), None
         if self._mem is None:
-            self._mem = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-        slot = self._free.pop()
-        start = slot * self.slot_bytes
-        return self._mem[start:start + nbytes].view(dtype).view(shape), slot
+            self._mem = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        at = placed[0]
+        lease = StagingRing.Lease(at, at + nbytes)
+        self._leases.append(lease)
+        return self._mem[at:at + nbytes].view(dtype).view(shape), lease
 
-    def give(self, slot: int | None) -> None:
-        """The buffer of `slot` is no longer read or written by anything queued."""
-        if slot is not None:
-            self._free.append(slot)
+    def give(self, lease: "StagingRing.Lease | None") -> None:
+        """Nothing queued reads or writes that buffer any more (any order; space is reclaimed
+        from the oldest and the newest ends)."""
+        if lease is None:
+            return
+        lease.done = True
+        while self._leases and self._leases[0].done:
+            self._leases.popleft()
+        while self._leases and self._leases[-1].done:
+            self._leases.pop()
+
+    def fits(self, sizes: list[int]) -> bool:
+        """Would buffers of these byte sizes, taken in order now, all come from the ring?"""
+        state = self._state()
+        for n in sizes:
+            placed = self._step(state, n)
+            if placed is None:
+                return False
+            state = placed[1]
+        return True
 
     @property
-    def free(self) -> int:
-        return len(self._free)
+    def idle(self) -> bool:
+        return not self._leases
+
+    def _state(self) -> tuple[int, int, bool] | None:
+        """None when empty, else (head: where the next buffer would start, tail: the oldest's
+        start, wrapped: the newest lie before the oldest)."""
+        if not self._leases:
+            return None
+        newest, oldest = self._leases[-1], self._leases[0]
+        return _align(newest.end, self.ALIGN), oldest.start, newest.start < oldest.start
+
+    def _step(self, state: tuple[int, int, bool] | None, n: int) -> tuple[int, tuple[int, int, bool]] | None:
+        """Where a buffer of n bytes goes in `state`, and the state after it; None: no room."""
+        if n > self.capacity:
+            return None
+        if state is None:
+            return 0, (_align(n, self.ALIGN), 0, False)
+        head, tail, wrapped = state
+        if not wrapped and head + n <= self.capacity:
+            return head, (_align(head + n, self.ALIGN), tail, False)
+        if not wrapped:
+            return (0, (_align(n, self.ALIGN), tail, True)) if n <= tail else None
+        return (head, (_align(head + n, self.ALIGN), tail, True)) if head + n <= tail else None
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def plan_messages(n_layers: int, per_msg: int, first: int) -> list[int]:
+    """How many layers each message of `n_layers` ready layers carries (at most `per_msg` each).
+    When there are enough of them, the first message has `first` layers and each next one twice
+    the last, up to `per_msg`, and the last message `first` again: the wire starts after a short
+    gather instead of a full message's, and after the last byte only a short scatter is left.
+    Otherwise as few messages as possible, of sizes within one layer of each other."""
+    if first >= per_msg or n_layers < 3 * first:
+        k = -(-n_layers // per_msg)
+        return [n_layers // k + (i < n_layers % k) for i in range(k)]
+    sizes, size, left = [], first, n_layers - first
+    while left > 0:
+        take = min(size, per_msg, left)
+        sizes.append(take)
+        left -= take
+        size *= 2
+    return sizes + [first]

@@ -1,9 +1,11 @@
 """An in-process transport for unit tests: queues stand in for the network, so the real sender and
 receiver state machines run unchanged, in one process, with no torch.distributed.
 
-Faults are injected per direction: `delay_s` (a slow peer: each layer leaves that much later) and
-`die_after_layers` (the sender dies after that many layers: both ends see the link break), plus
-`kill(actor_id)` for a peer that dies at an arbitrary moment.
+Faults are injected per direction: `delay_s` (a slow peer: each layer leaves that much later),
+`die_after_layers` (the sender dies after that many layers: both ends see the link break) and
+`held_sends` (a send completes only once the receiver took its data, as a large NCCL send does), plus
+`kill(actor_id)` for a peer that dies at an arbitrary moment and `replace_pipe` for a receiver that
+restarted while sends were posted to it (they never complete, and never fail either).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _CLOSED = object()
 class LinkFaults:
     delay_s: float = 0.0                 # before each layer frame leaves the sender
     die_after_layers: int | None = None  # the pipe breaks once this many layers' data went out
+    held_sends: bool = False             # a send completes when the receiver takes its data
 
 
 class _Pipe:
@@ -61,9 +64,9 @@ class FakeNetwork:
         return FakeConnector(self, actor_id)
 
     def set_faults(self, sender_id: str, receiver_id: str, *, delay_s: float = 0.0,
-                   die_after_layers: int | None = None) -> None:
+                   die_after_layers: int | None = None, held_sends: bool = False) -> None:
         with self._lock:
-            self._faults[(sender_id, receiver_id)] = LinkFaults(delay_s, die_after_layers)
+            self._faults[(sender_id, receiver_id)] = LinkFaults(delay_s, die_after_layers, held_sends)
             pipe = self._pipes.get((sender_id, receiver_id))
             if pipe is not None:
                 pipe.faults = self._faults[(sender_id, receiver_id)]
@@ -76,6 +79,13 @@ class FakeNetwork:
                 if actor_id in key:
                     pipe.kill()
                     del self._pipes[key]
+
+    def replace_pipe(self, sender_id: str, receiver_id: str) -> None:
+        """The receiver restarted: the pair's next connect gets a new pipe. The old one stays open
+        and nobody reads it, so what was posted on it neither completes nor fails."""
+        with self._lock:
+            self.epoch += 1
+            self._pipes.pop((sender_id, receiver_id), None)
 
     def _pipe(self, sender_id: str, receiver_id: str) -> _Pipe:
         with self._lock:
@@ -102,11 +112,15 @@ class FakeLink:
         self.pipe.frames_sent += 1
 
     def isend_data(self, tensor: torch.Tensor) -> "_FakeOp":
-        self.send_data(tensor, 0.0)
-        return _FakeOp(self, None, None)
+        taken = threading.Event() if self.pipe.faults.held_sends else None
+        self._queue_data(tensor, taken)
+        return _FakeOp(self, None, None, taken)
 
     def send_data(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._put(self.pipe.data, tensor.detach().clone())
+        self._queue_data(tensor, None)
+
+    def _queue_data(self, tensor: torch.Tensor, taken: threading.Event | None) -> None:
+        self._put(self.pipe.data, (tensor.detach().clone(), taken))
         self.pipe.layers_sent += tensor.shape[0] if tensor.dim() else 1
         die = self.pipe.faults.die_after_layers
         if die is not None and self.pipe.layers_sent >= die:
@@ -150,26 +164,39 @@ class _FakeOp:
     """A posted fake operation: sends complete at once; a receive completes when its item is
     taken off the pipe (in posting order per stream, as gloo tags and NCCL keep order)."""
 
-    def __init__(self, link: FakeLink, source: queue.Queue | None, into: torch.Tensor | None):
-        self.link, self.source, self.into = link, source, into
+    def __init__(self, link: FakeLink, source: queue.Queue | None, into: torch.Tensor | None,
+                 taken: threading.Event | None = None):
+        self.link, self.source, self.into, self.taken = link, source, into, taken
         self.item: torch.Tensor | None = None
-        self._complete = source is None
+        self._complete = source is None and taken is None
 
     def done(self) -> bool:
-        if not self._complete:
+        if not self._complete and self.taken is not None:    # a held send
+            if self.link.pipe.dead and not self.taken.is_set():
+                raise KVTransferError(f"fake link to {self.link.peer_id!r}: peer is gone")
+            self._complete = self.taken.is_set()
+        elif not self._complete:
             self._land(self.link._take(self.source, None, block=False))
         return self._complete
 
     def wait(self, timeout: float | None) -> None:
-        if not self._complete:
+        if not self._complete and self.taken is not None:
+            if not self.taken.wait(timeout):
+                raise KVTransferTimeout(f"fake link to {self.link.peer_id!r}: send not taken in {timeout}s")
+            self._complete = True
+        elif not self._complete:
             self._land(self.link._take(self.source, timeout, block=True))
 
     def order_current_stream(self) -> bool:
         return False
 
-    def _land(self, item: torch.Tensor | None) -> None:
+    def _land(self, item: "torch.Tensor | tuple | None") -> None:
         if item is None:
             return
+        if isinstance(item, tuple):         # data: (tensor, the sender's event or None)
+            item, taken = item
+            if taken is not None:
+                taken.set()
         if self.into is not None:
             if item.shape != self.into.shape or item.dtype != self.into.dtype:
                 raise KVTransferError(f"fake link: got {tuple(item.shape)} {item.dtype}, "

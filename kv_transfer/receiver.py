@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              StagingSlots, TransferState, device_index, layer_runs)
+                              StagingRing, TransferState, device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -174,7 +175,7 @@ class _Landing:
     posted_at: float
     event: Any = None                # CUDA: recorded after the stream-ordered scatter
     claimed: bool = True             # holds a claim on the blocks (CPU: taken only to scatter)
-    slot: int | None = None          # its staging slot, free again once retired
+    lease: StagingRing.Lease | None = None   # its staging, free again once retired
 
 
 class _PeerRecvLoop:
@@ -188,7 +189,7 @@ class _PeerRecvLoop:
         self._stream = self._recv_stream = None
         self._landings: deque[_Landing] = deque()
         cfg = receiver.config
-        self._staging = StagingSlots(cfg.max_inflight_messages, cfg.max_message_bytes, receiver.store.device)
+        self._staging = StagingRing(cfg.window_bytes, receiver.store.device)
         self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
@@ -270,30 +271,31 @@ class _PeerRecvLoop:
         if sum(parts) != len(layers) or min(parts) < 1:
             raise KVTransferError(f"corrupt control frame from {self.peer!r}: parts {parts} "
                                   f"for {len(layers)} layers")
-        while self._landings and len(self._landings) + len(parts) > self.receiver.config.max_inflight_messages:
+        dtype = getattr(torch, frame["dtype"])
+        part_bytes = math.prod(frame["shape"]) * dtype.itemsize
+        while self._landings and not self._staging.fits([n * part_bytes for n in parts]):
             self._land(wait=True)                  # bound the staging memory
         # Every part's receive is posted before any bookkeeping, so the wire never waits for this
         # thread. Posted from a stream that holds only block-id copies: NCCL's stream waits for the
         # poster's stream, and on the scatter stream that would hold this receive until the
         # previous message's scatter is done (wire and scatter would take turns, not overlap).
         posts = []
-        dtype = getattr(torch, frame["dtype"])
         with self._on_stream(self._recv_stream):
             for n in parts:
-                buf, slot = self._staging.take((n, *frame["shape"]), dtype)
+                buf, lease = self._staging.take((n, *frame["shape"]), dtype)
                 try:
-                    posts.append((buf, slot, self.link.irecv_data(buf)))
+                    posts.append((buf, lease, self.link.irecv_data(buf)))
                 except BaseException:
-                    self._staging.give(slot)
+                    self._staging.give(lease)
                     raise
         self._mark(f"recv.posted {parts}", rid)
         at = 0
-        for n, (buf, slot, posted) in zip(parts, posts):
-            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, slot, posted)
+        for n, (buf, lease, posted) in zip(parts, posts):
+            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, lease, posted)
             at += n
 
-    def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor, slot: int | None,
-               posted: Pending) -> None:
+    def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor,
+               lease: StagingRing.Lease | None, posted: Pending) -> None:
         """Account one posted message (`part`: its idx and layers) to its transfer and queue its
         scatter behind the receive; or, for a transfer that is gone or a message that does not fit
         it, receive the data only to drop it."""
@@ -313,14 +315,14 @@ class _PeerRecvLoop:
         expected = self._next_idx.get(rid, 0)
         problem = self._check(rec.spec, expected, part, buf) if rec is not None else ""
         if rec is None or problem:      # receive the data only to keep the link in step
-            self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic(), slot=slot))
+            self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic(), lease=lease))
             if problem:                 # nothing will be written: give the blocks back first
                 if ordered:
                     table.end_work(rec, 0)
                 table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
             self._forget(rid)
             return
-        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic(), claimed=ordered, slot=slot)
+        landing = _Landing(rid, rec, layers, posted, buf, time.monotonic(), claimed=ordered, lease=lease)
         self._landings.append(landing)
         self._next_idx[rid] = expected + len(layers)
         if self._next_idx[rid] == rec.spec.num_layers:
@@ -366,7 +368,7 @@ class _PeerRecvLoop:
         try:
             self._retire_landed(landing)
         finally:                             # landed and scattered: its buffer is free again
-            self._staging.give(landing.slot)
+            self._staging.give(landing.lease)
 
     def _retire_landed(self, landing: _Landing) -> None:
         moved, rec, table = 0, landing.rec, self.receiver._table
@@ -404,7 +406,7 @@ class _PeerRecvLoop:
         table = self.receiver._table
         while self._landings:
             landing = self._landings.popleft()
-            self._staging.give(landing.slot)
+            self._staging.give(landing.lease)
             if landing.rec is not None and landing.claimed:
                 table.end_work(landing.rec, 0)
         self._next_idx.clear()

@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
-                              KVTransferError, ReleaseCallback, TransferSpec, TransferState,
-                              StagingSlots, device_index, layer_runs)
+                              KVTransferError, KVTransferTimeout, ReleaseCallback, StagingRing,
+                              TransferSpec, TransferState, device_index, layer_runs, plan_messages)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -108,7 +108,7 @@ class LayerStreamSender(KVSender):
         if ready_event is None and self.store.device.type == "cuda":
             ready_event = torch.cuda.Event()
             ready_event.record()
-        self._worker(rec.peer).put(("layer", request_id, idx, ready_event))
+        self._worker(rec.peer).put(("layer", request_id, idx, ready_event, 1))
         self._table.run_releases()
 
     def send(self, spec: TransferSpec) -> None:
@@ -125,9 +125,7 @@ class LayerStreamSender(KVSender):
             ready = torch.cuda.Event()
             ready.record()
         del self._queued[spec.request_id]
-        worker = self._worker(rec.peer)
-        for idx in range(spec.num_layers):
-            worker.put(("layer", spec.request_id, idx, ready))
+        self._worker(rec.peer).put(("layer", spec.request_id, 0, ready, spec.num_layers))
         self._table.run_releases()
 
     def poll(self, request_id: str) -> TransferState:
@@ -173,19 +171,14 @@ class LayerStreamSender(KVSender):
             return w
 
 
-def _split(n: int, per_msg: int) -> list[int]:
-    """n layers in as few messages of at most per_msg layers as possible, sizes within one."""
-    k = -(-n // per_msg)
-    return [n // k + (i < n % k) for i in range(k)]
-
-
 @dataclass
 class _Message:
     rec: TransferRecord
     num_layers: int
     op: Pending
     data: torch.Tensor      # kept alive until the send completes
-    slot: int | None = None  # its staging slot, free again once the send completes
+    lease: StagingRing.Lease | None = None   # its staging, free again once the send completes
+    posted_at: float = 0.0
 
 
 class _PeerSendWorker:
@@ -201,9 +194,11 @@ class _PeerSendWorker:
         self._index: dict[str, torch.Tensor] = {}   # rid -> src block index on the device
         self._abort_checked: dict[str, float] = {}
         self._prepared: set[str] = set()            # rids whose link was checked at begin()
+        self._partial: set[str] = set()             # rids with layers sent on this link, more to come
         self._epoch_seen: Any = None                # the peer's epoch at the last full check
         self._stream = self._index_stream = None
-        self._staging: StagingSlots | None = None
+        self._staging: StagingRing | None = None
+        self._inflight_bytes = 0
         self.messages_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self._thread.start()
@@ -232,7 +227,7 @@ class _PeerSendWorker:
             stopping |= self._take(block)
             try:
                 progressed = self._complete(wait=False)
-                if self._backlog and len(self._inflight) < self.sender.config.max_inflight_messages:
+                if self._backlog and (self._backlog[0][0] != "layer" or not self._window_full()):
                     item = self._backlog.popleft()
                     if item[0] == "layer":
                         self._send_layers(item)
@@ -297,11 +292,17 @@ class _PeerSendWorker:
         self._prepared.add(rid)
         self._mark("send.prepared", rid)
 
+    def _window_full(self) -> bool:
+        """Bytes in flight fill the window (a message larger than it still goes alone)."""
+        return bool(self._inflight) and self._inflight_bytes >= self.sender.config.window_bytes
+
     def _send_layers(self, first: tuple) -> None:
-        """Send the request's layers that are ready now, from `first` on: as many messages of up
-        to max_message_bytes as the window has room for, announced by one control frame, so the
-        receiver posts every receive at once and the wire never waits for a frame in between."""
-        _, rid, idx, event = first
+        """Send the request's layers that are ready now, from `first` on: as many as the window
+        has room for, in messages of up to max_message_bytes (growing from a small first one when
+        there are many, `plan_messages`), announced by one control frame, so the receiver posts
+        every receive at once and the wire never waits for a frame in between. A queued item
+        carries `count` consecutive layers behind one ready event (an all-ready send is one item)."""
+        rid, idx = first[1], first[2]
         self._mark("send.pick", rid)
         table, cfg = self.sender._table, self.sender.config
         fresh = idx == 0 and rid not in self._prepared
@@ -310,20 +311,43 @@ class _PeerSendWorker:
             table.finish(rid, TransferState.ABORTED,
                          KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
         shape = tuple(self.sender.store.block_payload_shape(len(known.spec.src_block_ids))) if known else ()
-        per_msg = max(1, cfg.max_message_bytes // (math.prod(shape) * self.sender.store.dtype.itemsize or 1))
-        room = per_msg * (cfg.max_inflight_messages - len(self._inflight))
-        events = [event]                 # more ready layers of the same request join
-        while (len(events) < room and self._backlog and self._backlog[0][0] == "layer"
-               and self._backlog[0][1] == rid):
-            events.append(self._backlog.popleft()[3])
-        parts = _split(len(events), per_msg)
+        layer_bytes = math.prod(shape) * self.sender.store.dtype.itemsize or 1
+        per_msg = max(1, cfg.max_message_bytes // layer_bytes)
+        room = (cfg.window_bytes - self._inflight_bytes) // layer_bytes if self._inflight else max(
+            1, cfg.window_bytes // layer_bytes)
+        events: list[Any] = []           # one per layer; more ready layers of the same request join
+        item = first
+        while room:
+            at, ev, n = item[2], item[3], item[4]
+            take = min(n, room - len(events))
+            events += [ev] * take
+            if take < n:                 # the rest waits for room
+                self._backlog.appendleft(("layer", rid, at + take, ev, n - take))
+                break
+            if not (len(events) < room and self._backlog and self._backlog[0][0] == "layer"
+                    and self._backlog[0][1] == rid):
+                break
+            item = self._backlog.popleft()
+        first_layers = max(1, cfg.first_message_bytes // layer_bytes) if cfg.first_message_bytes else per_msg
+        staging = self._staging_for(cfg)
+        while events:
+            parts = plan_messages(len(events), per_msg, first_layers)
+            if not self._inflight or staging.fits([n * layer_bytes for n in parts]):
+                break
+            keep = len(events) // 2      # the ring's free space is split: send fewer now
+            self._requeue(rid, idx + keep, events[keep:])
+            del events[keep:]
+        if not events:                   # no room until the oldest message is done
+            if not room:
+                self._backlog.appendleft(first)
+            self._complete(wait=True)
+            return
         rec = table.start_work(rid, len(parts))
         if rec is None:                  # aborted or failed meanwhile: skip its queued layers
             self._skip_queued(rid)
             self._forget(rid)
             return
-        spec, claims = rec.spec, len(parts)
-        staging, bufs = self._staging_for(cfg), []
+        spec, claims, bufs = rec.spec, len(parts), []
         try:
             link = self._link(fresh=fresh)
             layers = list(spec.layers[idx:idx + len(events)])
@@ -341,24 +365,27 @@ class _PeerSendWorker:
                              "shape": list(shape), "dtype": str(bufs[0][0].dtype).removeprefix("torch.")},
                             cfg.timeout_s)
             at = 0
-            for n, (buf, slot) in zip(parts, list(bufs)):   # each send is ordered after its gather
+            for n, (buf, lease) in zip(parts, list(bufs)):   # each send is ordered after its gather
                 self._gather(rid, spec, layers[at:at + n], events[at:at + n], buf)
                 posted = self._post(link, buf)
                 claims -= 1
                 bufs.pop(0)
                 self._mark(f"send.posted {n}", rid)
-                self._inflight.append(_Message(rec, n, posted, buf, slot))
+                self._inflight.append(_Message(rec, n, posted, buf, lease, time.monotonic()))
+                self._inflight_bytes += n * layer_bytes
                 self.messages_sent += 1
                 at += n
             if idx + len(layers) == spec.num_layers:
                 self._forget(rid)
+            else:
+                self._partial.add(rid)
         finally:
             for _ in range(claims):       # parts never posted (the link broke): give them back
                 table.end_work(rec, 0)
             if bufs and self._stream is not None:
                 self._stream.synchronize()    # a gather queued into them may still run
-            for _buf, slot in bufs:
-                staging.give(slot)
+            for _buf, lease in reversed(bufs):
+                staging.give(lease)
 
     def _complete(self, wait: bool) -> bool:
         """Retire finished messages, oldest first (NCCL completes them in order); with `wait`,
@@ -368,19 +395,19 @@ class _PeerSendWorker:
         while self._inflight:
             msg = self._inflight[0]
             if wait and not progressed:
-                msg.op.wait(cfg.timeout_s)
+                msg.op.wait(max(0.0, msg.posted_at + cfg.timeout_s - time.monotonic()))
             elif not msg.op.done():
+                if time.monotonic() - msg.posted_at > cfg.timeout_s:
+                    raise KVTransferTimeout(f"link to {self.peer!r}: a message of {msg.rec.request_id!r} "
+                                            f"was not taken in {cfg.timeout_s:.3g}s")
                 return progressed
             self._inflight.popleft()
-            self._staging.give(msg.slot)
+            self._inflight_bytes -= msg.data.numel() * msg.data.element_size()
+            self._staging.give(msg.lease)
             self._mark("send.done", msg.rec.request_id)
             table.end_work(msg.rec, msg.num_layers)
             progressed = True
         return progressed
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._complete(wait=True)
 
     def _send_end(self, rid: str, state: str, reason: str) -> None:
         if self.link is not None:        # no link: the peer never heard of the transfer from us
@@ -399,12 +426,11 @@ class _PeerSendWorker:
             for at, run in layer_runs(layers):
                 store.gather_layers(run, index, out=out[at:at + len(run)])
 
-    def _staging_for(self, cfg: KVTransferConfig) -> StagingSlots:
-        """The message buffers; made again (once idle) when the message size was changed."""
+    def _staging_for(self, cfg: KVTransferConfig) -> StagingRing:
+        """The message buffers; made again (once idle) when the window was resized."""
         st = self._staging
-        if st is None or (st.slot_bytes != cfg.max_message_bytes and st.free == st.slots):
-            st = self._staging = StagingSlots(cfg.max_inflight_messages, cfg.max_message_bytes,
-                                              self.sender.store.device)
+        if st is None or (st.capacity != cfg.window_bytes and st.idle):
+            st = self._staging = StagingRing(cfg.window_bytes, self.sender.store.device)
         return st
 
     def _block_index(self, rid: str, spec: TransferSpec) -> torch.Tensor:
@@ -420,6 +446,17 @@ class _PeerSendWorker:
         with torch.cuda.stream(self._stream):    # NCCL orders its send after the gather
             return link.isend_data(data)
 
+    def _requeue(self, rid: str, idx: int, events: list[Any]) -> None:
+        """Put layers idx.. (one ready event each) back at the front of the backlog, in order."""
+        items: list[tuple] = []
+        for ev in events:
+            if items and items[-1][3] is ev:
+                items[-1] = (*items[-1][:4], items[-1][4] + 1)
+            else:
+                items.append(("layer", rid, idx, ev, 1))
+            idx += 1
+        self._backlog.extendleft(reversed(items))
+
     def _skip_queued(self, rid: str) -> None:
         self._backlog = deque(item for item in self._backlog if not (item[0] == "layer" and item[1] == rid))
 
@@ -431,6 +468,7 @@ class _PeerSendWorker:
             self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        self._partial.discard(rid)
         self._index.pop(rid, None)
         self._abort_checked.pop(rid, None)
         self._prepared.discard(rid)
@@ -450,12 +488,32 @@ class _PeerSendWorker:
     def _link(self, fresh: bool) -> PeerLink:
         conn = self.sender.connector
         if self.link is not None and fresh and not conn.is_current(self.link):
-            self._drain()                     # what is posted on the old link finishes there
-            self.link.close(broken=False)     # the peer restarted or rebuilt the pair
-            self.link = None
+            self._abandon_link()              # the peer restarted or rebuilt the pair
         if self.link is None:
             self.link = conn.connect(self.peer, as_sender=True)
         return self.link
+
+    def _abandon_link(self) -> None:
+        """The receiver restarted or gave the pair up, so nothing posted on the link will ever be
+        taken: fail the transfers that used it (data in flight, or layers still to come), close it
+        (which aborts its communicator, ending the sends waiting on it). Transfers that have not
+        sent anything yet go on over the next link."""
+        table = self.sender._table
+        err = KVTransferError(f"link to {self.peer!r}: the receiver restarted or rebuilt the pair")
+        used = {m.rec.request_id for m in self._inflight} | self._partial
+        self.link.close(broken=False)
+        self.link = None
+        if self._stream is not None:          # no gather may still read blocks we hand back
+            self._stream.synchronize()
+        while self._inflight:
+            msg = self._inflight.popleft()
+            table.end_work(msg.rec, 0)
+            self._staging.give(msg.lease)
+        self._inflight_bytes = 0
+        for rid in used:
+            table.finish(rid, TransferState.FAILED, err)
+            self._forget(rid)
+        self._partial.clear()
 
     def _break(self, err: KVTransferError) -> None:
         table = self.sender._table
@@ -468,8 +526,10 @@ class _PeerSendWorker:
         while self._inflight:
             msg = self._inflight.popleft()
             table.end_work(msg.rec, 0)
-            self._staging.give(msg.slot)
+            self._staging.give(msg.lease)
+        self._inflight_bytes = 0
         self._index.clear()
         self._abort_checked.clear()
         self._prepared.clear()
+        self._partial.clear()
         self._epoch_seen = None

@@ -4,6 +4,8 @@ gives."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -30,11 +32,12 @@ def ray_gpus():
 
 @ray.remote(num_gpus=1, num_cpus=0)
 class Endpoint:
-    def __init__(self, actor_id: str, rendezvous: str, seed: int | None, max_message_bytes: int):
+    def __init__(self, actor_id: str, rendezvous: str, seed: int | None, max_message_bytes: int,
+                 **config):
         from kv_transfer.testing import TensorBlockStore
         from kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
 
-        cfg = KVTransferConfig(**CONFIG, max_message_bytes=max_message_bytes)
+        cfg = KVTransferConfig(**{**CONFIG, **config}, max_message_bytes=max_message_bytes)
         self.store = TensorBlockStore(LAYERS, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
         if seed is not None:
             self.store.tensor.normal_(generator=torch.Generator("cuda").manual_seed(seed))
@@ -64,8 +67,22 @@ class Endpoint:
             self.store.tensor[layer].mul_(-1.0)
         self.end.send(spec)
 
-    def wait(self, rid: str) -> str:
-        return self.end.wait(rid, 60).value
+    def wait(self, rid: str, timeout: float = 60) -> str:
+        try:
+            return self.end.wait(rid, timeout).value
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the failure
+            return f"{type(exc).__name__}: {exc}"
+
+    def data_paths(self) -> list[str]:
+        """How each live link moves its data: "direct" (kv_transfer.nccl_direct) or "c10d"."""
+        return ["direct" if link.direct is not None else "c10d" for link in self.end.connector._live]
+
+    def stream_slowly(self, spec_msg: dict, gap_s: float) -> None:
+        spec = TransferSpec.from_msg(spec_msg)
+        self.end.begin(spec)
+        for layer in spec.layers:
+            time.sleep(gap_s)
+            self.end.send_layer(spec.request_id, layer)
 
     def record_allocations(self) -> None:
         """From now on, keep the Python stack of every allocation torch's allocator makes."""
@@ -84,15 +101,21 @@ class Endpoint:
         return torch.stack([self.store.gather_blocks(layer, block_ids) for layer in range(LAYERS)]).cpu()
 
 
-@pytest.mark.parametrize("layers_per_message", [1, LAYERS])
-def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message):
+LAYER_BYTES = 2 * 40 * 16 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("layers_per_message, config", [
+    (1, {}), (LAYERS, {}),
+    (LAYERS, {"first_message_bytes": LAYER_BYTES}),      # all-ready: messages of 1, 2, 2, 1 layers
+    (LAYERS, {"direct_nccl": False}),                    # c10d's send/recv
+], ids=["one-layer", "all-layers", "growing", "c10d"])
+def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message, config):
     from kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
-    layer_bytes = 2 * 40 * 16 * 8 * 128 * 2
-    sender = Endpoint.remote("prefill-0", addr, 7, layers_per_message * layer_bytes)
-    receiver = Endpoint.remote("decode-0", addr, None, layers_per_message * layer_bytes)
+    sender = Endpoint.remote("prefill-0", addr, 7, layers_per_message * LAYER_BYTES, **config)
+    receiver = Endpoint.remote("decode-0", addr, None, layers_per_message * LAYER_BYTES, **config)
     try:
         assert ray.get(sender.gpu_uuid.remote()) != ray.get(receiver.gpu_uuid.remote())
         g = torch.Generator().manual_seed(layers_per_message)
@@ -107,6 +130,51 @@ def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message):
             sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
             assert sent.abs().sum() > 0
             assert torch.equal(sent, got)
+        want = "direct" if config.get("direct_nccl", True) else "c10d"
+        assert ray.get([sender.data_paths.remote(), receiver.data_paths.remote()]) == [[want], [want]]
+    finally:
+        for a in (sender, receiver):
+            ray.kill(a)
+        del store
+
+
+def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_gpus):
+    """The decode actor dies while a transfer streams into it (its NCCL receives posted directly):
+    the sender's transfer fails within its timeout, not hung on the dead peer's communicator, and
+    a restarted receiver under the same id gets the next transfer bit-exact over a new pair."""
+    from kv_transfer.torch_dist import start_rendezvous_store
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    addr = f"127.0.0.1:{port}"
+    quick = {"timeout_s": 5.0}
+    sender = Endpoint.remote("prefill-0", addr, 9, LAYER_BYTES, **quick)
+    receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
+    try:
+        g = torch.Generator().manual_seed(9)
+        src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+        dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+        warm = TransferSpec("warm", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        ray.get(receiver.expect.remote(warm))
+        ray.get(sender.send_all.remote(warm))
+        assert ray.get(receiver.wait.remote("warm")) == "done"
+        assert ray.get(receiver.data_paths.remote()) == ["direct"]
+        spec = TransferSpec("cut", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        ray.get(receiver.expect.remote(spec))
+        streaming = sender.stream_slowly.remote(spec, 0.5)
+        time.sleep(1.2)                  # two layers have gone
+        ray.kill(receiver)
+        ray.get(streaming)
+        t0 = time.monotonic()
+        state = ray.get(sender.wait.remote("cut", 30))
+        assert state != "done" and "KVTransfer" in state, state
+        assert time.monotonic() - t0 < 15
+        receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
+        again = TransferSpec("again", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        ray.get(receiver.expect.remote(again))
+        ray.get(sender.send_all.remote(again))
+        assert ray.get(receiver.wait.remote("again")) == "done"
+        sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
+        assert torch.equal(sent, got)
     finally:
         for a in (sender, receiver):
             ray.kill(a)
@@ -122,9 +190,8 @@ def test_transfers_after_the_first_make_no_device_allocation(ray_gpus):
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
-    layer_bytes = 2 * 40 * 16 * 8 * 128 * 2
-    sender = Endpoint.remote("prefill-0", addr, 3, 2 * layer_bytes)
-    receiver = Endpoint.remote("decode-0", addr, None, 2 * layer_bytes)
+    sender = Endpoint.remote("prefill-0", addr, 3, 2 * LAYER_BYTES, first_message_bytes=LAYER_BYTES)
+    receiver = Endpoint.remote("decode-0", addr, None, 2 * LAYER_BYTES, first_message_bytes=LAYER_BYTES)
     try:
         g = torch.Generator().manual_seed(5)
         for i, n in enumerate((40, 40, 7, 33, 40)):     # the first one warms the pair up

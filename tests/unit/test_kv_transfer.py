@@ -245,9 +245,9 @@ def test_peer_dies_after_layer_k_fails_both_sides(pair):
     # every staging buffer came back, from the broken link's messages too
     sender.wait("req-2", timeout=2)
     worker = sender._workers["decode-0"]       # a slot is given back just after its message retires
-    until(lambda: not worker._inflight and worker._staging.free == worker._staging.slots)
+    until(lambda: not worker._inflight and worker._staging.idle)
     loop = receiver._loops["prefill-0"]
-    until(lambda: not loop._landings and loop._staging.free == loop._staging.slots)
+    until(lambda: not loop._landings and loop._staging.idle)
 
 
 def test_data_before_expect_fails_the_later_expect(pair):
@@ -351,41 +351,65 @@ def test_ready_layers_beyond_the_window_wait_for_room():
         receiver.close()
 
 
-def test_staging_slots_reuse_one_allocation():
-    from kv_transfer.base import StagingSlots
+def test_staging_ring_reuses_one_allocation_in_fifo_order():
+    from kv_transfer.base import StagingRing
 
-    st = StagingSlots(2, 64, torch.device("cpu"))
-    a, sa = st.take((2, 4), torch.float32)                  # 32 bytes: a slot
-    b, sb = st.take((16,), torch.float32)                   # 64 bytes: the other slot
-    assert {sa, sb} == {0, 1} and st.free == 0
+    st = StagingRing(4096, torch.device("cpu"))
+    a, la = st.take((250,), torch.float32)                  # 1000 bytes at 0
+    b, lb = st.take((1000,), torch.uint8)                   # at 1024 (512-byte aligned)
+    c, lc = st.take((1500,), torch.uint8)                   # at 2048
     base = st._mem.data_ptr()
-    assert {a.data_ptr(), b.data_ptr()} == {base, base + 64}
-    c, sc = st.take((2,), torch.float32)                    # none free: a tensor of its own
-    big, sbig = st.take((17,), torch.float32)               # larger than a slot: its own too
-    assert sc is None and sbig is None and c.data_ptr() != base
+    assert [x.data_ptr() - base for x in (a, b, c)] == [0, 1024, 2048]
+    d, ld = st.take((600,), torch.uint8)                    # no room: a tensor of its own
+    big, lbig = st.take((5000,), torch.uint8)               # larger than the ring: its own too
+    assert ld is None and lbig is None and d.data_ptr() != base
     a.fill_(1.0)
-    b.fill_(2.0)
-    assert torch.equal(a, torch.ones(2, 4)) and torch.equal(b, torch.full((16,), 2.0))   # disjoint
-    st.give(sa)
-    st.give(sc)                                             # None: nothing to give back
-    d, sd = st.take((1, 3), torch.float32)
-    assert sd == sa and d.data_ptr() == a.data_ptr() and st._mem.data_ptr() == base
+    b.fill_(2)
+    c.fill_(3)
+    assert torch.equal(a, torch.ones(250)) and int(b.sum()) == 2000 and int(c.sum()) == 4500   # disjoint
+    assert not st.fits([1024]) and st.fits([512]) and not st.fits([513])   # only the end is free
+    st.give(la)                                             # the oldest: its space comes back
+    st.give(ld)                                             # None: nothing to give back
+    assert st.fits([1024]) and not st.fits([1025]) and st.fits([512, 1024])
+    e, le = st.take((1024,), torch.uint8)                   # wraps to the front
+    assert e.data_ptr() == base
+    st.give(lc)                                             # out of order: held until b goes
+    assert not st.idle
+    st.give(lb)
+    st.give(le)
+    assert st.idle and st.fits([4096])
+    f, lf = st.take((4096,), torch.uint8)
+    assert lf is not None and f.data_ptr() == base and st._mem.data_ptr() == base
 
 
-def test_transfers_stage_their_messages_in_the_preallocated_slots(monkeypatch):
-    """Every message of a run of transfers, on both ends, is staged in a slot of the one
-    allocation (a fresh tensor would be a device allocation on the GPU path)."""
-    from kv_transfer.base import StagingSlots
+def test_plan_messages_grows_from_a_small_first_message():
+    from kv_transfer.base import plan_messages
+
+    assert plan_messages(32, 8, 1) == [1, 2, 4, 8, 8, 8, 1]     # 8k Llama-3-8B, 256 MiB messages
+    assert plan_messages(32, 32, 4) == [4, 8, 16, 4]            # 2k: one message would hold all
+    assert plan_messages(31, 8, 1) == [1, 2, 4, 8, 8, 7, 1]
+    for n, per, first in [(32, 8, 1), (32, 32, 4), (100, 3, 1), (9, 4, 3), (256, 2, 1)]:
+        parts = plan_messages(n, per, first)
+        assert sum(parts) == n and max(parts) <= per and parts[0] == parts[-1] == first
+    assert plan_messages(32, 8, 8) == [8, 8, 8, 8]              # first == per message: equal split
+    assert plan_messages(5, 8, 2) == [5]                        # too few layers for a ramp
+    assert plan_messages(7, 2, 3) == [2, 2, 2, 1]
+
+
+def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
+    """Every message of a run of transfers, on both ends, is staged in the one allocation (a
+    fresh tensor would be a device allocation on the GPU path)."""
+    from kv_transfer.base import StagingRing
 
     taken = []
-    real = StagingSlots.take
+    real = StagingRing.take
 
     def spy(self, shape, dtype):
-        buf, slot = real(self, shape, dtype)
-        taken.append(slot)
-        return buf, slot
+        buf, lease = real(self, shape, dtype)
+        taken.append(lease)
+        return buf, lease
 
-    monkeypatch.setattr(StagingSlots, "take", spy)
+    monkeypatch.setattr(StagingRing, "take", spy)
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(6))
     dst = TensorBlockStore(num_blocks=12)
     config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
@@ -438,7 +462,7 @@ def test_receiver_abort_between_parts_of_one_frame_writes_nothing_more():
         until(lambda: receiver.poll(spec.request_id) is TransferState.ABORTED and rel.calls[spec.request_id] == 1)
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1   # one frame, four parts
         loop = receiver._loops["prefill-0"]
-        until(lambda: not loop._landings and loop._staging.free == loop._staging.slots)
+        until(lambda: not loop._landings and loop._staging.idle)
         for layer in (1, 2, 3):                  # nothing after the abort was written
             assert dst.cache[layer, :, list(DST)].abs().sum() == 0
         net.set_faults("prefill-0", "decode-0")
@@ -647,3 +671,118 @@ def test_begin_checks_the_link_in_one_lookup_while_the_receivers_epoch_is_unchan
     assert checks["is_current"] > before and net.links_created == 2
     for layer in range(4):
         assert_layer_copied(src, dst, layer)
+
+
+def test_many_ready_layers_go_as_messages_growing_from_a_small_first_one():
+    """Twelve ready layers, up to four per message, the first of one layer: one frame announces
+    messages of 1, 2, 4, 4 and 1 layers (a short gather before the wire starts, a short scatter
+    after it ends), bit-exact."""
+    src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(11))
+    dst = TensorBlockStore(num_layers=12, num_blocks=12)
+    config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=4 * LAYER_BYTES, first_message_bytes=LAYER_BYTES)
+    sender, receiver, net = make_fake_pair(src, dst, config=config)
+    sender.trace = []
+    try:
+        spec = make_spec(layers=range(12))
+        receiver.expect(spec)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 2) is TransferState.DONE
+        for layer in spec.layers:
+            assert_layer_copied(src, dst, layer)
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1
+        posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
+        assert posted == [1, 2, 4, 4, 1]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_window_of_bytes_sends_ready_layers_in_turns_staged_in_the_ring(monkeypatch):
+    """The window holds four layers (max_inflight_messages 1 of four layers): twelve ready layers
+    go in turns of at most four, the next as room comes back, every message staged in the
+    preallocated ring on both ends."""
+    from kv_transfer.base import StagingRing
+
+    taken = []
+    real = StagingRing.take
+
+    def spy(self, shape, dtype):
+        buf, lease = real(self, shape, dtype)
+        taken.append(lease)
+        return buf, lease
+
+    monkeypatch.setattr(StagingRing, "take", spy)
+    src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(12))
+    dst = TensorBlockStore(num_layers=12, num_blocks=12)
+    config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=1,
+                              first_message_bytes=LAYER_BYTES)
+    sender, receiver, net = make_fake_pair(src, dst, config=config)
+    sender.trace = []
+    try:
+        net.set_faults("prefill-0", "decode-0", held_sends=True)    # room comes back as data lands
+        spec = make_spec(layers=range(12))
+        receiver.expect(spec)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 3) is TransferState.DONE
+        assert sender.wait(spec.request_id, 3) is TransferState.DONE
+        for layer in spec.layers:
+            assert_layer_copied(src, dst, layer)
+        posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
+        assert sum(posted) == 12 and max(posted) <= 4
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent >= 3     # at most 4 layers a turn
+        assert taken and None not in taken
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_message_the_receiver_never_takes_fails_its_transfer_on_time():
+    """Data posted to a receiver that stopped reading (alive, link open): the sender's transfer
+    fails once the message is older than timeout_s, without anyone waiting on it."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(13))
+    dst = TensorBlockStore(num_blocks=12)
+    sender, receiver, net = make_fake_pair(src, dst, config=FAST)
+    try:
+        net.set_faults("prefill-0", "decode-0", held_sends=True)
+        spec = make_spec()
+        sender.send(spec)            # nobody reads this pipe: the receiver never expected it
+        t0 = time.monotonic()
+        until(lambda: sender.poll(spec.request_id) is TransferState.FAILED, timeout=3)
+        assert time.monotonic() - t0 < FAST.timeout_s + 1.0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_restarted_receiver_fails_only_the_transfers_on_the_old_link():
+    """The receiver restarts while a message to it is posted (it will never complete, nor fail):
+    the next transfer's link check finds the pair replaced, fails the transfer that was in flight
+    at once, and the new transfer goes over a new link, bit-exact, instead of waiting out the old
+    message's timeout and failing with it."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(14))
+    dst = TensorBlockStore(num_blocks=12)
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
+                              max_message_bytes=LAYER_BYTES)
+    sender, receiver, net = make_fake_pair(src, dst, config=config)
+    try:
+        net.set_faults("prefill-0", "decode-0", held_sends=True)
+        stuck = make_spec("stuck", src=(2, 4, 6), dst=(0, 2, 4))
+        sender.send(stuck)           # to a receiver that is gone: nobody reads this pipe
+        until(lambda: sender._workers["decode-0"]._inflight)
+        net.replace_pipe("prefill-0", "decode-0")       # it came back: a new pipe
+        net.set_faults("prefill-0", "decode-0")
+        t0 = time.monotonic()
+        fresh = make_spec("fresh")
+        receiver.expect(fresh)
+        sender.send(fresh)
+        assert receiver.wait("fresh", 3) is TransferState.DONE
+        assert time.monotonic() - t0 < config.timeout_s     # did not wait out the old message
+        for layer in fresh.layers:
+            assert_layer_copied(src, dst, layer)
+        assert sender.poll("stuck") is TransferState.FAILED
+        assert sender.wait("fresh", 2) is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()
