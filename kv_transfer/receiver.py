@@ -86,8 +86,11 @@ class LayerStreamReceiver(KVReceiver):
             if early is not None:
                 self._table.finish(spec.request_id, TransferState.FAILED, KVTransferError(
                     f"transfer {spec.request_id!r}: {early} from {spec.sender_id!r} before expect()"))
-            elif spec.sender_id not in self._loops:
-                self._loops[spec.sender_id] = _PeerRecvLoop(self, spec.sender_id)
+            else:
+                loop = self._loops.get(spec.sender_id)
+                if loop is None:
+                    loop = self._loops[spec.sender_id] = _PeerRecvLoop(self, spec.sender_id)
+                loop.prepare(spec)
         self._table.run_releases()
 
     def redirect(self, spec: TransferSpec) -> None:
@@ -106,6 +109,8 @@ class LayerStreamReceiver(KVReceiver):
             self._table.reassign(rec, spec, peer=spec.sender_id)
             if spec.sender_id not in self._loops and not self._closed:
                 self._loops[spec.sender_id] = _PeerRecvLoop(self, spec.sender_id)
+            if spec.sender_id in self._loops:
+                self._loops[spec.sender_id].prepare(spec)
 
     def poll(self, request_id: str) -> TransferState:
         state = self._table.state(request_id)
@@ -192,8 +197,15 @@ class _PeerRecvLoop:
         self._staging = StagingRing(cfg.window_bytes, receiver.store.device)
         self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
+        # frames from the reader thread, link errors, and ("prepare", spec) from expect()
+        self._frames: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self._thread.start()
+
+    def prepare(self, spec: TransferSpec) -> None:
+        """expect() was called: copy the destination block ids to the device while this thread is
+        idle, not when the first message's scatter is queued."""
+        self._frames.put(("prepare", spec))
 
     def stop(self) -> None:
         """Does not wait: a gloo receive posted while idle only returns when the peer closes or
@@ -211,19 +223,23 @@ class _PeerRecvLoop:
             self._recv_stream = torch.cuda.Stream(store.device)    # posts receives; block-id copies only
         try:
             self.link = self.receiver.connector.connect(self.peer, as_sender=False)
-            frames: queue.SimpleQueue = queue.SimpleQueue()
+            frames = self._frames
             threading.Thread(target=self._read_frames, args=(self.link, frames), daemon=True,
                              name=f"kv-frames-{self.peer}").start()
             idle_s = _POLL_MIN_S
             while not self._stopping:
                 # A frame wakes this thread at once; while data is landing it also wakes to poll.
+                if not self._landings:
+                    self._prune()
                 try:
                     item = frames.get(timeout=idle_s if self._landings else None)
                 except queue.Empty:
                     item = None
                 if isinstance(item, KVTransferError):
                     raise item
-                if item is not None:
+                if isinstance(item, tuple):       # ("prepare", spec)
+                    self._prepare(item[1])
+                elif item is not None:
                     self._handle(item)
                 if self._land(wait=False) or item is not None:
                     idle_s = _POLL_MIN_S
@@ -238,6 +254,18 @@ class _PeerRecvLoop:
                 self.link.close(broken=not self._stopping)
             self._abandon_landings()
             self.receiver._loop_ended(self, err)
+
+    def _prepare(self, spec: TransferSpec) -> None:
+        rec = self.receiver._table.get(spec.request_id)
+        if rec is not None and not rec.state.terminal and spec.request_id not in self._index:
+            self._index[spec.request_id] = device_index(self.receiver.store, spec.dst_block_ids,
+                                                        self._recv_stream, self._stream)
+
+    def _prune(self) -> None:
+        """Idle: drop block indexes of transfers that ended before their data came."""
+        table = self.receiver._table
+        for rid in [r for r in self._index if (rec := table.get(r)) is None or rec.state.terminal]:
+            self._forget(rid)
 
     def _read_frames(self, link: PeerLink, frames: queue.SimpleQueue) -> None:
         """Keeps a control-frame receive posted, so frames are taken off the wire as they come,

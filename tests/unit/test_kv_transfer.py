@@ -786,3 +786,23 @@ def test_a_restarted_receiver_fails_only_the_transfers_on_the_old_link():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_the_receiver_builds_a_transfers_block_index_at_expect_and_drops_it_if_no_data_comes(pair):
+    """expect() has the receive thread copy the destination block ids while it is idle (not when
+    the first message lands); a transfer aborted before its data came leaves no index behind."""
+    sender, receiver, net, src, dst, s_rel, r_rel = pair
+    first = make_spec("first")
+    receiver.expect(first)
+    loop = receiver._loops["prefill-0"]
+    until(lambda: "first" in loop._index)
+    assert loop._index["first"].tolist() == list(DST)
+    receiver.abort("first")
+    later = make_spec("later", dst=(2, 4, 6))
+    receiver.expect(later)                       # the thread wakes, prunes, prepares
+    until(lambda: "later" in loop._index and "first" not in loop._index)
+    sender.send(later)
+    assert receiver.wait("later", 2) is TransferState.DONE
+    for layer in later.layers:
+        assert_layer_copied(src, dst, layer, SRC, (2, 4, 6))
+    until(lambda: not loop._index)
