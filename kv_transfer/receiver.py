@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _MAX_EARLY = 4096
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling landing messages: backoff while nothing changes
+_WATCHED_S = 0.01          # while every landing has a waiter: wake only to check for a timeout
+_LANDED = object()         # the landing waiter's wake-up
 
 
 def _ignore(_request_id: str) -> None:
@@ -180,6 +182,7 @@ class _Landing:
     posted_at: float
     event: Any = None                # CUDA: recorded after the stream-ordered scatter
     claimed: bool = True             # holds a claim on the blocks (CPU: taken only to scatter)
+    watched: bool = False            # the landing waiter thread wakes the loop when it is done
     lease: StagingRing.Lease | None = None   # its staging, free again once retired
 
 
@@ -199,6 +202,7 @@ class _PeerRecvLoop:
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
         # frames from the reader thread, link errors, and ("prepare", spec) from expect()
         self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._watch: queue.SimpleQueue | None = None   # CUDA: events for the landing waiter
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self._thread.start()
 
@@ -211,6 +215,8 @@ class _PeerRecvLoop:
         """Does not wait: a gloo receive posted while idle only returns when the peer closes or
         the process exits (the thread is a daemon); the fake link wakes it at once."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.put(None)
         if self.link is not None:
             self.link.close(broken=False)
         self._thread.join(timeout=0.1)
@@ -221,6 +227,9 @@ class _PeerRecvLoop:
             torch.cuda.set_device(store.device)
             self._stream = torch.cuda.Stream(store.device)         # scatters
             self._recv_stream = torch.cuda.Stream(store.device)    # posts receives; block-id copies only
+            self._watch = queue.SimpleQueue()
+            threading.Thread(target=self._wait_landings, args=(self._watch,), daemon=True,
+                             name=f"kv-landing-{self.peer}").start()
         try:
             self.link = self.receiver.connector.connect(self.peer, as_sender=False)
             frames = self._frames
@@ -231,14 +240,22 @@ class _PeerRecvLoop:
                 # A frame wakes this thread at once; while data is landing it also wakes to poll.
                 if not self._landings:
                     self._prune()
+                if not self._landings:
+                    timeout = None
+                elif all(landing.watched for landing in self._landings):
+                    timeout = _WATCHED_S
+                else:
+                    timeout = idle_s
                 try:
-                    item = frames.get(timeout=idle_s if self._landings else None)
+                    item = frames.get(timeout=timeout)
                 except queue.Empty:
                     item = None
                 if isinstance(item, KVTransferError):
                     raise item
                 if isinstance(item, tuple):       # ("prepare", spec)
                     self._prepare(item[1])
+                elif item is _LANDED:
+                    item = None
                 elif item is not None:
                     self._handle(item)
                 if self._land(wait=False) or item is not None:
@@ -254,6 +271,25 @@ class _PeerRecvLoop:
                 self.link.close(broken=not self._stopping)
             self._abandon_landings()
             self.receiver._loop_ended(self, err)
+
+    def _wait_landings(self, events: queue.SimpleQueue) -> None:
+        """CUDA: block (without the GIL) on each landing's last event in turn and wake the loop as
+        it completes, so a landing is seen at once instead of at the next poll."""
+        while True:
+            event = events.get()
+            if event is None:
+                return
+            try:
+                event.synchronize()
+            except Exception:  # noqa: BLE001 - the loop sees the error when it polls the landing
+                pass
+            self._frames.put(_LANDED)
+
+    def _watch_landing(self, landing: "_Landing") -> None:
+        event = landing.event if landing.event is not None else getattr(landing.op, "end", None)
+        if self._watch is not None and event is not None:
+            landing.watched = True
+            self._watch.put(event)
 
     def _prepare(self, spec: TransferSpec) -> None:
         rec = self.receiver._table.get(spec.request_id)
@@ -344,6 +380,7 @@ class _PeerRecvLoop:
         problem = self._check(rec.spec, expected, part, buf) if rec is not None else ""
         if rec is None or problem:      # receive the data only to keep the link in step
             self._landings.append(_Landing(rid, None, [], posted, buf, time.monotonic(), lease=lease))
+            self._watch_landing(self._landings[-1])
             if problem:                 # nothing will be written: give the blocks back first
                 if ordered:
                     table.end_work(rec, 0)
@@ -365,6 +402,7 @@ class _PeerRecvLoop:
                         raise
                     landing.event = torch.cuda.Event()
                     landing.event.record(self._stream)
+        self._watch_landing(landing)
 
     def _land(self, wait: bool) -> bool:
         """Retire landed messages, oldest first; with `wait`, block for the oldest. Past the
