@@ -26,10 +26,10 @@ def encode_frame(msg: dict[str, Any]) -> torch.Tensor:
     body = msgpack.packb(msg, use_bin_type=True)
     if len(body) > FRAME_BYTES - _LEN_BYTES:
         raise ValueError(f"control frame of {len(body)} bytes exceeds {FRAME_BYTES - _LEN_BYTES}")
-    raw = len(body).to_bytes(_LEN_BYTES, "little") + body
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return frame
+    raw = bytearray(FRAME_BYTES)            # one buffer, no tensor ops (this is on every transfer's path)
+    raw[:_LEN_BYTES] = len(body).to_bytes(_LEN_BYTES, "little")
+    raw[_LEN_BYTES:_LEN_BYTES + len(body)] = body
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def decode_frame(frame: torch.Tensor) -> dict[str, Any]:
