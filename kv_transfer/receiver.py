@@ -203,6 +203,8 @@ class _PeerRecvLoop:
         # frames from the reader thread, link errors, and ("prepare", spec) from expect()
         self._frames: queue.SimpleQueue = queue.SimpleQueue()
         self._watch: queue.SimpleQueue | None = None   # CUDA: events for the landing waiter
+        self._room = threading.Condition()             # the staging ring: the frame reader takes,
+        self._broken = False                           # the loop gives back
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self._thread.start()
 
@@ -252,7 +254,7 @@ class _PeerRecvLoop:
                     item = None
                 if isinstance(item, KVTransferError):
                     raise item
-                if isinstance(item, tuple):       # ("prepare", spec)
+                if isinstance(item, tuple) and item[0] == "prepare":
                     self._prepare(item[1])
                 elif item is _LANDED:
                     item = None
@@ -263,6 +265,7 @@ class _PeerRecvLoop:
                 else:
                     idle_s = min(idle_s * 2, _POLL_MAX_S)
         except Exception as exc:  # noqa: BLE001 - the link, or a bug / failed allocation here
+            self._broken = True
             err = exc if isinstance(exc, KVTransferError) else KVTransferError(
                 f"receiver from {self.peer!r} failed: {type(exc).__name__}: {exc}")
             if not isinstance(exc, KVTransferError):
@@ -304,15 +307,66 @@ class _PeerRecvLoop:
             self._forget(rid)
 
     def _read_frames(self, link: PeerLink, frames: queue.SimpleQueue) -> None:
-        """Keeps a control-frame receive posted, so frames are taken off the wire as they come,
-        while the loop thread is busy posting receives and scatters."""
+        """Keeps a control-frame receive posted and, for a "layers" frame, posts every part's
+        receive right here, so the wire never waits for the loop thread (busy queueing scatters,
+        or waiting for the GIL behind the engine); the loop then accounts the posted parts."""
         try:
             while not self._stopping:
-                frames.put(link.recv_frame(None))
+                frame = link.recv_frame(None)
+                frames.put(("posted", frame, *self._post_receives(link, frame))
+                           if frame.get("op") == "layers" else frame)
         except KVTransferError as err:
             frames.put(err)
+        except Exception as exc:  # noqa: BLE001 - a bug or a failed allocation: the link fails
+            log.exception("KV receiver from %s failed posting receives", self.peer)
+            frames.put(KVTransferError(f"receiver from {self.peer!r} failed: {type(exc).__name__}: {exc}"))
 
-    def _handle(self, frame: dict[str, Any]) -> None:
+    def _post_receives(self, link: PeerLink, frame: dict[str, Any]) -> tuple[list[int], list]:
+        """Frame reader thread: the receives of a "layers" frame's parts, in order, into staging
+        (waiting while the ring has no room: the loop frees it as messages land)."""
+        rid = frame["rid"]
+        self._mark("recv.frame", rid)
+        layers = [int(x) for x in frame["layers"]]
+        parts = [int(x) for x in frame.get("parts") or [len(layers)]]
+        if sum(parts) != len(layers) or min(parts) < 1:
+            raise KVTransferError(f"corrupt control frame from {self.peer!r}: parts {parts} "
+                                  f"for {len(layers)} layers")
+        dtype = getattr(torch, frame["dtype"])
+        part_bytes = math.prod(frame["shape"]) * dtype.itemsize
+        posts = []
+        # Posted from a stream that holds only block-id copies: NCCL's stream waits for the
+        # poster's stream, and on the scatter stream that would hold this receive until the
+        # previous message's scatter is done (wire and scatter would take turns, not overlap).
+        with self._room:
+            while not self._staging.idle and not self._staging.fits([n * part_bytes for n in parts]):
+                if self._stopping or self._broken:
+                    raise KVTransferError(f"link to {self.peer!r} closed")
+                self._room.wait(0.01)              # bound the staging memory
+            with self._on_stream(self._recv_stream):
+                for n in parts:
+                    buf, lease = self._staging.take((n, *frame["shape"]), dtype)
+                    try:
+                        posts.append((buf, lease, link.irecv_data(buf)))
+                    except BaseException:
+                        self._staging.give(lease)
+                        raise
+        self._mark(f"recv.posted {parts}", rid)
+        return parts, posts
+
+    def _give(self, lease: StagingRing.Lease | None) -> None:
+        with self._room:
+            self._staging.give(lease)
+            self._room.notify_all()
+
+    def _handle(self, frame: "dict[str, Any] | tuple") -> None:
+        if isinstance(frame, tuple):       # ("posted", a "layers" frame, its parts, their receives)
+            _, frame, parts, posts = frame
+            layers, at = [int(x) for x in frame["layers"]], 0
+            for n, (buf, lease, posted) in zip(parts, posts):
+                self._track(frame["rid"], {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]},
+                            buf, lease, posted)
+                at += n
+            return
         op, rid = frame["op"], frame["rid"]
         table = self.receiver._table
         if op == "end":
@@ -327,36 +381,7 @@ class _PeerRecvLoop:
                     table.finish(rid, TransferState.FAILED, KVTransferError(reason))
             self._forget(rid)
             return
-        if op != "layers":
-            raise KVTransferError(f"unknown control frame {op!r} from {self.peer!r}")
-        self._mark("recv.frame", rid)
-        layers = [int(x) for x in frame["layers"]]
-        parts = [int(x) for x in frame.get("parts") or [len(layers)]]
-        if sum(parts) != len(layers) or min(parts) < 1:
-            raise KVTransferError(f"corrupt control frame from {self.peer!r}: parts {parts} "
-                                  f"for {len(layers)} layers")
-        dtype = getattr(torch, frame["dtype"])
-        part_bytes = math.prod(frame["shape"]) * dtype.itemsize
-        while self._landings and not self._staging.fits([n * part_bytes for n in parts]):
-            self._land(wait=True)                  # bound the staging memory
-        # Every part's receive is posted before any bookkeeping, so the wire never waits for this
-        # thread. Posted from a stream that holds only block-id copies: NCCL's stream waits for the
-        # poster's stream, and on the scatter stream that would hold this receive until the
-        # previous message's scatter is done (wire and scatter would take turns, not overlap).
-        posts = []
-        with self._on_stream(self._recv_stream):
-            for n in parts:
-                buf, lease = self._staging.take((n, *frame["shape"]), dtype)
-                try:
-                    posts.append((buf, lease, self.link.irecv_data(buf)))
-                except BaseException:
-                    self._staging.give(lease)
-                    raise
-        self._mark(f"recv.posted {parts}", rid)
-        at = 0
-        for n, (buf, lease, posted) in zip(parts, posts):
-            self._track(rid, {**frame, "idx": frame["idx"] + at, "layers": layers[at:at + n]}, buf, lease, posted)
-            at += n
+        raise KVTransferError(f"unknown control frame {op!r} from {self.peer!r}")
 
     def _track(self, rid: str, part: dict[str, Any], buf: torch.Tensor,
                lease: StagingRing.Lease | None, posted: Pending) -> None:
@@ -434,7 +459,7 @@ class _PeerRecvLoop:
         try:
             self._retire_landed(landing)
         finally:                             # landed and scattered: its buffer is free again
-            self._staging.give(landing.lease)
+            self._give(landing.lease)
 
     def _retire_landed(self, landing: _Landing) -> None:
         moved, rec, table = 0, landing.rec, self.receiver._table
@@ -472,7 +497,7 @@ class _PeerRecvLoop:
         table = self.receiver._table
         while self._landings:
             landing = self._landings.popleft()
-            self._staging.give(landing.lease)
+            self._give(landing.lease)
             if landing.rec is not None and landing.claimed:
                 table.end_work(landing.rec, 0)
         self._next_idx.clear()
