@@ -149,17 +149,55 @@ def layer_runs(layers: list[int]) -> list[tuple[int, range]]:
 
 
 def device_index(store: "BlockStore", block_ids: "list[int] | tuple[int, ...]", stream: Any,
-                 user: Any) -> torch.Tensor:
+                 user: Any, pinned: "PinnedIndexRing | None" = None) -> torch.Tensor:
     """`block_ids` as an index on the store's device, for kernels queued on stream `user`. On
-    CUDA the copy runs on `stream`, one the caller keeps idle (a copy from pageable memory waits
-    for its stream to drain first; on `user`, which waits for the wire or for a prefill's layers,
-    that would block the transport's thread), and `user` is ordered after it."""
+    CUDA the copy runs on `stream`, one the caller keeps idle, and `user` is ordered after it.
+    With a `pinned` ring the ids go through page-locked memory, an asynchronous copy of a few
+    microseconds; without it (or when they do not fit) from pageable memory, which waits for
+    `stream` to drain (hence an idle one: on `user`, which waits for the wire or for a prefill's
+    layers, that would block the transport's thread) and costs ~100 us of host time."""
     if stream is None:
         return store.block_index(list(block_ids))
     with torch.cuda.stream(stream):
-        index = store.block_index(list(block_ids))
+        host = pinned.take(block_ids, stream) if pinned is not None else None
+        index = store.block_index(host.to(store.device, non_blocking=True) if host is not None
+                                  else list(block_ids))
+        if host is not None:
+            pinned.copied(stream)
     user.wait_stream(stream)
     return index
+
+
+class PinnedIndexRing:
+    """Page-locked memory for block-id copies, allocated once when a transport thread starts (a
+    pinned allocation serializes the device's streams, so never on a transfer's path): `slots`
+    slots of up to `slot_ids` ids, reused in turn once the copy out of a slot has completed.
+    One thread only."""
+
+    def __init__(self, slots: int = 8, slot_ids: int = 16384):
+        self.slot_ids = slot_ids
+        self._mem = torch.empty((slots, slot_ids), dtype=torch.long, pin_memory=True)
+        self._events: list[Any] = [None] * slots
+        self._next = 0
+
+    def take(self, block_ids: "list[int] | tuple[int, ...]", stream: Any) -> torch.Tensor | None:
+        """The ids in a pinned slot (None: too many for one), for a copy queued next on `stream`."""
+        n = len(block_ids)
+        if n > self.slot_ids:
+            return None
+        event = self._events[self._next]
+        if event is not None:
+            event.synchronize()          # the copy out of this slot, long done in practice
+        host = self._mem[self._next, :n]
+        host.copy_(torch.as_tensor(block_ids, dtype=torch.long))
+        return host
+
+    def copied(self, stream: Any) -> None:
+        """The copy out of the slot just taken is queued on `stream`."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._events[self._next] = event
+        self._next = (self._next + 1) % len(self._events)
 
 
 @runtime_checkable

@@ -34,7 +34,7 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              StagingRing, TransferState, device_index, layer_runs)
+                              PinnedIndexRing, StagingRing, TransferState, device_index, layer_runs)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -195,6 +195,7 @@ class _PeerRecvLoop:
         self.link: PeerLink | None = None
         self._stopping = False
         self._stream = self._recv_stream = None
+        self._pinned: PinnedIndexRing | None = None
         self._landings: deque[_Landing] = deque()
         cfg = receiver.config
         self._staging = StagingRing(cfg.window_bytes, receiver.store.device)
@@ -229,6 +230,7 @@ class _PeerRecvLoop:
             torch.cuda.set_device(store.device)
             self._stream = torch.cuda.Stream(store.device)         # scatters
             self._recv_stream = torch.cuda.Stream(store.device)    # posts receives; block-id copies only
+            self._pinned = PinnedIndexRing()
             self._watch = queue.SimpleQueue()
             threading.Thread(target=self._wait_landings, args=(self._watch,), daemon=True,
                              name=f"kv-landing-{self.peer}").start()
@@ -298,7 +300,7 @@ class _PeerRecvLoop:
         rec = self.receiver._table.get(spec.request_id)
         if rec is not None and not rec.state.terminal and spec.request_id not in self._index:
             self._index[spec.request_id] = device_index(self.receiver.store, spec.dst_block_ids,
-                                                        self._recv_stream, self._stream)
+                                                        self._recv_stream, self._stream, self._pinned)
 
     def _prune(self) -> None:
         """Idle: drop block indexes of transfers that ended before their data came."""
@@ -520,7 +522,7 @@ class _PeerRecvLoop:
         index = self._index.get(landing.rid)
         if index is None:     # on the idle receive-posting stream; the scatter stream waits for it
             index = self._index[landing.rid] = device_index(store, landing.rec.spec.dst_block_ids,
-                                                            self._recv_stream, self._stream)
+                                                            self._recv_stream, self._stream, self._pinned)
         for at, run in layer_runs(landing.layers):
             store.scatter_layers(run, index, landing.buf[at:at + len(run)])
 

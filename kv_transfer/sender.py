@@ -36,7 +36,8 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, StagingRing,
-                              TransferSpec, TransferState, device_index, layer_runs, plan_messages)
+                              PinnedIndexRing, TransferSpec, TransferState, device_index, layer_runs,
+                              plan_messages)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -197,6 +198,7 @@ class _PeerSendWorker:
         self._partial: set[str] = set()             # rids with layers sent on this link, more to come
         self._epoch_seen: Any = None                # the peer's epoch at the last full check
         self._stream = self._index_stream = None
+        self._pinned: PinnedIndexRing | None = None
         self._staging: StagingRing | None = None
         self._inflight_bytes = 0
         self.messages_sent = 0
@@ -218,6 +220,7 @@ class _PeerSendWorker:
             torch.cuda.set_device(device)
             self._stream = torch.cuda.Stream(device)           # gathers, then NCCL sends
             self._index_stream = torch.cuda.Stream(device)     # block-id copies only: kept idle
+            self._pinned = PinnedIndexRing()
         stopping, idle_s = False, _POLL_MIN_S
         while not (stopping and not self._backlog and not self._inflight):
             # Block only when there is nothing to send and nothing to watch.
@@ -437,7 +440,7 @@ class _PeerSendWorker:
         index = self._index.get(rid)
         if index is None:                    # gathers run on self._stream, after the copy
             index = self._index[rid] = device_index(self.sender.store, spec.src_block_ids,
-                                                    self._index_stream, self._stream)
+                                                    self._index_stream, self._stream, self._pinned)
         return index
 
     def _post(self, link: PeerLink, data: torch.Tensor) -> Pending:
