@@ -81,6 +81,8 @@ class DirectNccl:
     """One link's data operations on its communicator, from one thread at a time."""
 
     def __init__(self, lib: Any, comm: int, peer_rank: int, device: torch.device):
+        if device.index is None:             # "cuda": the current device, as torch reads it
+            device = torch.device("cuda", torch.cuda.current_device())
         self.lib, self.comm, self.peer_rank, self.device = lib, ctypes.c_void_p(comm), peer_rank, device
         self.stream = torch.cuda.Stream(device)
         self.closed = False     # set by the link before it aborts the communicator
