@@ -42,11 +42,9 @@ MiB = 1 << 20
 LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
 CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
-# The transfer table is measured under each of these (KVTransferConfig fields): Tandem's defaults,
-# then without the growing first message, then also through c10d's send/recv (the path before
-# kv_transfer.nccl_direct), the baseline of the ratios.
-VARIANTS = {"default": {}, "equal-messages": {"first_message_bytes": 0},
-            "c10d-equal": {"direct_nccl": False, "first_message_bytes": 0}}
+# The transfer table is measured under each of these (KVTransferConfig fields), in one run:
+# Tandem's defaults, then equal messages throughout (no small last message), the ratios' baseline.
+VARIANTS = {"default": {}, "equal-messages": {"last_message_bytes": 0}}
 
 
 def _sync(device: str) -> None:
@@ -161,6 +159,23 @@ class Endpoint:
         self.receiver.wait(rid, CONFIG.timeout_s)
         return time.time()
 
+    def send_many(self, spec_msgs: list[dict]) -> float:
+        """Queue several all-ready transfers back to back (as a prefill actor that finished a batch
+        of prompts for this peer does) -> wall-clock start; waits until the sender is done."""
+        specs = [TransferSpec.from_msg(m) for m in spec_msgs]
+        _sync(self.device)
+        start = time.time()
+        for spec in specs:
+            self.sender.send(spec)
+        for spec in specs:
+            self.sender.wait(spec.request_id, CONFIG.timeout_s)
+        return start
+
+    def wait_all(self, rids: list[str]) -> float:
+        for rid in rids:
+            self.receiver.wait(rid, CONFIG.timeout_s)
+        return time.time()
+
     def checksums(self, block_ids: list[int]) -> list[list[float]]:
         """Per layer: sum and position-weighted sum of the blocks' bits (as int16), in order."""
         out = []
@@ -237,7 +252,7 @@ class Endpoint:
 
     def configure(self, **overrides) -> None:
         """New sender, receiver and connector with these KVTransferConfig fields changed (the
-        message size kept): the pair rendezvous afresh, so `direct_nccl` takes effect."""
+        message size kept); the pair rendezvous afresh."""
         from dataclasses import replace
 
         from kv_transfer.receiver import LayerStreamReceiver
@@ -250,9 +265,6 @@ class Endpoint:
         self.conn = DistConnector(self.actor_id, self.rendezvous, self.device, cfg)
         self.sender = LayerStreamSender(self.store, self.conn, cfg)
         self.receiver = LayerStreamReceiver(self.store, self.conn, cfg)
-
-    def data_paths(self) -> list[str]:
-        return ["direct" if getattr(link, "direct", None) is not None else "c10d" for link in self.conn._live]
 
 
 def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
@@ -307,10 +319,9 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
         overrides = VARIANTS[name]
         ray.get([prefill.configure.remote(**overrides), decode.configure.remote(**overrides)])
         rows = _transfer_rows(args, prefill, decode, num_blocks, raw_by_size, name)
-        by_variant[name] = {"config": overrides, "rows": rows,
-                            "data_path": ray.get([prefill.data_paths.remote(), decode.data_paths.remote()])}
-        print(f"\nTandem transfer ({name}: {overrides or 'defaults'}; links: "
-              f"{by_variant[name]['data_path']}), Llama-3-8B KV ({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
+        by_variant[name] = {"config": overrides, "rows": rows}
+        print(f"\nTandem transfer ({name}: {overrides or 'defaults'}), Llama-3-8B KV "
+              f"({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
         print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'exact':>6} "
               f"{'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
         for r in rows:
@@ -327,8 +338,13 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
                 f"{by_variant[v]['rows'][i]['seconds'] * 1e3:>13.2f} ({by_variant[v]['rows'][i]['seconds'] / ref:.2f}x)"
                 for v in args.variants))
     first = args.variants[0]
-    ray.get([prefill.configure.remote(**VARIANTS[first]), decode.configure.remote(**VARIANTS[first])])
+    if first != args.variants[-1]:      # the tables below run with the first setting, warmed up
+        ray.get([prefill.configure.remote(**VARIANTS[first]), decode.configure.remote(**VARIANTS[first])])
+        spec = _spec(f"rewarm-{first}", mid, num_blocks, 5)
+        ray.get(decode.expect.remote(spec.to_msg()))
+        ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
     rows = by_variant[first]["rows"]
+    sustained = back_to_back(args, prefill, decode, num_blocks, raw_by_size, first)
     busy = busy_owner(args, prefill, decode, mid, num_blocks) if args.busy_reps else []
     traced = trace_transfer(prefill, decode, mid, num_blocks)
     copies = [ray.get(prefill.copy_speed.remote(tokens, layers)) for tokens in args.prompts for layers in (1, 8)]
@@ -344,7 +360,8 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
     for a in (prefill, decode):
         ray.kill(a)
     del store
-    return {"rows": rows, "variants": by_variant, "message_sweep": sweep, "traced": traced, "block_copy": copies,
+    return {"rows": rows, "variants": by_variant, "sustained": sustained, "message_sweep": sweep,
+            "traced": traced, "block_copy": copies,
             "profiled": profiled, "busy_owner": busy}, raw
 
 
@@ -375,6 +392,35 @@ def _transfer_rows(args, prefill, decode, num_blocks: int, raw_by_size: dict[int
                      "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
                      "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
                      "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
+    return rows
+
+
+def back_to_back(args, prefill, decode, num_blocks: int, raw_by_size: dict[int, float], tag: str) -> list[dict]:
+    """Tandem's transfer rate with transfers queued back to back, measured as the raw rate is
+    (several messages posted, then all waited for): a prefill actor handing a peer the KV of many
+    prompts. Each transfer's control path then overlaps the previous one's data on the wire."""
+    rows = []
+    for tokens in args.prompts:
+        nbytes = tokens * TOKEN_BYTES
+        k = max(4, min(16, (8 << 30) // nbytes))
+        times = []
+        for rep in range(args.reps + 1):
+            specs = [_spec(f"{tag}-bb{tokens}-{rep}-{i}", tokens, num_blocks, 1000 * rep + i) for i in range(k)]
+            ray.get([decode.expect.remote(sp.to_msg()) for sp in specs])
+            start, done = ray.get([prefill.send_many.remote([sp.to_msg() for sp in specs]),
+                                   decode.wait_all.remote([sp.request_id for sp in specs])])
+            if rep:
+                times.append(done - start)
+        t = statistics.median(times)
+        raw_same = _raw_at(raw_by_size, nbytes)
+        rows.append({"tokens": tokens, "transfers": k, "seconds": t, "gbps": k * nbytes / t / 1e9,
+                     "raw_gbps": raw_same, "ratio": k * nbytes / t / 1e9 / raw_same})
+    print(f"\nback to back: k all-ready transfers queued at once, from the first call to the last DONE "
+          f"({tag}; median of {args.reps})")
+    print(f"{'tokens':>7} {'k':>3} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['transfers']:>3} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
+              f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%}")
     return rows
 
 

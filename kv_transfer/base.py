@@ -60,22 +60,18 @@ class KVTransferConfig:
     # are issued while earlier data is still on the wire; staging memory is bounded by
     # max_inflight_messages * max_message_bytes on each side.
     max_inflight_messages: int = 4
-    # A transfer of many ready layers starts and ends with a message of about this size and grows
-    # the ones between (plan_messages): the wire starts after a short gather and ends with a short
-    # scatter. 0: equal messages.
-    first_message_bytes: int = 32 << 20
-    # GPU links: post the data's NCCL sends and receives directly on the communicator c10d built
-    # (kv_transfer.nccl_direct), skipping c10d's per-call bookkeeping; off, or where either end
-    # cannot, they go through ProcessGroupNCCL.send/recv.
-    direct_nccl: bool = True
+    # The last message of a transfer carries about this many bytes (at least a layer), the rest go
+    # as equal messages (plan_messages): once the last byte is in, the receiver has only a short
+    # scatter left. 0: equal messages throughout.
+    last_message_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "start_timeout_s", "connect_timeout_s", "max_message_bytes",
                      "max_inflight_messages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv transfer config: {name} must be > 0, got {getattr(self, name)}")
-        if self.first_message_bytes < 0:
-            raise ValueError(f"kv transfer config: first_message_bytes must be >= 0, got {self.first_message_bytes}")
+        if self.last_message_bytes < 0:
+            raise ValueError(f"kv transfer config: last_message_bytes must be >= 0, got {self.last_message_bytes}")
 
     @property
     def window_bytes(self) -> int:
@@ -319,7 +315,7 @@ class StagingRing:
     device allocation (like a pinned one) serializes the device's streams, so the actor's next
     engine step would wait for whatever is in flight there, a KV receive waiting on a prefill
     among them. Both ends retire messages in the order they took them, so a ring fits: buffers
-    of any size (a transfer's messages grow from small to large, `plan_messages`) without
+    of any size (a transfer's last message is a small one, `plan_messages`) without
     fragmentation. A buffer that does not fit gets a tensor of its own. One thread only."""
 
     ALIGN = 512
@@ -399,19 +395,12 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def plan_messages(n_layers: int, per_msg: int, first: int) -> list[int]:
-    """How many layers each message of `n_layers` ready layers carries (at most `per_msg` each).
-    When there are enough of them, the first message has `first` layers and each next one twice
-    the last, up to `per_msg`, and the last message `first` again: the wire starts after a short
-    gather instead of a full message's, and after the last byte only a short scatter is left.
-    Otherwise as few messages as possible, of sizes within one layer of each other."""
-    if first >= per_msg or n_layers < 3 * first:
-        k = -(-n_layers // per_msg)
-        return [n_layers // k + (i < n_layers % k) for i in range(k)]
-    sizes, size, left = [], first, n_layers - first
-    while left > 0:
-        take = min(size, per_msg, left)
-        sizes.append(take)
-        left -= take
-        size *= 2
-    return sizes + [first]
+def plan_messages(n_layers: int, per_msg: int, last: int = 0) -> list[int]:
+    """How many layers each message of `n_layers` ready layers carries: as few messages of at most
+    `per_msg` layers as possible, of sizes within one layer of each other; with `last` (a batch
+    that ends its transfer), the final `last` layers go as a message of their own, so only a short
+    scatter is left on the receiver once the last byte is in."""
+    tail = [last] if 0 < last < n_layers and last < per_msg else []
+    body = n_layers - sum(tail)
+    k = -(-body // per_msg)
+    return [body // k + (i < body % k) for i in range(k)] + tail

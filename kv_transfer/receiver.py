@@ -352,6 +352,7 @@ class _PeerRecvLoop:
                     except BaseException:
                         self._staging.give(lease)
                         raise
+                    self._mark(f"recv.post {n}", rid)
         self._mark(f"recv.posted {parts}", rid)
         return parts, posts
 

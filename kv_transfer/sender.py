@@ -279,6 +279,7 @@ class _PeerSendWorker:
         if rec is None or rec.state.terminal:
             return
         epoch = self.sender.connector.peer_epoch(self.peer)
+        self._mark("send.epoch", rid)
         if epoch is not None and self.link is not None and epoch == self._epoch_seen:
             # one lookup instead of three: the receiver has not restarted, broken the pair or
             # posted an abort since the last full check (an abort of this request posted before
@@ -301,8 +302,8 @@ class _PeerSendWorker:
 
     def _send_layers(self, first: tuple) -> None:
         """Send the request's layers that are ready now, from `first` on: as many as the window
-        has room for, in messages of up to max_message_bytes (growing from a small first one when
-        there are many, `plan_messages`), announced by one control frame, so the receiver posts
+        has room for, in messages of up to max_message_bytes (the transfer's last one small,
+        `plan_messages`), announced by one control frame, so the receiver posts
         every receive at once and the wire never waits for a frame in between. A queued item
         carries `count` consecutive layers behind one ready event (an all-ready send is one item)."""
         rid, idx = first[1], first[2]
@@ -331,10 +332,11 @@ class _PeerSendWorker:
                     and self._backlog[0][1] == rid):
                 break
             item = self._backlog.popleft()
-        first_layers = max(1, cfg.first_message_bytes // layer_bytes) if cfg.first_message_bytes else per_msg
+        last = max(1, cfg.last_message_bytes // layer_bytes) if cfg.last_message_bytes else 0
         staging = self._staging_for(cfg)
         while events:
-            parts = plan_messages(len(events), per_msg, first_layers)
+            ends = known is not None and idx + len(events) == known.spec.num_layers
+            parts = plan_messages(len(events), per_msg, last if ends else 0)
             if not self._inflight or staging.fits([n * layer_bytes for n in parts]):
                 break
             keep = len(events) // 2      # the ring's free space is split: send fewer now
@@ -367,9 +369,11 @@ class _PeerSendWorker:
             link.send_frame({"op": "layers", "rid": rid, "idx": idx, "layers": layers, "parts": parts,
                              "shape": list(shape), "dtype": str(bufs[0][0].dtype).removeprefix("torch.")},
                             cfg.timeout_s)
+            self._mark("send.frame", rid)
             at = 0
             for n, (buf, lease) in zip(parts, list(bufs)):   # each send is ordered after its gather
                 self._gather(rid, spec, layers[at:at + n], events[at:at + n], buf)
+                self._mark(f"send.gathered {n}", rid)
                 posted = self._post(link, buf)
                 claims -= 1
                 bufs.pop(0)

@@ -49,7 +49,6 @@ import torch.distributed as dist
 from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
                               ReleaseCallback)
 from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
-from kv_transfer.nccl_direct import DirectNccl, DirectOp, load_library
 from kv_transfer.receiver import LayerStreamReceiver
 from kv_transfer.sender import LayerStreamSender
 
@@ -86,7 +85,6 @@ class DistLink:
         self.ctrl, self.data = ctrl, data
         self.device = connector.device
         self.backend = connector.backend
-        self.direct: DirectNccl | None = None    # NCCL called directly for the data (nccl_direct)
         self._closed = False
 
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
@@ -102,15 +100,11 @@ class DistLink:
         except ValueError as exc:
             raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
 
-    def isend_data(self, tensor: torch.Tensor) -> "_DistOp | DirectOp":
-        if self.direct is not None:
-            return self._post_direct(True, tensor)
+    def isend_data(self, tensor: torch.Tensor) -> "_DistOp":
         return self._post(lambda: self.data.send([tensor], self.peer_rank, _TAG_DATA),
                           self.backend, f"send of {tensor.numel() * tensor.element_size()} B")
 
-    def irecv_data(self, tensor: torch.Tensor) -> "_DistOp | DirectOp":
-        if self.direct is not None:
-            return self._post_direct(False, tensor)
+    def irecv_data(self, tensor: torch.Tensor) -> "_DistOp":
         return self._post(lambda: self.data.recv([tensor], self.peer_rank, _TAG_DATA),
                           self.backend, f"receive of {tensor.numel() * tensor.element_size()} B")
 
@@ -124,8 +118,6 @@ class DistLink:
         if self._closed:
             return
         self._closed = True
-        if self.direct is not None:       # before the abort: what completes after it is not data
-            self.direct.closed = True
         if broken and self.rank == 1:     # tell the sender, which checks before each transfer
             self.connector._mark_broken(self.base, self.gen)
         if self.data is not self.ctrl:
@@ -148,32 +140,6 @@ class DistLink:
         if failure is not None:
             raise KVTransferError(f"link to {self.peer_id!r}: {what} failed: {failure}")
         return _DistOp(self, work, backend, what, start)
-
-    def _post_direct(self, send: bool, tensor: torch.Tensor) -> DirectOp:
-        what = f"link to {self.peer_id!r}: {'send' if send else 'receive'} of {tensor.numel() * tensor.element_size()} B"
-        if self._closed:
-            raise KVTransferError(f"link to {self.peer_id!r} is closed")
-        return self.direct.post(send, tensor, what)
-
-    def _negotiate_direct(self, timeout: float) -> None:
-        """Both ends: use direct NCCL calls for the data only if both can (each says so through
-        the store, then both make the group's communicator with one all-reduce and attach to it;
-        a second exchange confirms both attached). Either side failing leaves both on c10d."""
-        store = dist.PrefixStore(f"{self.base}/g{self.gen}/direct/", self.connector.store)
-        want = self.connector.config.direct_nccl and load_library() is not None
-
-        def agree(step: str, mine: bool) -> bool:
-            store.set(f"{step}/{self.rank}", "1" if mine else "0")
-            store.wait([f"{step}/{self.peer_rank}"], timedelta(seconds=timeout))
-            return mine and store.get(f"{step}/{self.peer_rank}") == b"1"
-
-        if not agree("want", want):
-            return
-        probe = torch.zeros(1, device=self.device)
-        self._post(lambda: self.data.allreduce([probe]), "nccl", "communicator setup").wait(timeout)
-        direct = DirectNccl.attach(self.data, self.peer_rank, self.device)
-        if agree("attached", direct is not None):
-            self.direct = direct
 
 
 class _DistOp:
@@ -324,13 +290,9 @@ class DistConnector:
             probe = torch.zeros(1, device=self.device)
             try:
                 (link.send_data if as_sender else link.recv_data)(probe, timeout)
-                link._negotiate_direct(timeout)
             except KVTransferError:
                 link.close(broken=True)
                 raise
-            except Exception as exc:  # noqa: BLE001 - the store, during the negotiation
-                link.close(broken=True)
-                raise KVTransferError(f"rendezvous with {peer_id!r}: direct NCCL setup: {str(exc)[:300]}") from None
         with self._lock:
             self._live.append(link)
             self.links_created += 1

@@ -382,18 +382,18 @@ def test_staging_ring_reuses_one_allocation_in_fifo_order():
     assert lf is not None and f.data_ptr() == base and st._mem.data_ptr() == base
 
 
-def test_plan_messages_grows_from_a_small_first_message():
+def test_plan_messages_equal_sizes_and_a_small_last_message():
     from kv_transfer.base import plan_messages
 
-    assert plan_messages(32, 8, 1) == [1, 2, 4, 8, 8, 8, 1]     # 8k Llama-3-8B, 256 MiB messages
-    assert plan_messages(32, 32, 4) == [4, 8, 16, 4]            # 2k: one message would hold all
-    assert plan_messages(31, 8, 1) == [1, 2, 4, 8, 8, 7, 1]
-    for n, per, first in [(32, 8, 1), (32, 32, 4), (100, 3, 1), (9, 4, 3), (256, 2, 1)]:
-        parts = plan_messages(n, per, first)
-        assert sum(parts) == n and max(parts) <= per and parts[0] == parts[-1] == first
-    assert plan_messages(32, 8, 8) == [8, 8, 8, 8]              # first == per message: equal split
-    assert plan_messages(5, 8, 2) == [5]                        # too few layers for a ramp
-    assert plan_messages(7, 2, 3) == [2, 2, 2, 1]
+    assert plan_messages(32, 8) == [8, 8, 8, 8]                 # 8k Llama-3-8B, 256 MiB messages
+    assert plan_messages(31, 8) == [8, 8, 8, 7]                 # within one layer of each other
+    assert plan_messages(32, 8, last=1) == [8, 8, 8, 7, 1]      # the transfer's end: a short scatter
+    assert plan_messages(32, 32, last=4) == [28, 4]             # 2k: one message would hold all
+    for n, per, last in [(32, 8, 1), (32, 32, 4), (100, 3, 1), (9, 4, 3), (256, 2, 1), (5, 8, 2)]:
+        parts = plan_messages(n, per, last)
+        assert sum(parts) == n and max(parts) <= per and parts[-1] == last
+    assert plan_messages(1, 8, last=1) == [1]                   # nothing to split off
+    assert plan_messages(8, 4, last=4) == [4, 4]                # a last message as big as any
 
 
 def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
@@ -673,14 +673,14 @@ def test_begin_checks_the_link_in_one_lookup_while_the_receivers_epoch_is_unchan
         assert_layer_copied(src, dst, layer)
 
 
-def test_many_ready_layers_go_as_messages_growing_from_a_small_first_one():
-    """Twelve ready layers, up to four per message, the first of one layer: one frame announces
-    messages of 1, 2, 4, 4 and 1 layers (a short gather before the wire starts, a short scatter
-    after it ends), bit-exact."""
+def test_ready_layers_that_end_a_transfer_leave_a_small_message_last():
+    """Twelve ready layers, up to four per message, a last message of one layer: one frame
+    announces messages of 4, 4, 3 and 1 layers, bit-exact. With a window of eight layers, the first
+    eight (which do not end the transfer) go as equal messages, the last four as 3 and 1."""
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(11))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
     config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
-                              max_message_bytes=4 * LAYER_BYTES, first_message_bytes=LAYER_BYTES)
+                              max_message_bytes=4 * LAYER_BYTES, last_message_bytes=LAYER_BYTES)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
     try:
@@ -692,7 +692,21 @@ def test_many_ready_layers_go_as_messages_growing_from_a_small_first_one():
             assert_layer_copied(src, dst, layer)
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1
         posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
-        assert posted == [1, 2, 4, 4, 1]
+        assert posted == [4, 4, 3, 1]
+        sender.config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+                                         max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=2,
+                                         last_message_bytes=LAYER_BYTES)   # a window of 8 layers
+        sender.trace = []
+        frames = net._pipes[("prefill-0", "decode-0")].frames_sent
+        again = make_spec("again", layers=range(12), src=(1, 4, 6), dst=(0, 2, 4))
+        receiver.expect(again)
+        sender.send(again)
+        assert receiver.wait("again", 2) is TransferState.DONE
+        for layer in again.layers:
+            assert_layer_copied(src, dst, layer, (1, 4, 6), (0, 2, 4))
+        posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
+        assert posted == [4, 4, 3, 1]            # 8 layers that do not end it, then 4 that do
+        assert net._pipes[("prefill-0", "decode-0")].frames_sent == frames + 2
     finally:
         sender.close()
         receiver.close()
@@ -717,7 +731,7 @@ def test_a_window_of_bytes_sends_ready_layers_in_turns_staged_in_the_ring(monkey
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
     config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=1,
-                              first_message_bytes=LAYER_BYTES)
+                              last_message_bytes=LAYER_BYTES)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
     try:
