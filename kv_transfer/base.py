@@ -64,6 +64,8 @@ class KVTransferConfig:
     # as equal messages (plan_messages): once the last byte is in, the receiver has only a short
     # scatter left. 0: equal messages throughout.
     last_message_bytes: int = 32 << 20
+    # NCCL groups run their kernels on high-priority streams (see torch_dist._nccl_group).
+    nccl_high_priority: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "start_timeout_s", "connect_timeout_s", "max_message_bytes",

@@ -279,7 +279,8 @@ class DistConnector:
             ctrl = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo", self.store), rank, 2,
                                          timedelta(seconds=timeout))
             data = ctrl if self.backend == "gloo" else _nccl_group(
-                dist.PrefixStore(prefix + "nccl", self.store), rank, timeout)
+                dist.PrefixStore(prefix + "nccl", self.store), rank, timeout,
+                self.config.nccl_high_priority)
             link = DistLink(self, peer_id, receiver_nonce, base, gen, rank, ctrl, data)
         except Exception as exc:
             if as_sender:      # withdraw the offer, so a receiver arriving later waits for the next
@@ -407,9 +408,11 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _nccl_group(store: dist.Store, rank: int, timeout_s: float) -> Any:
+def _nccl_group(store: dist.Store, rank: int, timeout_s: float, high_priority: bool) -> Any:
     opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = False
+    # NCCL's few CTAs first in line for SMs: otherwise, queued behind a gather, scatter or model
+    # kernel of thousands of blocks, each message waits for that kernel to drain
+    opts.is_high_priority_stream = high_priority
     opts._timeout = timedelta(seconds=4 * timeout_s)
     # We time every op out ourselves and abort the pair; the NCCL watchdog's default reaction to a
     # hung op is to tear the whole process down, which would take the actor's other work with it.
