@@ -43,10 +43,8 @@ LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
 CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
 # The transfer table is measured under each of these (KVTransferConfig fields), in one run:
-# Tandem's defaults; equal messages throughout (no small last message); and that on NCCL streams of
-# normal priority, as before, the ratios' baseline.
-VARIANTS = {"default": {}, "equal-messages": {"last_message_bytes": 0},
-            "equal-normal-priority": {"last_message_bytes": 0, "nccl_high_priority": False}}
+# Tandem's defaults, then NCCL on streams of normal priority (as before), the ratios' baseline.
+VARIANTS = {"default": {}, "normal-priority": {"nccl_high_priority": False}}
 
 
 def _sync(device: str) -> None:

@@ -302,8 +302,8 @@ class _PeerSendWorker:
 
     def _send_layers(self, first: tuple) -> None:
         """Send the request's layers that are ready now, from `first` on: as many as the window
-        has room for, in messages of up to max_message_bytes (the transfer's last one small,
-        `plan_messages`), announced by one control frame, so the receiver posts
+        has room for, in messages of up to max_message_bytes (`plan_messages`), announced by one
+        control frame, so the receiver posts
         every receive at once and the wire never waits for a frame in between. A queued item
         carries `count` consecutive layers behind one ready event (an all-ready send is one item)."""
         rid, idx = first[1], first[2]
@@ -332,11 +332,9 @@ class _PeerSendWorker:
                     and self._backlog[0][1] == rid):
                 break
             item = self._backlog.popleft()
-        last = max(1, cfg.last_message_bytes // layer_bytes) if cfg.last_message_bytes else 0
         staging = self._staging_for(cfg)
         while events:
-            ends = known is not None and idx + len(events) == known.spec.num_layers
-            parts = plan_messages(len(events), per_msg, last if ends else 0)
+            parts = plan_messages(len(events), per_msg)
             if not self._inflight or staging.fits([n * layer_bytes for n in parts]):
                 break
             keep = len(events) // 2      # the ring's free space is split: send fewer now

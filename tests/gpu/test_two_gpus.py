@@ -101,9 +101,9 @@ LAYER_BYTES = 2 * 40 * 16 * 8 * 128 * 2
 
 
 @pytest.mark.parametrize("layers_per_message, config", [
-    (1, {}), (LAYERS, {"last_message_bytes": 0}),
-    (LAYERS, {"last_message_bytes": LAYER_BYTES}),       # all-ready: messages of 5 and 1 layers
-], ids=["one-layer", "all-layers", "small-last"])
+    (1, {}), (LAYERS, {}), (4, {}),                      # all-ready "c": messages of 3 and 3 layers
+    (LAYERS, {"nccl_high_priority": False}),
+], ids=["one-layer", "all-layers", "two-messages", "normal-priority"])
 def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message, config):
     from kv_transfer.torch_dist import start_rendezvous_store
 
@@ -182,8 +182,8 @@ def test_transfers_after_the_first_make_no_device_allocation(ray_gpus):
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
-    sender = Endpoint.remote("prefill-0", addr, 3, 2 * LAYER_BYTES, last_message_bytes=LAYER_BYTES)
-    receiver = Endpoint.remote("decode-0", addr, None, 2 * LAYER_BYTES, last_message_bytes=LAYER_BYTES)
+    sender = Endpoint.remote("prefill-0", addr, 3, 2 * LAYER_BYTES)
+    receiver = Endpoint.remote("decode-0", addr, None, 2 * LAYER_BYTES)
     try:
         g = torch.Generator().manual_seed(5)
         for i, n in enumerate((40, 40, 7, 33, 40)):     # the first one warms the pair up

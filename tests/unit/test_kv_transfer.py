@@ -382,18 +382,17 @@ def test_staging_ring_reuses_one_allocation_in_fifo_order():
     assert lf is not None and f.data_ptr() == base and st._mem.data_ptr() == base
 
 
-def test_plan_messages_equal_sizes_and_a_small_last_message():
+def test_plan_messages_as_few_and_as_equal_as_possible():
     from kv_transfer.base import plan_messages
 
     assert plan_messages(32, 8) == [8, 8, 8, 8]                 # 8k Llama-3-8B, 256 MiB messages
-    assert plan_messages(31, 8) == [8, 8, 8, 7]                 # within one layer of each other
-    assert plan_messages(32, 8, last=1) == [8, 8, 8, 7, 1]      # the transfer's end: a short scatter
-    assert plan_messages(32, 32, last=4) == [28, 4]             # 2k: one message would hold all
-    for n, per, last in [(32, 8, 1), (32, 32, 4), (100, 3, 1), (9, 4, 3), (256, 2, 1), (5, 8, 2)]:
-        parts = plan_messages(n, per, last)
-        assert sum(parts) == n and max(parts) <= per and parts[-1] == last
-    assert plan_messages(1, 8, last=1) == [1]                   # nothing to split off
-    assert plan_messages(8, 4, last=4) == [4, 4]                # a last message as big as any
+    assert plan_messages(31, 8) == [8, 8, 8, 7]
+    assert plan_messages(9, 4) == [3, 3, 3]                     # within one layer of each other
+    assert plan_messages(32, 32) == [32] and plan_messages(1, 8) == [1]
+    for n, per in [(32, 8), (100, 3), (9, 4), (256, 2), (5, 8)]:
+        parts = plan_messages(n, per)
+        assert sum(parts) == n and max(parts) <= per and max(parts) - min(parts) <= 1
+        assert len(parts) == -(-n // per)
 
 
 def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
@@ -673,14 +672,14 @@ def test_begin_checks_the_link_in_one_lookup_while_the_receivers_epoch_is_unchan
         assert_layer_copied(src, dst, layer)
 
 
-def test_ready_layers_that_end_a_transfer_leave_a_small_message_last():
-    """Twelve ready layers, up to four per message, a last message of one layer: one frame
-    announces messages of 4, 4, 3 and 1 layers, bit-exact. With a window of eight layers, the first
-    eight (which do not end the transfer) go as equal messages, the last four as 3 and 1."""
+def test_ready_layers_beyond_a_window_of_bytes_go_in_turns_of_equal_messages():
+    """Twelve ready layers, up to four per message: with the window holding all of them one frame
+    announces three messages of four; with a window of eight layers, two frames (eight layers, then
+    four once room frees up), bit-exact both times."""
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(11))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
     config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
-                              max_message_bytes=4 * LAYER_BYTES, last_message_bytes=LAYER_BYTES)
+                              max_message_bytes=4 * LAYER_BYTES)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
     try:
@@ -692,10 +691,9 @@ def test_ready_layers_that_end_a_transfer_leave_a_small_message_last():
             assert_layer_copied(src, dst, layer)
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1
         posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
-        assert posted == [4, 4, 3, 1]
+        assert posted == [4, 4, 4]
         sender.config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
-                                         max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=2,
-                                         last_message_bytes=LAYER_BYTES)   # a window of 8 layers
+                                         max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=2)
         sender.trace = []
         frames = net._pipes[("prefill-0", "decode-0")].frames_sent
         again = make_spec("again", layers=range(12), src=(1, 4, 6), dst=(0, 2, 4))
@@ -705,7 +703,7 @@ def test_ready_layers_that_end_a_transfer_leave_a_small_message_last():
         for layer in again.layers:
             assert_layer_copied(src, dst, layer, (1, 4, 6), (0, 2, 4))
         posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
-        assert posted == [4, 4, 3, 1]            # 8 layers that do not end it, then 4 that do
+        assert posted == [4, 4, 4]
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == frames + 2
     finally:
         sender.close()
@@ -730,8 +728,7 @@ def test_a_window_of_bytes_sends_ready_layers_in_turns_staged_in_the_ring(monkey
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(12))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
     config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
-                              max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=1,
-                              last_message_bytes=LAYER_BYTES)
+                              max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=1)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
     try:
