@@ -72,12 +72,15 @@ class Scheduler:
 
     def add_ready(self, req: Request) -> None:
         """A request whose blocks are held and whose first `num_computed_tokens` positions of KV are
-        already in the cache (sent by a prefill actor). It joins the running batch ahead of the
-        waiting queue; preempted later, it is recomputed like any other."""
+        already in the cache (sent by a prefill actor). Free batch slots go to it and to waiting
+        requests in arrival order (`schedule`); preempted later, it is recomputed like any other."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.requests[req.request_id] = req
-        self.ready.append(req)
+        at = len(self.ready)              # in arrival order (KV lands in any order)
+        while at and self.ready[at - 1].arrival > req.arrival:
+            at -= 1
+        self.ready.insert(at, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.ready)
@@ -110,11 +113,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         drafts = drafts or {}
-        while self.ready and len(self.running) < self.config.max_num_seqs:
-            req = self.ready.popleft()
-            req.status = RequestStatus.RUNNING
-            req.admitted_once = True
-            self.running.append(req)
+        # Free slots go in arrival order: a request whose KV was delivered joins now unless a
+        # waiting one came before it (that one is admitted below, if its blocks and this step's
+        # budget allow; ready ones behind it then take the slots left). Ready first always would
+        # starve local prefills while a full batch frees slots one at a time.
+        self._admit_ready(before=self.waiting[0].arrival if self.waiting else None)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -158,7 +161,18 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+        self._admit_ready()           # slots the waiting queue could not use: next step's batch
         return out
+
+    def _admit_ready(self, before: int | None = None) -> None:
+        """Ready requests join the running batch while it has room (only those that arrived
+        before `before`, when given)."""
+        while (self.ready and len(self.running) < self.config.max_num_seqs
+               and (before is None or self.ready[0].arrival < before)):
+            req = self.ready.popleft()
+            req.status = RequestStatus.RUNNING
+            req.admitted_once = True
+            self.running.append(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
