@@ -6,23 +6,26 @@
 #             pool sizes sampled every second: bench-ramp-timeline.png
 #   simulate  the simulator's prediction for each static layout at the same rates, and the simulated
 #             ramp (sim-ramp-sim-timeline.png); CPU only
+# RATES (default 4,8,12: the simulator predicts 1, 2 and 4 sessions/s do not separate the layouts);
+# SWEEP_ARGS passes flags to the sweep, e.g. SWEEP_ARGS="--prefill-queue-limit 16384" for a second pass.
 # Everything lands in /tmp/x4, packed into $OUT/x4.tgz with the Ray logs.
 set -u
 source bench/gpu_session_common.sh
 STEPS=" ${STEPS:-sweep} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 W=/tmp/x4; mkdir -p $W
-RATES=${RATES:-1,2,4}
+RATES=${RATES:-4,8,12}
 has sweep && TAIL=12 step sweep ${SWEEP_LIMIT:-560} python3 bench/disagg_vs_colocated.py --model llama3-8b-random \
   --device cuda --layouts ${LAYOUTS:-1:3,2:2,3:1,0:4} --workload agent --rates $RATES --duration ${DURATION:-25} \
-  --drain ${DRAIN:-20} --simulate ${PERF:+--perf $PERF} --out $W/sweep
+  --drain ${DRAIN:-20} --simulate ${PERF:+--perf $PERF} ${SWEEP_ARGS:-} --out $W/sweep
 cat > $W/ramp.yaml <<YAML
 model: {name: llama3-8b-random, device: cuda, dtype: bfloat16}
 speculative: {method: ngram}
+scheduler: {max_num_batched_tokens: 8192, max_num_seqs: 128}
 prefill: {replicas: 1, num_gpus: 1}
 decode: {replicas: 1, num_gpus: 1, local_prefill_threshold: 256}
 router: {host: 127.0.0.1, port: 50190, metrics_port: null}
-autoscaler: {enabled: true, prefill_min: 1, prefill_max: 3, decode_min: 1, decode_max: 3,
+autoscaler: {enabled: true, prefill_min: 1, prefill_max: 3, decode_min: 1, decode_max: 3, max_workers: 4,
              period_s: 2, upscale_delay_s: 6, downscale_delay_s: 30, ttft_target_s: 1.0, tpot_target_s: 0.04}
 YAML
 if has ramp; then

@@ -8,7 +8,8 @@ and creates or drains actors to reach the targets. Each pool is sized from its o
 - decode: KV blocks held and sequences against per-worker capacity; TPOT against its target.
 
 The steps, in order (each a small function below):
-  want (per pool, up and down thresholds) -> step limits -> delay -> min/max -> prefill:decode ratio.
+  want (per pool, up and down thresholds) -> step limits -> delay -> min/max -> prefill:decode ratio
+  -> the budget of workers both pools share (`max_workers`, the GPUs: `fit_budget`).
 Scale-up and scale-down use different thresholds (a dead band), and a change must be wanted for the
 whole delay before it happens, so a steady load settles on one size and stays there.
 """
@@ -80,6 +81,10 @@ class AutoscalerConfig:
     decode_max: int = 8
     min_ratio: float | None = None  # lower bound on prefill/decode; None: unbounded
     max_ratio: float | None = None  # upper bound on prefill/decode; None: unbounded
+    # Workers both pools may hold together (one GPU each): a pool's growth never takes the GPU the
+    # other pool needs, and workers a pool holds beyond its need go to the other when it needs them.
+    # None: each pool bounded only by its own max.
+    max_workers: int | None = None
     ttft_target_s: float = 2.0
     tpot_target_s: float = 0.05
     slo_percentile: str = "p90"  # which percentile of TTFT/TPOT is held to the target
@@ -133,10 +138,14 @@ class AutoscalerConfig:
             fail("delays must be >= 0")
         if self.max_step_up < 1 or self.max_step_down < 1 or self.max_seqs_per_worker < 1:
             fail("max_step_up, max_step_down and max_seqs_per_worker must be >= 1")
+        if self.max_workers is not None and self.max_workers < self.prefill_min + self.decode_min:
+            fail(f"max_workers ({self.max_workers}) must hold prefill_min + decode_min "
+                 f"({self.prefill_min + self.decode_min})")
         if not feasible_pairs(self):
             fail(f"no prefill:decode pair within prefill [{self.prefill_min}, {self.prefill_max}], "
                  f"decode [{self.decode_min}, {self.decode_max}] meets ratio bounds "
-                 f"[{self.min_ratio}, {self.max_ratio}]")
+                 f"[{self.min_ratio}, {self.max_ratio}]"
+                 + (f" within max_workers {self.max_workers}" if self.max_workers is not None else ""))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "AutoscalerConfig":
@@ -162,10 +171,12 @@ def ratio_ok(p: int, d: int, cfg: AutoscalerConfig) -> bool:
 
 def feasible_pairs(cfg: AutoscalerConfig) -> list[tuple[int, int, int]]:
     """(decode, lowest prefill, highest prefill) for each decode size that some in-bounds prefill size
-    pairs with inside the ratio bounds."""
+    pairs with inside the ratio bounds and the workers' budget."""
     out = []
     for d in range(cfg.decode_min, cfg.decode_max + 1):
         lo, hi = cfg.prefill_min, cfg.prefill_max
+        if cfg.max_workers is not None:
+            hi = min(hi, cfg.max_workers - d)
         if cfg.min_ratio is not None:
             lo = max(lo, _ceil(cfg.min_ratio * d))
         if cfg.max_ratio is not None:
@@ -306,6 +317,45 @@ def apply_ratio(p: int, d: int, cfg: AutoscalerConfig) -> tuple[int, int]:
     return min(((clamp(p, lo, hi), dd) for dd, lo, hi in feasible_pairs(cfg)), key=cost)
 
 
+def fit_budget(p: int, d: int, need: tuple[int, int], current: tuple[int, int],
+               cfg: AutoscalerConfig) -> tuple[int, int]:
+    """Keep prefill + decode within `cfg.max_workers`, from targets `p`, `d` (each within its own
+    bounds), what each pool's signals need (`Want.up`, within bounds) and the sizes it has now.
+
+    Each pool first keeps what it needs (no more than its target). If both needs fit, what is left
+    keeps the workers a pool holds beyond its need (a scale-down waiting out its delay), decode's
+    first (they hold live sessions' KV): so a pool that no longer needs a worker gives it up at once
+    to the other pool when that one needs it. If the needs do not fit, no pool is cut below what it
+    has, and the GPUs left go one at a time to the pool furthest short of its need, relative to its
+    size."""
+    budget = cfg.max_workers
+    if budget is None or p + d <= budget:
+        return p, d
+    keep_p = min(p, max(need[0], cfg.prefill_min))
+    keep_d = min(d, max(need[1], cfg.decode_min))
+    if keep_p + keep_d <= budget:
+        room = budget - keep_p - keep_d
+        d2 = keep_d + min(d - keep_d, room)
+        return keep_p + min(p - keep_p, budget - keep_p - d2), d2
+    base_p = max(cfg.prefill_min, min(keep_p, current[0]))
+    base_d = max(cfg.decode_min, min(keep_d, current[1]))
+    while base_p + base_d > budget:            # the budget was lowered under running pools
+        if base_p - cfg.prefill_min >= base_d - cfg.decode_min and base_p > cfg.prefill_min:
+            base_p -= 1
+        else:
+            base_d -= 1
+    for _ in range(budget - base_p - base_d):
+        short_p = (keep_p - base_p) / max(base_p, 1)
+        short_d = (keep_d - base_d) / max(base_d, 1)
+        if short_p <= 0 and short_d <= 0:
+            break
+        if short_p > short_d:
+            base_p += 1
+        else:
+            base_d += 1
+    return base_p, base_d
+
+
 def decide(snapshot: MetricsSnapshot, config: AutoscalerConfig, state: PolicyState,
            now: float) -> Decision:
     """The two pools' targets for this period. Call every `config.period_s` with the state the
@@ -314,6 +364,8 @@ def decide(snapshot: MetricsSnapshot, config: AutoscalerConfig, state: PolicySta
     reasons: list[str] = []
     targets: dict[str, int] = {}
     states: dict[str, PoolState] = {}
+    needs: dict[str, int] = {}
+    currents: dict[str, int] = {}
     pools = (("prefill", snapshot.prefill, prefill_want, cfg.prefill_min, cfg.prefill_max),
              ("decode", snapshot.decode, decode_want, cfg.decode_min, cfg.decode_max))
     for name, metrics, want_fn, lo, hi in pools:
@@ -324,14 +376,23 @@ def decide(snapshot: MetricsSnapshot, config: AutoscalerConfig, state: PolicySta
         delayed, ps, wait_note = apply_delay(current, stepped, ps, cfg, now)
         target = clamp(delayed, lo, hi)
         targets[name], states[name] = target, dataclasses.replace(ps, target=target)
+        needs[name], currents[name] = clamp(want.up, lo, hi), current
         move = f"{current} -> {target}" if target != current else f"holds at {current}"
         notes = [n for n in (wait_note, f"bounds [{lo}, {hi}]" if target != delayed else "") if n]
         reasons.append(f"{name} {move}: {want.why}" + "".join(f"; {n}" for n in notes))
 
-    p, d = apply_ratio(targets["prefill"], targets["decode"], cfg)
+    p, d = fit_budget(targets["prefill"], targets["decode"], (needs["prefill"], needs["decode"]),
+                      (currents["prefill"], currents["decode"]), cfg)
     if (p, d) != (targets["prefill"], targets["decode"]):
+        reasons.append(f"budget of {cfg.max_workers} workers moves prefill:decode "
+                       f"{targets['prefill']}:{targets['decode']} -> {p}:{d} (needs "
+                       f"{needs['prefill']}:{needs['decode']}, had {currents['prefill']}:{currents['decode']})")
+    p2, d2 = apply_ratio(p, d, cfg)
+    if (p2, d2) != (p, d):
         reasons.append(f"ratio bounds [{cfg.min_ratio}, {cfg.max_ratio}] move prefill:decode "
-                       f"{targets['prefill']}:{targets['decode']} -> {p}:{d}")
+                       f"{p}:{d} -> {p2}:{d2}")
+    p, d = p2, d2
+    if (p, d) != (targets["prefill"], targets["decode"]):
         states["prefill"] = dataclasses.replace(states["prefill"], target=p)
         states["decode"] = dataclasses.replace(states["decode"], target=d)
     return Decision(p, d, PolicyState(states["prefill"], states["decode"]), reasons)

@@ -179,6 +179,7 @@ def test_bounds_and_ratio_always_hold(seed):
     try:
         cfg = make_config(prefill_min=pmin, prefill_max=pmin + rng.randint(0, 8), decode_min=dmin,
                           decode_max=dmin + rng.randint(0, 8), min_ratio=lo, max_ratio=hi,
+                          max_workers=rng.choice([None, pmin + dmin + rng.randint(0, 6)]),
                           upscale_delay_s=rng.choice([0.0, 10.0]), downscale_delay_s=rng.choice([0.0, 30.0]),
                           max_step_up=rng.randint(1, 4), max_step_down=rng.randint(1, 3))
     except ConfigError:
@@ -198,8 +199,40 @@ def test_bounds_and_ratio_always_hold(seed):
         assert cfg.prefill_min <= dec.prefill_target <= cfg.prefill_max
         assert cfg.decode_min <= dec.decode_target <= cfg.decode_max
         assert ratio_ok(dec.prefill_target, dec.decode_target, cfg)
+        if cfg.max_workers is not None:
+            assert dec.prefill_target + dec.decode_target <= cfg.max_workers
         if rng.random() < 0.7:  # pools usually reach their targets, sometimes lag
             p, d = dec.prefill_target, dec.decode_target
+
+
+def test_a_pool_past_its_need_gives_its_gpu_to_the_other_at_once():
+    """Four GPUs, pools 1..3 each: prefill grew to 3 for a burst that is over (it needs 1 now, but
+    its scale-down waits 60 s), and decode's KV is full. Without a budget decode would ask for a
+    fifth GPU that no node has; with it, prefill gives one up now (bounds 1..3 on each pool and
+    four GPUs let whichever pool grew first lock the other out: the simulated four-H200 ramp)."""
+    cfg = make_config(prefill_max=3, decode_max=3, max_workers=4, upscale_delay_s=0.0)
+    state = PolicyState()
+    busy = MetricsSnapshot(prefill(3, queued_prompt_tokens=int(5 * CAP), ttft_p90=3.0), decode(1, kv_frac=0.3))
+    d = decide(busy, cfg, state, now=0.0)
+    assert (d.prefill_target, d.decode_target) == (3, 1)
+    quiet = MetricsSnapshot(prefill(3, prompt_tokens_per_s=0.2 * CAP, ttft_p90=0.2), decode(1, kv_frac=0.99))
+    d = decide(quiet, cfg, d.state, now=5.0)
+    assert (d.prefill_target, d.decode_target) == (2, 2)
+    assert any("budget of 4 workers" in r for r in d.reasons)
+    unbounded = make_config(prefill_max=3, decode_max=3, upscale_delay_s=0.0)
+    d = decide(quiet, unbounded, decide(busy, unbounded, PolicyState(), now=0.0).state, now=5.0)
+    assert (d.prefill_target, d.decode_target) == (3, 2)        # five: one actor would never start
+
+
+def test_when_both_pools_need_more_than_the_budget_neither_is_cut_below_what_it_has():
+    from cluster.autoscaler import fit_budget
+
+    cfg = make_config(prefill_max=6, decode_max=6, max_workers=6)
+    assert fit_budget(3, 4, need=(3, 4), current=(3, 2), cfg=cfg) == (3, 3)   # decode gets the one GPU left
+    assert fit_budget(4, 4, need=(4, 4), current=(2, 2), cfg=cfg) == (3, 3)   # growth shared
+    assert fit_budget(5, 3, need=(5, 3), current=(1, 3), cfg=cfg) == (3, 3)   # the furthest short first
+    assert fit_budget(2, 2, need=(2, 2), current=(2, 2), cfg=cfg) == (2, 2)   # within budget: unchanged
+    assert fit_budget(3, 4, need=(1, 4), current=(3, 3), cfg=cfg) == (2, 4)   # prefill's spare goes
 
 
 def test_ratio_conflicts_add_to_the_short_side_first():
@@ -222,6 +255,14 @@ def test_reasons_explain_the_decision():
     assert "decode holds at 2" in text
     d = decide(snap, make_config(upscale_delay_s=30.0), PolicyState(), now=0.0)
     assert "up for 0 s of 30 s delay" in "\n".join(d.reasons)
+
+
+def test_max_workers_must_hold_both_minimums():
+    with pytest.raises(ConfigError, match="max_workers"):
+        make_config(prefill_min=2, decode_min=2, max_workers=3)
+    with pytest.raises(ConfigError, match="within max_workers"):
+        make_config(prefill_min=1, decode_min=1, min_ratio=2.0, max_workers=2)
+    assert make_config(max_workers=4).max_workers == 4
 
 
 def test_config_validation_and_from_dict():

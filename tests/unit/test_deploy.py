@@ -356,6 +356,8 @@ def test_chart_autoscaler_section_reaches_the_config():
     assert section["enabled"] is True and section["ttft_target_s"] == 1.0 and section["decode_max"] == 8
     off = config({"autoscaler": {"enabled": False}})
     assert off["autoscaler"]["enabled"] is False
+    assert section["max_workers"] is None
+    assert config({"autoscaler": {"maxWorkers": 4}})["autoscaler"]["max_workers"] == 4
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(config({"autoscaler": {"upscaleDelaySeconds": 7}}), f)
         f.flush()
