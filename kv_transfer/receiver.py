@@ -1,14 +1,14 @@
 """The decode end of a KV transfer, over any `Connector` (fake, gloo, NCCL).
 
-`expect(spec)` registers a transfer into blocks the owner reserved. One background thread per
-sending peer reads that peer's link (a second thread keeps a control-frame receive posted and
-hands frames over through a queue); each "layers" frame is
-followed by one tensor holding those layers, received into a staging tensor and scattered into the
-spec's dst blocks. Layers must come in the spec's order. The thread does not wait for one message
-to land before taking the next frame: it posts the next receive while earlier data is moving (up to
-`max_inflight_messages`), and on CUDA the scatter is queued on its own stream right behind the
-receive, so a message is done when an event after its scatter completes. The owner's decode loop
-never blocks on any of it; it learns of finished transfers from `reap()`.
+`expect(spec)` registers a transfer into blocks the owner reserved (and has the peer's thread copy
+its block ids to the device). Per sending peer, a frame reader thread keeps a control-frame receive
+posted; each "layers" frame announces messages that each carry one tensor of consecutive layers,
+and the reader posts their receives into staging (the window's bytes, a FIFO ring) at once. The
+peer's loop thread then accounts them and, on CUDA, queues each message's scatter into the spec's
+dst blocks on its own stream right behind the receive; a waiter thread blocks on the scatter's
+event and wakes the loop, so a message is done when that event completes. Layers must come in the
+spec's order. The owner's decode loop never blocks on any of it; it learns of finished transfers
+from `reap()`.
 
 Ordering contract: call `expect(spec)` before the sender's first layer can leave (the decode actor
 does it inside its reserve call, before the router hands the spec to the prefill actor). Data for a

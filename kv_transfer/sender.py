@@ -506,33 +506,28 @@ class _PeerSendWorker:
         table = self.sender._table
         err = KVTransferError(f"link to {self.peer!r}: the receiver restarted or rebuilt the pair")
         used = {m.rec.request_id for m in self._inflight} | self._partial
-        self.link.close(broken=False)
-        self.link = None
-        if self._stream is not None:          # no gather may still read blocks we hand back
-            self._stream.synchronize()
-        while self._inflight:
-            msg = self._inflight.popleft()
-            table.end_work(msg.rec, 0)
-            self._staging.give(msg.lease)
-        self._inflight_bytes = 0
+        self._drop_link(broken=False)
         for rid in used:
             table.finish(rid, TransferState.FAILED, err)
             self._forget(rid)
         self._partial.clear()
 
-    def _break(self, err: KVTransferError) -> None:
-        table = self.sender._table
-        table.fail_peer(self.peer, err)
+    def _drop_link(self, broken: bool) -> None:
+        """Close the link (aborting its communicator) and give back what its messages held."""
         if self.link is not None:
-            self.link.close(broken=True)
+            self.link.close(broken=broken)
             self.link = None
         if self._stream is not None:          # no gather may still read blocks we hand back
             self._stream.synchronize()
         while self._inflight:
             msg = self._inflight.popleft()
-            table.end_work(msg.rec, 0)
+            self.sender._table.end_work(msg.rec, 0)
             self._staging.give(msg.lease)
         self._inflight_bytes = 0
+
+    def _break(self, err: KVTransferError) -> None:
+        self.sender._table.fail_peer(self.peer, err)
+        self._drop_link(broken=True)
         self._index.clear()
         self._abort_checked.clear()
         self._prepared.clear()

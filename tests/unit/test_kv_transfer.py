@@ -395,12 +395,12 @@ def test_plan_messages_as_few_and_as_equal_as_possible():
         assert len(parts) == -(-n // per)
 
 
-def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
-    """Every message of a run of transfers, on both ends, is staged in the one allocation (a
-    fresh tensor would be a device allocation on the GPU path)."""
+def ring_leases(monkeypatch) -> list:
+    """From now on, the lease of every staging buffer taken, on both ends (None: a tensor of its
+    own, which on the GPU path would be a device allocation)."""
     from kv_transfer.base import StagingRing
 
-    taken = []
+    taken: list = []
     real = StagingRing.take
 
     def spy(self, shape, dtype):
@@ -409,6 +409,13 @@ def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
         return buf, lease
 
     monkeypatch.setattr(StagingRing, "take", spy)
+    return taken
+
+
+def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
+    """Every message of a run of transfers, on both ends, is staged in the one allocation (a
+    fresh tensor would be a device allocation on the GPU path)."""
+    taken = ring_leases(monkeypatch)
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(6))
     dst = TensorBlockStore(num_blocks=12)
     config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
@@ -714,17 +721,7 @@ def test_a_window_of_bytes_sends_ready_layers_in_turns_staged_in_the_ring(monkey
     """The window holds four layers (max_inflight_messages 1 of four layers): twelve ready layers
     go in turns of at most four, the next as room comes back, every message staged in the
     preallocated ring on both ends."""
-    from kv_transfer.base import StagingRing
-
-    taken = []
-    real = StagingRing.take
-
-    def spy(self, shape, dtype):
-        buf, lease = real(self, shape, dtype)
-        taken.append(lease)
-        return buf, lease
-
-    monkeypatch.setattr(StagingRing, "take", spy)
+    taken = ring_leases(monkeypatch)
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(12))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
     config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
