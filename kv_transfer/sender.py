@@ -3,13 +3,15 @@
 The caller queues layers (`send_layer`) and returns at once; one background thread per receiving
 peer turns them into messages: the layers of one request that are queued together (up to
 `max_message_bytes`) are gathered into one contiguous tensor [k, *layer payload] and sent after a
-control frame announcing them. Up to `max_inflight_messages` messages are on the wire at once: the
-thread posts the next message's frame and send while earlier data is still moving, and counts a
-layer as sent when its message completes. So a prefill that queues layers as it computes them
-sends each as soon as it is ready (layer L moves while L+1 computes), and a transfer whose layers
-are all ready goes as a few large messages. Frames on the wire (sender -> receiver):
+control frame announcing them. Up to `max_inflight_messages * max_message_bytes` bytes are on the
+wire at once (staged in one FIFO ring): the thread posts the next frame and sends while earlier
+data is still moving, and counts a layer as sent when its message completes. So a prefill that
+queues layers as it computes them sends each as soon as it is ready (layer L moves while L+1
+computes), and a transfer whose layers are all ready goes as a few large messages. Frames on the
+wire (sender -> receiver):
 
-    {"op": "layers", "rid", "idx", "layers", "shape", "dtype"}  then one tensor [len(layers), *shape]
+    {"op": "layers", "rid", "idx", "layers", "parts", "shape", "dtype"}  then, per part, one tensor
+        [part, *shape] of the next `part` layers
     {"op": "end", "rid", "state": "aborted" | "failed", "reason"}
 
 On CUDA the gather runs on the thread's own stream after the layer's ready event (recorded by the
@@ -17,7 +19,9 @@ prefill after it wrote the layer's KV), and NCCL's send is ordered after the gat
 the prefill's compute stream never waits for the transfer.
 
 A receiver's abort comes back out of band (`Connector.abort_posted`), checked before each message.
-Any error on a link fails every unfinished transfer to that peer and drops the link.
+Any error on a link (a message not taken within `timeout_s` among them) fails every unfinished
+transfer to that peer and drops the link; a receiver that restarted or gave the pair up fails only
+the transfers that used the old link.
 """
 
 from __future__ import annotations
