@@ -205,10 +205,20 @@ class _Progress:
             self._width = len(text)
 
 
+def token_seed(seed: int, rate: float | None, repeat: int = 0, session_id: str | None = None) -> str:
+    """The seed of a run's prompt token ids. `repeat`: how many earlier runs of this bench had the
+    same rate (a ramp that comes back down): those get prompts of their own, or the cluster's
+    prefix caches would still hold them from the earlier run. The first run of a rate keeps the
+    seed it always had, so single-pass figures stay comparable across versions."""
+    base = f"{seed}-{rate}" + (f"-r{repeat}" if repeat else "")
+    return base if session_id is None else f"{base}-{session_id}"
+
+
 async def run_rate(stub, sessions: list[Session], cfg: BenchConfig, *, session_workload: bool,
                    rate: float | None, vocab_size: int, run_tag: str, metadata=(),
-                   progress: _Progress | None = None) -> tuple[list[RequestRecord], int, float]:
-    """Run one rate's plan; -> (records, requests not sent because due past the duration, wall s)."""
+                   progress: _Progress | None = None, repeat: int = 0) -> tuple[list[RequestRecord], int, float]:
+    """Run one rate's plan; -> (records, requests not sent because due past the duration, wall s).
+    `repeat`: earlier runs at this rate in the same bench (see `token_seed`)."""
     import grpc
 
     from protos.tandem.v1 import generation_pb2 as pb
@@ -221,7 +231,7 @@ async def run_rate(stub, sessions: list[Session], cfg: BenchConfig, *, session_w
     prog.planned = sum(len(s.specs) for s in sessions)
     records: list[RequestRecord] = []
     trace_tokens = None if session_workload else trace_prompts(
-        [s.specs[0] for s in sessions], vocab_size, random.Random(f"{cfg.seed}-{rate}"))
+        [s.specs[0] for s in sessions], vocab_size, random.Random(token_seed(cfg.seed, rate, repeat)))
 
     async def send(rec: RequestRecord, sid: str, prompt: list[int]) -> list[int]:
         req = pb.GenerateRequest(request_id=f"{sid}-t{rec.turn}", session_id=sid, prompt_token_ids=prompt,
@@ -282,7 +292,7 @@ async def run_rate(stub, sessions: list[Session], cfg: BenchConfig, *, session_w
     for s in sessions:  # in start order
         await asyncio.sleep(max(0.0, s.start_s - now()))
         tokens = iter([next(trace_tokens)]) if trace_tokens is not None else iter_token_ids(
-            list(s.specs), vocab_size, random.Random(f"{cfg.seed}-{rate}-{s.session_id}"))
+            list(s.specs), vocab_size, random.Random(token_seed(cfg.seed, rate, repeat, s.session_id)))
         tasks.append(asyncio.create_task(drive(s, tokens)))
     if tasks:  # gRPC deadlines end every call by `deadline`; this is a backstop
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline + 10 - now()))
@@ -386,7 +396,7 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
             tag = f"bench-{uuid.uuid4().hex[:8]}-{i}"  # fresh sessions: no cache hits from an earlier run
             records, not_started, elapsed = await run_rate(
                 stub, plan, cfg, session_workload=session_workload, rate=rate, vocab_size=vocab, run_tag=tag,
-                metadata=metadata, progress=prog)
+                metadata=metadata, progress=prog, repeat=list(cfg.rates[:i]).count(rate))
             summary = summarize(records, rate=rate, elapsed_s=elapsed, slo=cfg.slo, not_started=not_started)
             summary["sessions"] = len(plan)
             runs.append({"rate": rate, "session_prefix": f"{tag}-", "started_s": started_s, "summary": summary,

@@ -171,3 +171,22 @@ def test_summary_keeps_the_first_message_of_each_error_code():
     notes = table_notes(s).splitlines()
     assert notes[0] == "rate 1: 1 INTERNAL, 2 UNAVAILABLE"
     assert notes[1:] == [f"  INTERNAL: {c.error}", f"  UNAVAILABLE: {a.error}"]
+
+
+def test_a_rate_that_comes_back_in_a_ramp_sends_prompts_of_its_own():
+    """The prompt tokens' seed: the first run of a rate keeps the seed earlier versions used; a
+    later run at the same rate (a ramp coming back down) gets other prompts, so the cluster's
+    prefix caches do not still hold them (the CPU ramp of issue 11 had 94.6% cache hits on its
+    way down against 76.1% on its way up)."""
+    import random
+
+    from bench.loadgen import iter_token_ids, load_sessions, token_seed
+
+    assert token_seed(0, 0.4) == "0-0.4" and token_seed(0, 0.4, 0, "s1") == "0-0.4-s1"
+    specs = load_sessions("agent-small", None, random.Random(0), num_sessions=1, max_context=None)[0]
+
+    def first_prompt(repeat: int) -> list[int]:
+        return list(next(iter_token_ids(list(specs), 1000, random.Random(token_seed(0, 0.4, repeat, "s1"))))
+                    .prompt_token_ids)
+
+    assert first_prompt(0) == first_prompt(0) and first_prompt(0) != first_prompt(1)
