@@ -4,6 +4,8 @@ gather/scatter the KV transport uses. Llama: [num_layers, 2, num_blocks, block_s
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from engine.config import CacheConfig
@@ -76,6 +78,46 @@ class KVCache:
             return
         dst = self.tensor[layers.start:layers.stop].flatten(0, 1)
         dst.index_copy_(1, idx, data.to(self.dtype).flatten(0, 1))
+
+    # ---- direct copies between two caches on one host (kv_transfer, CUDA IPC over NVLink) ------
+    def share(self, tensor: torch.Tensor | None = None) -> bytes | None:
+        """A handle through which another process on this host maps `tensor` (default: the whole
+        cache), for `open_shared`; None where this cache cannot be shared (CPU). CUDA IPC: the
+        mapping stays valid while the peer holds it, even past this process's exit."""
+        tensor = self.tensor if tensor is None else tensor
+        if tensor.device.type != "cuda":
+            return None
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps(reduce_tensor(tensor)[1])
+
+    def open_shared(self, handle: bytes) -> torch.Tensor:
+        """Map a peer's `share` handle into this process (once per link: ~15 ms on an H200).
+        The handle comes from a peer actor of this deployment over its private link."""
+        if self.device.type != "cuda":
+            raise RuntimeError("a CPU cache cannot map a peer's memory")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = list(pickle.loads(handle))
+        args[6] = self.device.index or 0   # the peer's device number means nothing here
+        return rebuild_cuda_tensor(*args)
+
+    def copy_from_peer(self, peer: torch.Tensor, layers: range, src_index: torch.Tensor,
+                       dst_index: torch.Tensor) -> None:
+        """This cache's blocks `dst_index` of `layers` <- the same layers' blocks `src_index` of
+        `peer` (another cache of this layout, mapped by `open_shared`), one kernel, on the current
+        stream: the receiver's side of a direct KV copy. `src_index` may live in the peer's memory
+        (its id arena), unseen here: ids are clamped into the peer's cache, so a bad one copies a
+        wrong block but never reads outside it."""
+        if self.uses_triton_copy():
+            from engine.kernels.block_copy import copy_cache_blocks
+
+            # the layouts were compared when the peer was mapped: no checks on the transfer's path
+            copy_cache_blocks(peer, self.tensor, layers, src_index, dst_index, check=False)
+            return
+        src_index = src_index.to(peer.device).clamp(0, peer.shape[2] - 1)   # as the kernel does
+        src = peer[layers.start:layers.stop].index_select(2, src_index)
+        self.tensor[layers.start:layers.stop].index_copy_(2, dst_index, src.to(self.device))
 
     def uses_triton_copy(self) -> bool:
         """Block copies through engine.kernels.block_copy: on CUDA, where Triton is installed."""

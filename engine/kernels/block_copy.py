@@ -9,6 +9,8 @@ loads; torch's indexing kernels copy element by element and reach about a third 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -76,3 +78,56 @@ def copy_blocks(cache: torch.Tensor, layers: range, block_ids: torch.Tensor, buf
     grid = (len(layers) * cache.shape[1] * n, triton.cdiv(row, block))
     _block_copy_kernel[grid](cache, buf, block_ids, n, cache.shape[2], layers.start * cache.shape[1], row,
                              TO_BUF=to_buf, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+
+
+@triton.jit(do_not_specialize=["n_blocks", "first_plane"])
+def _cache_to_cache_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_blocks, src_blocks, dst_blocks,
+                           first_plane, row_elems, BLOCK: tl.constexpr):
+    # row r = plane p of the run (K/V of each layer, in order), block j of the two indexes
+    r = tl.program_id(0).to(tl.int64)
+    p = r // n_blocks
+    j = r % n_blocks
+    # the source ids may live in the peer's memory, unseen by this host: clamped, a bad one reads
+    # a wrong block of the peer's cache, never outside it
+    src_block = tl.minimum(tl.maximum(tl.load(src_idx_ptr + j).to(tl.int64), 0), src_blocks - 1)
+    dst_block = tl.load(dst_idx_ptr + j).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    x = tl.load(src_ptr + ((first_plane + p) * src_blocks + src_block) * row_elems + offs, mask=mask)
+    tl.store(dst_ptr + ((first_plane + p) * dst_blocks + dst_block) * row_elems + offs, x, mask=mask)
+
+
+def copy_cache_blocks(src: torch.Tensor, dst: torch.Tensor, layers: range, src_ids: torch.Tensor,
+                      dst_ids: torch.Tensor, block: int = 8192, num_warps: int = 8,
+                      check: bool = True) -> None:
+    """dst[l, p, dst_ids[j]] = src[l, p, src_ids[j]] for the layers of the run: block to block,
+    no buffer in between. One of the two caches may be another GPU's, mapped into this process
+    (CUDA IPC over NVLink): the KV transport's one-sided copy. Same checks as `copy_blocks`;
+    `check=False` skips them for a pair of caches checked once (the launch is on a transfer's
+    critical path)."""
+    if check:
+        _check_cache_copy(src, dst, layers, src_ids, dst_ids)
+    n = src_ids.shape[0]
+    if n == 0:
+        return
+    row = math.prod(src.shape[3:])
+    block = min(block, next_power_of_2(row))
+    grid = (len(layers) * src.shape[1] * n, triton.cdiv(row, block))
+    _cache_to_cache_kernel[grid](src, dst, src_ids, dst_ids, n, src.shape[2], dst.shape[2],
+                                 layers.start * src.shape[1], row, BLOCK=block, num_warps=num_warps)
+
+
+def _check_cache_copy(src: torch.Tensor, dst: torch.Tensor, layers: range, src_ids: torch.Tensor,
+                      dst_ids: torch.Tensor) -> None:
+    require_tensor("src_ids", src_ids, ndim=1, dtypes=INDEX_DTYPES)
+    require_tensor("dst_ids", dst_ids, ndim=1, dtypes=INDEX_DTYPES)
+    for name, cache in (("src", src), ("dst", dst)):
+        if not isinstance(cache, torch.Tensor) or cache.dim() < 4 or not cache.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous cache [layers, planes, blocks, ...]")
+    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+        raise ValueError(f"caches differ: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}")
+    if src_ids.shape != dst_ids.shape:
+        raise ValueError(f"{src_ids.shape[0]} source blocks for {dst_ids.shape[0]} destination blocks")
+    if layers.step != 1 or not 0 <= layers.start < layers.stop <= src.shape[0]:
+        raise ValueError(f"layers {layers} is not a run of the cache's {src.shape[0]} layers")
+    require_runnable(src, _cache_to_cache_kernel)

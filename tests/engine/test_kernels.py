@@ -350,6 +350,29 @@ def test_block_copy_matches_torch_indexing(dtype, layers, row):
     assert torch.equal(dst, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_to_cache_block_copy_matches_indexing_and_clamps_source_ids(dtype):
+    """The direct KV copy's kernel: blocks of a run of layers, block to block between two caches
+    of one layout (different block counts), against index_select/index_copy_; a source id past
+    the source cache (the ids may be read from the peer's memory) reads its last block."""
+    from engine.kernels.block_copy import copy_cache_blocks
+
+    gen = torch.Generator().manual_seed(21)
+    row = (4, 2, 8)
+    src = torch.randn(4, 2, 10, *row, generator=gen).to(dtype).to(DEVICE)
+    dst = torch.zeros(4, 2, 7, *row, dtype=dtype, device=DEVICE)
+    s_ids = torch.tensor([7, 0, 3, 42], device=DEVICE)
+    d_ids = torch.tensor([1, 6, 2, 5], device=DEVICE, dtype=torch.int32)
+    layers = range(1, 3)
+    copy_cache_blocks(src, dst, layers, s_ids, d_ids)
+    ref = torch.zeros_like(dst)
+    ref[1:3].index_copy_(2, d_ids.long(), src[1:3].index_select(2, s_ids.clamp(max=9)))
+    assert torch.equal(dst, ref)
+    assert torch.equal(dst[1:3, :, 5], src[1:3, :, 9])        # 42 -> the last block, 9
+    with pytest.raises(ValueError, match="caches differ"):
+        copy_cache_blocks(src, torch.zeros(4, 2, 7, 4, 2, 4, dtype=dtype, device=DEVICE), layers, s_ids, d_ids)
+
+
 def test_block_copy_warmup_leaves_the_cache_unchanged():
     from engine.kernels.block_copy import compile_variants as compile_block_copy
 

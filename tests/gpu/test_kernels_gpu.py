@@ -203,6 +203,24 @@ def test_block_copy_at_llama_sizes_matches_torch_indexing():
     assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_cache_to_cache_copy_at_llama_sizes_matches_torch_indexing(check):
+    """The direct KV copy's kernel, compiled, at Llama-3-8B block rows, between caches of different
+    block counts, with and without its argument checks; a source id past the cache is clamped."""
+    from engine.kernels.block_copy import copy_cache_blocks
+
+    g = torch.Generator("cuda").manual_seed(4)
+    src = torch.randn(8, 2, 300, 16, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    dst = torch.zeros(8, 2, 200, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    s_ids = torch.randperm(300, device="cuda", generator=g)[:64]
+    s_ids[5] = 10_000
+    d_ids = torch.randperm(200, device="cuda", generator=g)[:64]
+    copy_cache_blocks(src, dst, range(2, 7), s_ids, d_ids, check=check)
+    ref = torch.zeros_like(dst)
+    ref[2:7].index_copy_(2, d_ids, src[2:7].index_select(2, s_ids.clamp(max=299)))
+    assert torch.equal(dst, ref)
+
+
 def test_block_copy_compiles_once_per_direction_at_warmup():
     """Engine warmup compiles the block copy; transfers of any size, from any first layer, reuse
     those two binaries (a compile mid-serving stalls every request on the actor for a second)."""
