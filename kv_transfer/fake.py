@@ -44,6 +44,8 @@ class _Pipe:
         self.layers_sent = 0
         self.frames_sent = 0
         self.dead = False
+        self.verdict: tuple[bool, str] | None = None   # the receiver's answer to "hello"
+        self.answered = threading.Event()
 
     def kill(self) -> None:
         self.dead = True
@@ -106,10 +108,15 @@ class FakeLink:
         self.pipe, self.peer_id, self.device = pipe, peer_id, device
 
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
-        if msg["op"] == "layers" and self.pipe.faults.delay_s:
+        if msg["op"] in ("layers", "ready") and self.pipe.faults.delay_s:
             time.sleep(self.pipe.faults.delay_s)
         self._put(self.pipe.frames, encode_frame(msg))
-        self.pipe.frames_sent += 1
+        self.pipe.frames_sent += msg["op"] != "hello"      # transfers' frames, not the link's
+        if msg["op"] == "ready":          # a direct copy: the frame is all that goes out
+            self.pipe.layers_sent += len(msg["layers"])
+            die = self.pipe.faults.die_after_layers
+            if die is not None and self.pipe.layers_sent >= die:
+                self.pipe.kill()
 
     def isend_data(self, tensor: torch.Tensor) -> "_FakeOp":
         taken = threading.Event() if self.pipe.faults.held_sends else None
@@ -139,6 +146,15 @@ class FakeLink:
 
     def close(self, broken: bool) -> None:
         self.pipe.kill()
+
+    def send_verdict(self, direct: bool, why: str) -> None:
+        self.pipe.verdict = (direct, why)
+        self.pipe.answered.set()
+
+    def wait_verdict(self, timeout: float) -> tuple[bool, str]:
+        if not self.pipe.answered.wait(timeout):
+            raise KVTransferTimeout(f"fake link to {self.peer_id!r}: no answer to hello in {timeout}s")
+        return self.pipe.verdict
 
     def _put(self, q: queue.Queue, item: torch.Tensor) -> None:
         if self.pipe.dead:

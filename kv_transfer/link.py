@@ -2,8 +2,9 @@
 reliable pipe to one peer (`PeerLink`) and a way to open pipes and pass out-of-band abort notices
 (`Connector`); plus the control-frame encoding both backends share.
 
-A link carries, sender to receiver only, a sequence of control frames (small msgpack dicts in a
-fixed-size uint8 CPU tensor) each optionally followed by one data tensor. Frames and data are two
+A link carries, sender to receiver only, a sequence of control frames (msgpack dicts in a uint8 CPU
+tensor: a fixed-size head, then a tail only when the dict is longer) each optionally followed by one
+data tensor. Frames and data are two
 ordered streams (gloo tags, or a gloo and an NCCL group): each is FIFO on its own, so a sender can
 post frame 2 while data 1 is still moving, and a receiver can keep the next frame's receive posted
 while data is landing. Data operations can be posted (`isend_data`, `irecv_data`) and
@@ -18,24 +19,35 @@ from typing import Any, Protocol
 import msgpack
 import torch
 
-FRAME_BYTES = 1024          # one control frame: 4-byte little-endian length, then msgpack
+FRAME_BYTES = 1024          # a control frame's head: 4-byte little-endian length, then msgpack
+MAX_FRAME_BYTES = 1 << 20   # a longer frame continues in one tail message (block ids of a direct copy)
 _LEN_BYTES = 4
 
 
 def encode_frame(msg: dict[str, Any]) -> torch.Tensor:
+    """FRAME_BYTES, or more when the dict needs it: the head is the first FRAME_BYTES."""
     body = msgpack.packb(msg, use_bin_type=True)
-    if len(body) > FRAME_BYTES - _LEN_BYTES:
-        raise ValueError(f"control frame of {len(body)} bytes exceeds {FRAME_BYTES - _LEN_BYTES}")
-    raw = bytearray(FRAME_BYTES)            # one buffer, no tensor ops (this is on every transfer's path)
+    if len(body) > MAX_FRAME_BYTES - _LEN_BYTES:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES - _LEN_BYTES}")
+    # one buffer, no tensor ops (this is on every transfer's path)
+    raw = bytearray(max(FRAME_BYTES, _LEN_BYTES + len(body)))
     raw[:_LEN_BYTES] = len(body).to_bytes(_LEN_BYTES, "little")
     raw[_LEN_BYTES:_LEN_BYTES + len(body)] = body
     return torch.frombuffer(raw, dtype=torch.uint8)
 
 
+def frame_tail_bytes(head: torch.Tensor) -> int:
+    """How many bytes follow a received FRAME_BYTES head (0 for most frames)."""
+    n = int.from_bytes(head[:_LEN_BYTES].numpy().tobytes(), "little")
+    if not 0 < n <= MAX_FRAME_BYTES - _LEN_BYTES:
+        raise ValueError(f"corrupt control frame (length {n})")
+    return max(0, _LEN_BYTES + n - FRAME_BYTES)
+
+
 def decode_frame(frame: torch.Tensor) -> dict[str, Any]:
     raw = frame.numpy().tobytes()
     n = int.from_bytes(raw[:_LEN_BYTES], "little")
-    if not 0 < n <= FRAME_BYTES - _LEN_BYTES:
+    if not 0 < n <= len(raw) - _LEN_BYTES:
         raise ValueError(f"corrupt control frame (length {n})")
     msg = msgpack.unpackb(raw[_LEN_BYTES:_LEN_BYTES + n], raw=False)
     if not isinstance(msg, dict) or "op" not in msg:
@@ -94,6 +106,16 @@ class PeerLink(Protocol):
 
     def close(self, broken: bool) -> None:
         """Free the link; `broken`: it failed, so the pair must rendezvous afresh next time."""
+        ...
+
+    def send_verdict(self, direct: bool, why: str) -> None:
+        """Receiver, once per link, answering the sender's "hello": can it copy straight out of the
+        sender's cache (`kv_transfer.base` "direct copies")? The one message against the link's
+        direction; it goes out of band (the rendezvous store), never per transfer."""
+        ...
+
+    def wait_verdict(self, timeout: float) -> tuple[bool, str]:
+        """Sender: the receiver's `send_verdict`; KVTransferTimeout past `timeout`."""
         ...
 
 

@@ -16,11 +16,20 @@ request the receiver does not know yet is discarded, and a later `expect` of it 
 
 Late data for a transfer that already failed or was aborted here is received and dropped, so the
 link stays in step; the blocks were already released and are never written.
+
+Direct copy (see `kv_transfer.sender`): a link's first frame, "hello", may offer the sender's cache;
+the frame reader maps it (CUDA IPC) and answers through `PeerLink.send_verdict`. On such a link a
+"ready" frame carries no data: the loop queues one kernel per run of layers that copies the blocks
+out of the sender's cache into the spec's dst blocks, then writes the frame's seq into the sender's
+ack cell, both on the copy stream, and the message lands like any other. A copy seen complete more
+than `timeout_s` after its frame is not counted (the sender may have given up on it and reused
+its blocks).
 """
 
 from __future__ import annotations
 
 import contextlib
+from array import array
 import logging
 import math
 import queue
@@ -171,6 +180,22 @@ class LayerStreamReceiver(KVReceiver):
                 self._table.fail_peer(loop.peer, err)
 
 
+class _Copied:
+    """The `Pending` of a direct copy: nothing was posted, the copy is stream-ordered."""
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+    @staticmethod
+    def wait(timeout: float | None) -> None:
+        return None
+
+    @staticmethod
+    def order_current_stream() -> bool:
+        return True
+
+
 @dataclass
 class _Landing:
     """One posted message: its receive, then (once the data is there) its scatter."""
@@ -184,6 +209,7 @@ class _Landing:
     claimed: bool = True             # holds a claim on the blocks (CPU: taken only to scatter)
     watched: bool = False            # the landing waiter thread wakes the loop when it is done
     lease: StagingRing.Lease | None = None   # its staging, free again once retired
+    direct: bool = False             # copied straight out of the sender's cache (no scatter)
 
 
 class _PeerRecvLoop:
@@ -201,6 +227,12 @@ class _PeerRecvLoop:
         self._staging = StagingRing(cfg.window_bytes, receiver.store.device)
         self._next_idx: dict[str, int] = {}          # rid -> index of the next layer expected
         self._index: dict[str, torch.Tensor] = {}    # rid -> dst block index on the device
+        self._src_index: dict[str, torch.Tensor] = {}   # direct copy: rid -> the sender's block index
+        # direct copy, frame reader thread only (but dropped by the loop when the link ends): the
+        # sender's cache, ack cells, our cell and its id arena; the next layer index per transfer
+        self._peer: tuple | None = None
+        self._ready_next: dict[str, int] = {}
+        self._reader_pinned: PinnedIndexRing | None = None
         # frames from the reader thread, link errors, and ("prepare", spec) from expect()
         self._frames: queue.SimpleQueue = queue.SimpleQueue()
         self._watch: queue.SimpleQueue | None = None   # CUDA: events for the landing waiter
@@ -231,6 +263,7 @@ class _PeerRecvLoop:
             self._stream = torch.cuda.Stream(store.device)         # scatters
             self._recv_stream = torch.cuda.Stream(store.device)    # posts receives; block-id copies only
             self._pinned = PinnedIndexRing()
+            self._reader_pinned = PinnedIndexRing()
             self._watch = queue.SimpleQueue()
             threading.Thread(target=self._wait_landings, args=(self._watch,), daemon=True,
                              name=f"kv-landing-{self.peer}").start()
@@ -268,6 +301,7 @@ class _PeerRecvLoop:
                     idle_s = min(idle_s * 2, _POLL_MAX_S)
         except Exception as exc:  # noqa: BLE001 - the link, or a bug / failed allocation here
             self._broken = True
+            self._take_queued_copies()
             err = exc if isinstance(exc, KVTransferError) else KVTransferError(
                 f"receiver from {self.peer!r} failed: {type(exc).__name__}: {exc}")
             if not isinstance(exc, KVTransferError):
@@ -276,6 +310,17 @@ class _PeerRecvLoop:
                 self.link.close(broken=not self._stopping)
             self._abandon_landings()
             self.receiver._loop_ended(self, err)
+
+    def _take_queued_copies(self) -> None:
+        """The link ended: account the direct copies the frame reader queued that the loop has
+        not seen, so their claims on the blocks are handed back with the rest."""
+        while True:
+            try:
+                item = self._frames.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple) and item[0] == "copied":
+                self._track_copy(item)
 
     def _wait_landings(self, events: queue.SimpleQueue) -> None:
         """CUDA: block (without the GIL) on each landing's last event in turn and wake the loop as
@@ -305,7 +350,8 @@ class _PeerRecvLoop:
     def _prune(self) -> None:
         """Idle: drop block indexes of transfers that ended before their data came."""
         table = self.receiver._table
-        for rid in [r for r in self._index if (rec := table.get(r)) is None or rec.state.terminal]:
+        for rid in [r for r in {**self._index, **self._src_index}
+                    if (rec := table.get(r)) is None or rec.state.terminal]:
             self._forget(rid)
 
     def _read_frames(self, link: PeerLink, frames: queue.SimpleQueue) -> None:
@@ -315,13 +361,46 @@ class _PeerRecvLoop:
         try:
             while not self._stopping:
                 frame = link.recv_frame(None)
-                frames.put(("posted", frame, *self._post_receives(link, frame))
-                           if frame.get("op") == "layers" else frame)
+                if frame.get("op") == "layers":
+                    frames.put(("posted", frame, *self._post_receives(link, frame)))
+                elif frame.get("op") == "hello":
+                    self._peer = self._open_peer(link, frame)     # (re)mapped, or None
+                elif frame.get("op") == "ready":
+                    frames.put(self._launch_copy(frame))
+                else:
+                    self._mark(f"recv.frame {frame.get('op')}", frame.get("rid", ""))
+                    frames.put(frame)
         except KVTransferError as err:
             frames.put(err)
         except Exception as exc:  # noqa: BLE001 - a bug or a failed allocation: the link fails
             log.exception("KV receiver from %s failed posting receives", self.peer)
             frames.put(KVTransferError(f"receiver from {self.peer!r} failed: {type(exc).__name__}: {exc}"))
+
+    def _open_peer(self, link: PeerLink, frame: dict[str, Any]) -> tuple | None:
+        """Frame reader thread: map the sender's cache and ack cells for direct copies, if it
+        offered them, and answer (the sender waits for the answer before its first transfer)."""
+        if frame.get("cache") is None:
+            return None
+        store = self.receiver.store
+        try:
+            if not self.receiver.config.direct_copy:
+                raise KVTransferError("direct copies are off here")
+            open_shared = getattr(store, "open_shared", None)
+            if open_shared is None:
+                raise KVTransferError(f"{type(store).__name__} cannot map a peer's cache")
+            cache, acks = open_shared(frame["cache"]), open_shared(frame["acks"])
+            arena = open_shared(frame["ids"]).view(torch.long) if frame.get("ids") else None
+            own = store.tensor
+            if (cache.dim() != own.dim() or cache.shape[:2] != own.shape[:2]
+                    or cache.shape[3:] != own.shape[3:] or cache.dtype != own.dtype):
+                raise KVTransferError(f"layout mismatch: the sender's cache is {tuple(cache.shape)} "
+                                      f"{cache.dtype}, this one {tuple(own.shape)} {own.dtype}")
+            peer = (cache, acks, int(frame["cell"]), arena)
+        except Exception as exc:  # noqa: BLE001 - another host, no IPC: the data goes through the link
+            link.send_verdict(False, f"{type(exc).__name__}: {str(exc)[:200]}")
+            return None
+        link.send_verdict(True, "")
+        return peer
 
     def _post_receives(self, link: PeerLink, frame: dict[str, Any]) -> tuple[list[int], list]:
         """Frame reader thread: the receives of a "layers" frame's parts, in order, into staging
@@ -362,6 +441,9 @@ class _PeerRecvLoop:
             self._room.notify_all()
 
     def _handle(self, frame: "dict[str, Any] | tuple") -> None:
+        if isinstance(frame, tuple) and frame[0] == "copied":
+            self._track_copy(frame)
+            return
         if isinstance(frame, tuple):       # ("posted", a "layers" frame, its parts, their receives)
             _, frame, parts, posts = frame
             layers, at = [int(x) for x in frame["layers"]], 0
@@ -432,6 +514,93 @@ class _PeerRecvLoop:
                     landing.event.record(self._stream)
         self._watch_landing(landing)
 
+    def _launch_copy(self, frame: dict[str, Any]) -> tuple:
+        """Frame reader thread, direct copy: claim the blocks and queue the copy of the frame's
+        layers out of the sender's cache, then the ack, on the copy stream (on CPU both run now),
+        right here (no hop to the loop thread); or, for a transfer that is gone or a frame that
+        does not fit it, the ack alone. -> ("copied", rid, record or None, layers, event, read at)
+        for the loop, which accounts it as it lands."""
+        read_at = time.monotonic()           # the sender's clock for this copy started before
+        peer = self._peer
+        if peer is None:
+            raise KVTransferError(f"{self.peer!r} sent a direct copy on a link without one")
+        cache, acks, cell, arena = peer
+        rid, layers, store = frame["rid"], [int(x) for x in frame["layers"]], self.receiver.store
+        self._mark("recv.ready", rid)
+        if "ids_at" in frame and arena is not None:        # a view of the sender's arena: no copy
+            at, n = int(frame["ids_at"]), int(frame["n"])
+            self._src_index[rid] = (arena[at:at + n] if 0 <= at and at + n <= arena.shape[0]
+                                    else f"source ids at {at}+{n} outside the sender's arena")
+        elif frame.get("src") is not None:
+            ids = array("i")
+            ids.frombytes(frame["src"])
+            self._src_index[rid] = (
+                f"source block ids outside the sender's 0..{cache.shape[2] - 1}"
+                if ids and not (0 <= min(ids) and max(ids) < cache.shape[2])
+                else device_index(store, ids.tolist(), self._recv_stream, self._stream, self._reader_pinned))
+        table = self.receiver._table
+        with self.receiver._lock:
+            rec = table.start_work(rid)
+            if rec is None:
+                known = table.get(rid)
+                if known is None:
+                    self.receiver._note_early(rid, "its KV arrived")
+                elif frame["idx"] + len(layers) == known.spec.num_layers:
+                    self._clear_abort(known.spec)
+        expected = self._ready_next.get(rid, 0)
+        problem = self._check_ready(rec.spec, expected, frame) if rec is not None else ""
+        if problem:
+            table.end_work(rec, 0)
+            table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
+        copy = rec is not None and not problem
+        event = None
+        with self._on_stream():
+            if copy:
+                dst = self._index.get(rid)
+                if dst is None:     # expect() just ran and the loop has not built it yet
+                    dst = device_index(store, rec.spec.dst_block_ids, self._recv_stream, self._stream,
+                                       self._reader_pinned)
+                src = self._src_index[rid]
+                try:
+                    for _at, run in layer_runs(layers):
+                        store.copy_from_peer(cache, run, src, dst)
+                except BaseException:
+                    table.end_work(rec, 0)
+                    raise
+                self._mark("recv.copy launched", rid)
+            acks[cell].fill_(int(frame["seq"]))    # the sender may reuse its blocks from here on
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        if copy and expected + len(layers) < rec.spec.num_layers:
+            self._ready_next[rid] = expected + len(layers)
+        else:
+            self._ready_next.pop(rid, None)
+        return ("copied", rid, rec if copy else None, layers if copy else [], event, read_at)
+
+    def _track_copy(self, item: tuple) -> None:
+        """Loop thread: account a direct copy the frame reader queued."""
+        _, rid, rec, layers, event, read_at = item
+        landing = _Landing(rid, rec, layers, _Copied(), None, read_at, event=event, direct=True)
+        self._landings.append(landing)
+        if rec is None or rec.state.terminal:
+            self._forget(rid)
+        self._watch_landing(landing)
+
+    def _check_ready(self, spec: TransferSpec, done: int, frame: dict[str, Any]) -> str:
+        if spec.sender_id != self.peer:
+            return f"data came from {self.peer!r}, expected {spec.sender_id!r}"
+        want_layers = list(spec.layers[done:done + len(frame["layers"])])
+        if frame["idx"] != done or list(frame["layers"]) != want_layers:
+            return f"got layers {frame['layers']} (#{frame['idx']}), expected {want_layers} (#{done})"
+        src = self._src_index.get(spec.request_id)
+        if isinstance(src, str):
+            return src
+        if src is None or src.shape[0] != len(spec.dst_block_ids):
+            return (f"the sender named {None if src is None else src.shape[0]} source blocks for "
+                    f"{len(spec.dst_block_ids)} destination blocks")
+        return ""
+
     def _land(self, wait: bool) -> bool:
         """Retire landed messages, oldest first; with `wait`, block for the oldest. Past the
         transfer timeout, a message that has not landed breaks the link."""
@@ -475,9 +644,16 @@ class _PeerRecvLoop:
                 self._forget(landing.rid)
                 return
         try:
-            if landing.layers and landing.event is None:     # CPU: scatter now the data is here
+            if landing.direct and rec is not None and \
+                    time.monotonic() - landing.posted_at > self.receiver.config.timeout_s:
+                table.finish(landing.rid, TransferState.FAILED, KVTransferTimeout(
+                    f"transfer {landing.rid!r}: the copy out of {self.peer!r} completed after "
+                    f"{self.receiver.config.timeout_s:.3g}s, when the sender may have reused its blocks"))
+            elif landing.layers and landing.event is None and not landing.direct:   # CPU: scatter now
                 self._scatter(landing)
-            moved = len(landing.layers)
+                moved = len(landing.layers)
+            else:
+                moved = len(landing.layers)
         finally:
             if rec is not None:
                 table.end_work(rec, moved, table.clock() + self.receiver.config.timeout_s)
@@ -505,6 +681,8 @@ class _PeerRecvLoop:
                 table.end_work(landing.rec, 0)
         self._next_idx.clear()
         self._index.clear()
+        self._src_index.clear()
+        self._peer = None            # unmapped: a dead sender's memory can be freed
 
     def _check(self, spec: TransferSpec, done: int, frame: dict[str, Any], buf: torch.Tensor) -> str:
         if spec.sender_id != self.peer:
@@ -538,8 +716,10 @@ class _PeerRecvLoop:
 
     def _forget(self, rid: str) -> None:
         self._next_idx.pop(rid, None)
+        self._ready_next.pop(rid, None)
         if not any(landing.rid == rid for landing in self._landings):
             self._index.pop(rid, None)
+            self._src_index.pop(rid, None)
 
     def _clear_abort(self, spec: TransferSpec) -> None:
         try:

@@ -10,9 +10,25 @@ queues layers as it computes them sends each as soon as it is ready (layer L mov
 computes), and a transfer whose layers are all ready goes as a few large messages. Frames on the
 wire (sender -> receiver):
 
+    {"op": "hello", "cache", "acks", "ids", "cell"}  first on every link: handles of this actor's
+        cache, ack cells and block-id arena, offering a direct copy (None: it cannot be shared)
     {"op": "layers", "rid", "idx", "layers", "parts", "shape", "dtype"}  then, per part, one tensor
         [part, *shape] of the next `part` layers
+    {"op": "ready", "rid", "idx", "layers", "seq", "ids_at", "n"}  (direct copy) those layers are
+        written: copy them out of the n source blocks whose ids are at `ids_at` of the arena (named
+        in the transfer's first frame; or "src", the ids as int32 bytes, when the arena is full),
+        and ack `seq`
     {"op": "end", "rid", "state": "aborted" | "failed", "reason"}
+
+**Direct copy** (`KVTransferConfig.direct_copy`): when the receiver could map this actor's cache
+(same host, CUDA IPC over NVLink), no data goes through the link at all. A "ready" frame tells the
+receiver which layers are written; it copies them block to block, out of this cache into its own,
+with one kernel that reads the source block ids from this actor's id arena (uploaded at begin(),
+so no ids cross the link and the receiver makes no host-to-device copy), then writes the frame's
+`seq` into this actor's ack cell (device memory it mapped, one cell per link), stream-ordered
+behind the copy. A message is complete once its `seq` is
+acked: only then does this side stop holding the source blocks. The receiver only ever reads this
+cache and writes its own, so a late or aborted copy can never touch memory either side has reused.
 
 On CUDA the gather runs on the thread's own stream after the layer's ready event (recorded by the
 prefill after it wrote the layer's KV), and NCCL's send is ordered after the gather on that stream:
@@ -27,6 +43,7 @@ the transfers that used the old link.
 from __future__ import annotations
 
 import contextlib
+from array import array
 import logging
 import math
 import queue
@@ -49,10 +66,15 @@ log = logging.getLogger(__name__)
 
 _ABORT_CHECK_INTERVAL_S = 0.01   # at most one store lookup per transfer per 10 ms
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 200e-6   # polling posted messages: backoff while nothing changes
+_ACK_POLL_S = 1e-3         # direct copies: how often the acks are read while copies are out
 
 
 def _ignore(_request_id: str) -> None:
     pass
+
+
+def _event_done(event: Any) -> bool:
+    return event is None or event.query()
 
 
 class LayerStreamSender(KVSender):
@@ -78,6 +100,13 @@ class LayerStreamSender(KVSender):
         self.trace: list[tuple[float, str, str]] | None = None
 
     def begin(self, spec: TransferSpec) -> None:
+        self._register(spec)
+        self._queued[spec.request_id] = 0
+        # the worker checks the link and builds the block index now, while the prefill computes
+        self._worker(spec.receiver_id).put(("begin", spec.request_id))
+        self._table.run_releases()
+
+    def _register(self, spec: TransferSpec) -> None:
         if spec.sender_id != self.connector.self_id:
             raise ValueError(f"spec {spec.request_id!r} is for sender {spec.sender_id!r}, "
                              f"this is {self.connector.self_id!r}")
@@ -90,10 +119,6 @@ class LayerStreamSender(KVSender):
         if self._closed:
             raise KVTransferError("sender is closed")
         self._table.add(spec, peer=spec.receiver_id)
-        self._queued[spec.request_id] = 0
-        # the worker checks the link and builds the block index now, while the prefill computes
-        self._worker(spec.receiver_id).put(("begin", spec.request_id))
-        self._table.run_releases()
 
     def send_layer(self, request_id: str, layer: int, ready_event: Any = None) -> None:
         rec = self._table.get(request_id)
@@ -118,19 +143,18 @@ class LayerStreamSender(KVSender):
 
     def send(self, spec: TransferSpec) -> None:
         """begin + every layer, all ready now (a prefix pull, a cache copy): one ready event for
-        all of them and one pass, instead of an event and a table lookup per layer."""
-        self.begin(spec)
-        rec = self._table.get(spec.request_id)
-        if rec is None or rec.state.terminal:
-            self._queued.pop(spec.request_id, None)
-            self._table.run_releases()
-            return
+        all of them and one pass, instead of an event and a table lookup per layer. On a direct
+        link with nothing queued, and the layers already written, the frame leaves from this
+        thread (`_PeerSendWorker.send_now`): no hand-over to the transport's thread."""
+        self._register(spec)
         ready = None
         if self.store.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        del self._queued[spec.request_id]
-        self._worker(rec.peer).put(("layer", spec.request_id, 0, ready, spec.num_layers))
+        worker = self._worker(spec.receiver_id)
+        if not worker.send_now(spec, ready):
+            worker.put(("begin", spec.request_id))
+            worker.put(("layer", spec.request_id, 0, ready, spec.num_layers))
         self._table.run_releases()
 
     def poll(self, request_id: str) -> TransferState:
@@ -181,9 +205,40 @@ class _Message:
     rec: TransferRecord
     num_layers: int
     op: Pending
-    data: torch.Tensor      # kept alive until the send completes
+    data: torch.Tensor | None   # kept alive until the send completes (None: a direct copy)
     lease: StagingRing.Lease | None = None   # its staging, free again once the send completes
     posted_at: float = 0.0
+    nbytes: int = 0             # counted against the window (a direct copy holds no staging)
+    last: bool = False          # carries the transfer's last layer
+
+
+_WAKE = ("wake",)   # queued by send_now: look at the messages in flight
+_ACK_CELLS = 64     # one per link in turn: a receiver still acking on an old link writes its own
+_ID_ARENA_BYTES = 4 << 20   # source block ids of the transfers in flight (512 K ids)
+
+
+class _AckOp:
+    """A direct copy's completion: the receiver wrote `seq` (or a later one) into the link's ack
+    cell, which this side reads from a stream it keeps idle (a few microseconds)."""
+
+    def __init__(self, worker: "_PeerSendWorker", cell: int, seq: int):
+        self.worker, self.cell, self.seq = worker, cell, seq
+
+    def done(self) -> bool:
+        return self.worker._acked(self.cell) >= self.seq
+
+    def wait(self, timeout: float | None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 7 * 24 * 3600.0)
+        idle_s = _POLL_MIN_S
+        while not self.done():
+            if time.monotonic() > deadline:
+                raise KVTransferTimeout(f"link to {self.worker.peer!r}: copy #{self.seq} not acked "
+                                        f"in {timeout:.3g}s")
+            time.sleep(idle_s)
+            idle_s = min(idle_s * 2, _POLL_MAX_S)
+
+    def order_current_stream(self) -> bool:
+        return False
 
 
 class _PeerSendWorker:
@@ -206,14 +261,77 @@ class _PeerSendWorker:
         self._staging: StagingRing | None = None
         self._inflight_bytes = 0
         self.messages_sent = 0
+        self.ids_in_frames = 0       # direct copies whose source ids overflowed the arena
+        # direct copies: whether this link's receiver copies out of our cache, the ack cells (kept
+        # for the worker's life: a receiver may write one after we dropped its link), the link's
+        # cell, the last seq sent and the last ack read
+        self._direct = False
+        self._acks: torch.Tensor | None = None
+        self._acks_handle: bytes | None = None
+        self._cache_handle: bytes | None = None
+        self._id_ring: StagingRing | None = None
+        self._ready_waiter: threading.Thread | None = None     # direct copies: blocks on layer events
+        self._ready_events: queue.SimpleQueue | None = None
+        self._waiting_on: Any = None
+        self._ids_handle: bytes | None = None
+        # rid -> (offset in the arena in ids, count, lease, upload event), or None: ids go in the frame
+        self._src_ids: dict[str, tuple | None] = {}
+        self._ack_cell = -1
+        self._seq = 0
+        self._ack_seen = 0
+        self._links_made = 0
+        self._src_sent: set[str] = set()            # rids whose source block ids this link's receiver has
+        # held while the thread works (never while it waits), so an owner's send_now can take
+        # the thread's place for a moment
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self._thread.start()
 
     def put(self, item: tuple) -> None:
         self._queue.put(item)
 
+    def send_now(self, spec: TransferSpec, ready: Any) -> bool:
+        """Owner's thread, all layers of a registered transfer ready: announce them on this
+        direct link right here (an epoch lookup, the ids into the arena, one frame), instead of
+        handing them to the transport's thread, whose wake-up and every GIL hand-over on the way
+        (each up to a switch interval behind a busy owner) come before the copy can start.
+        False, having done nothing, unless the link is up and direct, nothing is queued or being
+        worked on for this peer, the layers are written, and the receiver's epoch is the one the
+        link was checked under; the caller then queues the transfer."""
+        if not (self._direct and self._queue.empty() and not self._backlog and _event_done(ready)):
+            return False
+        if not self._lock.acquire(timeout=0.001):
+            return False
+        try:
+            on_cuda = self.sender.store.device.type == "cuda"
+            if not self._direct or self.link is None or (on_cuda and self._pinned is None):
+                return False
+            if self._backlog or not self._queue.empty():
+                return False
+            rid = spec.request_id
+            self._mark("send.now", rid)
+            self._abort_checked[rid] = time.monotonic()
+            self._prepared.add(rid)
+            self._backlog.append(("layer", rid, 0, None, spec.num_layers))
+            try:
+                self._send_ready()
+            except KVTransferError as err:   # as on the thread: the peer's transfers fail
+                self._break(err)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("KV sender to %s failed", self.peer)
+                self._break(KVTransferError(f"sender to {self.peer!r} failed: {type(exc).__name__}: {exc}"))
+            # the epoch check (a store round trip) comes after the frame, on the thread: a receiver
+            # restarted meanwhile fails this transfer with the old link, instead of delaying all
+            self._queue.put(("verify", rid))
+            return True
+        finally:
+            self._lock.release()
+            self._queue.put(_WAKE)           # the thread watches the copy's ack
+
     def stop(self) -> None:
         self._queue.put(None)
+        if self._ready_events is not None:
+            self._ready_events.put(None)
         self._thread.join(timeout=5)
         if self.link is not None:
             self.link.close(broken=False)
@@ -230,16 +348,24 @@ class _PeerSendWorker:
             # Block only when there is nothing to send and nothing to watch.
             block = not self._backlog and not self._inflight and not stopping
             if block:
-                self._prune()
+                with self._lock:
+                    self._prune()
             stopping |= self._take(block)
+            self._lock.acquire()
             try:
                 progressed = self._complete(wait=False)
-                if self._backlog and (self._backlog[0][0] != "layer" or not self._window_full()):
+                head = self._backlog[0] if self._backlog else None
+                if (head is not None and self._direct and head[0] == "layer"
+                        and (head[1] not in self._partial or head[1] in self._src_sent)):
+                    progressed = self._send_ready() or progressed
+                elif self._backlog and (self._backlog[0][0] != "layer" or not self._window_full()):
                     item = self._backlog.popleft()
                     if item[0] == "layer":
                         self._send_layers(item)
                     elif item[0] == "begin":
                         self._prepare(item[1])
+                    elif item[0] == "verify":
+                        self._verify()
                     else:        # frames are FIFO: the peer has seen every layer frame before it
                         self._send_end(*item[1:])
                     progressed = True
@@ -253,11 +379,55 @@ class _PeerSendWorker:
                 log.exception("KV sender to %s failed", self.peer)     # transfers fail, the thread lives
                 self._break(KVTransferError(f"sender to {self.peer!r} failed: {type(exc).__name__}: {exc}"))
                 progressed = True
+            finally:
+                self._lock.release()
             if progressed:
                 idle_s = _POLL_MIN_S
+            elif self._direct and not stopping:
+                # direct copies: the next layer's readiness comes from the ready waiter and new
+                # work through the queue, both waking this thread; acks (which only release the
+                # source blocks) are read at a slow pace. No busy polling: every wake-up takes the
+                # GIL from the owner (a prefill launching its layers) for a switch interval.
+                stopping |= self._wait_queue(_ACK_POLL_S if self._inflight else None)
             else:                    # data in flight, nothing new queued: poll with backoff
                 time.sleep(idle_s)
                 idle_s = min(idle_s * 2, _POLL_MAX_S)
+
+    def _wait_queue(self, timeout: float | None) -> bool:
+        """Block until an item (or a wake-up) is queued, or `timeout`; True when stop() was asked."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if item is None:
+            return True
+        if item is not _WAKE:
+            self._backlog.append(item)
+        return self._take(False)
+
+    def _wait_ready(self, event: Any) -> None:
+        """Have the ready waiter block on `event` (a layer still being computed) and wake this
+        thread when it completes."""
+        if self._waiting_on is event:
+            return
+        self._waiting_on = event
+        if self._ready_waiter is None:
+            self._ready_events = queue.SimpleQueue()
+            self._ready_waiter = threading.Thread(target=self._wait_events, args=(self._ready_events,),
+                                                  name=f"kv-ready-{self.peer}", daemon=True)
+            self._ready_waiter.start()
+        self._ready_events.put(event)
+
+    def _wait_events(self, events: queue.SimpleQueue) -> None:
+        while True:
+            event = events.get()
+            if event is None:
+                return
+            try:
+                event.synchronize()          # without the GIL
+            except Exception:  # noqa: BLE001 - the loop sees the error when it queries it
+                pass
+            self._queue.put(_WAKE)
 
     def _take(self, block: bool) -> bool:
         """Move queued items to the backlog; True when stop() was asked."""
@@ -266,7 +436,8 @@ class _PeerSendWorker:
             while True:
                 if item is None:
                     return True
-                self._backlog.append(item)
+                if item is not _WAKE:
+                    self._backlog.append(item)
                 item = self._queue.get_nowait()
         except queue.Empty:
             return False
@@ -282,6 +453,7 @@ class _PeerSendWorker:
         rec = self.sender._table.get(rid)
         if rec is None or rec.state.terminal:
             return
+        self._mark("send.begin", rid)
         epoch = self.sender.connector.peer_epoch(self.peer)
         self._mark("send.epoch", rid)
         if epoch is not None and self.link is not None and epoch == self._epoch_seen:
@@ -296,9 +468,25 @@ class _PeerSendWorker:
                 return
             self._link(fresh=True)
             self._epoch_seen = epoch
-        self._block_index(rid, rec.spec)
+        if self._direct:                   # the receiver reads them from the arena
+            self._upload_ids(rid, rec.spec)
+        else:
+            self._block_index(rid, rec.spec)
         self._prepared.add(rid)
         self._mark("send.prepared", rid)
+
+    def _verify(self) -> None:
+        """After a send_now: is the link still the receiver's? One lookup while its epoch has not
+        moved; else the full check, which abandons a stale link (failing what used it, this
+        transfer too)."""
+        conn = self.sender.connector
+        epoch = conn.peer_epoch(self.peer)
+        if epoch is not None and epoch == self._epoch_seen:
+            return
+        if self.link is not None and not conn.is_current(self.link):
+            self._abandon_link()
+        else:
+            self._epoch_seen = epoch
 
     def _window_full(self) -> bool:
         """Bytes in flight fill the window (a message larger than it still goes alone)."""
@@ -380,7 +568,7 @@ class _PeerSendWorker:
                 claims -= 1
                 bufs.pop(0)
                 self._mark(f"send.posted {n}", rid)
-                self._inflight.append(_Message(rec, n, posted, buf, lease, time.monotonic()))
+                self._inflight.append(_Message(rec, n, posted, buf, lease, time.monotonic(), n * layer_bytes))
                 self._inflight_bytes += n * layer_bytes
                 self.messages_sent += 1
                 at += n
@@ -411,10 +599,13 @@ class _PeerSendWorker:
                                             f"was not taken in {cfg.timeout_s:.3g}s")
                 return progressed
             self._inflight.popleft()
-            self._inflight_bytes -= msg.data.numel() * msg.data.element_size()
-            self._staging.give(msg.lease)
+            self._inflight_bytes -= msg.nbytes
+            if self._staging is not None:
+                self._staging.give(msg.lease)
             self._mark("send.done", msg.rec.request_id)
             table.end_work(msg.rec, msg.num_layers)
+            if msg.last:
+                self._release_ids(msg.rec.request_id)
             progressed = True
         return progressed
 
@@ -475,9 +666,12 @@ class _PeerSendWorker:
         table = self.sender._table
         for rid in [r for r in self._index if (rec := table.get(r)) is None or rec.state.terminal]:
             self._forget(rid)
+        for rid in [r for r in self._src_ids if (rec := table.get(r)) is None or rec.state.terminal]:
+            self._release_ids(rid)        # ended before its last copy (nothing in flight: idle)
 
     def _forget(self, rid: str) -> None:
         self._partial.discard(rid)
+        self._src_sent.discard(rid)
         self._index.pop(rid, None)
         self._abort_checked.pop(rid, None)
         self._prepared.discard(rid)
@@ -499,8 +693,146 @@ class _PeerSendWorker:
         if self.link is not None and fresh and not conn.is_current(self.link):
             self._abandon_link()              # the peer restarted or rebuilt the pair
         if self.link is None:
-            self.link = conn.connect(self.peer, as_sender=True)
+            link = conn.connect(self.peer, as_sender=True)
+            try:
+                self._hello(link)
+            except BaseException:
+                link.close(broken=True)
+                raise
+            self.link = link
         return self.link
+
+    def _hello(self, link: PeerLink) -> None:
+        """First frame on a new link: offer the receiver a direct copy out of this cache, and
+        wait for its answer (once per link; a receiver on another host, or a CPU cache, says no
+        and the data goes through the link)."""
+        cfg, store = self.sender.config, self.sender.store
+        self._direct = False
+        share = getattr(store, "share", None)
+        if cfg.direct_copy and share is not None and self._acks_handle is None:
+            self._cache_handle = share()          # once: every link offers the same mapping
+            if self._cache_handle is not None:
+                self._acks = torch.zeros(_ACK_CELLS, dtype=torch.long, device=store.device)
+                self._acks_handle = share(self._acks)
+                self._id_ring = StagingRing(_ID_ARENA_BYTES, store.device)
+                self._ids_handle = share(self._id_ring.memory())
+        handle = self._cache_handle if cfg.direct_copy else None
+        self._links_made += 1
+        self._ack_cell = self._links_made % _ACK_CELLS
+        self._ack_seen = 0
+        link.send_frame({"op": "hello", "cache": handle, "acks": self._acks_handle if handle else None,
+                         "ids": self._ids_handle if handle else None, "cell": self._ack_cell}, cfg.timeout_s)
+        if handle is None:
+            return
+        self._direct, why = link.wait_verdict(cfg.connect_timeout_s)
+        if not self._direct:
+            log.info("KV sender to %s: no direct copy (%s); the data goes through the link", self.peer, why)
+
+    def _upload_ids(self, rid: str, spec: TransferSpec) -> tuple | None:
+        """A direct copy's source block ids in the shared arena (once per transfer), queued on the
+        idle index stream: (offset in ids, count, lease, event). None when the arena is full or
+        the ids overflow a pinned slot: they travel in the frame instead."""
+        if rid in self._src_ids:
+            return self._src_ids[rid]
+        ids, ring, entry = spec.src_block_ids, self._id_ring, None
+        if ring is not None and ring.fits([8 * len(ids)]):
+            buf, lease = ring.take((len(ids),), torch.long)
+            self._mark("send.ids slot", rid)
+            if self._index_stream is None:
+                buf.copy_(torch.as_tensor(ids, dtype=torch.long))
+                entry = (lease.start // 8, len(ids), lease, None)
+            else:
+                with torch.cuda.stream(self._index_stream):
+                    host = self._pinned.take(ids, self._index_stream)
+                    self._mark("send.ids pinned", rid)
+                    if host is not None:
+                        buf.copy_(host, non_blocking=True)
+                        self._pinned.copied(self._index_stream)
+                        event = torch.cuda.Event()
+                        event.record(self._index_stream)
+                        entry = (lease.start // 8, len(ids), lease, event)
+                        self._mark("send.ids queued", rid)
+                if entry is None:
+                    ring.give(lease)
+        self._src_ids[rid] = entry
+        return entry
+
+    def _release_ids(self, rid: str) -> None:
+        """The transfer's last copy was acked (or it ended): its arena slot is free again."""
+        entry = self._src_ids.pop(rid, None)
+        if entry is not None and self._id_ring is not None:
+            self._id_ring.give(entry[2])
+
+    def _acked(self, cell: int) -> int:
+        """The last seq the receiver acked in `cell` (read only while short of what is asked)."""
+        if cell != self._ack_cell or self._acks is None:
+            return self._ack_seen
+        if self._index_stream is not None:      # idle: the read waits for nothing else
+            with torch.cuda.stream(self._index_stream):
+                value = int(self._acks[cell].item())
+        else:
+            value = int(self._acks[cell])
+        self._ack_seen = max(self._ack_seen, value)
+        return self._ack_seen
+
+    def _send_ready(self) -> bool:
+        """Direct copy: announce the head request's layers whose KV is written (their ready
+        events complete), as one "ready" frame; the receiver copies them. False while the first
+        one is still being computed (the loop polls again)."""
+        first = self._backlog[0]
+        rid, idx = first[1], first[2]
+        if not _event_done(first[3]):
+            self._wait_ready(first[3])
+            return False
+        table, cfg = self.sender._table, self.sender.config
+        fresh = idx == 0 and rid not in self._prepared
+        link = self._link(fresh=fresh)
+        if not self._direct:             # rebuilt, and the new receiver copies through the link
+            return True
+        self._mark("send.pick", rid)
+        known = table.get(rid)
+        if known is not None and not known.state.terminal and self._receiver_aborted(known.spec, first=fresh):
+            table.finish(rid, TransferState.ABORTED,
+                         KVTransferAborted(f"transfer {rid!r} aborted by the receiver"))
+        n = self._backlog.popleft()[4]
+        while (self._backlog and self._backlog[0][0] == "layer" and self._backlog[0][1] == rid
+               and _event_done(self._backlog[0][3])):
+            n += self._backlog.popleft()[4]
+        rec = table.start_work(rid, 1)
+        if rec is None:                  # aborted or failed meanwhile: skip its queued layers
+            self._skip_queued(rid)
+            self._forget(rid)
+            return True
+        spec = rec.spec
+        layers = list(spec.layers[idx:idx + n])
+        frame = {"op": "ready", "rid": rid, "idx": idx, "layers": layers, "seq": self._seq + 1}
+        if rid not in self._src_sent:
+            ids = self._upload_ids(rid, spec)
+            if ids is None:
+                frame["src"] = array("i", spec.src_block_ids).tobytes()
+                self.ids_in_frames += 1
+            else:
+                if ids[3] is not None:
+                    ids[3].synchronize()     # in the arena before the receiver reads it
+                    self._mark("send.ids there", rid)
+                frame["ids_at"], frame["n"] = ids[0], ids[1]
+        self._mark("send.frame built", rid)
+        try:
+            link.send_frame(frame, cfg.timeout_s)
+        except BaseException:
+            table.end_work(rec, 0)
+            raise
+        self._seq += 1
+        self._src_sent.add(rid)
+        self._mark(f"send.ready {n}", rid)
+        self._inflight.append(_Message(rec, n, _AckOp(self, self._ack_cell, self._seq), None,
+                                       posted_at=time.monotonic(), last=idx + n == spec.num_layers))
+        self.messages_sent += 1
+        if idx + n == spec.num_layers:
+            self._forget(rid)
+        else:
+            self._partial.add(rid)
+        return True
 
     def _abandon_link(self) -> None:
         """The receiver restarted or gave the pair up, so nothing posted on the link will ever be
@@ -526,8 +858,13 @@ class _PeerSendWorker:
         while self._inflight:
             msg = self._inflight.popleft()
             self.sender._table.end_work(msg.rec, 0)
-            self._staging.give(msg.lease)
+            if self._staging is not None:
+                self._staging.give(msg.lease)
         self._inflight_bytes = 0
+        self._direct = False
+        self._src_sent.clear()
+        for rid in list(self._src_ids):   # a receiver still reading the arena reads valid ids
+            self._release_ids(rid)
 
     def _break(self, err: KVTransferError) -> None:
         self.sender._table.fail_peer(self.peer, err)

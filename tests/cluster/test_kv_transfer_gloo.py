@@ -193,3 +193,41 @@ def test_restarted_receiver_gets_a_fresh_group_from_the_same_sender(cluster):
         ray.kill(decode)
     # the link to the dead incarnation was dropped when the new one was found, not reused
     assert ray.get(sender.groups.remote()) == (live_before + 1, made_before + 2)
+
+
+@ray.remote(num_cpus=0)
+def _read_frames(rendezvous: str, count: int, unix_frames: bool) -> tuple[list[dict], bool]:
+    """A receiver in a process of its own: read `count` frames, answer the hello, close."""
+    from kv_transfer.torch_dist import DistConnector
+
+    link = DistConnector("decode-long", rendezvous, "cpu",
+                         KVTransferConfig(**CONFIG, unix_frames=unix_frames)).connect("prefill-long", as_sender=False)
+    frames = [link.recv_frame(20) for _ in range(count)]
+    link.send_verdict(False, "no IPC here")
+    time.sleep(0.5)
+    on_socket = link.frames is not None
+    link.close(broken=False)
+    return frames, on_socket
+
+
+@pytest.mark.parametrize("unix_frames", [True, False], ids=["unix-socket", "gloo"])
+def test_long_control_frames_and_the_direct_copy_verdict(ray_session, unix_frames):
+    """A frame longer than the fixed head (a direct copy's block ids) goes as head and tail and
+    arrives whole, in order with the frames around it, on the pair's Unix socket (one host) and on
+    its gloo group; the receiver's answer to "hello" reaches the sender out of band (the store)."""
+    from kv_transfer.torch_dist import DistConnector
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    addr = f"127.0.0.1:{port}"
+    big = {"op": "ready", "rid": "r", "src": bytes(range(256)) * 64}        # 16 KiB of ids
+    frames = [{"op": "hello", "cache": None}, big, {"op": "end", "rid": "r"}]
+    reader = _read_frames.remote(addr, len(frames), unix_frames)
+    link = DistConnector("prefill-long", addr, "cpu", KVTransferConfig(**CONFIG, unix_frames=unix_frames)).connect(
+        "decode-long", as_sender=True)
+    assert (link.frames is not None) is unix_frames
+    for frame in frames:
+        link.send_frame(frame, 20)
+    assert link.wait_verdict(20) == (False, "no IPC here")
+    assert ray.get(reader, timeout=30) == (frames, unix_frames)
+    link.close(broken=False)
+    del store

@@ -14,7 +14,7 @@ import torch
 from kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
                               KVTransferTimeout, TransferSpec, TransferState, layer_runs)
 from kv_transfer.fake import make_fake_pair
-from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame
+from kv_transfer.link import FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_tail_bytes
 from kv_transfer.testing import TensorBlockStore
 from kv_transfer.torch_dist import backend_for
 
@@ -80,6 +80,16 @@ def assert_layer_copied(src, dst, layer, src_ids=SRC, dst_ids=DST) -> None:
         assert torch.equal(dst.block(layer, d), src.block(layer, s)), (layer, s, d)
 
 
+def assert_next_transfer_arrives(sender, receiver, src, dst, rid: str = "req-next") -> None:
+    """After a failure: the next transfer on the same pair arrives whole."""
+    spec = make_spec(rid)
+    receiver.expect(spec)
+    sender.send(spec)
+    assert receiver.wait(spec.request_id, 3) is TransferState.DONE
+    for layer in spec.layers:
+        assert_layer_copied(src, dst, layer)
+
+
 def test_spec_msgpack_round_trip_and_validation():
     spec = make_spec()
     assert TransferSpec.from_msg(msgpack.unpackb(msgpack.packb(spec.to_msg()))) == spec
@@ -97,9 +107,16 @@ def test_control_frame_round_trip():
     msg = {"op": "layer", "rid": "r" * 200, "idx": 3, "layer": 7, "shape": [3, 2, 4, 2, 8]}
     frame = encode_frame(msg)
     assert frame.shape == (FRAME_BYTES,) and frame.dtype == torch.uint8
-    assert decode_frame(frame) == msg
-    with pytest.raises(ValueError):
-        encode_frame({"op": "x", "blob": "y" * FRAME_BYTES})
+    assert decode_frame(frame) == msg and frame_tail_bytes(frame) == 0
+    # a longer frame (a direct copy's block ids) is a head and a tail, decoded as one
+    big = {"op": "ready", "src": bytes(range(256)) * 40}
+    frame = encode_frame(big)
+    assert frame.numel() > FRAME_BYTES and frame_tail_bytes(frame[:FRAME_BYTES]) == frame.numel() - FRAME_BYTES
+    assert decode_frame(frame) == big
+    with pytest.raises(ValueError, match="corrupt"):
+        decode_frame(frame[:FRAME_BYTES])          # the head alone
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_frame({"op": "x", "blob": "y" * MAX_FRAME_BYTES})
 
 
 def test_layers_stream_in_order_bit_exact_into_dst_blocks(pair):
@@ -623,12 +640,7 @@ def test_an_unexpected_error_in_the_receiver_fails_its_transfers_and_the_next_on
             sender.wait(first.request_id, 2)
         except KVTransferError:
             pass
-        second = make_spec("req-b")
-        receiver.expect(second)
-        sender.send(second)
-        assert receiver.wait(second.request_id, 3) is TransferState.DONE
-        for layer in second.layers:
-            assert_layer_copied(src, dst, layer)
+        assert_next_transfer_arrives(sender, receiver, src, dst, "req-b")
     finally:
         sender.close()
         receiver.close()
