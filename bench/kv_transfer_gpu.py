@@ -42,10 +42,13 @@ MiB = 1 << 20
 LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
 CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
-# The transfer table is measured under each of these (KVTransferConfig fields), in one run:
-# Tandem's defaults, then NCCL on streams of normal priority (as before), the ratios' baseline.
-VARIANTS = {"default": {}, "normal-priority": {"nccl_high_priority": False},
-            "window-2GiB": {"max_inflight_messages": 8}}
+# The transfer table is measured under each of these (KVTransferConfig fields), in one run: Tandem's
+# defaults (the decode actor copies the blocks straight out of the prefill actor's cache, CUDA IPC
+# over NVLink), then every byte through the link over NCCL (staging, gather, send, scatter: the path
+# between hosts, and the default before), the ratios' baseline; and two NCCL settings measured before.
+VARIANTS = {"default": {}, "nccl": {"direct_copy": False},
+            "nccl-normal-priority": {"direct_copy": False, "nccl_high_priority": False},
+            "nccl-window-2GiB": {"direct_copy": False, "max_inflight_messages": 8}}
 
 
 def _sync(device: str) -> None:
@@ -603,8 +606,9 @@ def main() -> None:
     ap.add_argument("--raw-total-mib", type=int, default=8192, help="bytes per raw size (5..200 messages)")
     ap.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--message-mib", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256],
-                    help="max_message_bytes values to sweep (MiB) on the middle prompt")
+    ap.add_argument("--message-mib", type=lambda s: [int(x) for x in s.split(",")], default=[256],
+                    help="max_message_bytes values to sweep (MiB) on the middle prompt, under the "
+                         "first variant (NCCL: 256 was best of 16..512 in earlier runs)")
     ap.add_argument("--message-bytes", type=int, default=0,
                     help="max_message_bytes for the main table (0: the sweep's best)")
     ap.add_argument("--prefill-s-per-token", type=float, default=30e-6,
@@ -613,7 +617,7 @@ def main() -> None:
                     help="repetitions of the busy-actor table (GIL switch interval); 0: skip it")
     ap.add_argument("--busy-intervals-us", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="GIL switch intervals (us) of the busy-actor table (default: Python's 5000 and Tandem's)")
-    ap.add_argument("--variants", type=lambda s: s.split(","), default=["default", "normal-priority"],
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=["default", "nccl"],
                     help="transport settings to measure the transfer table with, in the same run, the "
                          f"first also for the tables after it (of {', '.join(VARIANTS)}; the last is "
                          "the ratios' baseline)")

@@ -47,6 +47,10 @@ class Endpoint:
     def gpu_uuid(self) -> str:
         return str(torch.cuda.get_device_properties(0).uuid)
 
+    def direct(self) -> bool:
+        """Sender: did its link to decode-0 go direct (the receiver copies out of this cache)?"""
+        return self.end._workers["decode-0"]._direct
+
     def expect(self, spec_msg: dict) -> None:
         self.end.expect(TransferSpec.from_msg(spec_msg))
 
@@ -100,11 +104,15 @@ class Endpoint:
 LAYER_BYTES = 2 * 40 * 16 * 8 * 128 * 2
 
 
+NCCL = {"direct_copy": False}
+
+
 @pytest.mark.parametrize("layers_per_message, config", [
-    (1, {}), (LAYERS, {}), (4, {}),                      # all-ready "c": messages of 3 and 3 layers
-    (LAYERS, {"nccl_high_priority": False}),
-], ids=["one-layer", "all-layers", "two-messages", "normal-priority"])
-def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message, config):
+    (LAYERS, {}),                                        # the default: a direct copy over NVLink
+    (1, NCCL), (LAYERS, NCCL), (4, NCCL),                # all-ready "c": messages of 3 and 3 layers
+    (LAYERS, {**NCCL, "nccl_high_priority": False}),
+], ids=["direct", "nccl-one-layer", "nccl-all-layers", "nccl-two-messages", "nccl-normal-priority"])
+def test_kv_arrives_bit_exact(ray_gpus, layers_per_message, config):
     from kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
@@ -125,21 +133,23 @@ def test_kv_arrives_bit_exact_over_nccl(ray_gpus, layers_per_message, config):
             sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
             assert sent.abs().sum() > 0
             assert torch.equal(sent, got)
+        assert ray.get(sender.direct.remote()) is config.get("direct_copy", True)
     finally:
         for a in (sender, receiver):
             ray.kill(a)
         del store
 
 
-def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_gpus):
+@pytest.mark.parametrize("config", [{}, NCCL], ids=["direct", "nccl"])
+def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_gpus, config):
     """The decode actor dies while a transfer streams into it: the sender's transfer fails within
-    its timeout, not hung on the dead peer's communicator, and a restarted receiver under the same
-    id gets the next transfer bit-exact over a new pair."""
+    its timeout, not hung on the dead peer's communicator (or waiting for acks that never come),
+    and a restarted receiver under the same id gets the next transfer bit-exact over a new pair."""
     from kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
-    quick = {"timeout_s": 5.0}
+    quick = {"timeout_s": 5.0, **config}
     sender = Endpoint.remote("prefill-0", addr, 9, LAYER_BYTES, **quick)
     receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
     try:
@@ -167,6 +177,45 @@ def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_
         assert ray.get(receiver.wait.remote("again")) == "done"
         sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
         assert torch.equal(sent, got)
+    finally:
+        for a in (sender, receiver):
+            ray.kill(a)
+        del store
+
+
+def test_sender_death_mid_direct_copy_fails_it_and_the_receiver_carries_on(ray_gpus):
+    """The prefill actor dies while the decode actor copies out of its cache: the receiver's
+    transfer fails and its blocks are released, its GPU context stays healthy (the mapping of the
+    dead actor's memory outlives it and is dropped with the link), and a restarted sender under
+    the same id moves the next transfer bit-exact."""
+    from kv_transfer.torch_dist import start_rendezvous_store
+
+    store, port = start_rendezvous_store("127.0.0.1")
+    addr = f"127.0.0.1:{port}"
+    quick = {"timeout_s": 5.0}
+    sender = Endpoint.remote("prefill-0", addr, 13, LAYER_BYTES, **quick)
+    receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
+    try:
+        g = torch.Generator().manual_seed(13)
+        src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+        dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
+        spec = TransferSpec("cut", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        ray.get(receiver.expect.remote(spec))
+        sender.stream_slowly.remote(spec, 0.5)
+        time.sleep(1.2)                  # two layers have been copied
+        ray.kill(sender)
+        t0 = time.monotonic()
+        state = ray.get(receiver.wait.remote("cut", 30))
+        assert state != "done" and "KVTransfer" in state, state
+        assert time.monotonic() - t0 < 15
+        sender = Endpoint.remote("prefill-0", addr, 14, LAYER_BYTES, **quick)
+        again = TransferSpec("again", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        ray.get(receiver.expect.remote(again))
+        ray.get(sender.send_all.remote(again))
+        assert ray.get(receiver.wait.remote("again")) == "done"
+        assert ray.get(sender.direct.remote())
+        sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
+        assert sent.abs().sum() > 0 and torch.equal(sent, got)
     finally:
         for a in (sender, receiver):
             ray.kill(a)
