@@ -25,6 +25,7 @@ import yaml
 
 from cluster.autoscaler import AutoscalerConfig
 from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kv_transfer.base import KVTransferConfig
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscale: bool = False  # run the autoscaler (bounds and targets in `autoscaler`)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    # between prefill and decode actors (docs/architecture.md "KV transfer"); a prefill may queue
+    # for minutes before its first layer, hence the long start timeout
+    kv_transfer: KVTransferConfig = field(default_factory=lambda: KVTransferConfig(start_timeout_s=600.0))
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -122,6 +126,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "decode": dataclasses.asdict(cfg.decode),
         "router": dataclasses.asdict(cfg.router),
         "autoscaler": {"enabled": cfg.autoscale, **cfg.autoscaler.to_dict()},
+        "kv_transfer": dataclasses.asdict(cfg.kv_transfer),
     }
 
 
@@ -154,5 +159,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     pools = {p: _build(PoolConfig, {k: _inf(v) for k, v in data[p].items()}, p) for p in ("prefill", "decode")}
     auto = dict(data["autoscaler"])
     enabled = bool(auto.pop("enabled", False))
+    try:
+        transfer = _build(KVTransferConfig, data["kv_transfer"], "kv_transfer")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return ClusterConfig(engine=engine, router=_build(RouterConfig, data["router"], "router"),
-                         autoscale=enabled, autoscaler=AutoscalerConfig.from_dict(auto), **pools)
+                         autoscale=enabled, autoscaler=AutoscalerConfig.from_dict(auto),
+                         kv_transfer=transfer, **pools)

@@ -140,9 +140,10 @@ class Controller:
             engine_cfg = replace(engine_cfg, device="cuda")
         if pool == "decode":
             handle = DecodeActor.options(**opts).remote(wid, engine_cfg, pcfg.local_prefill_threshold,
-                                                        self.rendezvous, pcfg.num_cpus)
+                                                        self.rendezvous, pcfg.num_cpus, self.config.kv_transfer)
         else:
-            handle = PrefillActor.options(**opts).remote(wid, engine_cfg, self.rendezvous, pcfg.num_cpus)
+            handle = PrefillActor.options(**opts).remote(wid, engine_cfg, self.rendezvous, pcfg.num_cpus,
+                                                         self.config.kv_transfer)
         rec = WorkerRecord(wid, pool, handle)
         rec.ready_ref = handle.ready.remote()
         self.workers[wid] = rec

@@ -12,12 +12,13 @@ class DecodeActor(PoolActorBase):
     pool = "decode"
 
     def __init__(self, worker_id: str, engine_config, local_prefill_threshold: float, rendezvous: str | None,
-                 num_cpus: float = 1.0):
+                 num_cpus: float = 1.0, transfer_config=None):
         setup_process(num_cpus)
         from decode_workers.worker import DecodeWorker
 
         self.worker_id = worker_id
-        self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous)
+        self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous,
+                                   transfer_config=transfer_config)
         after_startup()
 
     def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None, prefill_id=None):

@@ -11,12 +11,13 @@ from cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup
 class PrefillActor(PoolActorBase):
     pool = "prefill"
 
-    def __init__(self, worker_id: str, engine_config, rendezvous: str, num_cpus: float = 1.0):
+    def __init__(self, worker_id: str, engine_config, rendezvous: str, num_cpus: float = 1.0,
+                 transfer_config=None):
         setup_process(num_cpus)
         from prefill_workers.worker import PrefillWorker
 
         self.worker_id = worker_id
-        self.worker = PrefillWorker(worker_id, engine_config, rendezvous)
+        self.worker = PrefillWorker(worker_id, engine_config, rendezvous, transfer_config=transfer_config)
         after_startup()
 
     def reserve(self, transfer_id, prompt_token_ids, sampling=None):

@@ -20,3 +20,18 @@ def test_prefill_queue_limit_from_yaml_and_overrides(tmp_path):
     assert math.isinf(load_config(path).prefill.max_queued_tokens)
     with pytest.raises(ConfigError, match="max_queued_tokens must be > 0"):
         load_config(None, {"prefill.max_queued_tokens": 0})
+
+
+def test_kv_transfer_section_from_yaml_and_overrides(tmp_path):
+    cfg = load_config(None).kv_transfer
+    assert cfg.direct_copy and cfg.unix_frames and cfg.start_timeout_s == 600.0
+    path = tmp_path / "c.yaml"
+    path.write_text("kv_transfer: {direct_copy: false, timeout_s: 10}\n")
+    cfg = load_config(path).kv_transfer
+    assert not cfg.direct_copy and cfg.timeout_s == 10 and cfg.start_timeout_s == 600.0
+    assert load_config(None, {"kv_transfer.direct_copy": False}).kv_transfer.direct_copy is False
+    with pytest.raises(ConfigError, match="timeout_s must be > 0"):
+        load_config(None, {"kv_transfer.timeout_s": 0})
+    path.write_text("kv_transfer: {direct: false}\n")
+    with pytest.raises(ConfigError, match="unknown key.*direct_copy"):
+        load_config(path)

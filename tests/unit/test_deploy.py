@@ -363,6 +363,13 @@ def test_chart_autoscaler_section_reaches_the_config():
         f.flush()
         cfg = load_config(f.name)
     assert cfg.autoscale and cfg.autoscaler.upscale_delay_s == 7 and cfg.autoscaler.decode_max == 8
+    # the KV transport's direct copy is on unless the chart turns it off; the workers get the section
+    assert config({})["kv_transfer"] == {"direct_copy": True}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(config({"kvTransfer": {"directCopy": False}}), f)
+        f.flush()
+        cfg = load_config(f.name)
+    assert cfg.kv_transfer.direct_copy is False and cfg.kv_transfer.start_timeout_s == 600.0
 
 
 def _values_keys_without_doc(path: Path) -> list[str]:
