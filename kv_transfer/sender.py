@@ -292,12 +292,12 @@ class _PeerSendWorker:
 
     def send_now(self, spec: TransferSpec, ready: Any) -> bool:
         """Owner's thread, all layers of a registered transfer ready: announce them on this
-        direct link right here (an epoch lookup, the ids into the arena, one frame), instead of
-        handing them to the transport's thread, whose wake-up and every GIL hand-over on the way
-        (each up to a switch interval behind a busy owner) come before the copy can start.
-        False, having done nothing, unless the link is up and direct, nothing is queued or being
-        worked on for this peer, the layers are written, and the receiver's epoch is the one the
-        link was checked under; the caller then queues the transfer."""
+        direct link right here (the ids into the arena, one frame), instead of handing them to the
+        transport's thread, whose wake-up and every GIL hand-over on the way (each up to a switch
+        interval behind a busy owner) come before the copy can start; the link is verified after
+        (`_verify`, on the thread). False, having done nothing, unless the link is up and direct,
+        nothing is queued or being worked on for this peer, and the layers are written; the
+        caller then queues the transfer."""
         if not (self._direct and self._queue.empty() and not self._backlog and _event_done(ready)):
             return False
         if not self._lock.acquire(timeout=0.001):
