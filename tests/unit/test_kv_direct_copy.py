@@ -15,7 +15,8 @@ from kv_transfer.fake import make_fake_pair
 from kv_transfer.testing import TensorBlockStore
 
 from tests.unit.test_kv_transfer import (DST, FAST, Releases, assert_layer_copied,
-                                         assert_next_transfer_arrives, make_spec, stream, until)
+                                         assert_next_transfer_arrives, make_spec, open_pair, stream,
+                                         until)
 
 
 def _worker(sender):
@@ -24,14 +25,10 @@ def _worker(sender):
 
 @pytest.fixture
 def direct():
-    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(0), shareable=True)
-    dst = TensorBlockStore(num_blocks=12, shareable=True)
-    s_rel, r_rel = Releases(), Releases()
-    sender, receiver, net = make_fake_pair(src, dst, config=FAST, on_sender_release=s_rel,
-                                           on_receiver_release=r_rel)
-    yield sender, receiver, net, src, dst, s_rel, r_rel
-    sender.close()
-    receiver.close()
+    opened = open_pair(shareable=True)
+    yield opened
+    opened[0].close()
+    opened[1].close()
 
 
 def test_all_ready_and_streamed_transfers_copy_directly_and_move_no_data(direct):

@@ -44,16 +44,23 @@ class Releases:
         self.threads.add(threading.get_ident())
 
 
-@pytest.fixture
-def pair():
-    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(0))
-    dst = TensorBlockStore(num_blocks=12)
+def open_pair(shareable: bool = False):
+    """A fake pair over seeded 12-block stores, with release recorders; `shareable`: the stores
+    hand out handles, so the pair copies directly (tests/unit/test_kv_direct_copy.py)."""
+    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(0), shareable=shareable)
+    dst = TensorBlockStore(num_blocks=12, shareable=shareable)
     s_rel, r_rel = Releases(), Releases()
     sender, receiver, net = make_fake_pair(src, dst, config=FAST, on_sender_release=s_rel,
                                            on_receiver_release=r_rel)
-    yield sender, receiver, net, src, dst, s_rel, r_rel
-    sender.close()
-    receiver.close()
+    return sender, receiver, net, src, dst, s_rel, r_rel
+
+
+@pytest.fixture
+def pair():
+    opened = open_pair()
+    yield opened
+    opened[0].close()
+    opened[1].close()
 
 
 def until(cond, timeout: float = 3.0) -> None:
