@@ -168,6 +168,18 @@ def device_index(store: "BlockStore", block_ids: "list[int] | tuple[int, ...]", 
     return index
 
 
+def machine_id() -> str:
+    """This machine's identity for a direct copy's same-host check: the kernel's boot id (shared by
+    the containers of one node, different on every other machine), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
 class PinnedIndexRing:
     """Page-locked memory for block-id copies, allocated once when a transport thread starts (a
     pinned allocation serializes the device's streams, so never on a transfer's path): `slots`

@@ -43,7 +43,8 @@ import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                              PinnedIndexRing, StagingRing, TransferState, device_index, layer_runs)
+                              PinnedIndexRing, StagingRing, TransferState, device_index, layer_runs,
+                              machine_id)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -385,6 +386,8 @@ class _PeerRecvLoop:
         try:
             if not self.receiver.config.direct_copy:
                 raise KVTransferError("direct copies are off here")
+            if frame.get("machine") != machine_id():    # a handle means nothing on another machine
+                raise KVTransferError("the sender is on another machine")
             open_shared = getattr(store, "open_shared", None)
             if open_shared is None:
                 raise KVTransferError(f"{type(store).__name__} cannot map a peer's cache")

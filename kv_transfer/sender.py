@@ -58,7 +58,7 @@ import torch
 from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, StagingRing,
                               PinnedIndexRing, TransferSpec, TransferState, device_index, layer_runs,
-                              plan_messages)
+                              machine_id, plan_messages)
 from kv_transfer.link import Connector, PeerLink, Pending
 from kv_transfer.records import TransferRecord, TransferTable
 
@@ -721,7 +721,8 @@ class _PeerSendWorker:
         self._ack_cell = self._links_made % _ACK_CELLS
         self._ack_seen = 0
         link.send_frame({"op": "hello", "cache": handle, "acks": self._acks_handle if handle else None,
-                         "ids": self._ids_handle if handle else None, "cell": self._ack_cell}, cfg.timeout_s)
+                         "ids": self._ids_handle if handle else None, "cell": self._ack_cell,
+                         "machine": machine_id()}, cfg.timeout_s)
         if handle is None:
             return
         self._direct, why = link.wait_verdict(cfg.connect_timeout_s)

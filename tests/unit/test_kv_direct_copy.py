@@ -140,6 +140,27 @@ def test_a_receiver_that_cannot_map_the_cache_says_so_and_the_data_goes_through_
         receiver.close()
 
 
+def test_a_sender_on_another_machine_is_not_mapped(monkeypatch):
+    """A CUDA IPC handle means nothing on another machine: the receiver compares the machines'
+    boot ids before opening one, answers no, and the data goes through the link."""
+    import kv_transfer.sender as sender_mod
+    monkeypatch.setattr(sender_mod, "machine_id", lambda: "another-machine")
+    sender, receiver, net, src, dst, _s_rel, _r_rel = open_pair(shareable=True)
+    try:
+        spec = make_spec()
+        receiver.expect(spec)
+        sender.send(spec)
+        assert receiver.wait(spec.request_id, 3) is TransferState.DONE
+        for layer in spec.layers:
+            assert_layer_copied(src, dst, layer)
+        pipe = net._pipes[("prefill-0", "decode-0")]
+        assert pipe.verdict == (False, "KVTransferError: the sender is on another machine")
+        assert not _worker(sender)._direct and pipe.layers_sent == 4
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_receiver_abort_mid_transfer_releases_once_and_the_next_transfer_copies(direct):
     sender, receiver, net, src, dst, s_rel, r_rel = direct
     spec = make_spec()
