@@ -140,6 +140,25 @@ def test_kv_arrives_bit_exact(ray_gpus, layers_per_message, config):
         del store
 
 
+def _shuffled_blocks(seed: int, n: int = 40) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(BLOCKS, generator=g)[:n].tolist(), torch.randperm(BLOCKS, generator=g)[:n].tolist()
+
+
+def _spec(rid: str, src: list[int], dst: list[int]) -> dict:
+    return TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, len(src) * 16).to_msg()
+
+
+def _send_all_bit_exact(sender, receiver, rid: str, src: list[int], dst: list[int]) -> None:
+    """An all-ready transfer after a failure: it arrives, bit-exact."""
+    spec = _spec(rid, src, dst)
+    ray.get(receiver.expect.remote(spec))
+    ray.get(sender.send_all.remote(spec))
+    assert ray.get(receiver.wait.remote(rid)) == "done"
+    sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
+    assert sent.abs().sum() > 0 and torch.equal(sent, got)
+
+
 @pytest.mark.parametrize("config", [{}, NCCL], ids=["direct", "nccl"])
 def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_gpus, config):
     """The decode actor dies while a transfer streams into it: the sender's transfer fails within
@@ -153,14 +172,12 @@ def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_
     sender = Endpoint.remote("prefill-0", addr, 9, LAYER_BYTES, **quick)
     receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
     try:
-        g = torch.Generator().manual_seed(9)
-        src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
-        dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
-        warm = TransferSpec("warm", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        src, dst = _shuffled_blocks(9)
+        warm = _spec("warm", src, dst)
         ray.get(receiver.expect.remote(warm))
         ray.get(sender.send_all.remote(warm))
         assert ray.get(receiver.wait.remote("warm")) == "done"
-        spec = TransferSpec("cut", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        spec = _spec("cut", src, dst)
         ray.get(receiver.expect.remote(spec))
         streaming = sender.stream_slowly.remote(spec, 0.5)
         time.sleep(1.2)                  # two layers have gone
@@ -171,12 +188,7 @@ def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_
         assert state != "done" and "KVTransfer" in state, state
         assert time.monotonic() - t0 < 15
         receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
-        again = TransferSpec("again", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
-        ray.get(receiver.expect.remote(again))
-        ray.get(sender.send_all.remote(again))
-        assert ray.get(receiver.wait.remote("again")) == "done"
-        sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
-        assert torch.equal(sent, got)
+        _send_all_bit_exact(sender, receiver, "again", src, dst)
     finally:
         for a in (sender, receiver):
             ray.kill(a)
@@ -196,10 +208,8 @@ def test_sender_death_mid_direct_copy_fails_it_and_the_receiver_carries_on(ray_g
     sender = Endpoint.remote("prefill-0", addr, 13, LAYER_BYTES, **quick)
     receiver = Endpoint.remote("decode-0", addr, None, LAYER_BYTES, **quick)
     try:
-        g = torch.Generator().manual_seed(13)
-        src = torch.randperm(BLOCKS, generator=g)[:40].tolist()
-        dst = torch.randperm(BLOCKS, generator=g)[:40].tolist()
-        spec = TransferSpec("cut", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
+        src, dst = _shuffled_blocks(13)
+        spec = _spec("cut", src, dst)
         ray.get(receiver.expect.remote(spec))
         sender.stream_slowly.remote(spec, 0.5)
         time.sleep(1.2)                  # two layers have been copied
@@ -209,13 +219,8 @@ def test_sender_death_mid_direct_copy_fails_it_and_the_receiver_carries_on(ray_g
         assert state != "done" and "KVTransfer" in state, state
         assert time.monotonic() - t0 < 15
         sender = Endpoint.remote("prefill-0", addr, 14, LAYER_BYTES, **quick)
-        again = TransferSpec("again", "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, 640).to_msg()
-        ray.get(receiver.expect.remote(again))
-        ray.get(sender.send_all.remote(again))
-        assert ray.get(receiver.wait.remote("again")) == "done"
+        _send_all_bit_exact(sender, receiver, "again", src, dst)
         assert ray.get(sender.direct.remote())
-        sent, got = ray.get([sender.blocks.remote(src), receiver.blocks.remote(dst)])
-        assert sent.abs().sum() > 0 and torch.equal(sent, got)
     finally:
         for a in (sender, receiver):
             ray.kill(a)

@@ -6,6 +6,7 @@ CUDA IPC handles (the GPU tests run the real thing between two actors)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,38 +115,18 @@ def test_the_sender_holds_its_blocks_until_the_receiver_has_copied_them():
         receiver.close()
 
 
-def test_a_receiver_that_cannot_map_the_cache_says_so_and_the_data_goes_through_the_link():
-    src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(2), shareable=True)
-    dst = TensorBlockStore(num_blocks=12, shareable=True)
-    no_direct = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
-                                 direct_copy=False)
-    from kv_transfer.fake import FakeNetwork
-    from kv_transfer.receiver import LayerStreamReceiver
-    from kv_transfer.sender import LayerStreamSender
-    net = FakeNetwork()
-    sender = LayerStreamSender(src, net.connector("prefill-0"), FAST)
-    receiver = LayerStreamReceiver(dst, net.connector("decode-0"), no_direct)
-    try:
-        spec = make_spec()
-        receiver.expect(spec)
-        sender.send(spec)
-        assert receiver.wait(spec.request_id, 3) is TransferState.DONE
-        for layer in spec.layers:
-            assert_layer_copied(src, dst, layer)
-        pipe = net._pipes[("prefill-0", "decode-0")]
-        assert pipe.verdict[0] is False and "off here" in pipe.verdict[1]
-        assert not _worker(sender)._direct and pipe.layers_sent == 4 and pipe.data.empty()
-    finally:
-        sender.close()
-        receiver.close()
-
-
-def test_a_sender_on_another_machine_is_not_mapped(monkeypatch):
-    """A CUDA IPC handle means nothing on another machine: the receiver compares the machines'
-    boot ids before opening one, answers no, and the data goes through the link."""
-    import kv_transfer.sender as sender_mod
-    monkeypatch.setattr(sender_mod, "machine_id", lambda: "another-machine")
+@pytest.mark.parametrize("why", ["direct copies are off here", "the sender is on another machine"])
+def test_a_receiver_that_will_not_map_the_cache_says_why_and_the_data_goes_through_the_link(
+        monkeypatch, why):
+    """The receiver answers the hello with no, and why: direct copies turned off on its side, or a
+    sender on another machine (a CUDA IPC handle means nothing there: boot ids are compared before
+    opening one). The transfer then goes through the link, whole."""
     sender, receiver, net, src, dst, _s_rel, _r_rel = open_pair(shareable=True)
+    if why.startswith("direct"):
+        receiver.config = replace(FAST, direct_copy=False)
+    else:
+        import kv_transfer.sender as sender_mod
+        monkeypatch.setattr(sender_mod, "machine_id", lambda: "another-machine")
     try:
         spec = make_spec()
         receiver.expect(spec)
@@ -154,8 +135,8 @@ def test_a_sender_on_another_machine_is_not_mapped(monkeypatch):
         for layer in spec.layers:
             assert_layer_copied(src, dst, layer)
         pipe = net._pipes[("prefill-0", "decode-0")]
-        assert pipe.verdict == (False, "KVTransferError: the sender is on another machine")
-        assert not _worker(sender)._direct and pipe.layers_sent == 4
+        assert pipe.verdict == (False, f"KVTransferError: {why}")
+        assert not _worker(sender)._direct and pipe.layers_sent == 4 and pipe.data.empty()
     finally:
         sender.close()
         receiver.close()
