@@ -108,32 +108,24 @@ class DistLink:
             op.wait(timeout)
 
     def recv_frame(self, timeout: float | None) -> dict[str, Any]:
-        if self.frames is not None:
-            head = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-            self._sock_io(lambda: self._recv_exactly(head), timeout, "control frame receive")
-            try:
-                tail = frame_tail_bytes(head)
-                if tail:
-                    rest = torch.empty(tail, dtype=torch.uint8)
-                    self._sock_io(lambda: self._recv_exactly(rest), self.connector.config.timeout_s,
-                                  "control frame receive")
-                    head = torch.cat([head, rest])
-                return decode_frame(head)
-            except ValueError as exc:
-                raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
-        buf = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
-                   "gloo", "control frame receive").wait(timeout)
+        head = self._recv_bytes(FRAME_BYTES, timeout)
         try:
-            tail = frame_tail_bytes(buf)
-            if tail:
-                rest = torch.empty(tail, dtype=torch.uint8)
-                self._post(lambda: self.ctrl.recv([rest], self.peer_rank, _TAG_FRAME),
-                           "gloo", "control frame receive").wait(self.connector.config.timeout_s)
-                buf = torch.cat([buf, rest])
-            return decode_frame(buf)
+            tail = frame_tail_bytes(head)
+            if tail:        # right behind its head, on the socket or the same gloo tag
+                head = torch.cat([head, self._recv_bytes(tail, self.connector.config.timeout_s)])
+            return decode_frame(head)
         except ValueError as exc:
             raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
+
+    def _recv_bytes(self, n: int, timeout: float | None) -> torch.Tensor:
+        """The next n bytes of frames: read off the socket, or one gloo message of that size."""
+        buf = torch.empty(n, dtype=torch.uint8)
+        if self.frames is not None:
+            self._sock_io(lambda: self._recv_exactly(buf), timeout, "control frame receive")
+        else:
+            self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
+                       "gloo", "control frame receive").wait(timeout)
+        return buf
 
     def _recv_exactly(self, into: torch.Tensor) -> None:
         view, got = memoryview(into.numpy()), 0
