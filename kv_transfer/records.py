@@ -52,6 +52,9 @@ class TransferTable:
         self._max_finished = max_finished
         self._cond = threading.Condition()
         self._records: dict[str, TransferRecord] = {}
+        # the unfinished ones only: what expiry and per-peer lookups walk on every poll and reap
+        # (the finished are kept up to max_finished, thousands on a busy actor)
+        self._live: dict[str, TransferRecord] = {}
         self._finished: deque[str] = deque()             # terminal rids, oldest first, for pruning
         self._releases: deque[str] = deque()             # callbacks owed to the owner
         self._transitions: deque[tuple[str, TransferState]] = deque()
@@ -64,6 +67,7 @@ class TransferTable:
                 raise ValueError(f"transfer {spec.request_id!r} is already in progress")
             rec = TransferRecord(spec=spec, peer=peer, deadline=deadline)
             self._records[spec.request_id] = rec
+            self._live[spec.request_id] = rec
             return rec
 
     def get(self, request_id: str) -> TransferRecord | None:
@@ -126,14 +130,14 @@ class TransferTable:
     def fail_peer(self, peer: str, error: KVTransferError) -> list[str]:
         """Fail every unfinished transfer with `peer` (its link broke)."""
         with self._cond:
-            hit = [r for r in self._records.values() if r.peer == peer and not r.state.terminal]
+            hit = [r for r in self._live.values() if r.peer == peer]
             for rec in hit:
                 self._finish_locked(rec, TransferState.FAILED, error)
             return [r.request_id for r in hit]
 
     def active_with(self, peer: str) -> int:
         with self._cond:
-            return sum(1 for r in self._records.values() if r.peer == peer and not r.state.terminal)
+            return sum(1 for r in self._live.values() if r.peer == peer)
 
     # ---- background side ----------------------------------------------------------------------
     def start_work(self, request_id: str, messages: int = 1) -> TransferRecord | None:
@@ -180,6 +184,8 @@ class TransferTable:
         if rec.state.terminal:
             return False
         rec.state, rec.error = state, error
+        if self._live.get(rec.request_id) is rec:
+            del self._live[rec.request_id]
         if state is TransferState.FAILED:  # aborts are asked for; a failure is news to an operator
             log.warning("KV transfer %s with %s failed after %d/%d layers: %s", rec.request_id, rec.peer,
                         rec.layers_done, rec.spec.num_layers, error)
@@ -197,8 +203,8 @@ class TransferTable:
         return True
 
     def _expire_locked(self, now: float) -> None:
-        for rec in list(self._records.values()):
-            if not rec.state.terminal and now > rec.deadline:
+        for rec in [r for r in self._live.values() if now > r.deadline]:
+            if not rec.state.terminal:
                 what = "first layer" if rec.layers_done == 0 else f"layer {rec.layers_done + 1}"
                 self._finish_locked(rec, TransferState.FAILED, KVTransferTimeout(
                     f"transfer {rec.request_id!r}: {what} of {rec.spec.num_layers} did not arrive "

@@ -14,7 +14,8 @@ import torch
 from kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
                               KVTransferTimeout, TransferSpec, TransferState, layer_runs)
 from kv_transfer.fake import make_fake_pair
-from kv_transfer.link import FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_tail_bytes
+from kv_transfer.link import (FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_bytes,
+                              frame_tail_bytes)
 from kv_transfer.testing import TensorBlockStore
 from kv_transfer.torch_dist import backend_for
 
@@ -124,6 +125,38 @@ def test_control_frame_round_trip():
         decode_frame(frame[:FRAME_BYTES])          # the head alone
     with pytest.raises(ValueError, match="exceeds"):
         encode_frame({"op": "x", "blob": "y" * MAX_FRAME_BYTES})
+    # the Unix socket carries the same frames as bytes
+    raw = frame_bytes(big)
+    assert bytes(raw) == encode_frame(big).numpy().tobytes()
+    assert frame_tail_bytes(raw[:FRAME_BYTES]) == len(raw) - FRAME_BYTES and decode_frame(raw) == big
+
+
+def test_the_transfer_table_walks_only_unfinished_transfers():
+    """Expiry and per-peer counts run on every poll and reap (a decode actor's every step): they
+    walk the unfinished transfers, not the thousands of finished ones the table keeps; every way
+    a transfer ends takes it off that set, and expiry still finds a late one."""
+    from kv_transfer.records import TransferTable
+
+    now = [0.0]
+    table = TransferTable(lambda _rid: None, [TransferState.FAILED], clock=lambda: now[0])
+    for i in range(2000):
+        table.add(make_spec(f"old-{i}"), peer="p")
+        table.finish(f"old-{i}", TransferState.DONE)
+    rec = table.add(make_spec("done"), peer="p")
+    table.start_work("done")
+    table.end_work(rec, 4)                                    # all its layers: DONE
+    table.add(make_spec("aborted"), peer="p")
+    table.finish("aborted", TransferState.ABORTED)
+    table.add(make_spec("peer-died"), peer="q")
+    assert table.fail_peer("q", KVTransferError("gone")) == ["peer-died"]
+    table.add(make_spec("late"), peer="p", deadline=5.0)
+    table.add(make_spec("live"), peer="p", deadline=50.0)
+    assert table.active_with("p") == 2 and table.active_with("q") == 0
+    now[0] = 10.0
+    assert ("late", TransferState.FAILED) in table.reap()
+    assert list(table._live) == ["live"] and table.active_with("p") == 1
+    table.finish("live", TransferState.DONE)
+    assert not table._live
 
 
 def test_layers_stream_in_order_bit_exact_into_dst_blocks(pair):
