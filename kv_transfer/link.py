@@ -2,14 +2,14 @@
 reliable pipe to one peer (`PeerLink`) and a way to open pipes and pass out-of-band abort notices
 (`Connector`); plus the control-frame encoding both backends share.
 
-A link carries, sender to receiver only, a sequence of control frames (msgpack dicts in a uint8 CPU
-tensor: a fixed-size head, then a tail only when the dict is longer) each optionally followed by one
-data tensor. Frames and data are two
-ordered streams (gloo tags, or a gloo and an NCCL group): each is FIFO on its own, so a sender can
-post frame 2 while data 1 is still moving, and a receiver can keep the next frame's receive posted
-while data is landing. Data operations can be posted (`isend_data`, `irecv_data`) and
-polled (`Pending.done`), which is how both ends keep several messages in flight. A link that raised
-is broken for good: its owner closes it (`close(broken=True)`) and connects again later.
+A link carries, sender to receiver only, a sequence of control frames (msgpack dicts: a fixed-size
+head, then a tail only when the dict is longer; raw bytes on a Unix socket, a uint8 CPU tensor over
+gloo) each optionally followed by one data tensor. Frames and data are two ordered streams (gloo
+tags or a socket, and a gloo or an NCCL group): each is FIFO on its own, so a sender can post frame
+2 while data 1 is still moving, and a receiver can keep the next frame's receive posted while data
+is landing. Data operations can be posted (`isend_data`, `irecv_data`) and polled
+(`Pending.done`), which is how both ends keep several messages in flight. A link that raised is
+broken for good: its owner closes it (`close(broken=True)`) and connects again later.
 """
 
 from __future__ import annotations
@@ -24,28 +24,37 @@ MAX_FRAME_BYTES = 1 << 20   # a longer frame continues in one tail message (bloc
 _LEN_BYTES = 4
 
 
-def encode_frame(msg: dict[str, Any]) -> torch.Tensor:
-    """FRAME_BYTES, or more when the dict needs it: the head is the first FRAME_BYTES."""
+def frame_bytes(msg: dict[str, Any]) -> bytearray:
+    """The frame as bytes: FRAME_BYTES, or more when the dict needs it (the head is the first
+    FRAME_BYTES). One buffer, no tensor ops: this is on every transfer's path."""
     body = msgpack.packb(msg, use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES - _LEN_BYTES:
         raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES - _LEN_BYTES}")
-    # one buffer, no tensor ops (this is on every transfer's path)
     raw = bytearray(max(FRAME_BYTES, _LEN_BYTES + len(body)))
     raw[:_LEN_BYTES] = len(body).to_bytes(_LEN_BYTES, "little")
     raw[_LEN_BYTES:_LEN_BYTES + len(body)] = body
-    return torch.frombuffer(raw, dtype=torch.uint8)
+    return raw
 
 
-def frame_tail_bytes(head: torch.Tensor) -> int:
+def encode_frame(msg: dict[str, Any]) -> torch.Tensor:
+    """`frame_bytes` as a uint8 CPU tensor (what a gloo send takes), sharing its memory."""
+    return torch.frombuffer(frame_bytes(msg), dtype=torch.uint8)
+
+
+def _raw(frame: "torch.Tensor | bytes | bytearray") -> "bytes | bytearray":
+    return frame.numpy().tobytes() if isinstance(frame, torch.Tensor) else frame
+
+
+def frame_tail_bytes(head: "torch.Tensor | bytes | bytearray") -> int:
     """How many bytes follow a received FRAME_BYTES head (0 for most frames)."""
-    n = int.from_bytes(head[:_LEN_BYTES].numpy().tobytes(), "little")
+    n = int.from_bytes(_raw(head[:_LEN_BYTES]), "little")
     if not 0 < n <= MAX_FRAME_BYTES - _LEN_BYTES:
         raise ValueError(f"corrupt control frame (length {n})")
     return max(0, _LEN_BYTES + n - FRAME_BYTES)
 
 
-def decode_frame(frame: torch.Tensor) -> dict[str, Any]:
-    raw = frame.numpy().tobytes()
+def decode_frame(frame: "torch.Tensor | bytes | bytearray") -> dict[str, Any]:
+    raw = _raw(frame)
     n = int.from_bytes(raw[:_LEN_BYTES], "little")
     if not 0 < n <= len(raw) - _LEN_BYTES:
         raise ValueError(f"corrupt control frame (length {n})")

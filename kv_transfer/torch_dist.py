@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
                               ReleaseCallback)
-from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame, frame_tail_bytes
+from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame, frame_bytes, frame_tail_bytes
 from kv_transfer.receiver import LayerStreamReceiver
 from kv_transfer.sender import LayerStreamSender
 
@@ -97,7 +97,7 @@ class DistLink:
 
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
         if self.frames is not None:
-            self._sock_io(lambda: self.frames.sendall(encode_frame(msg).numpy().data), timeout,
+            self._sock_io(lambda: self.frames.sendall(frame_bytes(msg)), timeout,
                           "control frame send")
             return
         frame = encode_frame(msg)
@@ -112,23 +112,24 @@ class DistLink:
         try:
             tail = frame_tail_bytes(head)
             if tail:        # right behind its head, on the socket or the same gloo tag
-                head = torch.cat([head, self._recv_bytes(tail, self.connector.config.timeout_s)])
+                head += self._recv_bytes(tail, self.connector.config.timeout_s)
             return decode_frame(head)
         except ValueError as exc:
             raise KVTransferError(f"link to {self.peer_id!r}: {exc}") from None
 
-    def _recv_bytes(self, n: int, timeout: float | None) -> torch.Tensor:
+    def _recv_bytes(self, n: int, timeout: float | None) -> bytearray:
         """The next n bytes of frames: read off the socket, or one gloo message of that size."""
-        buf = torch.empty(n, dtype=torch.uint8)
         if self.frames is not None:
+            buf = bytearray(n)
             self._sock_io(lambda: self._recv_exactly(buf), timeout, "control frame receive")
-        else:
-            self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
-                       "gloo", "control frame receive").wait(timeout)
-        return buf
+            return buf
+        buf = torch.empty(n, dtype=torch.uint8)
+        self._post(lambda: self.ctrl.recv([buf], self.peer_rank, _TAG_FRAME),
+                   "gloo", "control frame receive").wait(timeout)
+        return bytearray(buf.numpy().tobytes())
 
-    def _recv_exactly(self, into: torch.Tensor) -> None:
-        view, got = memoryview(into.numpy()), 0
+    def _recv_exactly(self, into: bytearray) -> None:
+        view, got = memoryview(into), 0
         while got < len(view):
             n = self.frames.recv_into(view[got:])
             if n == 0:
