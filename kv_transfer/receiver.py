@@ -29,7 +29,6 @@ its blocks).
 from __future__ import annotations
 
 import contextlib
-from array import array
 import logging
 import math
 import queue
@@ -39,6 +38,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
@@ -359,6 +359,9 @@ class _PeerRecvLoop:
         """Keeps a control-frame receive posted and, for a "layers" frame, posts every part's
         receive right here, so the wire never waits for the loop thread (busy queueing scatters,
         or waiting for the GIL behind the engine); the loop then accounts the posted parts."""
+        if self._stream is not None:     # direct copies and their acks: queued from this thread
+            torch.cuda.set_device(self.receiver.store.device)
+            torch.cuda.set_stream(self._stream)
         try:
             while not self._stopping:
                 frame = link.recv_frame(None)
@@ -398,7 +401,7 @@ class _PeerRecvLoop:
                     or cache.shape[3:] != own.shape[3:] or cache.dtype != own.dtype):
                 raise KVTransferError(f"layout mismatch: the sender's cache is {tuple(cache.shape)} "
                                       f"{cache.dtype}, this one {tuple(own.shape)} {own.dtype}")
-            peer = (cache, acks, int(frame["cell"]), arena)
+            peer = (cache, acks[int(frame["cell"])], arena)      # our ack cell: a view, kept
         except Exception as exc:  # noqa: BLE001 - another host, no IPC: the data goes through the link
             link.send_verdict(False, f"{type(exc).__name__}: {str(exc)[:200]}")
             return None
@@ -527,7 +530,7 @@ class _PeerRecvLoop:
         peer = self._peer
         if peer is None:
             raise KVTransferError(f"{self.peer!r} sent a direct copy on a link without one")
-        cache, acks, cell, arena = peer
+        cache, ack, arena = peer
         rid, layers, store = frame["rid"], [int(x) for x in frame["layers"]], self.receiver.store
         self._mark("recv.ready", rid)
         if "ids_at" in frame and arena is not None:        # a view of the sender's arena: no copy
@@ -535,12 +538,7 @@ class _PeerRecvLoop:
             self._src_index[rid] = (arena[at:at + n] if 0 <= at and at + n <= arena.shape[0]
                                     else f"source ids at {at}+{n} outside the sender's arena")
         elif frame.get("src") is not None:
-            ids = array("i")
-            ids.frombytes(frame["src"])
-            self._src_index[rid] = (
-                f"source block ids outside the sender's 0..{cache.shape[2] - 1}"
-                if ids and not (0 <= min(ids) and max(ids) < cache.shape[2])
-                else device_index(store, ids.tolist(), self._recv_stream, self._stream, self._reader_pinned))
+            self._src_index[rid] = self._frame_src_index(frame["src"], cache.shape[2])
         table = self.receiver._table
         with self.receiver._lock:
             rec = table.start_work(rid)
@@ -556,25 +554,24 @@ class _PeerRecvLoop:
             table.end_work(rec, 0)
             table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
         copy = rec is not None and not problem
-        event = None
-        with self._on_stream():
-            if copy:
-                dst = self._index.get(rid)
-                if dst is None:     # expect() just ran and the loop has not built it yet
-                    dst = device_index(store, rec.spec.dst_block_ids, self._recv_stream, self._stream,
-                                       self._reader_pinned)
-                src = self._src_index[rid]
-                try:
-                    for _at, run in layer_runs(layers):
-                        store.copy_from_peer(cache, run, src, dst)
-                except BaseException:
-                    table.end_work(rec, 0)
-                    raise
-                self._mark("recv.copy launched", rid)
-            acks[cell].fill_(int(frame["seq"]))    # the sender may reuse its blocks from here on
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
+        event = None           # this thread's current stream is the copy stream (_read_frames)
+        if copy:
+            dst = self._index.get(rid)
+            if dst is None:     # expect() just ran and the loop has not built it yet
+                dst = device_index(store, rec.spec.dst_block_ids, self._recv_stream, self._stream,
+                                   self._reader_pinned)
+            src = self._src_index[rid]
+            try:
+                for _at, run in layer_runs(layers):
+                    store.copy_from_peer(cache, run, src, dst)
+            except BaseException:
+                table.end_work(rec, 0)
+                raise
+            self._mark("recv.copy launched", rid)
+        ack.fill_(int(frame["seq"]))         # the sender may reuse its blocks from here on
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
         if copy and expected + len(layers) < rec.spec.num_layers:
             self._ready_next[rid] = expected + len(layers)
         else:
@@ -589,6 +586,22 @@ class _PeerRecvLoop:
         if rec is None or rec.state.terminal:
             self._forget(rid)
         self._watch_landing(landing)
+
+    def _frame_src_index(self, raw: bytes, peer_blocks: int) -> "torch.Tensor | str":
+        """Frame reader thread: the source block ids an all-ready send put in its frame, checked
+        against the mapped cache's size, as an index on the device: copied from a pinned slot on
+        this thread's stream, the copy's own, so the copy queued next is ordered after it without
+        a wait. A string says what is wrong with them."""
+        ids = np.frombuffer(raw, dtype=np.int32)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= peer_blocks):
+            return f"source block ids outside the sender's 0..{peer_blocks - 1}"
+        pinned, store = self._reader_pinned, self.receiver.store
+        host = pinned.take(ids, self._stream) if pinned is not None else None
+        if host is None:         # CPU, or more ids than a pinned slot holds
+            return device_index(store, ids.tolist(), self._recv_stream, self._stream, None)
+        index = store.block_index(host.to(store.device, non_blocking=True))
+        pinned.copied(self._stream)
+        return index
 
     def _check_ready(self, spec: TransferSpec, done: int, frame: dict[str, Any]) -> str:
         if spec.sender_id != self.peer:

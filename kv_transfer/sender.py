@@ -153,7 +153,7 @@ class LayerStreamSender(KVSender):
             ready.record()
         worker = self._worker(spec.receiver_id)
         if not worker.send_now(spec, ready):
-            worker.put(("begin", spec.request_id))
+            worker.put(("begin", spec.request_id, True))
             worker.put(("layer", spec.request_id, 0, ready, spec.num_layers))
         self._table.run_releases()
 
@@ -261,7 +261,7 @@ class _PeerSendWorker:
         self._staging: StagingRing | None = None
         self._inflight_bytes = 0
         self.messages_sent = 0
-        self.ids_in_frames = 0       # direct copies whose source ids overflowed the arena
+        self.ids_in_frames = 0       # direct copies whose source ids went in the frame (all ready, or arena full)
         # direct copies: whether this link's receiver copies out of our cache, the ack cells (kept
         # for the worker's life: a receiver may write one after we dropped its link), the link's
         # cell, the last seq sent and the last ack read
@@ -363,7 +363,7 @@ class _PeerSendWorker:
                     if item[0] == "layer":
                         self._send_layers(item)
                     elif item[0] == "begin":
-                        self._prepare(item[1])
+                        self._prepare(item[1], all_ready=len(item) > 2)
                     elif item[0] == "verify":
                         self._verify()
                     else:        # frames are FIFO: the peer has seen every layer frame before it
@@ -447,9 +447,10 @@ class _PeerSendWorker:
         if trace is not None:
             trace.append((time.time(), what, rid))
 
-    def _prepare(self, rid: str) -> None:
+    def _prepare(self, rid: str, all_ready: bool = False) -> None:
         """At begin(): the store lookups (receiver aborted? link still current?) and the block
-        index, off the path of the first layer."""
+        index (direct link: the source ids into the arena), off the path of the first layer.
+        `all_ready` (a queued `send`): no layer to overlap, the ids go in the frame."""
         rec = self.sender._table.get(rid)
         if rec is None or rec.state.terminal:
             return
@@ -469,7 +470,8 @@ class _PeerSendWorker:
             self._link(fresh=True)
             self._epoch_seen = epoch
         if self._direct:                   # the receiver reads them from the arena
-            self._upload_ids(rid, rec.spec)
+            if not all_ready:
+                self._upload_ids(rid, rec.spec)
         else:
             self._block_index(rid, rec.spec)
         self._prepared.add(rid)
@@ -729,12 +731,13 @@ class _PeerSendWorker:
         if not self._direct:
             log.info("KV sender to %s: no direct copy (%s); the data goes through the link", self.peer, why)
 
-    def _upload_ids(self, rid: str, spec: TransferSpec) -> tuple | None:
-        """A direct copy's source block ids in the shared arena (once per transfer), queued on the
-        idle index stream: (offset in ids, count, lease, event). None when the arena is full or
-        the ids overflow a pinned slot: they travel in the frame instead."""
+    def _upload_ids(self, rid: str, spec: TransferSpec) -> None:
+        """A streamed direct copy's source block ids into the shared arena (at begin(), once per
+        transfer), queued on the idle index stream: `_src_ids[rid]` = (offset in ids, count,
+        lease, event), or None when the arena is full or the ids overflow a pinned slot (they
+        travel in the frame instead)."""
         if rid in self._src_ids:
-            return self._src_ids[rid]
+            return
         ids, ring, entry = spec.src_block_ids, self._id_ring, None
         if ring is not None and ring.fits([8 * len(ids)]):
             buf, lease = ring.take((len(ids),), torch.long)
@@ -756,7 +759,6 @@ class _PeerSendWorker:
                 if entry is None:
                     ring.give(lease)
         self._src_ids[rid] = entry
-        return entry
 
     def _release_ids(self, rid: str) -> None:
         """The transfer's last copy was acked (or it ended): its arena slot is free again."""
@@ -808,7 +810,11 @@ class _PeerSendWorker:
         layers = list(spec.layers[idx:idx + n])
         frame = {"op": "ready", "rid": rid, "idx": idx, "layers": layers, "seq": self._seq + 1}
         if rid not in self._src_sent:
-            ids = self._upload_ids(rid, spec)
+            # in the arena when begin() put them there while the layers were computed; an
+            # all-ready send (send_now) has had no such moment: its ids ride in the frame (2 KiB
+            # at 8k tokens), where an upload here would cost a pinned copy, a host-to-device copy
+            # and a wait for it before the frame could leave (~0.25 ms, measured)
+            ids = self._src_ids.get(rid)
             if ids is None:
                 frame["src"] = array("i", spec.src_block_ids).tobytes()
                 self.ids_in_frames += 1

@@ -35,6 +35,7 @@ def direct():
 def test_all_ready_and_streamed_transfers_copy_directly_and_move_no_data(direct):
     sender, receiver, net, src, dst, s_rel, r_rel = direct
     ready, streamed = make_spec("req-1"), make_spec("req-2", src=(4, 5, 6), dst=(2, 8, 10))
+    sender.trace = []
     receiver.expect(ready)
     receiver.expect(streamed)
     sender.send(ready)
@@ -52,9 +53,11 @@ def test_all_ready_and_streamed_transfers_copy_directly_and_move_no_data(direct)
     sender.reap()
     receiver.reap()
     assert s_rel.calls == {"req-1": 1, "req-2": 1} and not r_rel.calls
-    # the source ids went through the arena (no ids in a frame) and its slots came back
+    # the streamed one's source ids went through the arena, put there at begin() (its slot came
+    # back); the all-ready one had no time to overlap an upload with: its ids went in its frame
     worker = _worker(sender)
-    assert worker.ids_in_frames == 0 and not worker._src_ids and worker._id_ring.idle
+    assert {rid for _t, what, rid in sender.trace if what == "send.ids slot"} == {"req-2"}
+    assert worker.ids_in_frames == 1 and not worker._src_ids and worker._id_ring.idle
 
 
 def test_an_all_ready_send_on_a_direct_link_leaves_from_the_callers_thread(direct):
@@ -185,12 +188,11 @@ class SharesLess(TensorBlockStore):
         return super().share(tensor)
 
 
-def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only(monkeypatch):
-    """When the ids travel in the frame (the sender's arena is full), the receiver range-checks
-    them against the cache it mapped: that transfer fails with a message that says so, its blocks
-    are released once, nothing is written, and the next transfer copies."""
-    import kv_transfer.sender as sender_mod
-    monkeypatch.setattr(sender_mod, "_ID_ARENA_BYTES", 0)          # every transfer overflows it
+def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only():
+    """When the ids travel in the frame (an all-ready send; also a streamed one when the arena is
+    full), the receiver range-checks them against the cache it mapped: that transfer fails with a
+    message that says so, its blocks are released once, nothing is written, and the next transfer
+    copies."""
     src = SharesLess(num_blocks=200, generator=torch.Generator().manual_seed(3), shareable=True)
     dst = TensorBlockStore(num_blocks=12, shareable=True)
     r_rel = Releases()
@@ -212,18 +214,32 @@ def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only(monke
         receiver.close()
 
 
+def test_a_streamed_transfer_whose_ids_overflow_the_arena_sends_them_in_its_frame(direct, monkeypatch):
+    import kv_transfer.sender as sender_mod
+    monkeypatch.setattr(sender_mod, "_ID_ARENA_BYTES", 8)          # room for one id, not three
+    sender, receiver, net, src, dst, s_rel, r_rel = direct
+    spec = make_spec("req-big", src=(4, 5, 6), dst=(2, 8, 10))
+    receiver.expect(spec)
+    stream(sender, spec, 0.01).join()
+    assert receiver.wait(spec.request_id, 3) is TransferState.DONE
+    for layer in spec.layers:
+        assert_layer_copied(src, dst, layer, spec.src_block_ids, spec.dst_block_ids)
+    assert _worker(sender).ids_in_frames == 1
+
+
 def test_ids_in_the_arena_are_clamped_into_the_mapped_cache():
     """Ids read from the sender's arena are not seen on the receiver's host (on the GPU the kernel
     reads them): a bad one is clamped into the mapped cache, so nothing outside it is read and the
-    link carries on; the next transfer is exact."""
+    link carries on; the next transfer is exact. (Streamed: begin() puts its ids in the arena.)"""
     src = SharesLess(num_blocks=200, generator=torch.Generator().manual_seed(3), shareable=True)
     dst = TensorBlockStore(num_blocks=12, shareable=True)
     sender, receiver, _net = make_fake_pair(src, dst, config=FAST)
     try:
         bad = make_spec("req-bad", src=(150, 0, 7))
         receiver.expect(bad)
-        sender.send(bad)
+        stream(sender, bad, 0.01).join()
         assert receiver.wait(bad.request_id, 3) is TransferState.DONE
+        assert sender._workers["decode-0"].ids_in_frames == 0
         for layer in bad.layers:                  # block 150 read as the last shared block, 11
             assert torch.equal(dst.block(layer, DST[0]), src.block(layer, 11))
         assert_next_transfer_arrives(sender, receiver, src, dst, "req-ok")
