@@ -77,6 +77,9 @@ class Endpoint:
         except Exception as exc:  # noqa: BLE001 - the test asserts on the failure
             return f"{type(exc).__name__}: {exc}"
 
+    def layers_done(self, rid: str) -> int:
+        return self.end.progress(rid)[0]
+
     def stream_slowly(self, spec_msg: dict, gap_s: float) -> None:
         spec = TransferSpec.from_msg(spec_msg)
         self.end.begin(spec)
@@ -212,7 +215,11 @@ def test_sender_death_mid_direct_copy_fails_it_and_the_receiver_carries_on(ray_g
         spec = _spec("cut", src, dst)
         ray.get(receiver.expect.remote(spec))
         sender.stream_slowly.remote(spec, 0.5)
-        time.sleep(1.2)                  # two layers have been copied
+        # two layers copied (the new actor's start-up is not part of the 0.5 s gaps)
+        deadline = time.monotonic() + 60
+        while ray.get(receiver.layers_done.remote("cut")) < 2:
+            assert time.monotonic() < deadline, "the first two layers never arrived"
+            time.sleep(0.05)
         ray.kill(sender)
         t0 = time.monotonic()
         state = ray.get(receiver.wait.remote("cut", 30))
