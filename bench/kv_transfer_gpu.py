@@ -107,6 +107,33 @@ class Endpoint:
             link.close(broken=False)
         return out
 
+    def raw_single(self, peer: str, send: bool, sizes_mib: list[int], reps: int) -> list[list[float]]:
+        """One raw message at a time, timed as a Tandem transfer is: the sender's wall clock as it
+        posts the send, the receiver's once its host sees the data in place (a receive posted
+        before, then a device sync). Per size, the list of those instants (one per rep, the first
+        a warm-up); the driver pairs the two sides' lists."""
+        link = self.conn.connect(peer, as_sender=send)
+        out = []
+        try:
+            for size in sizes_mib:
+                buf = torch.ones(size * MiB // 2, dtype=torch.bfloat16, device=self.device)
+                stamps = []
+                for _ in range(reps + 1):
+                    _sync(self.device)
+                    if send:
+                        time.sleep(0.02)            # the receive is posted and waited on by now
+                        stamps.append(time.time())
+                        link.data.send([buf], link.peer_rank, 7).wait()
+                    else:
+                        link.data.recv([buf], link.peer_rank, 7).wait()
+                        _sync(self.device)
+                        stamps.append(time.time())
+                out.append(stamps[1:])
+                del buf
+        finally:
+            link.close(broken=False)
+        return out
+
     # ---- Tandem transfer ------------------------------------------------------------------------
     def expect(self, spec_msg: dict) -> None:
         self.receiver.expect(TransferSpec.from_msg(spec_msg))
@@ -279,7 +306,7 @@ def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
     return TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, tokens)
 
 
-def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
+def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, float]) -> list[dict]:
     from kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
@@ -296,6 +323,16 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
     print(f"{'MiB':>6} {'msgs':>5} {'GB/s':>8}")
     for r in raw:
         print(f"{r['size_mib']:>6} {r['n']:>5} {r['gbps']:>8.1f}")
+    single_mib = [tokens * TOKEN_BYTES // MiB for tokens in args.prompts]
+    sent_at, seen_at = ray.get([prefill.raw_single.remote("decode-0", True, single_mib, args.reps),
+                                decode.raw_single.remote("prefill-0", False, single_mib, args.reps)])
+    single = {mib: statistics.median(b - a for a, b in zip(s, r)) for mib, s, r in zip(single_mib, sent_at, seen_at)}
+    print(f"raw NCCL, one message at a time, timed as a transfer is (the send's call to the receiver's "
+          f"host seeing the data), median of {args.reps}")
+    print(f"{'MiB':>6} {'ms':>8} {'GB/s':>8}")
+    for mib, t in single.items():
+        print(f"{mib:>6} {t * 1e3:>8.2f} {mib * MiB / t / 1e9:>8.1f}")
+    raw_single_s.update(single)
 
     sweep = []
     mid = args.prompts[len(args.prompts) // 2]
@@ -327,12 +364,15 @@ def bench_transfer(args, raw_by_size: dict[int, float]) -> list[dict]:
                             "sustained": back_to_back(args, prefill, decode, num_blocks, raw_by_size)}
         print(f"\nTandem transfer ({name}: {overrides or 'defaults'}), Llama-3-8B KV "
               f"({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
-        print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'exact':>6} "
-              f"{'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
+        print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'1 raw msg ms':>13} "
+              f"{'of it':>6} {'exact':>6} {'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
         for r in rows:
+            one = raw_single_s.get(round(r["mib"]))
+            r["raw_single_seconds"] = one
             print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
-                  f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {str(r['bit_exact']):>6} {r['layer_gap_ms']:>23.2f} "
-                  f"{r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
+                  f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {one * 1e3 if one else float('nan'):>13.2f} "
+                  f"{one / r['seconds'] if one else float('nan'):>6.0%} {str(r['bit_exact']):>6} "
+                  f"{r['layer_gap_ms']:>23.2f} {r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
         print(f"back to back: k all-ready transfers queued at once, from the first call to the last DONE "
               f"(median of {args.reps})")
         print(f"{'tokens':>7} {'k':>3} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7}")
@@ -399,6 +439,7 @@ def _transfer_rows(args, prefill, decode, num_blocks: int, raw_by_size: dict[int
         t = statistics.median(times)
         raw_same = _raw_at(raw_by_size, nbytes)
         rows.append({"tokens": tokens, "mib": nbytes / MiB, "seconds": t, "gbps": nbytes / t / 1e9,
+                     "samples_ms": [x * 1e3 for x in times],
                      "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
                      "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
                      "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
@@ -641,7 +682,9 @@ def main() -> None:
     results = {"argv": sys.argv, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     raw_by_size: dict[int, float] = {}
     if not args.no_transfer:
-        results["transfer"], results["raw"] = bench_transfer(args, raw_by_size)
+        raw_single_s: dict[int, float] = {}
+        results["transfer"], results["raw"] = bench_transfer(args, raw_by_size, raw_single_s)
+        results["raw_single_seconds"] = raw_single_s
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.ttft:

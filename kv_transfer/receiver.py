@@ -539,6 +539,7 @@ class _PeerRecvLoop:
                                     else f"source ids at {at}+{n} outside the sender's arena")
         elif frame.get("src") is not None:
             self._src_index[rid] = self._frame_src_index(frame["src"], cache.shape[2])
+        self._mark("recv.src ids", rid)
         table = self.receiver._table
         with self.receiver._lock:
             rec = table.start_work(rid)
@@ -554,6 +555,7 @@ class _PeerRecvLoop:
             table.end_work(rec, 0)
             table.finish(rid, TransferState.FAILED, KVTransferError(f"transfer {rid!r}: {problem}"))
         copy = rec is not None and not problem
+        self._mark("recv.claimed", rid)
         event = None           # this thread's current stream is the copy stream (_read_frames)
         if copy:
             dst = self._index.get(rid)
@@ -572,6 +574,7 @@ class _PeerRecvLoop:
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
+        self._mark("recv.acked", rid)
         if copy and expected + len(layers) < rec.spec.num_layers:
             self._ready_next[rid] = expected + len(layers)
         else:
