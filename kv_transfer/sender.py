@@ -16,18 +16,20 @@ wire (sender -> receiver):
         [part, *shape] of the next `part` layers
     {"op": "ready", "rid", "idx", "layers", "seq", "ids_at", "n"}  (direct copy) those layers are
         written: copy them out of the n source blocks whose ids are at `ids_at` of the arena (named
-        in the transfer's first frame; or "src", the ids as int32 bytes, when the arena is full),
+        in the transfer's first frame; or "src", the ids as int32 bytes: an all-ready send, or a
+        full arena),
         and ack `seq`
     {"op": "end", "rid", "state": "aborted" | "failed", "reason"}
 
 **Direct copy** (`KVTransferConfig.direct_copy`): when the receiver could map this actor's cache
 (same host, CUDA IPC over NVLink), no data goes through the link at all. A "ready" frame tells the
 receiver which layers are written; it copies them block to block, out of this cache into its own,
-with one kernel that reads the source block ids from this actor's id arena (uploaded at begin(),
-so no ids cross the link and the receiver makes no host-to-device copy), then writes the frame's
-`seq` into this actor's ack cell (device memory it mapped, one cell per link), stream-ordered
-behind the copy. A message is complete once its `seq` is
-acked: only then does this side stop holding the source blocks. The receiver only ever reads this
+with one kernel that reads the source block ids from this actor's id arena (a streamed transfer's,
+uploaded at begin() while the prefill computes) or from its own device (an all-ready send's, which
+ride in the frame: uploading them first would delay the frame by a copy and a wait), then writes
+the frame's `seq` into this actor's ack cell (device memory it mapped, one cell per link),
+stream-ordered behind the copy. A message is complete once its `seq` is acked: only then does this
+side stop holding the source blocks. The receiver only ever reads this
 cache and writes its own, so a late or aborted copy can never touch memory either side has reused.
 
 On CUDA the gather runs on the thread's own stream after the layer's ready event (recorded by the
