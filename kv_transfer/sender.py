@@ -105,7 +105,7 @@ class LayerStreamSender(KVSender):
         self._register(spec)
         self._queued[spec.request_id] = 0
         # the worker checks the link and builds the block index now, while the prefill computes
-        self._worker(spec.receiver_id).put(("begin", spec.request_id))
+        self._worker(spec.receiver_id).put(("begin", spec.request_id, False))
         self._table.run_releases()
 
     def _register(self, spec: TransferSpec) -> None:
@@ -294,7 +294,7 @@ class _PeerSendWorker:
 
     def send_now(self, spec: TransferSpec, ready: Any) -> bool:
         """Owner's thread, all layers of a registered transfer ready: announce them on this
-        direct link right here (the ids into the arena, one frame), instead of handing them to the
+        direct link right here (one frame, the source ids in it), instead of handing them to the
         transport's thread, whose wake-up and every GIL hand-over on the way (each up to a switch
         interval behind a busy owner) come before the copy can start; the link is verified after
         (`_verify`, on the thread). False, having done nothing, unless the link is up and direct,
@@ -365,7 +365,7 @@ class _PeerSendWorker:
                     if item[0] == "layer":
                         self._send_layers(item)
                     elif item[0] == "begin":
-                        self._prepare(item[1], all_ready=len(item) > 2)
+                        self._prepare(item[1], all_ready=item[2])
                     elif item[0] == "verify":
                         self._verify()
                     else:        # frames are FIFO: the peer has seen every layer frame before it
