@@ -111,6 +111,24 @@ def _echo_times(sock: socket.socket, n: int) -> None:
         sock.sendall(repr(time.time()).encode().ljust(64))
 
 
+def _thread_wakes(receive, send, n: int) -> list[float]:
+    """us from send(time) to a thread blocked in receive() (which returns that time) running again,
+    n times, 2 ms apart."""
+    lat: list[float] = []
+
+    def receiver() -> None:
+        for _ in range(n):
+            t0 = receive()
+            lat.append((time.time() - t0) * 1e6)
+    t = threading.Thread(target=receiver)
+    t.start()
+    for _ in range(n):
+        time.sleep(0.002)
+        send(time.time())
+    t.join()
+    return lat
+
+
 def wake_rows(n: int = 200) -> list[tuple[str, float, float]]:
     """(what, median us, p90 us) for a 1 KiB frame to a reader blocked in another process, and a
     put / notify to a thread blocked on a queue / condition, each 2 ms after the last."""
@@ -128,38 +146,21 @@ def wake_rows(n: int = 200) -> list[tuple[str, float, float]]:
     out.append(("Unix socket frame -> reader in another process", lat))
 
     q: SimpleQueue = SimpleQueue()
-    lat = []
+    out.append(("SimpleQueue.put -> thread blocked in get", _thread_wakes(q.get, q.put, n)))
 
-    def getter() -> None:
-        for _ in range(n):
-            t0 = q.get()
-            lat.append((time.time() - t0) * 1e6)
-    t = threading.Thread(target=getter)
-    t.start()
-    for _ in range(n):
-        time.sleep(0.002)
-        q.put(time.time())
-    t.join()
-    out.append(("SimpleQueue.put -> thread blocked in get", list(lat)))
+    cond, box = threading.Condition(), []
 
-    cond, box, lat2 = threading.Condition(), [], []
-
-    def waiter() -> None:
-        for _ in range(n):
-            with cond:
-                while not box:
-                    cond.wait(1.0)
-                t0 = box.pop()
-            lat2.append((time.time() - t0) * 1e6)
-    t = threading.Thread(target=waiter)
-    t.start()
-    for _ in range(n):
-        time.sleep(0.002)
+    def wait_for_one() -> float:
         with cond:
-            box.append(time.time())
+            while not box:
+                cond.wait(1.0)
+            return box.pop()
+
+    def notify(t0: float) -> None:
+        with cond:
+            box.append(t0)
             cond.notify_all()
-    t.join()
-    out.append(("Condition.notify -> thread in wait(timeout)", lat2))
+    out.append(("Condition.notify -> thread in wait(timeout)", _thread_wakes(wait_for_one, notify, n)))
     return [(what, statistics.median(x), sorted(x)[int(0.9 * len(x))]) for what, x in out]
 
 
