@@ -68,6 +68,11 @@ class DecodeWorker:
             self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg)
         self.owner: dict[str, str] = {}  # request id -> router id
         self.remote: dict[str, Request] = {}  # transfer id -> request waiting for its KV
+        # transfer id -> request whose blocks the receiver may still write into: registered with
+        # the receiver, and not yet handed back (DONE: at reap; FAILED / ABORTED: its release
+        # callback, which waits for a layer being copied). An abort takes the request out of
+        # `remote` at once, but only these two free its blocks.
+        self._receiving: dict[str, Request] = {}
         self._kv_ready: dict[str, Request] = {}  # request id -> KV arrived, first token not yet
         self._first: dict[str, dict[str, Any]] = {}  # request id -> first token come before its KV
         self.transfer_of: dict[str, str] = {}  # request id -> transfer id
@@ -204,8 +209,14 @@ class DecodeWorker:
             self._expect_spec(spec)
 
     def _expect_spec(self, spec) -> None:
-        self.receiver.expect(spec)
-        self._transfer_started[spec.request_id] = time.perf_counter()
+        tid = spec.request_id
+        self._receiving[tid] = self.remote[tid]   # before expect: a failed one releases inside it
+        try:
+            self.receiver.expect(spec)
+        except BaseException:
+            self._receiving.pop(tid, None)        # nothing registered: the caller frees the blocks
+            raise
+        self._transfer_started[tid] = time.perf_counter()
 
     def _send_prefix(self, spec_msg: dict[str, Any]) -> None:
         from kv_transfer.base import TransferSpec
@@ -259,12 +270,16 @@ class DecodeWorker:
     def _poll_transfers(self) -> None:
         if self.sender is not None:
             self.sender.reap()
-        if self.receiver is None or not self.remote:
+        if self.receiver is None or not (self.remote or self._receiving):
             return
         from kv_transfer.base import TransferState
 
         for tid, state in self.receiver.reap():
             req = self.remote.pop(tid, None)
+            if state is TransferState.DONE:
+                arrived = self._receiving.pop(tid, None)
+                if req is None and arrived is not None:   # it landed, then the request was aborted
+                    self.engine.allocator.free(arrived)
             if req is None:
                 continue
             self.transfer_of.pop(req.request_id, None)
@@ -298,8 +313,9 @@ class DecodeWorker:
         self.engine.scheduler.add_ready(req)
 
     def _transfer_failed(self, tid: str) -> None:
-        # the receiver runs this on our thread for FAILED / ABORTED transfers: free the reservation
-        req = self.remote.get(tid)
+        # the receiver runs this on our thread for FAILED / ABORTED transfers once no layer is
+        # being copied into their blocks (at once, or when the copy in flight ends): free them
+        req = self._receiving.pop(tid, None)
         if req is not None:
             self.engine.allocator.free(req)
 
@@ -312,12 +328,14 @@ class DecodeWorker:
             return True
         tid = self.transfer_of.pop(rid, None)
         if tid is not None:
-            if tid in self._transfer_started:
-                self.receiver.abort(tid)  # the release callback frees the blocks
-                self._transfer_started.pop(tid, None)
-                self.remote.pop(tid, None)
+            req = self.remote.pop(tid)
+            self._transfer_started.pop(tid, None)
+            if tid in self._receiving:
+                # the release callback frees the blocks, now or after the layer being copied; a
+                # transfer that already arrived hands them back when it is reaped (_poll_transfers)
+                self.receiver.abort(tid)
             else:  # reserved, transfer never expected
-                self.engine.allocator.free(self.remote.pop(tid))
+                self.engine.allocator.free(req)
             return True
         return self.engine.abort(rid)
 

@@ -60,8 +60,14 @@ class PrefillWorker:
         self.sender = make_dist_sender(worker_id, self.engine.kv_cache, conn, tcfg, on_release=self._ended.append,
                                        on_transition=self._wake)
         # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
-        self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg)
+        self.receiver = make_dist_receiver(worker_id, self.engine.kv_cache, conn, tcfg,
+                                           on_release=self._let_go_of_pull)
         self.pulling: dict[str, tuple[str, int]] = {}  # pull transfer id -> (transfer id, tokens it covers)
+        # A pull may still be copying a layer into its request's blocks after it is aborted: its
+        # blocks are freed only once the receiver lets go of them (release callback for a failed
+        # or aborted pull, reap for one that landed meanwhile).
+        self._pull_holds: dict[str, str] = {}  # pull transfer id -> transfer id whose blocks it may write
+        self._parked: dict[str, Request] = {}  # transfer id -> ended request, freed when no pull holds it
         self.reserved: dict[str, Request] = {}  # transfer id -> request (blocks held)
         self.active: dict[str, Request] = {}  # transfer id -> request scheduled / sending
         self.done: dict[str, Future] = {}
@@ -161,7 +167,31 @@ class PrefillWorker:
         spec = TransferSpec.from_msg(spec_msg)
         owner = spec_msg["owner"]
         self.pulling[spec.request_id] = (owner, covers)
-        self.receiver.expect(spec)
+        self._pull_holds[spec.request_id] = owner    # before expect: a failed one releases inside it
+        try:
+            self.receiver.expect(spec)
+        except BaseException:
+            self.pulling.pop(spec.request_id, None)
+            self._pull_holds.pop(spec.request_id, None)
+            raise
+
+    def _free(self, tid: str, req: Request) -> None:
+        """Free an ended request's blocks: its prefix pulls are aborted first, and while one may
+        still write into them they are parked until it lets go (`_let_go_of_pull`)."""
+        for pid, (owner, _) in list(self.pulling.items()):
+            if owner == tid:
+                del self.pulling[pid]
+                self.receiver.abort(pid)   # releases now, or once the layer being copied lands
+        if tid in self._pull_holds.values():
+            self._parked[tid] = req
+        else:
+            self.engine.allocator.free(req)
+
+    def _let_go_of_pull(self, pid: str) -> None:
+        """Pull `pid` writes no more into its request's blocks (failed, aborted or landed)."""
+        tid = self._pull_holds.pop(pid, None)
+        if tid in self._parked and tid not in self._pull_holds.values():
+            self.engine.allocator.free(self._parked.pop(tid))
 
     def _before_step(self) -> None:
         self._poll_transfers()
@@ -171,11 +201,13 @@ class PrefillWorker:
 
     def _poll_transfers(self) -> None:
         self.sender.reap()
-        if not self.pulling:
+        if not (self.pulling or self._pull_holds):
             return
         from kv_transfer.base import TransferState
 
         for pid, state in self.receiver.reap():
+            if state is TransferState.DONE:
+                self._let_go_of_pull(pid)     # (failed ones did, in the release callback)
             owner, covers = self.pulling.pop(pid, (None, 0))
             req = self.active.get(owner)
             if req is None or req.finished:
@@ -251,13 +283,9 @@ class PrefillWorker:
         if req is None:
             return
         if req.request_id in self.engine.scheduler.requests:  # ended before its compute finished
-            self.engine.scheduler.abort(tid)
+            self.engine.scheduler.abort(tid)                    # (its pulls had all landed)
         else:
-            self.engine.allocator.free(req)
-        for pid, (owner, _) in list(self.pulling.items()):
-            if owner == tid:
-                del self.pulling[pid]
-                self.receiver.abort(pid)
+            self._free(tid, req)
         state = self.sender.poll(tid)
         t0 = self._started.pop(tid, None)
         t_sched = self._scheduled_at.pop(tid, None)
@@ -304,7 +332,7 @@ class PrefillWorker:
         req = self.reserved.pop(tid, None)
         if req is not None:
             self._reserved_at.pop(tid, None)
-            self.engine.allocator.free(req)
+            self._free(tid, req)
             return True
         if tid in self.active:
             self.sender.abort(tid)  # the release callback frees and fails the waiter

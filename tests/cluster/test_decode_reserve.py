@@ -5,6 +5,8 @@ Real DecodeWorker and engine (smollm2-135m on CPU) with its gloo KV receiver; no
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decode_workers.worker import DecodeWorker
@@ -69,3 +71,73 @@ def test_a_receive_that_cannot_be_registered_fails_the_reserve_and_keeps_nothing
         w.reserve("req-3", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-3", "decode-r")
     assert used_blocks(w) == 0
     assert "t-3" not in w.remote and "req-3" not in w.transfer_of
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_abort_after_the_kv_landed_but_before_the_loop_saw_it_frees_the_blocks(worker):
+    """The router aborts a request whose first token ended it (max_tokens 1, a stop string) while
+    its transfer has just finished, before the decode loop reaped it: no release is owed for a
+    DONE transfer, so the reap hands the blocks back."""
+    w = worker
+    w.reserve("req-a", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-a", "prefill-9")
+    assert used_blocks(w) > 0
+
+    def land_then_abort():                      # one loop turn: no reap in between
+        w.receiver._table.finish("t-a", TransferState.DONE)
+        return w._abort("req-a")
+
+    assert w.loop.run(land_then_abort)
+    assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
+    assert not w.remote and not w._receiving and "req-a" not in w._kv_ready
+
+
+def test_an_abort_while_a_layer_is_copied_frees_the_blocks_once_the_copy_ends(worker):
+    """The blocks must not be reused while a layer is still being written into them, and must
+    come back once it is."""
+    w = worker
+    w.reserve("req-b", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-b", "prefill-9")
+    held = used_blocks(w)
+
+    def claim_then_abort():
+        rec = w.receiver._table.start_work("t-b")   # as the transport does for a layer
+        w._abort("req-b")
+        return rec
+
+    rec = w.loop.run(claim_then_abort)
+    time.sleep(0.1)                                   # many idle polls of the loop
+    assert used_blocks(w) == held                     # still being written into
+    w.receiver._table.end_work(rec, 0)                # the copy ends, on the transport's thread
+    assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
+    assert not w._receiving
+
+
+def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports_once(worker):
+    """The failure is reaped (the router hears of it) before the layer in flight is copied: the
+    blocks come back when it is."""
+    from kv_transfer.base import KVTransferError
+
+    w = worker
+    w.reserve("req-c", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-c", "prefill-9")
+    held = used_blocks(w)
+
+    def claim_then_fail():
+        rec = w.receiver._table.start_work("t-c")
+        w.receiver._table.finish("t-c", TransferState.FAILED, KVTransferError("peer lost"))
+        return rec
+
+    rec = w.loop.run(claim_then_fail)
+    errors = []
+    assert wait_for(lambda: errors.extend(m for m in w.get_outputs("router-a", 0.05) if "error" in m) or errors)
+    assert [m["request_id"] for m in errors] == ["req-c"] and "failed" in errors[0]["error"]
+    assert not w.remote and used_blocks(w) == held
+    w.receiver._table.end_work(rec, 0)
+    assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
+    assert not w._receiving

@@ -2,7 +2,8 @@
 the KV transfer's end, and never leaves a caller of `first_token` waiting on a transfer that
 failed. A real PrefillWorker (smollm2-135m on CPU) over the real transport (gloo, a TCPStore
 rendezvous); its decode peer never joins, so the transfer cannot finish before the connect
-timeout, while the prompt's compute does."""
+timeout, while the prompt's compute does. Also: a request's blocks are not freed while a prefix
+pull may still write into them."""
 
 from __future__ import annotations
 
@@ -66,3 +67,54 @@ def test_first_token_of_a_transfer_that_never_started_raises_at_once(prefill):
     with pytest.raises(Exception):
         prefill.first_token("t-unknown", timeout_s=30)
     assert time.monotonic() - t0 < 1.0
+
+
+def _reserve_with_pull(prefill, tid: str, pid: str) -> int:
+    """Reserve `tid` and register a pull of its first block from a decode actor; -> blocks held."""
+    ids = list(range(100, 180))
+    res = prefill.reserve(tid, ids, {"max_tokens": 4})
+    pull = TransferSpec(pid, "decode-absent", "prefill-t", tuple(range(prefill.engine.kv_cache.num_layers)),
+                        (7,), tuple(res["block_ids"][:1]), 16).to_msg()
+    prefill.expect_pull({**pull, "owner": tid}, 16)
+    return prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)
+
+
+def _used_after_polls(prefill) -> int:
+    time.sleep(0.1)                       # many idle polls of the loop
+    return prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)
+
+
+def test_an_abort_while_a_pull_copies_a_layer_keeps_the_blocks_until_the_copy_ends(prefill):
+    from kv_transfer.base import TransferState
+
+    held = _reserve_with_pull(prefill, "t-p", "pull-p")
+    assert held > 0
+
+    def claim_then_abort():                   # one loop turn: a layer of the pull is being copied
+        rec = prefill.receiver._table.start_work("pull-p")
+        assert prefill._abort("t-p")
+        return rec
+
+    rec = prefill.loop.run(claim_then_abort)
+    assert prefill.receiver.poll("pull-p") is TransferState.ABORTED
+    assert _used_after_polls(prefill) == held        # not reusable while written into
+    prefill.receiver._table.end_work(rec, 0)          # the copy ends, on the transport's thread
+    deadline = time.monotonic() + 10
+    while _used_after_polls(prefill) and time.monotonic() < deadline:
+        pass
+    assert _used_after_polls(prefill) == 0
+    assert not prefill._parked and not prefill._pull_holds and not prefill.pulling
+
+
+def test_an_abort_after_a_pull_landed_unseen_frees_the_blocks_at_its_reap(prefill):
+    from kv_transfer.base import TransferState
+
+    _reserve_with_pull(prefill, "t-q", "pull-q")
+
+    def land_then_abort():
+        prefill.receiver._table.finish("pull-q", TransferState.DONE)
+        return prefill._abort("t-q")
+
+    assert prefill.loop.run(land_then_abort)
+    assert _used_after_polls(prefill) == 0
+    assert not prefill._parked and not prefill._pull_holds
