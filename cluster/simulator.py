@@ -37,6 +37,7 @@ import numpy as np
 
 from cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, decide)
+from cluster.latency import LatencyWindow
 from engine.config import ConfigError
 
 
@@ -350,6 +351,9 @@ class _DecodeWorker(_Worker):
         return not (self.load() or self.stepping)
 
 
+_LATENCY_WINDOW_S = LatencyWindow().window_s     # the workers' TTFT / TPOT window
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
@@ -649,10 +653,15 @@ class _Simulation:
 
     def _snapshot(self, now: float) -> MetricsSnapshot:
         cfg, perf = self.cfg, self.perf
-        window = max(3 * cfg.period_s, 15.0)
-        for q in (self.recent_ttft, self.recent_tpot, self.recent_prefill):
-            while q and q[0][0] < now - window:
-                q.popleft()
+        # What the live controller is given (controller.build_snapshot): latency percentiles over
+        # the workers' window (LatencyWindow) of samples already taken, by then (a remote
+        # prefill's TTFT is stamped when its KV will be ready, which may be after now), and the
+        # prompt-token rate over the last period.
+        window = _LATENCY_WINDOW_S
+        for name in ("recent_ttft", "recent_tpot", "recent_prefill"):
+            q = getattr(self, name)
+            if q and min(x[0] for x in q) < now - window:
+                setattr(self, name, deque(x for x in q if x[0] >= now - window))
         queued = running = 0
         for p in self.prefills:
             while p.jobs and p.jobs[0][1] <= now:
@@ -668,15 +677,15 @@ class _Simulation:
             ctx_mean = sum(j[2] for j in self.recent_prefill) / len(self.recent_prefill)
             if n_mean > 0:
                 cap = n_mean / perf.prefill_s(max(1, round(n_mean)), round(ctx_mean))
-        ttft = [v for _, v in self.recent_ttft]
-        tpot = [v for _, v in self.recent_tpot]
+        ttft = [v for t, v in self.recent_ttft if t <= now]
+        tpot = [v for t, v in self.recent_tpot if t <= now]
         live_d = [w for w in self.decodes if w.accepting]
         blocks = perf.kv_capacity_tokens // perf.block_tokens
         prefill = PrefillMetrics(
             size=sum(p.accepting for p in self.prefills),
             draining=sum(p.draining and not p.gone for p in self.prefills),
             queued_prompt_tokens=queued, running_prompt_tokens=running,
-            prompt_tokens_per_s=sum(j[1] for j in self.recent_prefill) / window,
+            prompt_tokens_per_s=sum(j[1] for j in self.recent_prefill if j[0] > now - cfg.period_s) / cfg.period_s,
             prefill_tokens_per_s_per_worker=cap,
             ttft_p50=_pct(ttft, 50) if ttft else None, ttft_p90=_pct(ttft, 90) if ttft else None,
             ttft_p99=_pct(ttft, 99) if ttft else None)

@@ -48,7 +48,9 @@ def test_each_session_stops_at_its_own_cut_off():
 
 
 def test_autoscaled_ramp_grows_under_the_high_rate_and_shrinks_after_within_the_gpus():
-    rates = [0.5, 4.0, 0.5]
+    # two low steps after the high one: the high step's latencies stay in the workers' 30 s window
+    # (which the simulated controller reads, as the live one does) through the first
+    rates = [0.5, 4.0, 0.5, 0.5]
     plan = ramp_plan("coding-agent-small", rates, 30.0)
     res = run_ramp(plan, 1, 1, PERF, SLO_, AUTO, max_workers=4, worker_startup_s=3.0)
     samples = res.pool_sizes
@@ -57,18 +59,18 @@ def test_autoscaled_ramp_grows_under_the_high_rate_and_shrinks_after_within_the_
     assert all(live(s) == 2 for s in step(0))                         # low rate: the minimum
     assert max(live(s) for s in step(1)) >= 3                          # high rate: grown
     assert samples[-1].prefill_target == samples[-1].decode_target == 1  # and back down after it
-    assert min(live(s) for s in step(2)[-3:]) < max(live(s) for s in step(1))
+    assert min(live(s) for s in step(3)[-3:]) < max(live(s) for s in step(1))
     # four GPUs: the pools together never hold more, though the targets ask for more
     assert all(live(s) <= 4 for s in samples)
     assert any(s.prefill_target + s.decode_target > 4 for s in samples)
     assert max(s.prefill_live for s in samples) >= 2    # prefill got a GPU once decode drained one
     # nothing lost: every sent turn finished, each step's turns arrived inside it
     assert res.summary.rejected == 0 and all(r.e2e_s is not None for r in res.requests)
-    for i in range(3):
+    for i in range(4):
         arrivals = [r.arrival_s for r in res.requests if r.session_id.startswith(f"r{i}-")]
         assert arrivals and 30.0 * i <= min(arrivals) and max(arrivals) < 30.0 * (i + 1)
     steps = step_summaries(res, plan, rates, SLO_)
-    assert [s.label for s in steps] == ["step 1: 0.5/s", "step 2: 4/s", "step 3: 0.5/s"]
+    assert [s.label for s in steps] == ["step 1: 0.5/s", "step 2: 4/s", "step 3: 0.5/s", "step 4: 0.5/s"]
     assert sum(s.requests for s in steps) == res.summary.requests
     assert steps[1].mean_workers > steps[0].mean_workers
 
@@ -105,3 +107,20 @@ def test_cli_refuses_out_without_a_ramp_and_keeps_the_plain_run(tmp_path, capsys
     assert main(["simulate", "--workload", "coding-agent-small", "--sessions", "4", "--out", str(tmp_path)]) == 2
     assert main(["simulate", "--workload", "coding-agent-small", "--sessions", "4", "--closed-loop"]) == 0
     assert "1P:1D" in capsys.readouterr().out
+
+
+def test_the_simulated_controller_reads_what_the_live_one_is_given():
+    """controller.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
+    already measured; the prompt rate over the last period."""
+    from cluster.simulator import _Simulation
+
+    sim = _Simulation([RequestSpec("a", 0, 0.0, 100, 4)], 1, 1, PERF, SLO_, AUTO, seed=0, colocated=False,
+                      worker_startup_s=0.0, closed_loop=False, pull_prefix=False)
+    # (stamped at, seconds): out of the window, in it, and a KV that is not ready until after now
+    sim.recent_ttft.extend([(5.0, 9.0), (15.0, 0.2), (40.0, 0.1), (45.0, 5.0)])
+    sim.recent_prefill.extend([(20.0, 1000, 1000), (40.5, 300, 300)])
+    snap = sim._snapshot(41.0)
+    assert snap.prefill.ttft_p50 == pytest.approx(0.15) and snap.prefill.ttft_p99 == pytest.approx(0.199)
+    assert snap.prefill.prompt_tokens_per_s == pytest.approx(300 / AUTO.period_s)
+    assert [t for t, _ in sim.recent_ttft] == [15.0, 40.0, 45.0]   # the future one is kept for later
+    assert sim._snapshot(46.0).prefill.ttft_p99 == pytest.approx(5.0, rel=0.05)
