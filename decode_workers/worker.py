@@ -322,6 +322,7 @@ class DecodeWorker:
     def _abort(self, rid: str) -> bool:
         self.owner.pop(rid, None)
         self._first.pop(rid, None)
+        self._first_token_at.pop(rid, None)   # (a finished request's goes in _publish)
         waiting = self._kv_ready.pop(rid, None)
         if waiting is not None:          # KV here, first token not: not in the engine yet
             self.engine.allocator.free(waiting)

@@ -141,3 +141,20 @@ def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports
     w.receiver._table.end_work(rec, 0)
     assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
     assert not w._receiving
+
+
+def test_a_request_aborted_mid_stream_leaves_nothing_behind(worker):
+    """Cancelled streams are common (a coding agent stops a turn): an abort leaves no per-request
+    state on the decode actor, which runs for weeks."""
+    w = worker
+    plan = w.reserve("req-l", "router-a", list(range(100, 140)), {"max_tokens": 400, "ignore_eos": True})
+    assert plan["mode"] == "local"
+    got = []
+    assert wait_for(lambda: got.extend(t for m in w.get_outputs("router-a", 0.2) for t in m["token_ids"])
+                    or len(got) >= 3, timeout_s=60)
+    assert w.abort("req-l")
+    assert wait_for(lambda: used_blocks(w) == 0)
+    leftovers = {name: d for name in ("owner", "remote", "transfer_of", "_kv_ready", "_first",
+                                      "_first_token_at", "_receiving")
+                 if "req-l" in (d := getattr(w, name))}
+    assert not leftovers, leftovers
