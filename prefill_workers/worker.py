@@ -226,11 +226,17 @@ class PrefillWorker:
 
         spec = TransferSpec.from_msg(spec_msg)
         req = self.reserved.pop(spec.request_id)
+        t0 = time.perf_counter()
+        try:
+            self.sender.begin(spec)
+        except BaseException:         # a spec the sender refuses, or a closed sender: nothing was
+            self._reserved_at.pop(spec.request_id, None)      # started, and nothing stays held
+            self._free(spec.request_id, req)
+            raise
         fut: Future = Future()
         self.done[spec.request_id] = fut
         self.active[spec.request_id] = req
-        self._started[spec.request_id] = time.perf_counter()
-        self.sender.begin(spec)
+        self._started[spec.request_id] = t0
         self.counters["prefills"] += 1
         self.counters["prompt_tokens"] += req.num_prompt_tokens
         self.counters["kv_transfer_bytes"] += len(spec.src_block_ids) * self.engine.kv_cache.bytes_per_block

@@ -118,3 +118,21 @@ def test_an_abort_after_a_pull_landed_unseen_frees_the_blocks_at_its_reap(prefil
     assert prefill.loop.run(land_then_abort)
     assert _used_after_polls(prefill) == 0
     assert not prefill._parked and not prefill._pull_holds
+
+
+def test_a_start_the_sender_refuses_keeps_nothing(prefill):
+    """A spec whose source blocks are not the reservation's: `start` raises with the reason, the
+    first-token waiter is answered, and the reservation's blocks come back."""
+    ids = list(range(100, 180))
+    res = prefill.reserve("t-bad", ids, {"max_tokens": 4})
+    assert prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks) > 0
+    n = prefill.engine.kv_cache.num_blocks
+    spec = TransferSpec("t-bad", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
+                        (n + 5,) * len(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
+    with pytest.raises(ValueError, match="outside"):
+        prefill.start(spec)
+    with pytest.raises(Exception):
+        prefill.first_token("t-bad", timeout_s=5)
+    assert prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks) == 0
+    assert not prefill.active and not prefill.done and not prefill._started and not prefill.reserved
+    assert not prefill.abort("t-bad")            # nothing left to abort
