@@ -37,7 +37,12 @@ log = logging.getLogger(__name__)
 
 class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, rendezvous: str,
-                 transfer_config=None, engine: LLMEngine | None = None):
+                 transfer_config=None, engine: LLMEngine | None = None, reservation_timeout_s: float = 120.0):
+        """`reservation_timeout_s`: a reservation its router has not started by then is freed (the
+        router crashed or lost it between the two calls, which are milliseconds apart); a late
+        `start` is refused and its router prefills locally."""
+        self.reservation_timeout_s = reservation_timeout_s
+        self._reservations_checked = 0.0
         from kv_transfer.base import KVTransferConfig
         from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
@@ -197,7 +202,19 @@ class PrefillWorker:
         self._poll_transfers()
         while self._ended:
             self._transfer_ended(self._ended.pop(0))
+        self._expire_reservations()
         self._snapshot = self._stats()
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        if now - self._reservations_checked < min(1.0, self.reservation_timeout_s / 4):
+            return
+        self._reservations_checked = now
+        for tid in [t for t in self.reserved if now - self._reserved_at.get(t, now) > self.reservation_timeout_s]:
+            log.warning("reservation %s not started after %.0f s: freeing its KV blocks", tid,
+                        self.reservation_timeout_s)
+            self._abort(tid)
+            self.counters["reservations_expired"] = self.counters.get("reservations_expired", 0) + 1
 
     def _poll_transfers(self) -> None:
         self.sender.reap()
@@ -225,7 +242,10 @@ class PrefillWorker:
         from kv_transfer.base import TransferSpec
 
         spec = TransferSpec.from_msg(spec_msg)
-        req = self.reserved.pop(spec.request_id)
+        req = self.reserved.pop(spec.request_id, None)
+        if req is None:
+            raise KeyError(f"{self.worker_id} holds no reservation for transfer {spec.request_id!r}: never "
+                           f"made, aborted, or not started within {self.reservation_timeout_s:.0f} s")
         t0 = time.perf_counter()
         try:
             self.sender.begin(spec)

@@ -136,3 +136,23 @@ def test_a_start_the_sender_refuses_keeps_nothing(prefill):
     assert prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks) == 0
     assert not prefill.active and not prefill.done and not prefill._started and not prefill.reserved
     assert not prefill.abort("t-bad")            # nothing left to abort
+
+
+def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
+    """The router crashed between `reserve` and `start`: the blocks come back after
+    reservation_timeout_s, and a start that comes later says why it is refused."""
+    prefill.reservation_timeout_s = 0.5
+    ids = list(range(100, 180))
+    res = prefill.reserve("t-late", ids, {"max_tokens": 4})
+    used = lambda: prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)  # noqa: E731
+    assert used() > 0
+    time.sleep(0.2)
+    assert used() > 0                                   # not before its time
+    deadline = time.monotonic() + 10
+    while used() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert used() == 0 and prefill.stats()["reservations_expired"] == 1
+    spec = TransferSpec("t-late", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
+                        tuple(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
+    with pytest.raises(KeyError, match="not started within"):
+        prefill.start(spec)
