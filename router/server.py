@@ -142,7 +142,9 @@ class Router:
                 # count it at once, so concurrent arrivals see this load before the worker reports it
                 self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
                 try:
-                    plan = await decode.reserve.remote(rid, self.view.router_id, ids, sp, transfer_id, prefill_hint)
+                    plan = await self._reservation(decode.reserve.remote(rid, self.view.router_id, ids, sp,
+                                                                         transfer_id, prefill_hint),
+                                                   undo=lambda d=decode: d.abort.remote(rid))
                     break
                 except (WorkerUnavailable, ray.exceptions.RayActorError):
                     self.view.inflight[decode_id] -= 1
@@ -153,6 +155,23 @@ class Router:
             raise
         att = Attempt(decode_id, decode, transfer_id=transfer_id, mode=plan["mode"])
         att.marks["decode_reserved"] = time.perf_counter()
+        try:
+            await self._after_decode_reserve(att, rid, ids, sp, sess, hashes, plan, prefill_hint,
+                                             transfer_id, hold, early)
+        except BaseException:
+            # cancelled (the client went, its deadline passed) or failed before the caller has the
+            # attempt: nobody else knows of the decode actor's reservation
+            self.view.inflight[decode_id] -= 1
+            self._release(att.local_hold)
+            self._in_background(decode.abort.remote(rid))
+            raise
+        return att
+
+    async def _after_decode_reserve(self, att, rid, ids, sp, sess, hashes, plan, prefill_hint, transfer_id,
+                                    hold, early) -> None:
+        """_place, once the decode actor has answered: start the remote prefill it asked for (or
+        prefill locally), or drop the early prefill reservation when it prefills itself."""
+        decode_id = att.decode_id
         if plan["mode"] != "remote":                  # prefilled locally: the early one is not needed
             # counted on the decode actor until its first token (prefill_placement weighs it)
             att.local_hold = self._hold(self.local_queued, decode_id, len(ids) - plan.get("cached_tokens", 0))
@@ -175,7 +194,6 @@ class Router:
                     self._release(hold)
                     hold = self._hold(self.prefill_queued, att.prefill_id, len(ids))
                 att.prefill_task.add_done_callback(lambda _: self._release(hold))
-        return att
 
     @staticmethod
     def _hold(queued: dict[str, int], worker_id: str, tokens: int) -> tuple[dict[str, int], str, int]:
@@ -200,7 +218,8 @@ class Router:
         handle = self.view.handle(prefill_id)
         if handle is None:
             raise WorkerUnavailable(f"{prefill_id} left the prefill pool")
-        return handle, await handle.reserve.remote(transfer_id, ids, sp)
+        return handle, await self._reservation(handle.reserve.remote(transfer_id, ids, sp),
+                                               undo=lambda: handle.abort.remote(transfer_id))
 
     def _drop_prefill_reservation(self, early, prefill_id, transfer_id) -> None:
         """In the background: once the early prefill reservation has been answered, free it."""
@@ -217,7 +236,33 @@ class Router:
             except Exception:  # noqa: BLE001 - a dead actor holds no KV
                 pass
 
-        task = asyncio.ensure_future(drop())
+        self._in_background(drop())
+
+    async def _reservation(self, ref, undo):
+        """Await an actor's reservation (`ref`, a Ray call). Cancelling the wait does not cancel the
+        call: the actor reserves all the same. If this request is cancelled meanwhile, `undo()` (an
+        abort call) frees it in the background once the actor has answered."""
+        call = asyncio.ensure_future(ref)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            async def undo_when_answered():
+                try:
+                    await call
+                except Exception:  # noqa: BLE001 - refused or the actor died: nothing reserved
+                    return
+                await undo()
+            self._in_background(undo_when_answered())
+            raise
+
+    def _in_background(self, aw) -> None:
+        """A cleanup that must outlive the request (kept referenced; errors logged, not raised)."""
+        async def run():
+            try:
+                await aw
+            except Exception as e:  # noqa: BLE001 - best effort: a dead actor holds no KV
+                log.debug("background cleanup failed: %s", e)
+        task = asyncio.ensure_future(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -225,7 +270,8 @@ class Router:
         """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
         for the decode actor's own prefill instead."""
         await att.decode.abort.remote(rid)
-        plan = await att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None)
+        plan = await self._reservation(att.decode.reserve.remote(rid, self.view.router_id, ids, sp, None),
+                                       undo=lambda: att.decode.abort.remote(rid))
         if att.local_hold is None:
             att.local_hold = self._hold(self.local_queued, att.decode_id, len(ids) - plan.get("cached_tokens", 0))
         if att.first_task is not None:
@@ -440,7 +486,8 @@ class Router:
                 prefill_id = self._pick("prefill", sess.prefill_worker if sess else None, hashes, exclude=tried)
                 prefill = self.view.handle(prefill_id)
                 try:
-                    res = await prefill.reserve.remote(transfer_id, ids, sp)
+                    res = await self._reservation(prefill.reserve.remote(transfer_id, ids, sp),
+                                                  undo=lambda p=prefill: p.abort.remote(transfer_id))
                     break
                 except WorkerUnavailable:
                     tried.add(prefill_id)

@@ -329,3 +329,23 @@ def test_speculative_decoding_through_the_cluster_keeps_greedy_output(make_clust
     drafted = last.usage.draft_tokens + last2.usage.draft_tokens
     accepted = last.usage.accepted_draft_tokens + last2.usage.accepted_draft_tokens
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_deadlines_that_expire_while_the_request_is_placed_free_every_block(remote):
+    """Deadlines of a few milliseconds expire while the router awaits the actors' reservations
+    (the decode actor's reserve, the prefill actor's): a reservation answered after its request
+    was cancelled must still be freed, not held until the KV receive times out (600 s)."""
+    codes = {}
+    for i in range(40):
+        req = pb.GenerateRequest(prompt=PROMPTS[i % 4] * 3, sampling=pb.SamplingParams(max_tokens=4))
+        try:
+            for _ in remote.stub.Generate(req, timeout=0.002 + 0.001 * i):
+                pass
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        codes[code] = codes.get(code, 0) + 1
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+    assert codes.get(grpc.StatusCode.DEADLINE_EXCEEDED), codes
+    used = remote.wait_idle(timeout_s=15)
+    assert used and all(v == 0 for v in used.values()), (used, codes)
