@@ -226,7 +226,9 @@ class PrefillWorker:
             if state is TransferState.DONE:
                 self._let_go_of_pull(pid)     # (failed ones did, in the release callback)
             owner, covers = self.pulling.pop(pid, (None, 0))
-            req = self.active.get(owner)
+            started = owner in self.active
+            # a pull can land before the router's `start` (a fast link): `_start` schedules it then
+            req = self.active.get(owner) if started else self.reserved.get(owner)
             if req is None or req.finished:
                 continue
             if state is TransferState.DONE:
@@ -234,9 +236,11 @@ class PrefillWorker:
                 req.num_cached_prompt_tokens = covers
                 self.engine.allocator.register_full_blocks(req)
                 self.counters["pulled_tokens"] += covers
-                self._schedule(req)
-            else:
+                if started:
+                    self._schedule(req)
+            elif started:
                 self.sender.abort(owner)  # fails the main transfer too; its release frees the blocks
+            # (a pull that failed before `start`: the request computes its prefix itself)
 
     def _start(self, spec_msg: dict[str, Any]) -> Future:
         from kv_transfer.base import TransferSpec

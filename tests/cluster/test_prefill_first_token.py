@@ -156,3 +156,31 @@ def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
                         tuple(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
     with pytest.raises(KeyError, match="not started within"):
         prefill.start(spec)
+
+
+def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
+    """On a fast link the prefix pull can land (and be reaped) before the router's `start` call
+    arrives: the request then computes only past the pulled prefix, as when it lands after."""
+    from kv_transfer.base import TransferState
+
+    _reserve_with_pull(prefill, "t-early", "pull-early")      # pulls 16 tokens of the 80
+    before = prefill.loop.run(lambda: dict(prefill.counters))
+    prefill.loop.run(lambda: prefill.receiver._table.finish("pull-early", TransferState.DONE))
+    deadline = time.monotonic() + 10
+    while prefill.loop.run(lambda: "pull-early" in prefill.pulling) and time.monotonic() < deadline:
+        time.sleep(0.01)                                      # reaped by the loop, start not yet come
+    res_blocks = prefill.loop.run(lambda: list(prefill.reserved["t-early"].block_ids))
+    spec = TransferSpec("t-early", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
+                        tuple(res_blocks[:5]), tuple(range(5)), 80).to_msg()
+
+    def start():
+        try:
+            prefill.start(spec)
+        except Exception:  # noqa: BLE001 - its decode peer never joins: fails after the first token
+            pass
+
+    threading.Thread(target=start, daemon=True).start()
+    prefill.first_token("t-early", timeout_s=30)
+    after = prefill.loop.run(lambda: dict(prefill.counters))
+    assert after["pulled_tokens"] - before["pulled_tokens"] == 16
+    assert after["computed_tokens"] - before["computed_tokens"] == 80 - 16
