@@ -225,18 +225,7 @@ class Router:
         """In the background: once the early prefill reservation has been answered, free it."""
         if early is None:
             return
-
-        async def drop():
-            try:
-                handle, _ = await early
-            except Exception:  # noqa: BLE001 - nothing was reserved
-                return
-            try:
-                await handle.abort.remote(transfer_id)
-            except Exception:  # noqa: BLE001 - a dead actor holds no KV
-                pass
-
-        self._in_background(drop())
+        self._undo_once_answered(early, lambda answer: answer[0].abort.remote(transfer_id))
 
     async def _reservation(self, ref, undo):
         """Await an actor's reservation (`ref`, a Ray call). Cancelling the wait does not cancel the
@@ -246,14 +235,19 @@ class Router:
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            async def undo_when_answered():
-                try:
-                    await call
-                except Exception:  # noqa: BLE001 - refused or the actor died: nothing reserved
-                    return
-                await undo()
-            self._in_background(undo_when_answered())
+            self._undo_once_answered(call, lambda _answer: undo())
             raise
+
+    def _undo_once_answered(self, call, undo) -> None:
+        """In the background: once `call` (a reservation) has answered, `undo(answer)` (an abort
+        call); nothing when it failed, since nothing was reserved."""
+        async def run():
+            try:
+                answer = await call
+            except Exception:  # noqa: BLE001 - refused or the actor died: nothing reserved
+                return
+            await undo(answer)
+        self._in_background(run())
 
     def _in_background(self, aw) -> None:
         """A cleanup that must outlive the request (kept referenced; errors logged, not raised)."""
