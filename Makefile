@@ -27,7 +27,7 @@ redis:
 .PHONY: redis
 
 run: setup
-	$(VENV)/bin/python -m cluster.demo
+	$(VENV)/bin/python -m tandem.cluster.demo
 
 # Tests marked `isolated` start Ray nodes of their own: they run in a second pytest process, after
 # every in-process Ray of the first has gone.

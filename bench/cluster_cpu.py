@@ -25,7 +25,7 @@ def pct(xs, q):
 
 def run_sessions(cluster, specs_by_session, vocab, seed):
     """Replay sessions against the cluster; -> list of per-request records."""
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     records, lock = [], threading.Lock()
 
@@ -76,10 +76,10 @@ def main() -> None:
 
     import ray
 
-    from bench.workloads import PROFILES, coding_agent_sessions
-    from cluster.local import RunningCluster
-    from cluster.profiling import fit_control_path, profile_engine
-    from cluster.simulator import SLO, PerfModel, simulate
+    from tandem.cluster.workloads import PROFILES, coding_agent_sessions
+    from tandem.cluster.local import RunningCluster
+    from tandem.cluster.profiling import fit_control_path, profile_engine
+    from tandem.cluster.simulator import SLO, PerfModel, simulate
 
     rng = random.Random(a.seed)
     specs = [s for s in coding_agent_sessions(rng, a.sessions, 10.0, PROFILES["coding-agent-small"])

@@ -151,7 +151,7 @@ def compare(reports: dict[str, dict]) -> list[dict]:
 
 
 def _load_perf(perf_path: str | None):
-    from cluster.simulator import PerfModel
+    from tandem.cluster.simulator import PerfModel
 
     return PerfModel.from_dict(json.loads(Path(perf_path).read_text())) if perf_path else PerfModel()
 
@@ -165,8 +165,8 @@ def predict(cluster: dict, bench: dict, perf, rates=None) -> dict:
     import random
     from dataclasses import replace
 
-    from bench.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-    from cluster.simulator import SLO, simulate
+    from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
+    from tandem.cluster.simulator import SLO, simulate
 
     n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
     threshold = float(cluster["decode"]["local_prefill_threshold"])
@@ -227,7 +227,7 @@ def print_predictions(configs: dict[str, dict], args) -> list[dict]:
     """--predict: the simulator's prediction for every layout and rate, on the requests the bench
     would send (workload, seed, duration cut-off, --max-context or the preset model's context),
     with no cluster started. Prints goodput and TTFT / TPOT p50, p90, p99 (predicted.json too)."""
-    from engine.config import PRESETS
+    from tandem.engine.config import PRESETS
 
     context = args.max_context or (PRESETS[args.model].max_position_embeddings if args.model in PRESETS else 0)
     if not context:

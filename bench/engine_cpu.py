@@ -31,8 +31,8 @@ def make_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_tandem(model, tok, prompts, new_tokens: int) -> float:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     e = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=2048)), model=model, tokenizer=tok)
     reqs = [{"prompt_token_ids": p, "max_tokens": new_tokens, "ignore_eos": True} for p in prompts]
@@ -66,7 +66,7 @@ def main() -> None:
     a = p.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import load_model, smollm2_gguf_path
+    from tandem.engine.weights import load_model, smollm2_gguf_path
 
     model, tok, _ = load_model("smollm2-135m")
     path = smollm2_gguf_path()

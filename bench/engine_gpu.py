@@ -33,11 +33,11 @@ import traceback
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
-from engine.weights import load_model
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import SamplingParams
+from tandem.engine.weights import load_model
 
 
 class Bench:
@@ -191,7 +191,7 @@ class Bench:
         t0 = time.perf_counter()
         model, tok, cfg = load_model(name, dtype, str(self.dev), seed=0)
         if self.dry:
-            from engine.model import TritonOps
+            from tandem.engine.model import TritonOps
 
             model.ops = TritonOps()
         self.sync()
@@ -365,7 +365,7 @@ class Bench:
         dtype = "float32" if self.dry else "bfloat16"
         model, tok, _ = load_model(name, dtype, str(self.dev), seed=0)
         if self.dry:
-            from engine.model import TritonOps
+            from tandem.engine.model import TritonOps
 
             model.ops = TritonOps()
         batches = (1, 2) if self.dry else (1, 2, 4, 8, 16, 32, 64)
@@ -439,7 +439,7 @@ class Bench:
 
 def device_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Views of the model's own GPU tensors under Hugging Face names (no copy to the host)."""
-    from engine.weights import hf_state_dict
+    from tandem.engine.weights import hf_state_dict
 
     return hf_state_dict(model, on_host=False)
 

@@ -21,8 +21,8 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from engine.attention import AttentionMetadata
-from engine.kernels.paged_attention import (_launch_decode, _launch_prefill, _num_sms,
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels.paged_attention import (_launch_decode, _launch_prefill, _num_sms,
                                             choose_partition_size, paged_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

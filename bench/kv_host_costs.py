@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kv_transfer.base import PinnedIndexRing, StagingRing  # noqa: E402
-from kv_transfer.link import frame_bytes  # noqa: E402
+from tandem.kv_transfer.base import PinnedIndexRing, StagingRing  # noqa: E402
+from tandem.kv_transfer.link import frame_bytes  # noqa: E402
 
 IDS = 512                       # an 8k-token prompt in 16-token blocks
 
@@ -45,7 +45,7 @@ def per_call_us(fn, n: int = 2000, sync: bool = False) -> float:
 
 
 def cuda_rows() -> list[tuple[str, float]]:
-    from engine.kernels.block_copy import copy_cache_blocks
+    from tandem.engine.kernels.block_copy import copy_cache_blocks
 
     dev = torch.device("cuda:0")
     blocks = 640

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
 
 MiB = 1 << 20
 LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
@@ -59,12 +59,12 @@ def _sync(device: str) -> None:
 @ray.remote(num_cpus=1)
 class Endpoint:
     def __init__(self, actor_id: str, rendezvous: str, num_blocks: int, seed: int | None, device: str = "cuda"):
-        from kv_transfer.receiver import LayerStreamReceiver
-        from kv_transfer.sender import LayerStreamSender
-        from kv_transfer.testing import TensorBlockStore
-        from kv_transfer.torch_dist import DistConnector
+        from tandem.kv_transfer.receiver import LayerStreamReceiver
+        from tandem.kv_transfer.sender import LayerStreamSender
+        from tandem.kv_transfer.testing import TensorBlockStore
+        from tandem.kv_transfer.torch_dist import DistConnector
 
-        from cluster.actor_common import gil_switch_interval
+        from tandem.cluster.actor_common import gil_switch_interval
 
         sys.setswitchinterval(gil_switch_interval())    # as the pool actors serve
         self.actor_id, self.rendezvous = actor_id, rendezvous
@@ -167,7 +167,7 @@ class Endpoint:
             stop.set()
             self._busy_thread.join()
             self._busy_stop = None
-        from cluster.actor_common import gil_switch_interval
+        from tandem.cluster.actor_common import gil_switch_interval
 
         sys.setswitchinterval(switch_s or gil_switch_interval())
         if switch_s is None:
@@ -286,9 +286,9 @@ class Endpoint:
         message size kept); the pair rendezvous afresh."""
         from dataclasses import replace
 
-        from kv_transfer.receiver import LayerStreamReceiver
-        from kv_transfer.sender import LayerStreamSender
-        from kv_transfer.torch_dist import DistConnector
+        from tandem.kv_transfer.receiver import LayerStreamReceiver
+        from tandem.kv_transfer.sender import LayerStreamSender
+        from tandem.kv_transfer.torch_dist import DistConnector
 
         cfg = replace(CONFIG, max_message_bytes=self.sender.config.max_message_bytes, **overrides)
         self.sender.close()
@@ -307,7 +307,7 @@ def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
 
 
 def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, float]) -> list[dict]:
-    from kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     rendezvous = f"127.0.0.1:{port}"
@@ -475,7 +475,7 @@ def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict
     every step (frame, receive posts, landings). Python's default switch interval (5 ms) against
     the 200 us the pool actors serve with (cluster/actor_common.py) (or --busy-intervals-us), and
     idle actors as the base."""
-    from cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+    from tandem.cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
 
     nbytes, gap = tokens * TOKEN_BYTES, args.prefill_s_per_token * tokens / LAYERS
     rows = []
@@ -586,8 +586,8 @@ def _raw_at(raw_by_size: dict[int, float], nbytes: int) -> float:
 
 
 def bench_ttft(args) -> list[dict]:
-    from cluster.local import RunningCluster
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.cluster.local import RunningCluster
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     gpu = 1 if args.device == "cuda" else 0
     base = {"model.name": args.model, "model.device": args.device,
@@ -600,7 +600,7 @@ def bench_ttft(args) -> list[dict]:
              "local": {**base, "prefill.replicas": 0, "decode.replicas": 1,
                        "decode.local_prefill_threshold": float("inf")}}
     results: dict[str, dict[int, list[float]]] = {}
-    from engine.weights import load_tokenizer
+    from tandem.engine.weights import load_tokenizer
 
     vocab = min(100000, load_tokenizer(args.model)[1].vocab_size)   # fresh random prompts, any model
     for mode, overrides in modes.items():
@@ -675,8 +675,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("needs two CUDA GPUs")
-    from cluster.bootstrap import init_ray
-    from cluster.config import load_config
+    from tandem.cluster.bootstrap import init_ray
+    from tandem.cluster.config import load_config
 
     init_ray(load_config(None, {"prefill.num_gpus": 1, "decode.num_gpus": 1}), "kv-bench")
     results = {"argv": sys.argv, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}

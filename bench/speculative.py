@@ -201,9 +201,9 @@ def chat_requests(max_tokens: int) -> list[dict]:
 def run_cpu(args) -> None:
     import torch
 
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-    from engine.engine import LLMEngine
-    from engine.weights import load_model
+    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.weights import load_model
 
     torch.manual_seed(0)
     if args.threads:
@@ -277,13 +277,13 @@ def expected_tokens(acceptance: float, k: int) -> float:
 def run_gpu(args) -> None:
     import torch
 
-    from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-    from engine.engine import LLMEngine
-    from engine.model_runner import ModelRunner
-    from engine.request import Request
-    from engine.scheduler import ScheduledRequest, SchedulerOutput
-    from engine.speculative.policy import SpeculationLengthPolicy
-    from engine.speculative.speculator import resolve_max_verify_tokens
+    from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.request import Request
+    from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from tandem.engine.speculative.policy import SpeculationLengthPolicy
+    from tandem.engine.speculative.speculator import resolve_max_verify_tokens
 
     batches = args.batch_sizes
     kmax = args.max_k

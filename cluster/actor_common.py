@@ -27,7 +27,7 @@ def setup_process(num_cpus: float) -> None:
     os.environ["CUDA_MODULE_LOADING"] = os.environ.get("TANDEM_CUDA_MODULE_LOADING", "EAGER")
     import torch
 
-    from cluster.logging_setup import setup_logging
+    from tandem.cluster.logging_setup import setup_logging
 
     torch.set_num_threads(max(1, int(num_cpus)))
     setup_logging()

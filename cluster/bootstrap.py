@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from cluster.config import ClusterConfig
+from tandem.cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
 
 
 def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:
-    from cluster.controller import Controller
-    from engine.weights import resolve_model_dir
+    from tandem.cluster.controller import Controller
+    from tandem.engine.weights import resolve_model_dir
 
     resolve_model_dir(config.engine.model)  # convert a GGUF once, here, before actors race to it
     namespace = namespace or f"tandem-{uuid.uuid4().hex[:6]}"

@@ -1,5 +1,5 @@
 """Cluster subcommands of `tandem`: `up` (serve), `chat` (interactive client), `status` (Admin),
-`scale`, `bench` (load generator, in bench/loadgen.py)."""
+`scale`, `bench` (load generator, in cluster/loadgen.py)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def register(sub) -> None:
     st.set_defaults(func=cmd_status)
     _register_scale(sub)
     _register_bench(sub)
-    from cluster import profiling
+    from tandem.cluster import profiling
 
     profiling.register(sub)
 
@@ -120,7 +120,7 @@ def _register_bench(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from bench.loadgen import cmd_bench as run
+    from tandem.cluster.loadgen import cmd_bench as run
 
     return run(args)
 
@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
 def cmd_scale(args) -> int:
     import grpc
 
-    from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+    from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 
     stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
     req = admin_pb2.SetPoolBoundsRequest(pool=args.pool, min=args.min, max=args.max)
@@ -154,11 +154,11 @@ def _client_flags(p) -> None:
 
 # ---- up -----------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
-    from cluster.bootstrap import start_cluster
-    from cluster.config import load_config
+    from tandem.cluster.bootstrap import start_cluster
+    from tandem.cluster.config import load_config
 
-    from cluster.logging_setup import setup_logging
-    from router.auth import resolve_auth
+    from tandem.cluster.logging_setup import setup_logging
+    from tandem.router.auth import resolve_auth
 
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
@@ -195,8 +195,8 @@ def cmd_up(args) -> int:
 
 def _server_security(args, auth_enabled: bool) -> dict:
     """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
-    from router.auth import BearerTokenInterceptor, TokenStore
-    from router.tls import TLSConfig, server_credentials
+    from tandem.router.auth import BearerTokenInterceptor, TokenStore
+    from tandem.router.tls import TLSConfig, server_credentials
 
     out: dict = {"interceptors": (), "credentials": None}
     if auth_enabled:
@@ -209,9 +209,9 @@ def _server_security(args, auth_enabled: bool) -> dict:
 
 
 async def serve_until_stopped(cluster, config, security: dict | None = None) -> None:
-    from cluster.metrics import start_metrics_server
-    from engine.weights import load_tokenizer
-    from router.server import serve
+    from tandem.cluster.metrics import start_metrics_server
+    from tandem.engine.weights import load_tokenizer
+    from tandem.router.server import serve
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -225,7 +225,7 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
-    from cluster.actor_common import after_startup
+    from tandem.cluster.actor_common import after_startup
 
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:
@@ -242,8 +242,8 @@ def _channel(target: str, args=None):
     """A channel to the router, with TLS and the bearer token when the flags or env ask for them."""
     import grpc
 
-    from router.auth import auth_metadata, call_credentials, load_client_token, with_metadata
-    from router.tls import ClientTLSConfig, channel_credentials, channel_options
+    from tandem.router.auth import auth_metadata, call_credentials, load_client_token, with_metadata
+    from tandem.router.tls import ClientTLSConfig, channel_credentials, channel_options
 
     token = load_client_token(token_file=getattr(args, "auth_token_file", None))
     if getattr(args, "tls_ca_file", None):
@@ -262,7 +262,7 @@ def _channel(target: str, args=None):
 def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_tokens=256, temperature=0.0,
                     on_text=None, timeout=None):
     """Send one Generate call; calls on_text(delta) as text streams; returns (text, token ids, last msg)."""
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     req = pb.GenerateRequest(session_id=session_id,
                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature))
@@ -283,7 +283,7 @@ def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_toke
 def cmd_chat(args) -> int:
     import grpc
 
-    from protos.tandem.v1 import generation_pb2_grpc
+    from tandem.protos.tandem.v1 import generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(_channel(args.target, args))
     session = args.session or uuid.uuid4().hex[:12]
@@ -317,7 +317,7 @@ def cmd_status(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+    from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 
     stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
     try:

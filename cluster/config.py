@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
-from cluster.autoscaler import AutoscalerConfig
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
-from kv_transfer.base import KVTransferConfig
+from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.kv_transfer.base import KVTransferConfig
 
 
 @dataclass(frozen=True)

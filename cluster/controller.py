@@ -19,8 +19,8 @@ from typing import Any
 
 import ray
 
-from cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
-from cluster.config import ClusterConfig, PoolConfig
+from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
+from tandem.cluster.config import ClusterConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def build_snapshot(workers: list[dict[str, Any]], prev: dict[str, float] | None,
 class Controller:
     def __init__(self, config: ClusterConfig, namespace: str, health_period_s: float = 1.0,
                  dead_after_failures: int = 3):
-        from kv_transfer.torch_dist import start_rendezvous_store
+        from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
         self.config = config
         self.namespace = namespace
@@ -127,8 +127,8 @@ class Controller:
 
     # ---- membership -------------------------------------------------------------------------
     def _start_worker(self, pool: str) -> WorkerRecord:
-        from decode_workers.actor import DecodeActor
-        from prefill_workers.actor import PrefillActor
+        from tandem.decode_workers.actor import DecodeActor
+        from tandem.prefill_workers.actor import PrefillActor
 
         wid = f"{pool}-{next(self._ids[pool])}"
         pcfg = getattr(self.config, pool)

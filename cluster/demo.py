@@ -51,8 +51,8 @@ def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = 
 def run_session(target: str, max_tokens: int) -> None:
     import grpc
 
-    from cluster.commands import stream_generate
-    from protos.tandem.v1 import generation_pb2_grpc
+    from tandem.cluster.commands import stream_generate
+    from tandem.protos.tandem.v1 import generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
     messages: list[dict[str, str]] = []
@@ -84,7 +84,7 @@ def run_cluster(model: str, max_tokens: int) -> int:
     # new part is short, are prefilled by the decode actor from its prefix cache
     args = ["up", "--model", model, "--prefill", "1", "--decode", "1", "--port", str(port),
             "--local-prefill-threshold", "32"]
-    cmd = [sys.executable, "-m", "cluster.cli", *args]
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", *args]
     print(f"{DIM}$ tandem {' '.join(args)}{RESET}", flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -94,7 +94,7 @@ def run_cluster(model: str, max_tokens: int) -> int:
         # shows the pools after the session rather than during its last turn
         time.sleep(1.5)
         print(f"\n{DIM}$ tandem status --target {target}{RESET}", flush=True)
-        subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--target", target], check=False)
+        subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "status", "--target", target], check=False)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -105,9 +105,9 @@ def run_cluster(model: str, max_tokens: int) -> int:
 
 
 def run_offline(model: str, max_tokens: int) -> int:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.request import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.request import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model))
     messages: list[dict[str, str]] = []

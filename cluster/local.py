@@ -12,13 +12,13 @@ import uuid
 import grpc
 import ray
 
-from cluster.config import load_config
-from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from tandem.cluster.config import load_config
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 
 
 class RunningCluster:
     def __init__(self, overrides: dict, redis_url: str | None = None):
-        from cluster.bootstrap import start_cluster
+        from tandem.cluster.bootstrap import start_cluster
 
         self.config = load_config(None, {"router.port": 0, "router.redis_url": redis_url, **overrides})
         self.cluster = start_cluster(self.config, namespace=f"test-{uuid.uuid4().hex[:6]}")
@@ -35,8 +35,8 @@ class RunningCluster:
         """Start another router on this cluster (optionally with its own Redis URL); its target."""
         from dataclasses import replace
 
-        from engine.weights import load_tokenizer
-        from router.server import serve
+        from tandem.engine.weights import load_tokenizer
+        from tandem.router.server import serve
 
         config = self.config
         if redis_url is not None:

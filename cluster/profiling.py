@@ -28,10 +28,10 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
     """Samples in `PerfModel.fit`'s format, measured on this machine."""
     import torch
 
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine
-    from engine.request import SamplingParams
-    from engine.scheduler import SchedulerOutput, ScheduledRequest
+    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.request import SamplingParams
+    from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest
 
     if quick:
         prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
@@ -92,7 +92,7 @@ def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: i
     import statistics
     import time
 
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     rng = random.Random(seed)
 
@@ -119,14 +119,14 @@ def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: i
 
 
 def cmd_profile(args) -> int:
-    from cluster.simulator import PerfModel
+    from tandem.cluster.simulator import PerfModel
 
     samples = profile_engine(args.model, args.device, args.dtype, quick=args.quick)
     perf = PerfModel.fit(samples, block_tokens=16)
     if args.target:       # the control path, measured on the running cluster
         import grpc
 
-        from protos.tandem.v1 import generation_pb2_grpc
+        from tandem.protos.tandem.v1 import generation_pb2_grpc
 
         with grpc.insecure_channel(args.target) as channel:
             perf = fit_control_path(generation_pb2_grpc.GenerationStub(channel), perf,
@@ -145,7 +145,7 @@ def cmd_profile(args) -> int:
 
 
 def load_perf(path: str | None):
-    from cluster.simulator import PerfModel
+    from tandem.cluster.simulator import PerfModel
 
     if path is None:
         return PerfModel()
@@ -167,10 +167,10 @@ def perf_for_cluster(perf, cluster):
 
 
 def cmd_simulate(args) -> int:
-    from bench.workloads import load_workload
-    from cluster.autoscaler import AutoscalerConfig
-    from cluster.config import load_config
-    from cluster.simulator import SLO, format_table, simulate, sweep
+    from tandem.cluster.workloads import load_workload
+    from tandem.cluster.autoscaler import AutoscalerConfig
+    from tandem.cluster.config import load_config
+    from tandem.cluster.simulator import SLO, format_table, simulate, sweep
 
     perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
@@ -206,7 +206,7 @@ def cmd_simulate(args) -> int:
 
 
 def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
-    from cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
+    from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 
     rates = [float(r) for r in args.ramp.split(",") if r.strip()]
     step_s = args.step_s or 60.0

@@ -15,9 +15,9 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.loadgen import RampPlan, load_sessions, parse_workload, plan_ramp, sessions_needed
-from cluster.autoscaler import AutoscalerConfig
-from cluster.simulator import SLO, PerfModel, PoolSample, SimResult, SimSummary, format_table, simulate, summarize
+from tandem.cluster.loadgen import RampPlan, load_sessions, parse_workload, plan_ramp, sessions_needed
+from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.simulator import SLO, PerfModel, PoolSample, SimResult, SimSummary, format_table, simulate, summarize
 
 
 def ramp_plan(workload: str, rates: Sequence[float], step_s: float, seed: int = 0) -> RampPlan:
@@ -114,7 +114,7 @@ def write_ramp(report: dict[str, Any], out_dir: str | Path, label: str) -> list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.loadgen_report import plot_timeline
+    from tandem.cluster.loadgen_report import plot_timeline
 
     paths.append(plot_timeline(report, out / f"sim-{label}-timeline.png", plt,
                                title=f"tandem simulate {label}: pools and latency over time (simulated)"))

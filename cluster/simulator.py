@@ -35,13 +35,13 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
+from tandem.cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, decide)
-from cluster.latency import LatencyWindow
-from engine.config import ConfigError
+from tandem.cluster.latency import LatencyWindow
+from tandem.engine.config import ConfigError
 
 
-class RequestLike(Protocol):  # bench.workloads.RequestSpec has these fields
+class RequestLike(Protocol):  # cluster.workloads.RequestSpec has these fields
     session_id: str
     turn: int
     arrival_s: float

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
+from tandem.cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
 
 
 @ray.remote(**ACTOR_CONCURRENCY)
@@ -14,7 +14,7 @@ class DecodeActor(PoolActorBase):
     def __init__(self, worker_id: str, engine_config, local_prefill_threshold: float, rendezvous: str | None,
                  num_cpus: float = 1.0, transfer_config=None):
         setup_process(num_cpus)
-        from decode_workers.worker import DecodeWorker
+        from tandem.decode_workers.worker import DecodeWorker
 
         self.worker_id = worker_id
         self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous,

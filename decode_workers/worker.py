@@ -24,13 +24,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestOutput
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from cluster.latency import LatencyWindow
-from engine.request import WorkerUnavailable
-from engine.kernels.compile_watch import watch as compile_watch
-from engine.serving_loop import EngineLoop
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine, RequestOutput
+from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from tandem.cluster.latency import LatencyWindow
+from tandem.engine.request import WorkerUnavailable
+from tandem.engine.kernels.compile_watch import watch as compile_watch
+from tandem.engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ class DecodeWorker:
         self.block_size = self.engine.allocator.block_size
         self.receiver = self.sender = None
         if rendezvous is not None:
-            from kv_transfer.base import KVTransferConfig
-            from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
+            from tandem.kv_transfer.base import KVTransferConfig
+            from tandem.kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
             tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
             conn = DistConnector(worker_id, rendezvous, self.engine.kv_cache.device, tcfg)
@@ -182,7 +182,7 @@ class DecodeWorker:
                     "dst_block_ids": req.block_ids[first:last], "num_tokens": n,
                     "prefix_block_ids": req.block_ids[:first]}
             if prefill_id is not None:
-                from kv_transfer.base import TransferSpec
+                from tandem.kv_transfer.base import TransferSpec
 
                 try:
                     self._expect_spec(TransferSpec(transfer_id, prefill_id, self.worker_id,
@@ -198,7 +198,7 @@ class DecodeWorker:
         return {"mode": "local", "cached_tokens": cached}
 
     def _expect(self, spec_msg: dict[str, Any]) -> None:
-        from kv_transfer.base import TransferSpec
+        from tandem.kv_transfer.base import TransferSpec
 
         spec = TransferSpec.from_msg(spec_msg)
         if spec.request_id not in self.remote:
@@ -219,7 +219,7 @@ class DecodeWorker:
         self._transfer_started[tid] = time.perf_counter()
 
     def _send_prefix(self, spec_msg: dict[str, Any]) -> None:
-        from kv_transfer.base import TransferSpec
+        from tandem.kv_transfer.base import TransferSpec
 
         spec = TransferSpec.from_msg(spec_msg)
         self.sender.send(spec)  # the blocks stay held by the reserved request meanwhile
@@ -272,7 +272,7 @@ class DecodeWorker:
             self.sender.reap()
         if self.receiver is None or not (self.remote or self._receiving):
             return
-        from kv_transfer.base import TransferState
+        from tandem.kv_transfer.base import TransferState
 
         for tid, state in self.receiver.reap():
             req = self.remote.pop(tid, None)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.prefix_hash import block_hashes, hash_block  # noqa: F401
-from engine.request import Request
+from tandem.engine.prefix_hash import block_hashes, hash_block  # noqa: F401
+from tandem.engine.request import Request
 
 
 class BlockAllocator:

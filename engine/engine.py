@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockAllocator
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache, num_blocks_for
-from engine.model_runner import ModelRunner
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
-from engine.tokenizer import IncrementalDetokenizer
-from engine.weights import load_model
+from tandem.engine.block_manager import BlockAllocator
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache import KVCache, num_blocks_for
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from tandem.engine.sampler import Sampler
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.tokenizer import IncrementalDetokenizer
+from tandem.engine.weights import load_model
 
 
 @dataclass
@@ -85,7 +85,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.speculator = None
         if config.speculative.enabled or proposer is not None:
-            from engine.speculative.speculator import build_speculator
+            from tandem.engine.speculative.speculator import build_speculator
 
             self.speculator = build_speculator(config.speculative, model, self.sampler, num_blocks=num_blocks,
                                                block_size=bs, dtype=config.dtype, seed=config.seed,
@@ -391,16 +391,16 @@ class LLMEngine:
         t0 = time.perf_counter()
         launches = 0
         if self.kv_cache.device.type == "cuda":   # from here on, every Triton compile is counted
-            from engine.kernels.compile_watch import watch
+            from tandem.engine.kernels.compile_watch import watch
 
             watch.install()
         if self.runner._fused():  # the Triton ops: compile each attention variant first
-            from engine.kernels.paged_attention import compile_variants
+            from tandem.engine.kernels.paged_attention import compile_variants
 
             kv = self.kv_cache.tensor[0]
             launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
         if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
-            from engine.kernels.block_copy import compile_variants as compile_block_copy
+            from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy
 
             launches += compile_block_copy(self.kv_cache.tensor)
         rng = random.Random(seed)
@@ -437,7 +437,7 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)
-            from engine.kernels.compile_watch import watch
+            from tandem.engine.kernels.compile_watch import watch
 
             watch.arm()                 # a compile after this one is logged: warmup missed it
         return {"shapes": ran, "kernel_variants": launches, "seconds": round(time.perf_counter() - t0, 3),

@@ -8,7 +8,7 @@ import pickle
 
 import torch
 
-from engine.config import CacheConfig
+from tandem.engine.config import CacheConfig
 
 
 def num_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device) -> int:
@@ -57,7 +57,7 @@ class KVCache:
         idx = self.block_index(block_ids)
         shape = (len(layers), *self.block_payload_shape(len(idx)))
         if self.uses_triton_copy():
-            from engine.kernels.block_copy import copy_blocks
+            from tandem.engine.kernels.block_copy import copy_blocks
 
             out = torch.empty(shape, dtype=self.dtype, device=self.device) if out is None else out
             copy_blocks(self.tensor, layers, idx, out, to_buf=True)
@@ -72,7 +72,7 @@ class KVCache:
         """Write `data` (shaped like `gather_layers`' result) into those blocks, one kernel."""
         idx = self.block_index(block_ids)
         if self.uses_triton_copy() and data.dtype == self.dtype and data.is_contiguous():
-            from engine.kernels.block_copy import copy_blocks
+            from tandem.engine.kernels.block_copy import copy_blocks
 
             copy_blocks(self.tensor, layers, idx, data, to_buf=False)
             return
@@ -110,7 +110,7 @@ class KVCache:
         (its id arena), unseen here: ids are clamped into the peer's cache, so a bad one copies a
         wrong block but never reads outside it."""
         if self.uses_triton_copy():
-            from engine.kernels.block_copy import copy_cache_blocks
+            from tandem.engine.kernels.block_copy import copy_cache_blocks
 
             # the layouts were compared when the peer was mapped: no checks on the transfer's path
             copy_cache_blocks(peer, self.tensor, layers, src_index, dst_index, check=False)
@@ -122,7 +122,7 @@ class KVCache:
     def uses_triton_copy(self) -> bool:
         """Block copies through engine.kernels.block_copy: on CUDA, where Triton is installed."""
         if self._use_triton is None:
-            from engine.kernels import triton_available
+            from tandem.engine.kernels import triton_available
 
             self._use_triton = self.device.type == "cuda" and triton_available()
         return self._use_triton

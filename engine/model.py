@@ -21,8 +21,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
-from engine.config import ModelConfig
+from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from tandem.engine.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -167,9 +167,9 @@ class TritonOps:
     fused = True
 
     def __init__(self):
-        from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
-        from engine.kernels.kv_write import write_kv
-        from engine.kernels.paged_attention import paged_attention
+        from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+        from tandem.engine.kernels.kv_write import write_kv
+        from tandem.engine.kernels.paged_attention import paged_attention
 
         self.write_kv, self.attention = write_kv, paged_attention
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
@@ -178,7 +178,7 @@ class TritonOps:
 def default_ops(device: torch.device) -> TorchOps | TritonOps:
     """TritonOps on a CUDA device where Triton imports, else TorchOps."""
     if device.type == "cuda":
-        from engine.kernels import triton_available
+        from tandem.engine.kernels import triton_available
 
         if triton_available():
             return TritonOps()

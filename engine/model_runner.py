@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
                                 capture_query_lens, graph_key, token_buckets)
-from engine.kv_cache import KVCache
-from engine.scheduler import SchedulerOutput
+from tandem.engine.kv_cache import KVCache
+from tandem.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -179,7 +179,7 @@ class ModelRunner:
         """Whether the decode kernel splits contexts of this length at this batch size."""
         plan = self._split_plans.get((batch, context))
         if plan is None:
-            from engine.kernels.paged_attention import _num_sms, choose_partition_size
+            from tandem.engine.kernels.paged_attention import _num_sms, choose_partition_size
 
             size = choose_partition_size(batch, self.model.config.num_kv_heads, context, _num_sms(self.device))
             plan = self._split_plans[(batch, context)] = size is not None and size < context

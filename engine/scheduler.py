@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockAllocator
-from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.block_manager import BlockAllocator
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.request import WorkerUnavailable
+from tandem.engine.request import WorkerUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.request import InvalidRequestError
+from tandem.engine.request import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import PRESETS, ModelConfig
-from engine.model import LlamaForCausalLM
-from engine.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_json_from_gguf
+from tandem.engine.config import PRESETS, ModelConfig
+from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_json_from_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -5,10 +5,10 @@
 connectors. torch_dist is not imported here, so importing the package stays cheap.
 """
 
-from kv_transfer.base import (BlockStore, KVReceiver, KVSender, KVTransferAborted, KVTransferConfig,
+from tandem.kv_transfer.base import (BlockStore, KVReceiver, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, TransferSpec, TransferState)
-from kv_transfer.receiver import LayerStreamReceiver
-from kv_transfer.sender import LayerStreamSender
+from tandem.kv_transfer.receiver import LayerStreamReceiver
+from tandem.kv_transfer.sender import LayerStreamSender
 
 __all__ = ["BlockStore", "KVReceiver", "KVSender", "KVTransferAborted", "KVTransferConfig",
            "KVTransferError", "KVTransferTimeout", "LayerStreamReceiver", "LayerStreamSender",

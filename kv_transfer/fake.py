@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
+from tandem.kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
                               ReleaseCallback)
-from kv_transfer.link import decode_frame, encode_frame
-from kv_transfer.receiver import LayerStreamReceiver
-from kv_transfer.sender import LayerStreamSender
+from tandem.kv_transfer.link import decode_frame, encode_frame
+from tandem.kv_transfer.receiver import LayerStreamReceiver
+from tandem.kv_transfer.sender import LayerStreamSender
 
 _CLOSED = object()
 

@@ -41,12 +41,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
+from tandem.kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
                               PinnedIndexRing, StagingRing, TransferState, device_index, layer_runs,
                               machine_id)
-from kv_transfer.link import Connector, PeerLink, Pending
-from kv_transfer.records import TransferRecord, TransferTable
+from tandem.kv_transfer.link import Connector, PeerLink, Pending
+from tandem.kv_transfer.records import TransferRecord, TransferTable
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kv_transfer.base import (KVTransferAborted, KVTransferError, KVTransferTimeout,
+from tandem.kv_transfer.base import (KVTransferAborted, KVTransferError, KVTransferTimeout,
                               ReleaseCallback, TransferSpec, TransferState)
 
 log = logging.getLogger(__name__)

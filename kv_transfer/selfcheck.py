@@ -1,7 +1,7 @@
 """Two-process check of the torch.distributed transport on this machine, no Ray:
 
-    python -m kv_transfer.selfcheck --device cuda     # NCCL data + gloo control; needs 2 GPUs
-    python -m kv_transfer.selfcheck --device cpu      # gloo only
+    python -m tandem.kv_transfer.selfcheck --device cuda     # NCCL data + gloo control; needs 2 GPUs
+    python -m tandem.kv_transfer.selfcheck --device cpu      # gloo only
 
 Moves a Llama-shaped cache (default: Llama-3.1-8B KV, bf16, 16-token blocks) layer by layer from a
 sender process to a receiver process into different, shuffled block ids; checks every byte; times
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from kv_transfer.base import KVTransferConfig, TransferSpec
-from kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec
+from tandem.kv_transfer.testing import TensorBlockStore
 
 CONFIG = KVTransferConfig(timeout_s=10.0, start_timeout_s=60.0, connect_timeout_s=60.0)
 SEED = 1234
@@ -42,7 +42,7 @@ def _spec(args: argparse.Namespace, rid: str, n_layers: int | None = None) -> Tr
 
 
 def _sender_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, out: Any) -> None:
-    from kv_transfer.torch_dist import make_dist_sender
+    from tandem.kv_transfer.torch_dist import make_dist_sender
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     released: list[str] = []
@@ -68,7 +68,7 @@ def _sender_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, ou
 
 
 def _receiver_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, out: Any) -> None:
-    from kv_transfer.torch_dist import make_dist_receiver
+    from tandem.kv_transfer.torch_dist import make_dist_receiver
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     released: list[str] = []
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     devices = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
 
-    from kv_transfer.torch_dist import backend_for, start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import backend_for, start_rendezvous_store
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
     ctx = mp.get_context("spawn")

@@ -57,12 +57,12 @@ from typing import Any, Callable
 
 import torch
 
-from kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
+from tandem.kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
                               KVTransferError, KVTransferTimeout, ReleaseCallback, StagingRing,
                               PinnedIndexRing, TransferSpec, TransferState, device_index, layer_runs,
                               machine_id, plan_messages)
-from kv_transfer.link import Connector, PeerLink, Pending
-from kv_transfer.records import TransferRecord, TransferTable
+from tandem.kv_transfer.link import Connector, PeerLink, Pending
+from tandem.kv_transfer.records import TransferRecord, TransferTable
 
 log = logging.getLogger(__name__)
 

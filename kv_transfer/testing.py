@@ -7,7 +7,7 @@ import uuid
 
 import torch
 
-from engine.kv_cache import KVCache
+from tandem.engine.kv_cache import KVCache
 
 
 class TensorBlockStore(KVCache):

@@ -53,11 +53,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
+from tandem.kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
                               ReleaseCallback)
-from kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame, frame_bytes, frame_tail_bytes
-from kv_transfer.receiver import LayerStreamReceiver
-from kv_transfer.sender import LayerStreamSender
+from tandem.kv_transfer.link import FRAME_BYTES, decode_frame, encode_frame, frame_bytes, frame_tail_bytes
+from tandem.kv_transfer.receiver import LayerStreamReceiver
+from tandem.kv_transfer.sender import LayerStreamSender
 
 _TAG_FRAME, _TAG_DATA = 1, 2
 _IDLE_WAIT_S = 7 * 24 * 3600.0        # "forever" for a receive posted while idle

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
+from tandem.cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
 
 
 @ray.remote(**ACTOR_CONCURRENCY)
@@ -14,7 +14,7 @@ class PrefillActor(PoolActorBase):
     def __init__(self, worker_id: str, engine_config, rendezvous: str, num_cpus: float = 1.0,
                  transfer_config=None):
         setup_process(num_cpus)
-        from prefill_workers.worker import PrefillWorker
+        from tandem.prefill_workers.worker import PrefillWorker
 
         self.worker_id = worker_id
         self.worker = PrefillWorker(worker_id, engine_config, rendezvous, transfer_config=transfer_config)

@@ -25,12 +25,12 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from cluster.latency import LatencyWindow
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.request import Request, SamplingParams, WorkerUnavailable
-from engine.kernels.compile_watch import watch as compile_watch
-from engine.serving_loop import EngineLoop
+from tandem.cluster.latency import LatencyWindow
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.request import Request, SamplingParams, WorkerUnavailable
+from tandem.engine.kernels.compile_watch import watch as compile_watch
+from tandem.engine.serving_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ class PrefillWorker:
         `start` is refused and its router prefills locally."""
         self.reservation_timeout_s = reservation_timeout_s
         self._reservations_checked = 0.0
-        from kv_transfer.base import KVTransferConfig
-        from kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
+        from tandem.kv_transfer.base import KVTransferConfig
+        from tandem.kv_transfer.torch_dist import DistConnector, make_dist_receiver, make_dist_sender
 
         self.worker_id = worker_id
         self.engine = engine or LLMEngine(engine_config)
@@ -167,7 +167,7 @@ class PrefillWorker:
         return {"cached_tokens": cached, "block_ids": req.block_ids[:e.allocator.blocks_needed(n)]}
 
     def _expect_pull(self, spec_msg: dict[str, Any], covers: int) -> None:
-        from kv_transfer.base import TransferSpec
+        from tandem.kv_transfer.base import TransferSpec
 
         spec = TransferSpec.from_msg(spec_msg)
         owner = spec_msg["owner"]
@@ -220,7 +220,7 @@ class PrefillWorker:
         self.sender.reap()
         if not (self.pulling or self._pull_holds):
             return
-        from kv_transfer.base import TransferState
+        from tandem.kv_transfer.base import TransferState
 
         for pid, state in self.receiver.reap():
             if state is TransferState.DONE:
@@ -243,7 +243,7 @@ class PrefillWorker:
             # (a pull that failed before `start`: the request computes its prefix itself)
 
     def _start(self, spec_msg: dict[str, Any]) -> Future:
-        from kv_transfer.base import TransferSpec
+        from tandem.kv_transfer.base import TransferSpec
 
         spec = TransferSpec.from_msg(spec_msg)
         req = self.reserved.pop(spec.request_id, None)
@@ -323,7 +323,7 @@ class PrefillWorker:
         if first is None:       # ended before its first token (else `_on_step` resolved it)
             self._resolve_first(tid, None, RuntimeError(f"KV transfer {tid} {state.value} without a first token"))
         fut = self.done.pop(tid, None)
-        from kv_transfer.base import TransferState
+        from tandem.kv_transfer.base import TransferState
 
         r0 = self._reserved_at.pop(tid, None)
         if state is TransferState.DONE:

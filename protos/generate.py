@@ -30,6 +30,7 @@ _PROTOBUF_PIN = re.compile(
     r"from google\.protobuf import runtime_version as _runtime_version\n"
     r"|_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:[^\n]*\n)*?\)\n")
 _GRPC_PIN = re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M)
+_MODULE_PATH = re.compile(r"(from |')protos\.(?=tandem\.v1)")
 
 
 def proto_files() -> list[Path]:
@@ -42,6 +43,8 @@ def relax_version_pins(path: Path) -> None:
         text = _PROTOBUF_PIN.sub("", text)
     elif path.name.endswith("_pb2_grpc.py"):
         text = _GRPC_PIN.sub(f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", text)
+    # protoc names modules by their path under the repository; they install under `tandem.`.
+    text = _MODULE_PATH.sub(r"\1tandem.protos.", text)
     # The stamp goes after protoc's "DO NOT EDIT" line (the top of a .pyi, which has none).
     tools = metadata.version("grpcio-tools")
     stamp = f"# Post-processed by protos/generate.py (grpcio-tools {tools})\n"

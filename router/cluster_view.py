@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from router.routing import WorkerView
+from tandem.router.routing import WorkerView
 
 log = logging.getLogger(__name__)
 

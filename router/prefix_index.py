@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from engine.prefix_hash import block_hashes, hash_block  # noqa: F401  (re-exported)
+from tandem.engine.prefix_hash import block_hashes, hash_block  # noqa: F401  (re-exported)
 
 
 class PrefixIndex:

@@ -18,18 +18,18 @@ from typing import Any
 import grpc
 import ray
 
-from cluster.logging_setup import bind_request
-from cluster.metrics import WorkerMetricsSnapshot, get_hub
-from engine.prefix_hash import block_hashes
-from engine.request import InvalidRequestError, WorkerUnavailable
-from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.admission import AdmissionConfig, AdmissionLimiter, Overloaded, client_identity
-from router.auth import bearer_token
-from router.cluster_view import ClusterView
-from router.prefix_index import PrefixIndex
-from router.routing import any_ready, choose_worker, prefill_placement
-from router.sessions import SessionState, make_session_store
-from router.validation import RequestLimits, validate_request
+from tandem.cluster.logging_setup import bind_request
+from tandem.cluster.metrics import WorkerMetricsSnapshot, get_hub
+from tandem.engine.prefix_hash import block_hashes
+from tandem.engine.request import InvalidRequestError, WorkerUnavailable
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded, client_identity
+from tandem.router.auth import bearer_token
+from tandem.router.cluster_view import ClusterView
+from tandem.router.prefix_index import PrefixIndex
+from tandem.router.routing import any_ready, choose_worker, prefill_placement
+from tandem.router.sessions import SessionState, make_session_store
+from tandem.router.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ class Router:
     async def _transfer_from(self, prefill, prefill_id, decode, decode_id, transfer_id, ids, plan, res, hashes):
         """`plan`: the decode actor's reservation (its cached tokens, the blocks the KV lands in);
         `res`: the prefill actor's (its cached tokens, all the prompt's blocks)."""
-        from kv_transfer.base import TransferSpec
+        from tandem.kv_transfer.base import TransferSpec
 
         layers = list(range(self.num_layers))
         first, n, bs = plan["first_block"], len(plan["dst_block_ids"]), self.block_size

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 # One error type for bad input, shared with the engine (which raises it for the same reasons).
 InvalidRequest = InvalidRequestError

@@ -4,9 +4,9 @@ Each kernel has one Python wrapper next to it that checks dtype, shape and strid
 bad input) and launches it; every wrapper has a plain-torch reference it is tested against
 (`engine.attention` for attention and KV writes). Import the wrappers from their modules:
 
-    from engine.kernels.paged_attention import paged_attention
-    from engine.kernels.kv_write import write_kv
-    from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+    from tandem.engine.kernels.paged_attention import paged_attention
+    from tandem.engine.kernels.kv_write import write_kv
+    from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 
 This package itself imports no Triton, so `triton_available()` is safe to call anywhere.
 On a machine without CUDA the kernels run under Triton's interpreter when `TRITON_INTERPRET=1` is set

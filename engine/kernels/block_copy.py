@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.validate import INDEX_DTYPES, next_power_of_2, require_runnable, require_tensor
+from tandem.engine.kernels.validate import INDEX_DTYPES, next_power_of_2, require_runnable, require_tensor
 
 
 # The per-transfer integers (blocks in the message, first plane) are not specialized: Triton would

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
                                      require_same, require_tensor)
 
 

@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata
-from engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                      require_tensor)
 
 MAX_DECODE_QUERY_LEN = 16

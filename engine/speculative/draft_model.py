@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.block_manager import BlockAllocator
-from engine.kv_cache import KVCache
-from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampler import Sampler, probs_for
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.speculative.proposer import Draft
+from tandem.engine.block_manager import BlockAllocator
+from tandem.engine.kv_cache import KVCache
+from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler, probs_for
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.speculative.proposer import Draft
 
 
 def early_exit_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from engine.speculative.proposer import Draft
+from tandem.engine.request import Request
+from tandem.engine.speculative.proposer import Draft
 
 MAX_CANDIDATES = 64  # most recent occurrences examined per lookup (bounds the cost on repetitive text)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.request import Request
+from tandem.engine.request import Request
 
 
 @dataclass

@@ -14,12 +14,12 @@ from collections.abc import Collection
 
 import torch
 
-from engine.config import SpeculativeConfig
-from engine.request import Request
-from engine.sampler import Sampler, probs_for
-from engine.speculative.policy import SpeculationLengthPolicy
-from engine.speculative.proposer import Draft, Proposer
-from engine.speculative.verify import accept_greedy, accept_sampled
+from tandem.engine.config import SpeculativeConfig
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler, probs_for
+from tandem.engine.speculative.policy import SpeculationLengthPolicy
+from tandem.engine.speculative.proposer import Draft, Proposer
+from tandem.engine.speculative.verify import accept_greedy, accept_sampled
 
 
 class Speculator:
@@ -106,15 +106,15 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
     device = target.embed_tokens.weight.device
     if proposer is None:
         if cfg.method == "ngram":
-            from engine.speculative.ngram import NgramProposer
+            from tandem.engine.speculative.ngram import NgramProposer
 
             proposer = NgramProposer(cfg.min_n, cfg.max_n)
         elif cfg.method == "draft":
-            from engine.speculative.draft_model import DraftModelProposer, early_exit_model
+            from tandem.engine.speculative.draft_model import DraftModelProposer, early_exit_model
 
             if draft_model is None:
                 if cfg.draft_model is not None:
-                    from engine.weights import load_model
+                    from tandem.engine.weights import load_model
 
                     draft_model, _, _ = load_model(cfg.draft_model, dtype, str(device), seed + 1)
                 else:

@@ -10,14 +10,14 @@ import signal
 import threading
 import time
 
-from protos.tandem.v1 import admin_pb2
+from tandem.protos.tandem.v1 import admin_pb2
 
 TINY = {"model.name": "tiny-random", "cache.num_blocks": 512}
 
 
 def _reference(model, reqs, num_blocks=512):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     return [r["token_ids"] for r in LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks)))
             .generate(reqs)]

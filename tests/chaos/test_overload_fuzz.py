@@ -10,7 +10,7 @@ import time
 import grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from protos.tandem.v1 import generation_pb2 as pb
+from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 TINY = {"model.name": "tiny-random", "cache.num_blocks": 256, "decode.local_prefill_threshold": 10**9,
         "prefill.replicas": 1, "decode.replicas": 1}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.local import RunningCluster
+from tandem.cluster.local import RunningCluster
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import time
 
 import ray
 
-from cluster.config import load_config
-from decode_workers.actor import DecodeActor
+from tandem.cluster.config import load_config
+from tandem.decode_workers.actor import DecodeActor
 
 
 def test_health_calls_answer_while_every_request_thread_waits(ray_session):

@@ -15,11 +15,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.auth import (AuthConfigError, BearerTokenInterceptor, TokenStore, auth_metadata,
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tandem.router.auth import (AuthConfigError, BearerTokenInterceptor, TokenStore, auth_metadata,
                          auth_required_by_default, call_credentials, load_client_token,
                          resolve_auth)
-from router.tls import (ClientTLSConfig, TLSConfig, TLSConfigError, channel_credentials,
+from tandem.router.tls import (ClientTLSConfig, TLSConfig, TLSConfigError, channel_credentials,
                         channel_options, server_credentials)
 
 GOOD = "good-token-0123456789abcdef"

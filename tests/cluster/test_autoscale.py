@@ -9,7 +9,7 @@ import time
 
 import ray
 
-from protos.tandem.v1 import admin_pb2
+from tandem.protos.tandem.v1 import admin_pb2
 
 AUTOSCALE = {
     "model.name": "smollm2-135m", "cache.num_blocks": 1024, "decode.local_prefill_threshold": 16,
@@ -39,8 +39,8 @@ def _burst(c, prompts, max_tokens, results, errors, prefix="b"):
 
 
 def test_burst_grows_prefill_then_idle_shrinks_it(make_cluster):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     c = make_cluster(AUTOSCALE)
     assert _pool_sizes(c) == {"prefill": 1, "decode": 1}
@@ -77,8 +77,8 @@ def test_burst_grows_prefill_then_idle_shrinks_it(make_cluster):
 def test_drain_in_the_middle_of_streams_loses_nothing(make_cluster):
     c = make_cluster({"model.name": "tiny-random", "cache.num_blocks": 512, "decode.local_prefill_threshold": 10**9,
                       "prefill.replicas": 1, "decode.replicas": 2})
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     prompts = [f"stream number {i}: " + "abc " * (i + 3) for i in range(8)]
     ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=512))).generate(

@@ -14,7 +14,7 @@ import threading
 import grpc
 import pytest
 
-from protos.tandem.v1 import generation_pb2 as pb
+from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 MODEL = {"model.name": "smollm2-135m", "cache.num_blocks": 512}
 REMOTE = {**MODEL, "decode.local_prefill_threshold": 0}  # every prompt is prefilled remotely
@@ -32,8 +32,8 @@ CHAT = [{"role": "user", "content": "Write a haiku about unit tests."}]
 @pytest.fixture(scope="module")
 def offline():
     """Greedy outputs of the offline engine, as `tandem generate` produces them."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     e = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=512)))
 
@@ -45,7 +45,7 @@ def offline():
 
 @pytest.fixture(scope="module")
 def remote(ray_session):
-    from cluster.local import RunningCluster
+    from tandem.cluster.local import RunningCluster
 
     c = RunningCluster({**REMOTE, "prefill.replicas": 1, "decode.replicas": 1})
     yield c
@@ -68,7 +68,7 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     stats = remote.worker_stats()
     assert stats["decode-0"]["remote_prefills"] >= 6, "these requests were meant to take the remote path"
     assert stats["prefill-0"]["prefills"] >= 6
-    from cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+    from tandem.cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
     for actor in ("decode-0", "prefill-0"):
         assert stats[actor]["gil_switch_interval_s"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S), \
             f"{actor} serves with Python's 5 ms GIL switch interval"
@@ -77,7 +77,7 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import smollm2_gguf_path
+    from tandem.engine.weights import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -127,7 +127,7 @@ def test_second_turn_hits_the_cache_remote_path(remote, caplog):
     router = remote.routers[0][1]
     router.slow_ttft_s = 0.0  # every first token is "slow": each logs where its time went
     try:
-        with caplog.at_level(logging.WARNING, logger="router.server"):
+        with caplog.at_level(logging.WARNING, logger="tandem.router.server"):
             last1, last2, before, after = _two_turns(remote, "sess-remote")
     finally:
         router.slow_ttft_s = 1.0
@@ -264,7 +264,7 @@ def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
     other = c.add_router(redis_url=redis_server)
     import grpc as g
 
-    from protos.tandem.v1 import generation_pb2_grpc
+    from tandem.protos.tandem.v1 import generation_pb2_grpc
 
     stub2 = generation_pb2_grpc.GenerationStub(g.insecure_channel(other))
     msgs = [{"role": "user", "content": "List three prime numbers."}]
@@ -282,7 +282,7 @@ def test_metrics_endpoint_after_traffic(remote):
     import time
     import urllib.request
 
-    from cluster.metrics import METRIC_NAMES, start_metrics_server
+    from tandem.cluster.metrics import METRIC_NAMES, start_metrics_server
 
     port = start_metrics_server(0, "127.0.0.1")
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from decode_workers.worker import DecodeWorker
-from engine.config import EngineConfig
-from kv_transfer.base import TransferState
-from kv_transfer.torch_dist import start_rendezvous_store
+from tandem.decode_workers.worker import DecodeWorker
+from tandem.engine.config import EngineConfig
+from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_reserve_registers_the_receive_from_the_named_prefill_actor(worker):
 def test_expect_from_another_prefill_actor_redirects_the_registered_receive(worker):
     """The router's first prefill actor could not take the request: its `expect` names another,
     and the receive registered at reserve now waits for that one."""
-    from kv_transfer.base import TransferSpec
+    from tandem.kv_transfer.base import TransferSpec
 
     w = worker
     plan = w.reserve("req-4", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-4", "prefill-9")
@@ -122,7 +122,7 @@ def test_an_abort_while_a_layer_is_copied_frees_the_blocks_once_the_copy_ends(wo
 def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports_once(worker):
     """The failure is reaped (the router hears of it) before the layer in flight is copied: the
     blocks come back when it is."""
-    from kv_transfer.base import KVTransferError
+    from tandem.kv_transfer.base import KVTransferError
 
     w = worker
     w.reserve("req-c", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-c", "prefill-9")

@@ -11,8 +11,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
-from kv_transfer.torch_dist import start_rendezvous_store  # noqa: E402
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+from tandem.kv_transfer.torch_dist import start_rendezvous_store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,9 +25,9 @@ class KVEndpoint:
     """A prefill-like or decode-like actor around a TensorBlockStore; states come back as strings."""
 
     def __init__(self, actor_id: str, role: str, rendezvous: str, seed: int | None):
-        from kv_transfer.base import KVTransferConfig
-        from kv_transfer.testing import TensorBlockStore
-        from kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
+        from tandem.kv_transfer.base import KVTransferConfig
+        from tandem.kv_transfer.testing import TensorBlockStore
+        from tandem.kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
 
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         self.store = TensorBlockStore(num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS, block_size=4,
@@ -198,7 +198,7 @@ def test_restarted_receiver_gets_a_fresh_group_from_the_same_sender(cluster):
 @ray.remote(num_cpus=0)
 def _read_frames(rendezvous: str, count: int, unix_frames: bool) -> tuple[list[dict], bool]:
     """A receiver in a process of its own: read `count` frames, answer the hello, close."""
-    from kv_transfer.torch_dist import DistConnector
+    from tandem.kv_transfer.torch_dist import DistConnector
 
     link = DistConnector("decode-long", rendezvous, "cpu",
                          KVTransferConfig(**CONFIG, unix_frames=unix_frames)).connect("prefill-long", as_sender=False)
@@ -215,7 +215,7 @@ def test_long_control_frames_and_the_direct_copy_verdict(ray_session, unix_frame
     """A frame longer than the fixed head (a direct copy's block ids) goes as head and tail and
     arrives whole, in order with the frames around it, on the pair's Unix socket (one host) and on
     its gloo group; the receiver's answer to "hello" reaches the sender out of band (the store)."""
-    from kv_transfer.torch_dist import DistConnector
+    from tandem.kv_transfer.torch_dist import DistConnector
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.loadgen import load_sessions
+from tandem.cluster.loadgen import load_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 # decode actors prefill locally and draft with n-gram lookup: the cache and draft figures are real
@@ -20,7 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_bench_sweeps_agent_sessions_and_reports_what_the_cluster_did(make_cluster, tmp_path):
     c = make_cluster(CLUSTER)
-    cmd = [sys.executable, "-m", "cluster.cli", "bench", "--target", c.target, "--workload", "agent-small",
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", "bench", "--target", c.target, "--workload", "agent-small",
            "--rates", "2,4", "--duration", "3", "--sessions", "3", "--max-context", "400", "--seed", "1",
            "--out", str(tmp_path), "--label", "ci", "--watch-pools", "0.5"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from kv_transfer.base import KVTransferConfig, TransferSpec
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec
 
 
 @pytest.fixture
 def prefill():
-    from engine.config import CacheConfig, EngineConfig
-    from kv_transfer.torch_dist import start_rendezvous_store
-    from prefill_workers.worker import PrefillWorker
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.prefill_workers.worker import PrefillWorker
 
     store, port = start_rendezvous_store("127.0.0.1")
     w = PrefillWorker("prefill-t", EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=256)),
@@ -30,7 +30,7 @@ def prefill():
 
 
 def test_first_token_comes_before_the_transfer_ends(prefill):
-    from engine.engine import LLMEngine
+    from tandem.engine.engine import LLMEngine
 
     ids = list(range(100, 180))
     res = prefill.reserve("t1", ids, {"max_tokens": 4})
@@ -85,7 +85,7 @@ def _used_after_polls(prefill) -> int:
 
 
 def test_an_abort_while_a_pull_copies_a_layer_keeps_the_blocks_until_the_copy_ends(prefill):
-    from kv_transfer.base import TransferState
+    from tandem.kv_transfer.base import TransferState
 
     held = _reserve_with_pull(prefill, "t-p", "pull-p")
     assert held > 0
@@ -107,7 +107,7 @@ def test_an_abort_while_a_pull_copies_a_layer_keeps_the_blocks_until_the_copy_en
 
 
 def test_an_abort_after_a_pull_landed_unseen_frees_the_blocks_at_its_reap(prefill):
-    from kv_transfer.base import TransferState
+    from tandem.kv_transfer.base import TransferState
 
     _reserve_with_pull(prefill, "t-q", "pull-q")
 
@@ -161,7 +161,7 @@ def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
 def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
     """On a fast link the prefix pull can land (and be reaped) before the router's `start` call
     arrives: the request then computes only past the pulled prefix, as when it lands after."""
-    from kv_transfer.base import TransferState
+    from tandem.kv_transfer.base import TransferState
 
     _reserve_with_pull(prefill, "t-early", "pull-early")      # pulls 16 tokens of the 80
     before = prefill.loop.run(lambda: dict(prefill.counters))

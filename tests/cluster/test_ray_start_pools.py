@@ -28,8 +28,8 @@ import yaml
 grpc = pytest.importorskip("grpc")
 health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
 health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
-generation_pb2 = pytest.importorskip("protos.tandem.v1.generation_pb2")
-generation_pb2_grpc = pytest.importorskip("protos.tandem.v1.generation_pb2_grpc")
+generation_pb2 = pytest.importorskip("tandem.protos.tandem.v1.generation_pb2")
+generation_pb2_grpc = pytest.importorskip("tandem.protos.tandem.v1.generation_pb2_grpc")
 
 pytestmark = pytest.mark.timeout(600)
 

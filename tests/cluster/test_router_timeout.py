@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from decode_workers.worker import DecodeWorker
-from engine.config import EngineConfig
+from tandem.decode_workers.worker import DecodeWorker
+from tandem.engine.config import EngineConfig
 
 
 def _until(cond, timeout=20.0):

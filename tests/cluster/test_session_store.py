@@ -11,7 +11,7 @@ import time
 import msgpack
 import redis
 
-from router.sessions import (InMemorySessionStore, RedisSessionStore, SessionState,
+from tandem.router.sessions import (InMemorySessionStore, RedisSessionStore, SessionState,
                              make_session_store)
 
 _prefixes = itertools.count()
@@ -97,7 +97,7 @@ def test_undecodable_value_is_a_miss(redis_server, caplog):
         store = RedisSessionStore(redis_server, ttl_s=60, prefix=prefix)
         assert await store.get("bad") is None
         await store.close()
-    with caplog.at_level(logging.WARNING, logger="router.sessions"):
+    with caplog.at_level(logging.WARNING, logger="tandem.router.sessions"):
         run(main())
     assert "cannot decode" in caplog.text
 
@@ -196,7 +196,7 @@ def test_redis_outage_falls_back_then_resyncs(redis_server_factory, caplog):
         await other.close()
         await store.close()
 
-    with caplog.at_level(logging.WARNING, logger="router.sessions"):
+    with caplog.at_level(logging.WARNING, logger="tandem.router.sessions"):
         run(main())
     warnings = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in warnings) == 1, warnings  # logged once per outage

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,7 +19,7 @@ _engines = []
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from engine.weights import load_model
+    from tandem.engine.weights import load_model
 
     model, tok, cfg = load_model("smollm2-135m")
     return model, tok
@@ -29,7 +29,7 @@ def smollm2():
 def hf_smollm2():
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import smollm2_gguf_path
+    from tandem.engine.weights import smollm2_gguf_path
 
     p = smollm2_gguf_path()
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
     """(our tiny-random model, its tokenizer, transformers' LlamaForCausalLM on the same weights)."""
     from transformers import LlamaForCausalLM
 
-    from engine.weights import load_model, save_hf_dir
+    from tandem.engine.weights import load_model, save_hf_dir
 
     model, tok, cfg = load_model("tiny-random", seed=1234)
     path = save_hf_dir(model, tmp_path_factory.mktemp("tiny-hf"))
@@ -51,7 +51,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def make_engine():
     """make_engine(model, tok, num_blocks=..., max_num_batched_tokens=..., ...) -> LLMEngine"""
-    from engine.engine import LLMEngine
+    from tandem.engine.engine import LLMEngine
 
     def make(model, tok, *, num_blocks=512, block_size=16, max_num_batched_tokens=2048, max_num_seqs=64,
              prefix_caching=True):

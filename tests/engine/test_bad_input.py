@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 CASES = [
     (dict(prompt=""), "prompt must not be empty"),
@@ -61,7 +61,7 @@ def test_too_large_for_the_cache(tiny, make_engine):
 def test_cli_reports_bad_input_and_exits_nonzero(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "ok", "max_tokens": 2}) + "\n" + json.dumps({"prompt": "x", "top_p": 3}) + "\n")
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "tiny-random",
+    r = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--model", "tiny-random",
                         "--prompt-file", str(f), "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "top_p must be in (0, 1]" in r.stderr
@@ -73,7 +73,7 @@ def test_cli_json_output_in_input_order(tmp_path):
     lines = [{"prompt": "first", "max_tokens": 5}, {"prompt_token_ids": [10, 11, 12], "max_tokens": 3},
              {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 4, "temperature": 0.8, "seed": 1}]
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "tiny-random",
+    r = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--model", "tiny-random",
                         "--prompt-file", str(f), "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     outs = [json.loads(x) for x in r.stdout.splitlines()]

@@ -21,8 +21,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def solo_outputs(smollm2):
     """Each prompt alone, greedy."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     model, tok = smollm2
     outs = []

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.cuda_graphs import (GraphKey, StaticInputs, capture_query_lens, graph_key, round_up,
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.cuda_graphs import (GraphKey, StaticInputs, capture_query_lens, graph_key, round_up,
                                 token_buckets)
-from engine.engine import LLMEngine
+from tandem.engine.engine import LLMEngine
 
 SIZES = (1, 2, 4, 8, 16, 24, 32)
 TOKENS = token_buckets(SIZES, 128)
@@ -81,8 +81,8 @@ PROMPTS = [list(range(5, 40)), [9, 8, 7, 6, 5, 4, 3] * 3, list(range(100, 117)),
 
 
 def _engine(model, tok, spec=False, graphs=False):
-    from engine.model import TritonOps
-    from engine.model_runner import ModelRunner
+    from tandem.engine.model import TritonOps
+    from tandem.engine.model_runner import ModelRunner
 
     cfg = EngineConfig(model="test", cache=CacheConfig(block_size=8, num_blocks=64),
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),

@@ -25,18 +25,18 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 import pytest  # noqa: E402
 
-from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch  # noqa: E402
-from engine.kernels import triton_available  # noqa: E402
+from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch  # noqa: E402
+from tandem.engine.kernels import triton_available  # noqa: E402
 
 if not triton_available():  # a missing install must fail CI, not hide the kernels' tests
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off; "
                 "`make setup` installs triton", pytrace=False)
 
-from engine.kernels.block_copy import copy_blocks  # noqa: E402
-from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
-from engine.kernels.kv_write import write_kv  # noqa: E402
-import engine.kernels.paged_attention as pa  # noqa: E402
-from engine.kernels.paged_attention import (_launch_prefill, choose_partition_size,  # noqa: E402
+from tandem.engine.kernels.block_copy import copy_blocks  # noqa: E402
+from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
+from tandem.engine.kernels.kv_write import write_kv  # noqa: E402
+import tandem.engine.kernels.paged_attention as pa  # noqa: E402
+from tandem.engine.kernels.paged_attention import (_launch_prefill, choose_partition_size,  # noqa: E402
                                             paged_attention, paged_decode_attention,
                                             paged_prefill_attention)
 
@@ -355,7 +355,7 @@ def test_cache_to_cache_block_copy_matches_indexing_and_clamps_source_ids(dtype)
     """The direct KV copy's kernel: blocks of a run of layers, block to block between two caches
     of one layout (different block counts), against index_select/index_copy_; a source id past
     the source cache (the ids may be read from the peer's memory) reads its last block."""
-    from engine.kernels.block_copy import copy_cache_blocks
+    from tandem.engine.kernels.block_copy import copy_cache_blocks
 
     gen = torch.Generator().manual_seed(21)
     row = (4, 2, 8)
@@ -374,7 +374,7 @@ def test_cache_to_cache_block_copy_matches_indexing_and_clamps_source_ids(dtype)
 
 
 def test_block_copy_warmup_leaves_the_cache_unchanged():
-    from engine.kernels.block_copy import compile_variants as compile_block_copy
+    from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy
 
     cache = torch.randn(3, 2, 5, 4, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     before = cache.clone()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import PRESETS
+from tandem.engine.config import PRESETS
 
 
 def _our_logits(make_engine, model, tok, ids):
@@ -54,7 +54,7 @@ def test_tiny_random_logits_match_transformers(tiny, make_engine):
 
 @torch.inference_mode()
 def test_bf16_logits_close_to_fp32(tiny, make_engine):
-    from engine.weights import load_model
+    from tandem.engine.weights import load_model
 
     model32, tok, _ = tiny
     model16, _, _ = load_model("tiny-random", dtype="bfloat16", seed=1234)

@@ -13,14 +13,14 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.engine import LLMEngine
-from engine.speculative.draft_model import early_exit_model
-from engine.speculative.ngram import NgramProposer, find_continuation
-from engine.speculative.proposer import Draft
-from engine.speculative.verify import accept_drafts
-from engine.tokenizer import ByteTokenizer
-from engine.weights import load_model
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.speculative.draft_model import early_exit_model
+from tandem.engine.speculative.ngram import NgramProposer, find_continuation
+from tandem.engine.speculative.proposer import Draft
+from tandem.engine.speculative.verify import accept_drafts
+from tandem.engine.tokenizer import ByteTokenizer
+from tandem.engine.weights import load_model
 
 FALSE_ALARM = 1e-3  # per chi-square test: how often a correct implementation fails it by chance
 
@@ -125,7 +125,7 @@ def test_ngram_lookup_prefers_longest_then_most_recent_match():
     assert find_continuation(toks, 3, 4, 5) == []
     assert find_continuation([4, 5, 4, 5], 8, 2, 3) == [4, 5]  # the continuation may overlap the suffix
     # the incremental index gives what a fresh scan gives, token by token
-    from engine.request import Request
+    from tandem.engine.request import Request
 
     rng = random.Random(0)
     seq = [rng.randrange(6) for _ in range(200)]
@@ -366,8 +366,8 @@ def test_sampled_through_engine_keeps_the_target_distribution(make_engine, spec_
 
 def _next_probs(e: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:
     """Target next-token probabilities (temperature 1) after each sequence, via the engine."""
-    from engine.request import Request
-    from engine.scheduler import ScheduledRequest, SchedulerOutput
+    from tandem.engine.request import Request
+    from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     out = []
     for i in range(0, len(seqs), 64):

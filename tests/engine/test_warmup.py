@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from cluster.config import load_config
-from engine.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.engine import EngineStats, LLMEngine
+from tandem.cluster.config import load_config
+from tandem.engine.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.engine import EngineStats, LLMEngine
 
 
 def _config() -> EngineConfig:

@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.engine import LLMEngine
-from engine.model import TorchOps
-from engine.request import SamplingParams
-from engine.weights import load_model
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model import TorchOps
+from tandem.engine.request import SamplingParams
+from tandem.engine.weights import load_model
 
 MODEL = "smollm2-135m-random"
 
@@ -191,7 +191,7 @@ def test_serving_after_warmup_compiles_no_kernel():
     sequence counts, cached prefixes) run only kernel variants warmup compiled: a compile inside
     a step stalls every sequence in it for a second or more (the two-GPU serving run had 26 in
     20 s, from metadata packed at offsets that changed the pointers' alignment)."""
-    from engine.kernels.compile_watch import watch
+    from tandem.engine.kernels.compile_watch import watch
 
     model, tok, _ = load_model(MODEL, "bfloat16", "cuda", seed=7)
     e = LLMEngine(EngineConfig(model="test", device="cuda", cache=CacheConfig(num_blocks=2048),

@@ -6,12 +6,12 @@ bf16-operand range of the method (P @ V in bf16 and the bf16 output rounding lan
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
 
 if torch.cuda.is_available():  # elsewhere conftest.py skips these, and triton stays unimported
-    from engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
-    from engine.kernels.kv_write import write_kv
-    from engine.kernels.paged_attention import (paged_attention, paged_decode_attention,
+    from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+    from tandem.engine.kernels.kv_write import write_kv
+    from tandem.engine.kernels.paged_attention import (paged_attention, paged_decode_attention,
                                                 paged_prefill_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -187,7 +187,7 @@ def test_block_copy_at_llama_sizes_matches_torch_indexing():
     """The KV transport's gather and scatter kernel on a Llama-3-8B-shaped bf16 cache: a 256 MiB
     message (8 layers x 512 shuffled blocks) out of the cache and into other blocks, equal to
     torch's index_select / index_copy_; other blocks untouched."""
-    from engine.kernels.block_copy import copy_blocks
+    from tandem.engine.kernels.block_copy import copy_blocks
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     cache = torch.randn(32, 2, 1100, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16)
@@ -207,7 +207,7 @@ def test_block_copy_at_llama_sizes_matches_torch_indexing():
 def test_cache_to_cache_copy_at_llama_sizes_matches_torch_indexing(check):
     """The direct KV copy's kernel, compiled, at Llama-3-8B block rows, between caches of different
     block counts, with and without its argument checks; a source id past the cache is clamped."""
-    from engine.kernels.block_copy import copy_cache_blocks
+    from tandem.engine.kernels.block_copy import copy_cache_blocks
 
     g = torch.Generator("cuda").manual_seed(4)
     src = torch.randn(8, 2, 300, 16, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
@@ -224,7 +224,7 @@ def test_cache_to_cache_copy_at_llama_sizes_matches_torch_indexing(check):
 def test_block_copy_compiles_once_per_direction_at_warmup():
     """Engine warmup compiles the block copy; transfers of any size, from any first layer, reuse
     those two binaries (a compile mid-serving stalls every request on the actor for a second)."""
-    from engine.kernels import block_copy as bc
+    from tandem.engine.kernels import block_copy as bc
 
     cache = torch.zeros(6, 2, 64, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     assert bc.compile_variants(cache) == 2

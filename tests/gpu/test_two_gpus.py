@@ -11,7 +11,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -34,8 +34,8 @@ def ray_gpus():
 class Endpoint:
     def __init__(self, actor_id: str, rendezvous: str, seed: int | None, max_message_bytes: int,
                  **config):
-        from kv_transfer.testing import TensorBlockStore
-        from kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
+        from tandem.kv_transfer.testing import TensorBlockStore
+        from tandem.kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
 
         cfg = KVTransferConfig(**{**CONFIG, **config}, max_message_bytes=max_message_bytes)
         self.store = TensorBlockStore(LAYERS, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -116,7 +116,7 @@ NCCL = {"direct_copy": False}
     (LAYERS, {**NCCL, "nccl_high_priority": False}),
 ], ids=["direct", "nccl-one-layer", "nccl-all-layers", "nccl-two-messages", "nccl-normal-priority"])
 def test_kv_arrives_bit_exact(ray_gpus, layers_per_message, config):
-    from kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
@@ -167,7 +167,7 @@ def test_receiver_death_mid_transfer_fails_it_on_time_and_the_pair_rebuilds(ray_
     """The decode actor dies while a transfer streams into it: the sender's transfer fails within
     its timeout, not hung on the dead peer's communicator (or waiting for acks that never come),
     and a restarted receiver under the same id gets the next transfer bit-exact over a new pair."""
-    from kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
@@ -203,7 +203,7 @@ def test_sender_death_mid_direct_copy_fails_it_and_the_receiver_carries_on(ray_g
     transfer fails and its blocks are released, its GPU context stays healthy (the mapping of the
     dead actor's memory outlives it and is dropped with the link), and a restarted sender under
     the same id moves the next transfer bit-exact."""
-    from kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
@@ -239,7 +239,7 @@ def test_transfers_after_the_first_make_no_device_allocation(ray_gpus):
     allocate no device memory on either end: a cudaMalloc serializes the device's streams, so on
     a decode actor the next engine step would wait for KV receives that wait on a prefill (the
     two-GPU serving run stalled on steps of 0.6-2.6 s while transfers landed)."""
-    from kv_transfer.torch_dist import start_rendezvous_store
+    from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
     store, port = start_rendezvous_store("127.0.0.1")
     addr = f"127.0.0.1:{port}"
@@ -270,7 +270,7 @@ def test_transfers_after_the_first_make_no_device_allocation(ray_gpus):
 
 
 def _generate(overrides: dict, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
-    from cluster.local import RunningCluster
+    from tandem.cluster.local import RunningCluster
 
     cluster = RunningCluster(overrides)
     try:

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from router.admission import (RETRY_AFTER_KEY, AdmissionConfig, AdmissionLimiter, Overloaded,
+from tandem.router.admission import (RETRY_AFTER_KEY, AdmissionConfig, AdmissionLimiter, Overloaded,
                               ServiceRate, client_identity)
 
 
@@ -158,7 +158,7 @@ def test_config_and_identity():
 
 
 def test_overloaded_maps_to_resource_exhausted_over_grpc():
-    from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
+    from tandem.protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 
     class Limited(generation_pb2_grpc.GenerationServicer):
         def __init__(self):

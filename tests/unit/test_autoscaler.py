@@ -5,9 +5,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
+from tandem.cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, apply_ratio, decide, ratio_ok)
-from engine.config import ConfigError
+from tandem.engine.config import ConfigError
 
 CAP = 8000.0  # prefill tokens/s per worker
 BLOCKS = 1000  # KV blocks per decode worker
@@ -225,7 +225,7 @@ def test_a_pool_past_its_need_gives_its_gpu_to_the_other_at_once():
 
 
 def test_when_both_pools_need_more_than_the_budget_neither_is_cut_below_what_it_has():
-    from cluster.autoscaler import fit_budget
+    from tandem.cluster.autoscaler import fit_budget
 
     cfg = make_config(prefill_max=6, decode_max=6, max_workers=6)
     assert fit_budget(3, 4, need=(3, 4), current=(3, 2), cfg=cfg) == (3, 3)   # decode gets the one GPU left

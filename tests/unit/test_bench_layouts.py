@@ -74,7 +74,7 @@ def test_predict_gives_each_layout_the_benchs_decode_slots_and_starts_nothing(tm
     import json
 
     from bench.disagg_vs_colocated import predict, print_predictions
-    from cluster.simulator import PerfModel
+    from tandem.cluster.simulator import PerfModel
 
     args = _args(layouts="1:1,0:2", workload="agent-small", rates="1,2", duration=10.0, seed=0, max_context=0,
                  model="tiny-random", perf=None, ttft_slo_ms=1000.0, tpot_slo_ms=40.0, out=str(tmp_path))

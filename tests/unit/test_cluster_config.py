@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.config import load_config
-from engine.config import ConfigError
+from tandem.cluster.config import load_config
+from tandem.engine.config import ConfigError
 
 
 def test_prefill_queue_limit_from_yaml_and_overrides(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from engine.kernels.compile_watch import CompileWatch  # noqa: E402
+from tandem.engine.kernels.compile_watch import CompileWatch  # noqa: E402
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_compiles_after_warmup_are_counted_and_logged_with_the_call_site(hook_po
     assert not launch_a_kernel_in_our_code(runtime, "_warm_kernel")
     assert (watch.compiles, watch.late) == (1, 0)
     watch.arm()
-    with caplog.at_level("WARNING", logger="engine.kernels.compile_watch"):
+    with caplog.at_level("WARNING", logger="tandem.engine.kernels.compile_watch"):
         assert not launch_a_kernel_in_our_code(runtime, "_late_kernel")   # falsy: Triton compiles
         assert not launch_a_kernel_in_our_code(runtime, "_warm_kernel", aligned=False)
     assert (watch.compiles, watch.late) == (3, 2)

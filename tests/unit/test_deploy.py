@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig, config_to_dict, load_config
+from tandem.cluster.config import ClusterConfig, config_to_dict, load_config
 from deploy.render import TemplateError, render_chart, render_manifests, render_template
 
 try:  # Kubernetes' JSON schemas, shipped in the package: no network needed
@@ -347,7 +347,7 @@ def test_chart_auth_and_redis_defaults(tmp_path):
 
 
 def test_chart_autoscaler_section_reaches_the_config():
-    from cluster.config import load_config
+    from tandem.cluster.config import load_config
 
     def config(values):
         docs = render_manifests(CHART, values)

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kv_transfer.base import KVTransferConfig, TransferState
-from kv_transfer.fake import make_fake_pair
-from kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.base import KVTransferConfig, TransferState
+from tandem.kv_transfer.fake import make_fake_pair
+from tandem.kv_transfer.testing import TensorBlockStore
 
 from tests.unit.test_kv_transfer import (DST, FAST, Releases, assert_layer_copied,
                                          assert_next_transfer_arrives, make_spec, open_pair, stream,
@@ -128,7 +128,7 @@ def test_a_receiver_that_will_not_map_the_cache_says_why_and_the_data_goes_throu
     if why.startswith("direct"):
         receiver.config = replace(FAST, direct_copy=False)
     else:
-        import kv_transfer.sender as sender_mod
+        import tandem.kv_transfer.sender as sender_mod
         monkeypatch.setattr(sender_mod, "machine_id", lambda: "another-machine")
     try:
         spec = make_spec()
@@ -215,7 +215,7 @@ def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only():
 
 
 def test_a_streamed_transfer_whose_ids_overflow_the_arena_sends_them_in_its_frame(direct, monkeypatch):
-    import kv_transfer.sender as sender_mod
+    import tandem.kv_transfer.sender as sender_mod
     monkeypatch.setattr(sender_mod, "_ID_ARENA_BYTES", 8)          # room for one id, not three
     sender, receiver, net, src, dst, s_rel, r_rel = direct
     spec = make_spec("req-big", src=(4, 5, 6), dst=(2, 8, 10))

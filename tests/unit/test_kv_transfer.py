@@ -11,13 +11,13 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
+from tandem.kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
                               KVTransferTimeout, TransferSpec, TransferState, layer_runs)
-from kv_transfer.fake import make_fake_pair
-from kv_transfer.link import (FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_bytes,
+from tandem.kv_transfer.fake import make_fake_pair
+from tandem.kv_transfer.link import (FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_bytes,
                               frame_tail_bytes)
-from kv_transfer.testing import TensorBlockStore
-from kv_transfer.torch_dist import backend_for
+from tandem.kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.torch_dist import backend_for
 
 SRC, DST = (3, 0, 7), (5, 9, 1)
 LAYER_BYTES = 2 * len(SRC) * 4 * 2 * 8 * 4      # K and V of 3 blocks of 4 tokens, 2 heads of 8, fp32
@@ -135,7 +135,7 @@ def test_the_transfer_table_walks_only_unfinished_transfers():
     """Expiry and per-peer counts run on every poll and reap (a decode actor's every step): they
     walk the unfinished transfers, not the thousands of finished ones the table keeps; every way
     a transfer ends takes it off that set, and expiry still finds a late one."""
-    from kv_transfer.records import TransferTable
+    from tandem.kv_transfer.records import TransferTable
 
     now = [0.0]
     table = TransferTable(lambda _rid: None, [TransferState.FAILED], clock=lambda: now[0])
@@ -360,9 +360,9 @@ def test_begin_prepares_the_link_and_an_abort_before_any_layer_leaks_nothing(pai
 def test_the_senders_owner_is_signalled_when_a_transfer_ends():
     """The prefill loop sleeps between polls; the sender signals it from its own thread when a
     transfer is done, so the first token is handed over at once."""
-    from kv_transfer.fake import FakeNetwork
-    from kv_transfer.receiver import LayerStreamReceiver
-    from kv_transfer.sender import LayerStreamSender
+    from tandem.kv_transfer.fake import FakeNetwork
+    from tandem.kv_transfer.receiver import LayerStreamReceiver
+    from tandem.kv_transfer.sender import LayerStreamSender
 
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(2))
     net, signals = FakeNetwork(), []
@@ -409,7 +409,7 @@ def test_ready_layers_beyond_the_window_wait_for_room():
 
 
 def test_staging_ring_reuses_one_allocation_in_fifo_order():
-    from kv_transfer.base import StagingRing
+    from tandem.kv_transfer.base import StagingRing
 
     st = StagingRing(4096, torch.device("cpu"))
     a, la = st.take((250,), torch.float32)                  # 1000 bytes at 0
@@ -440,7 +440,7 @@ def test_staging_ring_reuses_one_allocation_in_fifo_order():
 
 
 def test_plan_messages_as_few_and_as_equal_as_possible():
-    from kv_transfer.base import plan_messages
+    from tandem.kv_transfer.base import plan_messages
 
     assert plan_messages(32, 8) == [8, 8, 8, 8]                 # 8k Llama-3-8B, 256 MiB messages
     assert plan_messages(31, 8) == [8, 8, 8, 7]
@@ -455,7 +455,7 @@ def test_plan_messages_as_few_and_as_equal_as_possible():
 def ring_leases(monkeypatch) -> list:
     """From now on, the lease of every staging buffer taken, on both ends (None: a tensor of its
     own, which on the GPU path would be a device allocation)."""
-    from kv_transfer.base import StagingRing
+    from tandem.kv_transfer.base import StagingRing
 
     taken: list = []
     real = StagingRing.take

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from bench.loadgen import (fit_context, group_sessions, load_sessions, parse_workload, plan_sessions, splice_prompt,
+from tandem.cluster.loadgen import (fit_context, group_sessions, load_sessions, parse_workload, plan_sessions, splice_prompt,
                            trace_mean_rate, trace_prompts)
-from bench.loadgen_report import (SLO, RequestRecord, meets_slo, percentile, summarize, table_header, table_notes,
+from tandem.cluster.loadgen_report import (SLO, RequestRecord, meets_slo, percentile, summarize, table_header, table_notes,
                                   table_row, tpot_s)
-from bench.workloads import RequestSpec, read_mooncake
+from tandem.cluster.workloads import RequestSpec, read_mooncake
 
 SLO_1S_40MS = SLO(ttft_s=1.0, tpot_s=0.040)
 
@@ -180,7 +180,7 @@ def test_a_rate_that_comes_back_in_a_ramp_sends_prompts_of_its_own():
     way down against 76.1% on its way up)."""
     import random
 
-    from bench.loadgen import iter_token_ids, load_sessions, token_seed
+    from tandem.cluster.loadgen import iter_token_ids, load_sessions, token_seed
 
     assert token_seed(0, 0.4) == "0-0.4" and token_seed(0, 0.4, 0, "s1") == "0-0.4-s1"
     specs = load_sessions("agent-small", None, random.Random(0), num_sessions=1, max_context=None)[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_packed_metadata_parts_start_16_byte_aligned():
     """Each part of the eager step's packed metadata starts 16-byte aligned whatever the sizes
     (Triton compiles a kernel variant per pointer alignment), without overlapping the next."""
-    from engine.cuda_graphs import packed_starts
+    from tandem.engine.cuda_graphs import packed_starts
 
     for lengths in ([1, 1, 1, 1, 2, 1, 3], [5, 5, 5, 0, 6, 5, 10], [4096, 4096, 4096, 7, 8, 7, 70], [0, 0, 3]):
         starts = packed_starts(lengths)
@@ -20,7 +20,7 @@ def test_graph_input_buffers_start_16_byte_aligned():
     """The captured graphs' static inputs too: one buffer, each part 16-byte aligned, any sizes."""
     import torch
 
-    from engine.cuda_graphs import StaticInputs
+    from tandem.engine.cuda_graphs import StaticInputs
 
     for batch, tokens in ((48, 64), (7, 9), (64, 1024), (1, 1)):
         s = StaticInputs(batch, tokens, 5, torch.device("cpu"))

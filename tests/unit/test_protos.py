@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from protos import generate
-from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tandem.protos import generate
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 CHECKED_IN = generate.PROTO_DIR
 

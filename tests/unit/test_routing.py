@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from router.prefix_index import PrefixIndex, block_hashes, hash_block
-from router.routing import (DEAD, DRAINING, WorkerView, any_ready, choose_worker,
+from tandem.router.prefix_index import PrefixIndex, block_hashes, hash_block
+from tandem.router.routing import (DEAD, DRAINING, WorkerView, any_ready, choose_worker,
                             overload_threshold)
 
 
@@ -119,7 +119,7 @@ def test_block_hashes_are_stable_across_processes_and_platforms():
 
 
 def test_block_hashes_match_the_engine():
-    import engine.block_manager as block_manager
+    import tandem.engine.block_manager as block_manager
     tokens = [random.Random(0).randrange(128256) for _ in range(1000)]
     assert block_hashes(tokens, 16) == block_manager.block_hashes(tokens, 16)
 
@@ -193,7 +193,7 @@ def test_record_is_idempotent():
 # --- prefill_placement (prefill.max_queued_tokens) ----------------------------------------------
 
 def test_prefill_placement_keeps_the_hint_with_room_else_the_least_queued_with_room():
-    from router.routing import prefill_placement
+    from tandem.router.routing import prefill_placement
 
     assert prefill_placement("p0", ["p0", "p1"], {}, 0, 5000, 16384) == "p0"
     assert prefill_placement("p0", ["p0", "p1"], {"p0": 12000}, 0, 5000, 16384) == "p1"
@@ -204,7 +204,7 @@ def test_prefill_placement_keeps_the_hint_with_room_else_the_least_queued_with_r
 
 
 def test_prefill_placement_overflows_to_local_only_while_the_local_queue_is_shorter():
-    from router.routing import prefill_placement
+    from tandem.router.routing import prefill_placement
 
     full = {"p0": 14000, "p1": 15000}
     assert prefill_placement("p0", ["p0", "p1"], full, 0, 5000, 16384) is None          # decode idle
@@ -217,7 +217,7 @@ def test_prefill_placement_overflows_to_local_only_while_the_local_queue_is_shor
 def test_prefill_placement_splits_a_burst_between_the_two_queues():
     """Prompts arriving together past the cap alternate between the prefill queue and the decode
     actor's own: neither grows far past the other (before, every one went local)."""
-    from router.routing import prefill_placement
+    from tandem.router.routing import prefill_placement
 
     prefill, local = {"p0": 0}, 0
     for _ in range(40):

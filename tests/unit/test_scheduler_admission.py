@@ -4,10 +4,10 @@ allocator and scheduler, no model."""
 
 from __future__ import annotations
 
-from engine.block_manager import BlockAllocator
-from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler
+from tandem.engine.block_manager import BlockAllocator
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.engine.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.request import WorkerUnavailable
-from engine.serving_loop import EngineLoop
+from tandem.engine.request import WorkerUnavailable
+from tandem.engine.serving_loop import EngineLoop
 
 
 class FlakyEngine:
@@ -150,7 +150,7 @@ def test_an_injected_failure_fires_once():
 
 def run_logging_slow_steps(engine, slow_step_s: float, caplog) -> tuple[EngineLoop, list[str]]:
     """Serve `engine` until it has no work; the loop and its slow-step log messages."""
-    with caplog.at_level("WARNING", logger="engine.serving_loop"):
+    with caplog.at_level("WARNING", logger="tandem.engine.serving_loop"):
         loop = EngineLoop(engine, on_step=lambda outs: None, slow_step_s=slow_step_s).start()
         try:
             until(lambda: engine.pending == 0)

@@ -7,12 +7,12 @@ import random
 import pytest
 import yaml
 
-from bench.loadgen import load_sessions, plan_ramp, plan_sessions
-from bench.workloads import RequestSpec
-from cluster.autoscaler import AutoscalerConfig
-from cluster.cli import main
-from cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
-from cluster.simulator import SLO, PerfModel, simulate
+from tandem.cluster.loadgen import load_sessions, plan_ramp, plan_sessions
+from tandem.cluster.workloads import RequestSpec
+from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.cli import main
+from tandem.cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
+from tandem.cluster.simulator import SLO, PerfModel, simulate
 
 # One prefill worker does ~5k prompt tokens/s: the small agent profile at 4 sessions/s overloads it.
 PERF = PerfModel(prefill_base_s=0.001, prefill_per_token_s=2e-4, prefill_attn_s=0.0,
@@ -112,7 +112,7 @@ def test_cli_refuses_out_without_a_ramp_and_keeps_the_plain_run(tmp_path, capsys
 def test_the_simulated_controller_reads_what_the_live_one_is_given():
     """controller.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
     already measured; the prompt rate over the last period."""
-    from cluster.simulator import _Simulation
+    from tandem.cluster.simulator import _Simulation
 
     sim = _Simulation([RequestSpec("a", 0, 0.0, 100, 4)], 1, 1, PERF, SLO_, AUTO, seed=0, colocated=False,
                       worker_startup_s=0.0, closed_loop=False, pull_prefix=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from engine.speculative.policy import SpeculationLengthPolicy
+from tandem.engine.speculative.policy import SpeculationLengthPolicy
 
 
 def make_policy(**overrides) -> SpeculationLengthPolicy:
@@ -91,7 +91,7 @@ def test_probe_only_from_spare_budget_and_forget():
 def test_speculative_config_is_validated():
     import pytest
 
-    from engine.config import ConfigError, EngineConfig, SpeculativeConfig
+    from tandem.engine.config import ConfigError, EngineConfig, SpeculativeConfig
 
     assert not EngineConfig().speculative.enabled
     assert SpeculativeConfig(method="ngram").enabled

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from engine.request import InvalidRequestError
-from protos.tandem.v1 import generation_pb2 as pb
-from router.validation import (InvalidRequest, RequestLimits, check_prompt_length,
+from tandem.engine.request import InvalidRequestError
+from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.router.validation import (InvalidRequest, RequestLimits, check_prompt_length,
                                validate_request)
 
 VOCAB = 1000

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from bench.workloads import (PROFILES, AgentProfile, RequestSpec, coding_agent_sessions, iter_token_ids,
+from tandem.cluster.workloads import (PROFILES, AgentProfile, RequestSpec, coding_agent_sessions, iter_token_ids,
                              load_workload, prefix_reuse_ratio, read_azure, read_mooncake)
 
 MOONCAKE = "bench/traces/mooncake_sample.jsonl"

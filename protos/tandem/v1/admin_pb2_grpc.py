@@ -4,7 +4,7 @@
 import grpc
 import warnings
 
-from protos.tandem.v1 import admin_pb2 as protos_dot_tandem_dot_v1_dot_admin__pb2
+from tandem.protos.tandem.v1 import admin_pb2 as protos_dot_tandem_dot_v1_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__

@@ -8,7 +8,7 @@ time, scaled so that the trace's mean rate is `rate` requests per second (unscal
 Nothing due past `duration_s` is sent; requests in flight then get `drain_timeout_s` more.
 
 Layout: workload plans (pure) first, then the asyncio driver (one task per session), then the
-command; records, summaries, the table and the output files are in bench/loadgen_report.py.
+command; records, summaries, the table and the output files are in cluster/loadgen_report.py.
 Every request is greedy, `ignore_eos`, with `max_tokens` = the spec's output length, sent as token
 ids with its session id, so the router routes it by session.
 """
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from bench.loadgen_report import SLO, RequestRecord, summarize, table_header, table_notes, table_row, write_outputs
-from bench.workloads import AgentProfile, RequestSpec, TokenizedRequest, coding_agent_sessions, iter_token_ids, \
+from tandem.cluster.loadgen_report import SLO, RequestRecord, summarize, table_header, table_notes, table_row, write_outputs
+from tandem.cluster.workloads import AgentProfile, RequestSpec, TokenizedRequest, coding_agent_sessions, iter_token_ids, \
     read_azure, read_mooncake
 
 RATE_UNIT = {"sessions": "new sessions/s", "trace": "requests/s", "trace-unscaled": "trace timestamps"}
@@ -221,7 +221,7 @@ async def run_rate(stub, sessions: list[Session], cfg: BenchConfig, *, session_w
     `repeat`: earlier runs at this rate in the same bench (see `token_seed`)."""
     import grpc
 
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -321,7 +321,7 @@ async def probe_model_limits(stub, metadata=()) -> tuple[int, int]:
     two requests the router rejects before doing any work. Raises ProbeFailed when it cannot."""
     import grpc
 
-    from protos.tandem.v1 import generation_pb2 as pb
+    from tandem.protos.tandem.v1 import generation_pb2 as pb
 
     found = []
     for ids, max_tokens, pattern in (([2**32 - 1], 1, _VOCAB), ([3], 2**31 - 1, _CONTEXT)):
@@ -343,8 +343,8 @@ def _aio_channel(target: str, args):
     """grpc.aio channel with TLS when asked; -> (channel, per-call metadata carrying the token)."""
     import grpc
 
-    from router.auth import auth_metadata, load_client_token
-    from router.tls import ClientTLSConfig, channel_credentials, channel_options
+    from tandem.router.auth import auth_metadata, load_client_token
+    from tandem.router.tls import ClientTLSConfig, channel_credentials, channel_options
 
     token = load_client_token(token_file=getattr(args, "auth_token_file", None))
     if getattr(args, "tls_ca_file", None):
@@ -358,7 +358,7 @@ def _aio_channel(target: str, args):
 
 async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
     """Every rate in turn against one channel; prints the table as rates finish; -> the report."""
-    from protos.tandem.v1 import generation_pb2_grpc
+    from tandem.protos.tandem.v1 import generation_pb2_grpc
 
     kind, path = parse_workload(cfg.workload)
     session_workload = kind.startswith("agent")
@@ -422,7 +422,7 @@ async def watch_pools(channel, metadata, every_s: float, t0: float, timeline: li
     the bench started) from the Admin API, until cancelled; a failed read is skipped."""
     import grpc
 
-    from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+    from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 
     stub = admin_pb2_grpc.AdminStub(channel)
     while True:

@@ -2,7 +2,7 @@
 TPOT, SLO checks, per-rate summaries, the printed table, and the output files (JSON, and with
 matplotlib the latency CDFs and goodput against rate). No clock, no gRPC.
 
-    python -m bench.loadgen_report bench-LABEL.json [--out DIR]   # plots again from a JSON
+    python -m tandem.cluster.loadgen_report bench-LABEL.json [--out DIR]   # plots again from a JSON
 (for runs made where matplotlib is not installed, e.g. the GPU machine).
 """
 
