@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.config import ConfigError
+from tandem.wire.errors import ConfigError
 
 _EPS = 1e-9
 PERCENTILES = ("p50", "p90", "p99")

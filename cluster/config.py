@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 
 from tandem.cluster.autoscaler import AutoscalerConfig
-from tandem.engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.wire.errors import ConfigError
 from tandem.kv_transfer.base import KVTransferConfig
 
 

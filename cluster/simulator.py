@@ -38,7 +38,7 @@ import numpy as np
 from tandem.cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, decide)
 from tandem.cluster.latency import LatencyWindow
-from tandem.engine.config import ConfigError
+from tandem.wire.errors import ConfigError
 
 
 class RequestLike(Protocol):  # cluster.workloads.RequestSpec has these fields

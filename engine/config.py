@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value is out of range or inconsistent."""
+from tandem.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from tandem.cluster.config import load_config
-from tandem.engine.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.wire.errors import ConfigError
 from tandem.engine.engine import EngineStats, LLMEngine
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from tandem.cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, apply_ratio, decide, ratio_ok)
-from tandem.engine.config import ConfigError
+from tandem.wire.errors import ConfigError
 
 CAP = 8000.0  # prefill tokens/s per worker
 BLOCKS = 1000  # KV blocks per decode worker

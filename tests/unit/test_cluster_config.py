@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tandem.cluster.config import load_config
-from tandem.engine.config import ConfigError
+from tandem.wire.errors import ConfigError
 
 
 def test_prefill_queue_limit_from_yaml_and_overrides(tmp_path):

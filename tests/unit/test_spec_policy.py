@@ -91,7 +91,8 @@ def test_probe_only_from_spare_budget_and_forget():
 def test_speculative_config_is_validated():
     import pytest
 
-    from tandem.engine.config import ConfigError, EngineConfig, SpeculativeConfig
+    from tandem.engine.config import EngineConfig, SpeculativeConfig
+    from tandem.wire.errors import ConfigError
 
     assert not EngineConfig().speculative.enabled
     assert SpeculativeConfig(method="ngram").enabled
