@@ -64,7 +64,7 @@ class Endpoint:
         from tandem.kv_transfer.testing import TensorBlockStore
         from tandem.kv_transfer.torch_dist import DistConnector
 
-        from tandem.cluster.actor_common import gil_switch_interval
+        from tandem.runtime.process import gil_switch_interval
 
         sys.setswitchinterval(gil_switch_interval())    # as the pool actors serve
         self.actor_id, self.rendezvous = actor_id, rendezvous
@@ -167,7 +167,7 @@ class Endpoint:
             stop.set()
             self._busy_thread.join()
             self._busy_stop = None
-        from tandem.cluster.actor_common import gil_switch_interval
+        from tandem.runtime.process import gil_switch_interval
 
         sys.setswitchinterval(switch_s or gil_switch_interval())
         if switch_s is None:
@@ -475,7 +475,7 @@ def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict
     every step (frame, receive posts, landings). Python's default switch interval (5 ms) against
     the 200 us the pool actors serve with (cluster/actor_common.py) (or --busy-intervals-us), and
     idle actors as the base."""
-    from tandem.cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+    from tandem.runtime.process import DEFAULT_GIL_SWITCH_INTERVAL_S
 
     nbytes, gap = tokens * TOKEN_BYTES, args.prefill_s_per_token * tokens / LAYERS
     rows = []

@@ -157,7 +157,7 @@ def cmd_up(args) -> int:
     from tandem.cluster.bootstrap import start_cluster
     from tandem.cluster.config import load_config
 
-    from tandem.cluster.logging_setup import setup_logging
+    from tandem.runtime.logging_setup import setup_logging
     from tandem.router.auth import resolve_auth
 
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
@@ -209,7 +209,7 @@ def _server_security(args, auth_enabled: bool) -> dict:
 
 
 async def serve_until_stopped(cluster, config, security: dict | None = None) -> None:
-    from tandem.cluster.metrics import start_metrics_server
+    from tandem.runtime.metrics import start_metrics_server
     from tandem.engine.weights import load_tokenizer
     from tandem.router.server import serve
 
@@ -225,7 +225,7 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
-    from tandem.cluster.actor_common import after_startup
+    from tandem.runtime.process import after_startup
 
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:

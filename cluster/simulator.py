@@ -37,7 +37,7 @@ import numpy as np
 
 from tandem.cluster.autoscaler import (AutoscalerConfig, DecodeMetrics, MetricsSnapshot, PolicyState,
                                 PrefillMetrics, decide)
-from tandem.cluster.latency import LatencyWindow
+from tandem.runtime.latency import LatencyWindow
 from tandem.wire.errors import ConfigError
 
 

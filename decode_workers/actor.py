@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ray
 
-from tandem.cluster.actor_common import ACTOR_CONCURRENCY, PoolActorBase, after_startup, setup_process
+from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
+from tandem.runtime.process import after_startup, setup_process
 
 
 @ray.remote(**ACTOR_CONCURRENCY)

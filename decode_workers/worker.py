@@ -27,7 +27,7 @@ from typing import Any
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from tandem.cluster.latency import LatencyWindow
+from tandem.runtime.latency import LatencyWindow
 from tandem.engine.request import WorkerUnavailable
 from tandem.engine.kernels.compile_watch import watch as compile_watch
 from tandem.engine.serving_loop import EngineLoop

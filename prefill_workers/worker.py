@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from tandem.cluster.latency import LatencyWindow
+from tandem.runtime.latency import LatencyWindow
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.request import Request, SamplingParams, WorkerUnavailable

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import ray
 
-from tandem.cluster.logging_setup import bind_request
-from tandem.cluster.metrics import WorkerMetricsSnapshot, get_hub
+from tandem.runtime.logging_setup import bind_request
+from tandem.runtime.metrics import WorkerMetricsSnapshot, get_hub
 from tandem.engine.prefix_hash import block_hashes
 from tandem.engine.request import InvalidRequestError, WorkerUnavailable
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc

@@ -68,7 +68,7 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     stats = remote.worker_stats()
     assert stats["decode-0"]["remote_prefills"] >= 6, "these requests were meant to take the remote path"
     assert stats["prefill-0"]["prefills"] >= 6
-    from tandem.cluster.actor_common import DEFAULT_GIL_SWITCH_INTERVAL_S
+    from tandem.runtime.process import DEFAULT_GIL_SWITCH_INTERVAL_S
     for actor in ("decode-0", "prefill-0"):
         assert stats[actor]["gil_switch_interval_s"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S), \
             f"{actor} serves with Python's 5 ms GIL switch interval"
@@ -282,7 +282,7 @@ def test_metrics_endpoint_after_traffic(remote):
     import time
     import urllib.request
 
-    from tandem.cluster.metrics import METRIC_NAMES, start_metrics_server
+    from tandem.runtime.metrics import METRIC_NAMES, start_metrics_server
 
     port = start_metrics_server(0, "127.0.0.1")
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from tandem.cluster import actor_common
-from tandem.cluster.actor_common import GCMonitor, gil_switch_interval
+from tandem.runtime import process as actor_common
+from tandem.runtime.process import GCMonitor, gil_switch_interval
 
 
 def test_collections_are_timed_counted_and_long_ones_logged(caplog):
     m = GCMonitor(log_over_s=0.0)   # every collection counts as long
     try:
-        with caplog.at_level("WARNING", logger="tandem.cluster.actor_common"):
+        with caplog.at_level("WARNING", logger="tandem.runtime.process"):
             gc.collect()
         s = m.stats()
         assert s["gc_collections"][2] >= 1

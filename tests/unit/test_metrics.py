@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.cluster.logging_setup import bind_request, current_request_id, setup_logging
-from tandem.cluster.metrics import (KV_TRANSFER_BUCKETS, METRIC_NAMES, MetricsHub, WorkerCounters,
+from tandem.runtime.logging_setup import bind_request, current_request_id, setup_logging
+from tandem.runtime.metrics import (KV_TRANSFER_BUCKETS, METRIC_NAMES, MetricsHub, WorkerCounters,
                              WorkerMetricsSnapshot, start_metrics_server)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"

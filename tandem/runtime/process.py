@@ -1,18 +1,18 @@
-"""What every pool actor does at start: pin its torch threads to the CPUs Ray gave it, log as
-the rest of Tandem does (one JSON object per line at TANDEM_LOG_LEVEL, default INFO, into the
-actor's Ray log), keep Python's garbage collector out of the serving path, hand the GIL between
-threads within a fraction of a millisecond, and describe itself (pid, node) for the controller."""
+"""Process setup every serving process shares: a pool actor pins its torch threads to the CPUs Ray
+gave it and logs as the rest of Tandem does (one JSON object per line at TANDEM_LOG_LEVEL, default
+INFO, into the actor's Ray log); once started, a process (pool actor or router) keeps Python's
+garbage collector out of the serving path and hands the GIL between threads within a fraction of a
+millisecond. `gc_stats()` reports both for the worker's stats."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import os
-import socket
 import sys
 import time
 
-import ray
+from tandem.runtime.logging_setup import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,7 @@ def setup_process(num_cpus: float) -> None:
     # workload, docs/benchmarks.md). Takes effect only if CUDA has not started in this process yet
     # (it has not in a fresh actor); TANDEM_CUDA_MODULE_LOADING=LAZY restores the default.
     os.environ["CUDA_MODULE_LOADING"] = os.environ.get("TANDEM_CUDA_MODULE_LOADING", "EAGER")
-    import torch
-
-    from tandem.cluster.logging_setup import setup_logging
+    import torch  # noqa: PLC0415 - after CUDA_MODULE_LOADING is set, and only in serving processes
 
     torch.set_num_threads(max(1, int(num_cpus)))
     setup_logging()
@@ -117,56 +115,3 @@ def after_startup() -> None:
 def gc_stats() -> dict:
     out = _gc_monitor.stats() if _gc_monitor is not None else {}
     return {**out, "gil_switch_interval_s": sys.getswitchinterval()}
-
-
-def describe(worker_id: str, pool: str) -> dict:
-    node = ""
-    try:
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - outside Ray
-        pass
-    return {"worker_id": worker_id, "pool": pool, "pid": os.getpid(), "node": node, "host": socket.gethostname()}
-
-
-# Pool actors are threaded: each call holds a thread while it waits (a prefill's start until its
-# KV is delivered, a reserve while a long step runs, an output long-poll), so under load hundreds
-# can be waiting at once. Health and control calls have threads of their own: a pool full of
-# waiting requests must not make the controller's health check time out and kill a busy actor
-# (the two-GPU run lost its prefill actor that way at 8 sessions/s).
-ACTOR_CONCURRENCY = {"max_concurrency": 256, "concurrency_groups": {"health": 4}}
-
-
-class PoolActorBase:
-    """What every pool actor answers, around its runtime object `self.worker`."""
-
-    worker: object
-    worker_id: str
-    pool: str
-
-    @ray.method(concurrency_group="health")
-    def ready(self) -> dict:
-        return {**describe(self.worker_id, self.pool), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
-
-    def abort(self, request_id):
-        return self.worker.abort(request_id)
-
-    @ray.method(concurrency_group="health")
-    def stats(self):
-        return {**self.worker.stats(), **gc_stats()}
-
-    @ray.method(concurrency_group="health")
-    def set_draining(self, draining: bool = True):
-        """Stop (or resume) taking new requests; the answer is the latest stats with the new state
-        (the snapshot itself is taken by the engine loop between steps, so it may predate this)."""
-        self.worker.draining = draining
-        return {**self.worker.stats(), "draining": draining}
-
-    def shutdown(self):
-        self.worker.shutdown()
-
-    def inject_step_failure(self, token_id: int | None = None) -> None:
-        """Chaos testing: the next engine step that holds a request whose prompt contains
-        `token_id` (any step if None) raises, once. Reachable only through Ray, like ray.kill."""
-        self.worker.loop.run(self.worker.loop.inject_step_failure, token_id)

@@ -1,0 +1,64 @@
+"""What every pool actor (prefill or decode) answers around its runtime object `self.worker`:
+readiness with a description of itself (pid, node) for the controller, stats with the process's gc
+and GIL numbers, drain, abort, shutdown. Threaded: health and control calls have threads of their
+own (ACTOR_CONCURRENCY)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+
+from tandem.runtime.process import gc_stats
+
+
+def describe(worker_id: str, pool: str) -> dict:
+    node = ""
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        pass
+    return {"worker_id": worker_id, "pool": pool, "pid": os.getpid(), "node": node, "host": socket.gethostname()}
+
+
+# Pool actors are threaded: each call holds a thread while it waits (a prefill's start until its
+# KV is delivered, a reserve while a long step runs, an output long-poll), so under load hundreds
+# can be waiting at once. Health and control calls have threads of their own: a pool full of
+# waiting requests must not make the controller's health check time out and kill a busy actor
+# (the two-GPU run lost its prefill actor that way at 8 sessions/s).
+ACTOR_CONCURRENCY = {"max_concurrency": 256, "concurrency_groups": {"health": 4}}
+
+
+class PoolActorBase:
+    """What every pool actor answers, around its runtime object `self.worker`."""
+
+    worker: object
+    worker_id: str
+    pool: str
+
+    @ray.method(concurrency_group="health")
+    def ready(self) -> dict:
+        return {**describe(self.worker_id, self.pool), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
+
+    def abort(self, request_id):
+        return self.worker.abort(request_id)
+
+    @ray.method(concurrency_group="health")
+    def stats(self):
+        return {**self.worker.stats(), **gc_stats()}
+
+    @ray.method(concurrency_group="health")
+    def set_draining(self, draining: bool = True):
+        """Stop (or resume) taking new requests; the answer is the latest stats with the new state
+        (the snapshot itself is taken by the engine loop between steps, so it may predate this)."""
+        self.worker.draining = draining
+        return {**self.worker.stats(), "draining": draining}
+
+    def shutdown(self):
+        self.worker.shutdown()
+
+    def inject_step_failure(self, token_id: int | None = None) -> None:
+        """Chaos testing: the next engine step that holds a request whose prompt contains
+        `token_id` (any step if None) raises, once. Reachable only through Ray, like ray.kill."""
+        self.worker.loop.run(self.worker.loop.inject_step_failure, token_id)
