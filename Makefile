@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup run test test-unit bench-cpu clean
+.PHONY: setup run test test-unit lint bench-cpu clean
 
 setup: $(STAMP) redis
 
@@ -34,6 +34,13 @@ run: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not isolated" tests
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m isolated tests
+
+# Lint: ruff (pyflakes, imports at the top, no bare `engine`/`router` imports), the layer contract
+# (import-linter, on the installed layout) and STYLE.md's size limits.
+lint: setup
+	$(VENV)/bin/ruff check --quiet .
+	$(PY) .ci/lint_imports.py
+	$(PY) .ci/check_sizes.py
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -q tests/unit
