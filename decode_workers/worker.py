@@ -28,9 +28,11 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from tandem.runtime.latency import LatencyWindow
+from tandem.runtime.metrics import TransferTimes
 from tandem.engine.request import WorkerUnavailable
 from tandem.engine.kernels.compile_watch import watch as compile_watch
 from tandem.engine.serving_loop import EngineLoop
+from tandem.placement import wants_remote_prefill
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ class DecodeWorker:
         self._outbox_lock = threading.Lock()
         self.draining = False
         self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
-                         "kv_transfer_seconds": 0.0, "kv_transfer_bytes": 0}
+                         "kv_transfer_bytes": 0}
+        self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
         self._transfer_started: dict[str, float] = {}
         self._first_token_at: dict[str, float] = {}
         self.tpot = LatencyWindow()
@@ -169,7 +172,7 @@ class DecodeWorker:
         self.counters["requests"] += 1
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(ids)
-        remote = transfer_id is not None and self.receiver is not None and n > cached and n - cached > self.threshold
+        remote = transfer_id is not None and self.receiver is not None and wants_remote_prefill(n, cached, self.threshold)
         if remote and e.allocator.admit(req, n - cached):
             req.num_cached_prompt_tokens = req.num_computed_tokens
             req.admitted_once = True
@@ -286,7 +289,7 @@ class DecodeWorker:
             t0 = self._transfer_started.pop(tid, None)
             if state is TransferState.DONE:
                 if t0 is not None:
-                    self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
+                    self.transfer_times.record(time.perf_counter() - t0)
                 req.num_computed_tokens = req.num_prompt_tokens
                 self.engine.allocator.register_full_blocks(req)
                 first = self._first.pop(req.request_id, None)
@@ -394,7 +397,7 @@ class DecodeWorker:
                 "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
                 "mid_step_calls": self.loop.mid_step_calls,
                 "late_compiles": compile_watch.late,
-                "cuda_graphs": e.runner.graph_stats, **self.counters}
+                "cuda_graphs": e.runner.graph_stats, **self.counters, **self.transfer_times.stats()}
 
 
 def finish_reason_of(msg: dict[str, Any]) -> FinishReason | None:

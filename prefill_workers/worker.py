@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from tandem.runtime.latency import LatencyWindow
+from tandem.runtime.metrics import TransferTimes
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.request import Request, SamplingParams, WorkerUnavailable
@@ -79,7 +80,8 @@ class PrefillWorker:
         self.draining = False
         self.counters = {"prefills": 0, "prompt_tokens": 0, "computed_tokens": 0, "pulled_tokens": 0,
                          "transfer_failures": 0,
-                         "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
+                         "kv_transfer_bytes": 0}
+        self.transfer_times = TransferTimes()  # KV delivered, per transfer: the kv_transfer_seconds histogram
         self._started: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}  # prefix pulled (if any): queued for compute
         self._first: dict[str, dict[str, Any]] = {}  # transfer id -> first output token (engine.RequestOutput.first)
@@ -330,7 +332,7 @@ class PrefillWorker:
             if r0 is not None:
                 self.latency.add(time.monotonic(), time.monotonic() - r0)
             if t0 is not None:
-                self.counters["kv_transfer_seconds"] += time.perf_counter() - t0
+                self.transfer_times.record(time.perf_counter() - t0)
             if fut is not None:
                 now = time.perf_counter()
                 timings = {}
@@ -387,4 +389,4 @@ class PrefillWorker:
                 "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
                 "mid_step_calls": self.loop.mid_step_calls,
                 "late_compiles": compile_watch.late,
-                "cuda_graphs": e.runner.graph_stats, **self.counters}
+                "cuda_graphs": e.runner.graph_stats, **self.counters, **self.transfer_times.stats()}

@@ -650,20 +650,8 @@ def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
     return out
 
 
-def worker_snapshot(w: dict[str, Any]) -> WorkerMetricsSnapshot:
-    """A worker's stats (as the controller gathered them) in the metrics hub's terms."""
-    s = w.get("stats") or {}
-    return WorkerMetricsSnapshot(
-        worker_id=w["worker_id"], pool=w["pool"], incarnation=str(w.get("pid", "")), running=s.get("running", 0),
-        waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
-        kv_blocks_total=s.get("kv_blocks_total", 0), prefix_queries=s.get("prefix_queries", 0),
-        prefix_hits=s.get("prefix_hits", 0), kv_transfer_bytes=s.get("kv_transfer_bytes", 0),
-        kv_transfer_seconds_sum=s.get("kv_transfer_seconds", 0.0), draft_tokens=s.get("draft_tokens", 0),
-        accepted_tokens=s.get("accepted_draft_tokens", 0))
-
-
 def publish_cluster_metrics(hub, state: dict[str, Any]) -> None:
-    hub.update_from_workers([worker_snapshot(w) for w in state["workers"] if w.get("stats")])
+    hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(w) for w in state["workers"] if w.get("stats")])
     for name, p in state["pools"].items():
         hub.set_pool(name, p["size"], p["target"])
 

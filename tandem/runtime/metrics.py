@@ -1,10 +1,11 @@
 """Tandem's one metrics registry, and the /metrics endpoint that serves it.
 
 `MetricsHub` owns a prometheus_client `CollectorRegistry` with every Tandem metric (vLLM-style
-`tandem:` names, listed in `METRIC_NAMES`). It lives in the router/controller process. The router
-records request-level timings on it directly; workers (Ray actors in other processes) keep plain
-counters in a `WorkerCounters`, ship a `WorkerMetricsSnapshot` (a dataclass of numbers) with their
-load reports, and the controller hands the list to `MetricsHub.update_from_workers`, which sets the
+`tandem:` names, listed in `METRIC_NAMES`). It lives in the router process. The router records
+request-level timings on it directly; workers (Ray actors in other processes) keep cumulative
+counters (their KV transfer times in a `TransferTimes`) and report them in their stats; the router
+reads each worker's stats from the controller's cluster state as a `WorkerMetricsSnapshot`
+(`from_worker_stats`) and hands the list to `MetricsHub.update_from_workers`, which sets the
 gauges and advances the cluster-wide counters by each worker's delta. A worker that restarts (new
 `incarnation`, or a counter going backwards) starts a new baseline, so no count is lost or doubled;
 a hub that restarts under running workers counts from their next report on.
@@ -17,6 +18,7 @@ counter names: `tandem:prefix_cache_queries` is scraped as `tandem:prefix_cache_
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -83,6 +85,22 @@ class WorkerMetricsSnapshot:
         d["kv_transfer_seconds_buckets"] = tuple(d.get("kv_transfer_seconds_buckets", ()))
         return cls(**d)
 
+    @classmethod
+    def from_worker_stats(cls, w: dict) -> "WorkerMetricsSnapshot":
+        """A worker as the controller gathered it ({"worker_id", "pool", "pid", "stats": the
+        worker's stats}) in the hub's terms."""
+        s = w.get("stats") or {}
+        return cls(
+            worker_id=w["worker_id"], pool=w["pool"], incarnation=str(w.get("pid", "")),
+            running=s.get("running", 0), waiting=s.get("waiting", 0),
+            kv_blocks_used=s.get("kv_blocks_used", 0), kv_blocks_total=s.get("kv_blocks_total", 0),
+            prefix_queries=s.get("prefix_queries", 0), prefix_hits=s.get("prefix_hits", 0),
+            kv_transfer_bytes=s.get("kv_transfer_bytes", 0),
+            kv_transfer_count=s.get("kv_transfer_count", 0),
+            kv_transfer_seconds_sum=s.get("kv_transfer_seconds", 0.0),
+            kv_transfer_seconds_buckets=tuple(s.get("kv_transfer_seconds_buckets", ())),
+            draft_tokens=s.get("draft_tokens", 0), accepted_tokens=s.get("accepted_draft_tokens", 0))
+
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
@@ -90,6 +108,34 @@ class WorkerMetricsSnapshot:
 
 _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
                    "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens")
+
+
+class TransferTimes:
+    """One worker's KV transfer durations as histogram counters (cumulative since it started):
+    how many, their sum, and how many fell in each KV_TRANSFER_BUCKETS bucket. Workers record
+    each finished transfer and ship `stats()` in their stats; the hub turns the deltas into
+    `tandem:kv_transfer_seconds`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._buckets = [0] * len(KV_TRANSFER_BUCKETS)  # non-cumulative; a slower one is only in count
+
+    def record(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+        i = bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)
+        if i < len(self._buckets):
+            self._buckets[i] += 1
+
+    def cumulative_buckets(self) -> tuple[int, ...]:
+        """Transfers that took <= each bound, like Prometheus buckets."""
+        return tuple(itertools.accumulate(self._buckets))
+
+    def stats(self) -> dict:
+        """The worker-stats keys `WorkerMetricsSnapshot.from_worker_stats` reads."""
+        return {"kv_transfer_count": self.count, "kv_transfer_seconds": self.seconds,
+                "kv_transfer_seconds_buckets": list(self.cumulative_buckets())}
 
 
 class WorkerCounters:
@@ -100,9 +146,8 @@ class WorkerCounters:
         self.worker_id, self.pool, self.incarnation = worker_id, pool, incarnation
         self.started_at = time.time() if started_at is None else started_at
         self.prefix_queries = self.prefix_hits = 0
-        self.kv_transfer_bytes = self.kv_transfer_count = 0
-        self.kv_transfer_seconds_sum = 0.0
-        self._transfer_buckets = [0] * len(KV_TRANSFER_BUCKETS)  # non-cumulative here
+        self.kv_transfer_bytes = 0
+        self.transfers = TransferTimes()
         self.draft_tokens = self.accepted_tokens = 0
 
     def record_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
@@ -111,11 +156,7 @@ class WorkerCounters:
 
     def record_transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_transfer_bytes += num_bytes
-        self.kv_transfer_count += 1
-        self.kv_transfer_seconds_sum += seconds
-        i = bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)
-        if i < len(self._transfer_buckets):
-            self._transfer_buckets[i] += 1
+        self.transfers.record(seconds)
 
     def record_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
         self.draft_tokens += draft_tokens
@@ -123,16 +164,15 @@ class WorkerCounters:
 
     def snapshot(self, *, running: int, waiting: int, kv_blocks_used: int,
                  kv_blocks_total: int) -> WorkerMetricsSnapshot:
-        cumulative, total = [], 0
-        for n in self._transfer_buckets:
-            total += n
-            cumulative.append(total)
         return WorkerMetricsSnapshot(
             worker_id=self.worker_id, pool=self.pool, incarnation=self.incarnation,
             started_at=self.started_at,
             running=running, waiting=waiting, kv_blocks_used=kv_blocks_used,
-            kv_blocks_total=kv_blocks_total, kv_transfer_seconds_buckets=tuple(cumulative),
-            **{name: getattr(self, name) for name in _COUNTER_FIELDS})
+            kv_blocks_total=kv_blocks_total, prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits, kv_transfer_bytes=self.kv_transfer_bytes,
+            kv_transfer_count=self.transfers.count, kv_transfer_seconds_sum=self.transfers.seconds,
+            kv_transfer_seconds_buckets=self.transfers.cumulative_buckets(),
+            draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens)
 
 
 class _TransferHistogram:

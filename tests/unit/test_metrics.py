@@ -1,5 +1,5 @@
-"""cluster.metrics (one registry, workers' deltas, the /metrics endpoint), the Grafana dashboard's
-queries against it, and cluster.logging_setup (request ids on every line)."""
+"""tandem.runtime.metrics (one registry, workers' deltas, the /metrics endpoint), the Grafana
+dashboard's queries against it, and tandem.runtime.logging_setup (request ids on every line)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.runtime.logging_setup import bind_request, current_request_id, setup_logging
-from tandem.runtime.metrics import (KV_TRANSFER_BUCKETS, METRIC_NAMES, MetricsHub, WorkerCounters,
-                             WorkerMetricsSnapshot, start_metrics_server)
+from tandem.runtime.metrics import (KV_TRANSFER_BUCKETS, METRIC_NAMES, MetricsHub, TransferTimes,
+                                    WorkerCounters, WorkerMetricsSnapshot, start_metrics_server)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
 
@@ -96,6 +96,38 @@ def test_endpoint_serves_router_and_worker_metrics():
     assert m[("tandem:kv_transfer_seconds_bucket", (("le", "0.005"),))] == 1
     assert m[("tandem:kv_transfer_seconds_bucket", (("le", "0.25"),))] == 2
     assert m[("tandem:kv_transfer_seconds_bucket", (("le", "+Inf"),))] == 2
+
+
+def test_transfers_a_worker_reports_fill_the_histograms_count_and_buckets():
+    """The path a live cluster takes: a worker records each transfer's time, ships the result in
+    its stats, the controller's cluster state carries them, and the hub reads them through
+    `from_worker_stats`. Count and buckets must grow with the sum (they once stayed at zero)."""
+    hub = MetricsHub()
+    times = TransferTimes()                    # what a prefill or decode worker keeps
+
+    def report():
+        worker = {"worker_id": "p0", "pool": "prefill", "pid": 41,
+                  "stats": {"running": 0, "waiting": 0, **times.stats()}}
+        hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(worker)])
+
+    def value(suffix, **labels):
+        return hub.registry.get_sample_value("tandem:kv_transfer_seconds" + suffix, labels or None)
+
+    times.record(0.003)
+    times.record(0.2)
+    report()
+    assert value("_count") == 2
+    assert value("_sum") == pytest.approx(0.203)
+    assert value("_bucket", le="0.001") == 0
+    assert value("_bucket", le="0.005") == 1
+    assert value("_bucket", le="0.25") == 2
+    assert value("_bucket", le="+Inf") == 2
+    times.record(12.0)                         # slower than every finite bound but the last
+    report()
+    assert value("_count") == 3
+    assert value("_bucket", le="10.0") == 2
+    assert value("_bucket", le="30.0") == 3
+    assert value("_bucket", le="+Inf") == 3
 
 
 def test_worker_restart_and_departure():
