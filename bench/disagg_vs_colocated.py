@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -32,10 +31,15 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import grpc
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.cluster.layout_predictions import print_predictions, simulate_beside
+from tandem.cluster.layouts import mode_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from tandem.cluster.cli import main; sys.exit(main())"]
 
 
 def _free_port() -> int:
@@ -44,52 +48,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def layout_name(n_prefill: int, n_decode: int) -> str:
-    return f"{n_prefill}P:{n_decode}D" if n_prefill else f"colocated x{n_decode}"
-
-
-def mode_configs(args) -> dict[str, dict]:
-    """Both modes use every GPU: disaggregated splits them between the pools (prefill first), the
-    colocated mode runs one replica per GPU. With --layouts, one config per listed P:D split
-    instead (0:N is N colocated replicas), named like `tandem simulate` names them."""
-    gpu = 1 if args.device == "cuda" else 0
-    common = {"model": {"name": args.model, "device": args.device,
-                        "dtype": "bfloat16" if args.device == "cuda" else "float32"},
-              "scheduler": {"max_num_batched_tokens": args.chunk, "max_num_seqs": args.max_num_seqs},
-              "speculative": {"method": args.speculative},
-              "router": {"host": "127.0.0.1", "metrics_port": None}}
-    if args.num_blocks:
-        common["cache"] = {"num_blocks": args.num_blocks}
-
-    def layout(n_prefill: int, n_decode: int) -> dict:
-        queue = getattr(args, "prefill_queue_limit", 0) or float("inf")
-        # The same decode slots in every layout: --max-num-seqs per GPU, all held by the decode
-        # actors (a 1P:1D decode actor holds 2 colocated replicas' sequences). With 64 per actor in
-        # both modes the 1P:1D decode actor ran out of slots at 8 sessions/s, and local prefills
-        # waited behind KV-delivered requests for 10-13 s (docs/benchmarks.md, issue 10).
-        seqs = math.ceil(args.max_num_seqs * (n_prefill + n_decode) / n_decode)
-        return {**common, "scheduler": {**common["scheduler"], "max_num_seqs": seqs},
-                "prefill": {"replicas": n_prefill, "num_gpus": gpu, "max_queued_tokens": queue},
-                "decode": {"replicas": n_decode, "num_gpus": gpu,
-                           "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
-
-    if getattr(args, "layouts", None):
-        out = {}
-        for item in args.layouts.split(","):
-            p, _, d = item.partition(":")
-            n_prefill, n_decode = int(p), int(d)
-            if n_prefill < 0 or n_decode < 1:
-                raise SystemExit(f"--layouts: {item!r} is not P:D with P >= 0 and D >= 1")
-            out[layout_name(n_prefill, n_decode)] = layout(n_prefill, n_decode)
-        return out
-    n_prefill = args.prefill or max(1, args.gpus // 2)
-    return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
-
-
 def _wait_serving(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -150,145 +109,6 @@ def compare(reports: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def _load_perf(perf_path: str | None):
-    from tandem.cluster.simulator import PerfModel
-
-    return PerfModel.from_dict(json.loads(Path(perf_path).read_text())) if perf_path else PerfModel()
-
-
-def predict(cluster: dict, bench: dict, perf, rates=None) -> dict:
-    """The simulator's summary of one layout (`cluster`: its `tandem up` config) at `rates` (default:
-    all) of `bench` (a `tandem bench` report's config: workload, seed, rates, duration_s,
-    max_sessions, max_context, slo), on the very requests the bench sends: the same sessions, the
-    same start times per rate, turns sent closed-loop and none due past the duration.
-    -> {rate: SimSummary}"""
-    import random
-    from dataclasses import replace
-
-    from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-    from tandem.cluster.simulator import SLO, simulate
-
-    n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
-    threshold = float(cluster["decode"]["local_prefill_threshold"])
-    colocated = n_prefill == 0 or math.isinf(threshold)
-    c = bench
-    kind, _ = parse_workload(c["workload"])
-    n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
-    sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
-    model = perf if colocated else replace(
-        perf, local_prefill_threshold=threshold,
-        prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
-    seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
-    if seqs:                         # the layout's decode slots per actor, as the bench set them
-        model = replace(model, max_batch=int(seqs))
-    slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
-    out = {}
-    for rate in c["rates"] if rates is None else rates:
-        plan = plan_sessions(sessions, session_workload=True, rate=rate, duration_s=c["duration_s"],
-                             max_sessions=c.get("max_sessions"))
-        specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
-                 for sess in plan for i, t in enumerate(sess.specs)]
-        out[rate] = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
-                             send_until_s=c["duration_s"]).summary
-    return out
-
-
-def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) -> list[dict]:
-    """The simulator's prediction (`predict`) for every measured layout and rate, on the very
-    requests the bench sent. The perf model is `tandem profile`'s JSON (--perf) or the simulator's
-    assumed 8B-on-H200 default. Prints and returns rows of measured / predicted goodput, TTFT p90
-    and TPOT p90 (simulated.json too)."""
-    perf = _load_perf(perf_path)
-    print(f"\nsimulator beside measurement (perf model: {perf_path or 'assumed 8B on H200'}): "
-          "measured / predicted")
-    print(f"{'layout':>14} {'rate':>5} {'goodput':>13} {'TTFT p90 ms':>15} {'TPOT p90 ms':>15}")
-    rows = []
-    for name, report in reports.items():
-        slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-        cluster = yaml.safe_load((out / f"config-{slug}.yaml").read_text())
-        predicted = predict(cluster, report["config"], perf, [run["rate"] for run in report["runs"]])
-        for run in report["runs"]:
-            sim = predicted[run["rate"]]
-            m = run["summary"]
-            row = {"layout": name, "rate": run["rate"],
-                   "goodput": (m["goodput_rps"], sim.goodput_rps),
-                   "ttft_p90_ms": (m["ttft_ms"]["p90"], 1e3 * sim.ttft_p90 if sim.ttft_p90 is not None else None),
-                   "tpot_p90_ms": (m["tpot_ms"]["p90"], 1e3 * sim.tpot_p90 if sim.tpot_p90 is not None else None),
-                   "requests": (m["requests"], sim.requests)}
-            rows.append(row)
-            pair = lambda v, f: "/".join("-" if x is None else f.format(x) for x in v)  # noqa: E731
-            print(f"{name:>14} {run['rate']:>5g} {pair(row['goodput'], '{:.2f}'):>13} "
-                  f"{pair(row['ttft_p90_ms'], '{:.0f}'):>15} {pair(row['tpot_p90_ms'], '{:.1f}'):>15}")
-    (out / "simulated.json").write_text(json.dumps({"perf": perf.to_dict(), "rows": rows}, indent=1))
-    return rows
-
-
-def print_predictions(configs: dict[str, dict], args) -> list[dict]:
-    """--predict: the simulator's prediction for every layout and rate, on the requests the bench
-    would send (workload, seed, duration cut-off, --max-context or the preset model's context),
-    with no cluster started. Prints goodput and TTFT / TPOT p50, p90, p99 (predicted.json too)."""
-    from tandem.engine.config import PRESETS
-
-    context = args.max_context or (PRESETS[args.model].max_position_embeddings if args.model in PRESETS else 0)
-    if not context:
-        raise SystemExit(f"--predict: give --max-context for {args.model!r} (not a preset)")
-    bench = {"workload": args.workload, "seed": args.seed, "max_sessions": None, "duration_s": args.duration,
-             "rates": [float(r) for r in args.rates.split(",")], "max_context": context,
-             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
-    perf = _load_perf(args.perf)
-    print(f"predicted (perf model: {args.perf or 'assumed 8B on H200'}; {args.workload}, {args.duration:g} s per "
-          f"rate, seed {args.seed}); SLOs TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.tpot_slo_ms:g} ms")
-    print(f"{'layout':>14} {'rate':>5} {'sent':>5} {'goodput':>8} {'TTFT ms p50/p90/p99':>22} "
-          f"{'TPOT ms p50/p90/p99':>22} {'SLO met':>8}")
-    rows = []
-    for name, cluster in configs.items():
-        for rate, sim in predict(cluster, bench, perf).items():
-            trio = lambda a, b, c, f: "/".join(f.format(x * 1e3) for x in (a, b, c))  # noqa: E731
-            print(f"{name:>14} {rate:>5g} {sim.requests:>5} {sim.goodput_rps:>8.2f} "
-                  f"{trio(sim.ttft_p50, sim.ttft_p90, sim.ttft_p99, '{:.0f}'):>22} "
-                  f"{trio(sim.tpot_p50, sim.tpot_p90, sim.tpot_p99, '{:.1f}'):>22} {sim.slo_attainment:>8.1%}")
-            rows.append({"layout": name, "rate": rate, "decode_slots": cluster["scheduler"]["max_num_seqs"],
-                         **{k: v for k, v in vars(sim).items() if k != "label"}})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "predicted.json").write_text(json.dumps({"perf": perf.to_dict(), "bench": bench, "rows": rows}, indent=1))
-    print(f"wrote {out / 'predicted.json'}")
-    plot_predictions(rows, bench["slo"], out / "predicted.png",
-                     f"{args.model}, {args.workload}: simulated layouts ({args.perf or 'assumed perf model'})")
-    return rows
-
-
-def plot_predictions(rows: list[dict], slo: dict, path: Path, title: str) -> None:
-    """Goodput, TTFT p90 and TPOT p90 against rate, one line per layout (with matplotlib)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = ((axes[0], "goodput_rps", 1, "goodput (requests/s within both SLOs)", None),
-              (axes[1], "ttft_p90", 1e3, "TTFT p90 (ms, log)", slo["ttft_ms"]),
-              (axes[2], "tpot_p90", 1e3, "TPOT p90 (ms)", slo["tpot_ms"]))
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    for ax, key, scale, ylabel, limit in panels:
-        for name in layouts:
-            mine = [r for r in rows if r["layout"] == name]
-            ax.plot([r["rate"] for r in mine], [r[key] * scale for r in mine], "o-", label=name)
-        if limit is not None:
-            ax.axhline(limit, color="grey", linestyle="--", label="SLO")
-        ax.set(xlabel="offered rate (new sessions / s)", ylabel=ylabel,
-               yscale="log" if key == "ttft_p90" else "linear")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-
-
 def print_layouts(reports: dict[str, dict], out: Path) -> None:
     """One row per layout and rate: goodput and TTFT / TPOT p50, p90, p99 (layouts.json too)."""
     slo = next(iter(reports.values()))["config"]["slo"]
@@ -321,11 +141,11 @@ def report_comparison(reports: dict[str, dict], out: Path, title: str, args: dic
               f"{r['ttft_p90_disagg_ms']:>7.0f}/{r['ttft_p90_coloc_ms']:<8.0f}")
     (out / "comparison.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional (the `bench` extra); without it, no plot
     except ImportError:
         return
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     rates = [r["rate"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -348,7 +168,7 @@ def report_comparison(reports: dict[str, dict], out: Path, title: str, args: dic
     print(f"wrote {out / 'comparison.png'}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b-random")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -387,32 +207,37 @@ def main() -> None:
                          "on the requests the bench would send, with the decode slots it would give each")
     ap.add_argument("--compare", metavar="DIR", help="print the table and plot again from DIR's bench-*.json "
                                                       "(a finished run); runs nothing")
-    args = ap.parse_args()
+    return ap
+
+
+def _replot(args) -> None:
+    """--compare DIR: the table and plot again from a finished run's bench-*.json."""
+    d = Path(args.compare)
+    reports = {m: json.loads((d / f"bench-{m}.json").read_text()) for m in ("disaggregated", "colocated")}
+    report_comparison(reports, d, f"{args.model}, workload {reports['colocated']['config'].get('workload', '')}",
+                      None)
+    if args.simulate:
+        simulate_beside(reports, d, args.perf)
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.compare:
-        d = Path(args.compare)
-        reports = {m: json.loads((d / f"bench-{m}.json").read_text()) for m in ("disaggregated", "colocated")}
-        report_comparison(reports, d, f"{args.model}, workload {reports['colocated']['config'].get('workload', '')}",
-                          None)
-        if args.simulate:
-            simulate_beside(reports, d, args.perf)
+        _replot(args)
         return
     configs = mode_configs(args)
+    names = list(configs) if args.layouts else args.modes.split(",")
     if args.predict:
-        names = list(configs) if args.layouts else args.modes.split(",")
         print_predictions({n: configs[n] for n in names}, args)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reports = {}
-    for name in (configs if args.layouts else args.modes.split(",")):
-        reports[name] = run_mode(name, configs[name], args, out)
+    reports = {name: run_mode(name, configs[name], args, out) for name in names}
     if args.layouts:
         print_layouts(reports, out)
     if args.simulate:
         simulate_beside(reports, out, args.perf)
-    if args.layouts:
-        return
-    if len(reports) == 2:
+    if not args.layouts and len(reports) == 2:
         title = (f"{args.model}, {args.gpus} {'GPUs' if args.device == 'cuda' else 'CPU actors'}, workload "
                  f"{args.workload}")
         report_comparison(reports, out, title, vars(args))

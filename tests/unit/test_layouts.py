@@ -1,12 +1,17 @@
-"""bench/disagg_vs_colocated.py's cluster configs: the two headline modes, and --layouts for the
-pool-ratio sweep (P:D splits, 0:N colocated) that `tandem up` is started with."""
+"""cluster.layouts: the layout comparison's cluster configs (the two headline modes, and --layouts for
+the pool-ratio sweep: P:D splits, 0:N colocated) that `tandem up` is started with, and the
+simulator's predictions beside them (cluster.layout_predictions)."""
 
+import json
 import math
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from bench.disagg_vs_colocated import mode_configs
+from tandem.cluster.layout_predictions import print_predictions, simulate_beside
+from tandem.cluster.layouts import mode_configs, predict
+from tandem.cluster.simulator import PerfModel
 
 
 def _args(**kw):
@@ -45,10 +50,6 @@ def test_simulator_predictions_replay_the_benchs_own_requests(tmp_path):
     """--simulate: for a measured layout and rate, the simulator runs the same sessions the bench
     sent (workload, seed, count, start times, duration cut-off) on that layout and reports its
     prediction beside the measurement."""
-    import yaml
-
-    from bench.disagg_vs_colocated import simulate_beside
-
     (tmp_path / "config-1P_1D.yaml").write_text(yaml.safe_dump(
         {"prefill": {"replicas": 1}, "decode": {"replicas": 1, "local_prefill_threshold": 256}}))
     (tmp_path / "config-colocated_x2.yaml").write_text(yaml.safe_dump(
@@ -71,11 +72,6 @@ def test_simulator_predictions_replay_the_benchs_own_requests(tmp_path):
 def test_predict_gives_each_layout_the_benchs_decode_slots_and_starts_nothing(tmp_path, capsys):
     """--predict: every layout and rate through the simulator on the requests the bench would send,
     each layout with the decode slots the bench would give it; TTFT/TPOT p50/p90/p99 and goodput."""
-    import json
-
-    from bench.disagg_vs_colocated import predict, print_predictions
-    from tandem.cluster.simulator import PerfModel
-
     args = _args(layouts="1:1,0:2", workload="agent-small", rates="1,2", duration=10.0, seed=0, max_context=0,
                  model="tiny-random", perf=None, ttft_slo_ms=1000.0, tpot_slo_ms=40.0, out=str(tmp_path))
     configs = mode_configs(args)

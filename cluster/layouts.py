@@ -1,0 +1,109 @@
+"""Cluster layouts for the same GPUs: disaggregated P:D splits and colocated replicas, as the
+`tandem up` configs a comparison starts, and the simulator's prediction of one layout on the very
+requests `tandem bench` sends it (`predict`). Pure but for the simulator's seeded randomness."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
+from tandem.cluster.simulator import SLO, PerfModel, SimSummary, simulate
+
+
+def layout_name(n_prefill: int, n_decode: int) -> str:
+    return f"{n_prefill}P:{n_decode}D" if n_prefill else f"colocated x{n_decode}"
+
+
+def mode_configs(args) -> dict[str, dict]:
+    """Both modes use every GPU: disaggregated splits them between the pools (prefill first), the
+    colocated mode runs one replica per GPU. With `args.layouts` ("1:3,0:4"), one config per
+    listed P:D split instead (0:N is N colocated replicas), named like `tandem simulate` names them.
+    `args`: the comparison's options (model, device, chunk, max_num_seqs, speculative, num_blocks,
+    gpus, prefill, threshold, layouts; prefill_queue_limit optional)."""
+    gpu = 1 if args.device == "cuda" else 0
+    common = {"model": {"name": args.model, "device": args.device,
+                        "dtype": "bfloat16" if args.device == "cuda" else "float32"},
+              "scheduler": {"max_num_batched_tokens": args.chunk, "max_num_seqs": args.max_num_seqs},
+              "speculative": {"method": args.speculative},
+              "router": {"host": "127.0.0.1", "metrics_port": None}}
+    if args.num_blocks:
+        common["cache"] = {"num_blocks": args.num_blocks}
+
+    def layout(n_prefill: int, n_decode: int) -> dict:
+        queue = getattr(args, "prefill_queue_limit", 0) or float("inf")
+        # The same decode slots in every layout: --max-num-seqs per GPU, all held by the decode
+        # actors (a 1P:1D decode actor holds 2 colocated replicas' sequences). With 64 per actor in
+        # both modes the 1P:1D decode actor ran out of slots at 8 sessions/s, and local prefills
+        # waited behind KV-delivered requests for 10-13 s (docs/benchmarks.md, issue 10).
+        seqs = math.ceil(args.max_num_seqs * (n_prefill + n_decode) / n_decode)
+        return {**common, "scheduler": {**common["scheduler"], "max_num_seqs": seqs},
+                "prefill": {"replicas": n_prefill, "num_gpus": gpu, "max_queued_tokens": queue},
+                "decode": {"replicas": n_decode, "num_gpus": gpu,
+                           "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
+
+    if getattr(args, "layouts", None):
+        return {layout_name(p, d): layout(p, d) for p, d in parse_layouts(args.layouts)}
+    n_prefill = args.prefill or max(1, args.gpus // 2)
+    return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """"1:3,0:4" -> [(1, 3), (0, 4)]; exits with a message on a split that is not P:D."""
+    out = []
+    for item in text.split(","):
+        p, _, d = item.partition(":")
+        n_prefill, n_decode = int(p), int(d)
+        if n_prefill < 0 or n_decode < 1:
+            raise SystemExit(f"--layouts: {item!r} is not P:D with P >= 0 and D >= 1")
+        out.append((n_prefill, n_decode))
+    return out
+
+
+def load_perf(path: str | None) -> PerfModel:
+    """`tandem profile`'s JSON (its "perf_model", or the model alone), or the simulator's assumed
+    8B-on-H200 model when `path` is None."""
+    if path is None:
+        return PerfModel()
+    d = json.loads(Path(path).read_text())
+    return PerfModel.from_dict(d.get("perf_model", d))
+
+
+def layout_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool]:
+    """The perf model as one layout (`cluster`: its `tandem up` config) runs it, and whether the
+    layout is colocated (no prefill pool, or decode prefills everything itself)."""
+    threshold = float(cluster["decode"]["local_prefill_threshold"])
+    colocated = cluster["prefill"]["replicas"] == 0 or math.isinf(threshold)
+    model = perf if colocated else replace(
+        perf, local_prefill_threshold=threshold,
+        prefill_queue_limit=float(cluster["prefill"].get("max_queued_tokens", math.inf)))
+    seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
+    if seqs:                         # the layout's decode slots per actor, as the bench set them
+        model = replace(model, max_batch=int(seqs))
+    return model, colocated
+
+
+def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[float, SimSummary]:
+    """The simulator's summary of one layout (`cluster`: its `tandem up` config) at `rates` (default:
+    all) of `bench` (a `tandem bench` report's config: workload, seed, rates, duration_s,
+    max_sessions, max_context, slo), on the very requests the bench sends: the same sessions, the
+    same start times per rate, turns sent closed-loop and none due past the duration."""
+    n_prefill, n_decode = cluster["prefill"]["replicas"], cluster["decode"]["replicas"]
+    model, colocated = layout_perf(cluster, perf)
+    c = bench
+    kind, _ = parse_workload(c["workload"])
+    n = min(c.get("max_sessions") or 10**9, sessions_needed(max(c["rates"]), c["duration_s"]))
+    sessions = load_sessions(kind, None, random.Random(c["seed"]), num_sessions=n, max_context=c["max_context"])
+    slo = SLO(c["slo"]["ttft_ms"] / 1e3, c["slo"]["tpot_ms"] / 1e3)
+    out = {}
+    for rate in c["rates"] if rates is None else rates:
+        plan = plan_sessions(sessions, session_workload=True, rate=rate, duration_s=c["duration_s"],
+                             max_sessions=c.get("max_sessions"))
+        specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
+                 for sess in plan for i, t in enumerate(sess.specs)]
+        out[rate] = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
+                             send_until_s=c["duration_s"]).summary
+    return out
