@@ -74,6 +74,11 @@ class RouterConfig:
     metrics_host: str = "127.0.0.1"
     # a request whose first token takes longer is logged with where the time went (None: never)
     slow_ttft_log_s: float | None = 1.0
+    # a worker past any of these is overloaded: a session leaves it, and when every worker of a
+    # pool is, requests get RESOURCE_EXHAUSTED (tandem.placement.OverloadLimits; None: not checked)
+    worker_max_waiting: int | None = None
+    worker_max_load: int | None = None
+    worker_max_kv_usage: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

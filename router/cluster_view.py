@@ -1,6 +1,7 @@
 """The router's view of the cluster: membership and load from the controller (refreshed in the
 background), actor handles looked up by name, and one output pump per decode actor that long-polls
-its batched step outputs and hands each request's share to that request's queue."""
+its batched step outputs (tandem.wire.messages.StepOutput, OutputError) and hands each request's
+share to that request's queue; when the actor dies, every queue gets a WorkerLostNotice."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 
 import ray
 
-from tandem.router.routing import WorkerView
+from tandem.placement import WorkerView
+from tandem.wire.messages import WorkerLostNotice
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +75,18 @@ class ClusterView:
         handle = self.handles[wid]
         while True:
             try:
-                msgs = await handle.get_outputs.remote(self.router_id, 0.5)
+                msgs = await handle.get_outputs.remote(router_id=self.router_id, timeout_s=0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the worker died; its requests get an error
                 log.warning("output pump of %s stopped: %s", wid, e)
                 for q in list(self.queues.values()):
-                    q.put_nowait({"worker_id": wid, "worker_lost": True, "error": f"worker {wid} lost: {e}"})
+                    q.put_nowait(WorkerLostNotice(wid, f"worker {wid} lost: {e}"))
                 self._pumps.pop(wid, None)
                 self.handles.pop(wid, None)
                 return
             for m in msgs:
-                q = self.queues.get(m["request_id"])
+                q = self.queues.get(m.request_id)
                 if q is not None:
                     q.put_nowait(m)
 

@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 import msgpack
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -106,10 +109,6 @@ class RedisSessionStore:
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "tandem:session:", *,
                  op_timeout_s: float = 0.5, retry_interval_s: float = 1.0,
                  max_local_sessions: int = 100_000, clock: Clock = time.monotonic):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
         self.url, self.ttl_s, self.prefix = url, ttl_s, prefix
         self.op_timeout_s, self.retry_interval_s, self.clock = op_timeout_s, retry_interval_s, clock
         # One immediate retry on a broken connection (a pooled connection to a Redis that since

@@ -1,4 +1,4 @@
-"""router.routing and router.prefix_index: affinity, prefix preference, load, determinism."""
+"""tandem.placement (worker choice, prefill placement) and router.prefix_index: affinity, prefix preference, load, determinism."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from tandem.router.prefix_index import PrefixIndex, block_hashes, hash_block
-from tandem.router.routing import (DEAD, DRAINING, WorkerView, any_ready, choose_worker,
-                            overload_threshold)
+from tandem.placement import (DEAD, DRAINING, WorkerView, any_ready, choose_worker, overload_threshold,
+                              prefill_placement)
 
 
 def make_workers(n: int, **overrides) -> list[WorkerView]:
@@ -193,8 +193,6 @@ def test_record_is_idempotent():
 # --- prefill_placement (prefill.max_queued_tokens) ----------------------------------------------
 
 def test_prefill_placement_keeps_the_hint_with_room_else_the_least_queued_with_room():
-    from tandem.router.routing import prefill_placement
-
     assert prefill_placement("p0", ["p0", "p1"], {}, 0, 5000, 16384) == "p0"
     assert prefill_placement("p0", ["p0", "p1"], {"p0": 12000}, 0, 5000, 16384) == "p1"
     assert prefill_placement("p0", ["p0", "p1", "p2"], {"p0": 12000, "p1": 9000, "p2": 3000}, 0, 5000, 16384) == "p2"
@@ -204,8 +202,6 @@ def test_prefill_placement_keeps_the_hint_with_room_else_the_least_queued_with_r
 
 
 def test_prefill_placement_overflows_to_local_only_while_the_local_queue_is_shorter():
-    from tandem.router.routing import prefill_placement
-
     full = {"p0": 14000, "p1": 15000}
     assert prefill_placement("p0", ["p0", "p1"], full, 0, 5000, 16384) is None          # decode idle
     assert prefill_placement("p0", ["p0", "p1"], full, 13999, 5000, 16384) is None
@@ -217,8 +213,6 @@ def test_prefill_placement_overflows_to_local_only_while_the_local_queue_is_shor
 def test_prefill_placement_splits_a_burst_between_the_two_queues():
     """Prompts arriving together past the cap alternate between the prefill queue and the decode
     actor's own: neither grows far past the other (before, every one went local)."""
-    from tandem.router.routing import prefill_placement
-
     prefill, local = {"p0": 0}, 0
     for _ in range(40):
         where = prefill_placement("p0", ["p0"], prefill, local, 4000, 16384)

@@ -1,0 +1,74 @@
+"""`tandem.v1.Admin` and the cluster's state for operators: the Admin service (cluster state, pool
+bounds, draining a worker) in protobuf terms, and the workers' stats published to the metrics hub
+each time the router refreshes its view of the cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem.runtime.metrics import WorkerMetricsSnapshot
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, controller):
+        self.controller = controller
+
+    async def GetClusterState(self, request, context):
+        return cluster_state_proto(await self.controller.cluster_state.remote())
+
+    async def SetPoolBounds(self, request, context):
+        target = request.target if request.HasField("target") else None
+        try:
+            await self.controller.set_pool_bounds.remote(request.pool, request.min, request.max, target)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        state = cluster_state_proto(await self.controller.cluster_state.remote())
+        return next(p for p in state.pools if p.name == request.pool)
+
+    async def DrainWorker(self, request, context):
+        try:
+            r = await self.controller.drain_worker.remote(request.worker_id)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
+        return admin_pb2.Worker(id=r["worker_id"], pool=r["pool"], state=_WORKER_STATE[r["state"]])
+
+
+_WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,
+                 "draining": admin_pb2.WORKER_STATE_DRAINING, "dead": admin_pb2.WORKER_STATE_DEAD}
+
+
+def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
+    out = admin_pb2.ClusterState()
+    totals = out.totals
+    for name, p in state["pools"].items():
+        pool = out.pools.add(name=name, size=p["size"], target=p["target"], min=p["min"], max=p["max"],
+                             draining=p["draining"], target_pinned=p.get("target_pinned", False))
+        for w in state["workers"]:
+            if w["pool"] != name:
+                continue
+            s = w.get("stats") or {}
+            pool.workers.add(id=w["worker_id"], pool=name, pid=w.get("pid", 0), node=w.get("node", ""),
+                             state=_WORKER_STATE[w["state"]], running_requests=s.get("running", 0),
+                             waiting_requests=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+                             kv_blocks_total=s.get("kv_blocks_total", 0))
+            totals.workers += 1
+            totals.running_requests += s.get("running", 0)
+            totals.waiting_requests += s.get("waiting", 0)
+            totals.kv_blocks_used += s.get("kv_blocks_used", 0)
+            totals.kv_blocks_total += s.get("kv_blocks_total", 0)
+    d = state.get("last_decision") or {}
+    if d:
+        out.last_decision.CopyFrom(admin_pb2.AutoscalerDecision(
+            at_unix_s=d.get("at_unix_s", 0.0), prefill_target=d.get("prefill_target", 0),
+            decode_target=d.get("decode_target", 0), reasons=d.get("reasons", [])))
+    return out
+
+
+def publish_cluster_metrics(hub, state: dict[str, Any]) -> None:
+    hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(w) for w in state["workers"] if w.get("stats")])
+    for name, p in state["pools"].items():
+        hub.set_pool(name, p["size"], p["target"])
+

@@ -1,0 +1,338 @@
+"""Placing one request on the cluster's actors: pick workers through the placement policy
+(tandem.placement), reserve on the decode actor and, when it asks for remote prefill, on a prefill
+actor, start the KV transfer between them, and undo every reservation a cancelled or failed request
+leaves behind. The request's own flow (router/flow.py, router/generation.py) calls `place` and
+`abort_everywhere`; nothing here streams tokens.
+
+Promises: a reservation is freed on every path that does not hand it to the caller (cancelled
+while awaiting it, failed after it, or not needed); the prompt tokens counted on an actor
+(`prefill_queued`, `local_queued`) are released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from tandem.placement import (OverloadLimits, any_ready, choose_worker, local_prefill_queue, prefill_placement,
+                              remote_prefill_offered)
+from tandem.router.cluster_view import ClusterView
+from tandem.router.prefix_index import PrefixIndex
+from tandem.router.sessions import SessionState
+from tandem.wire.errors import NoWorkerReady, WorkersOverloaded, WorkerUnavailable
+from tandem.wire.messages import DecodePlan, DecodeReserve, PrefillReservation, PrefillReserve, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Hold = tuple[dict[str, int], str, int]   # (queued counts, worker id, tokens): see Placer.hold
+PLACEMENT_ERRORS = (WorkerUnavailable, NoWorkerReady, WorkersOverloaded, ray.exceptions.RayActorError)
+
+
+@dataclass
+class Attempt:
+    """Where a request runs now; a migration makes a new one."""
+    decode_id: str
+    decode: Any
+    prefill_id: str | None = None
+    prefill_task: Any = None     # the prefill actor's start(): its PrefillResult once the KV is sent
+    first_task: Any = None       # the prefill actor's FirstTokenReady, ahead of the transfer's end
+    transfer_id: str | None = None
+    mode: str = "local"
+    local_hold: Hold | None = None  # a local prefill counted in Placer.local_queued until its first token
+    marks: dict[str, float] = field(default_factory=dict)  # perf_counter() at each stage (slow-TTFT log)
+    prefill_cached: int = 0
+
+    @property
+    def remote(self) -> bool:
+        return self.prefill_task is not None
+
+
+@dataclass
+class _Placement:
+    """One `Placer.place` call's arguments and what it learned on the way."""
+    rid: str
+    ids: list[int]
+    sp: SamplingParams
+    sess: SessionState | None
+    hashes: list[bytes]
+    transfer_id: str | None = None
+    prefill_hint: str | None = None
+    hold: Hold | None = None   # the prompt counted on the prefill actor picked first
+    early: Any = None          # that actor's reservation, made alongside the decode actor's
+
+
+class Placer:
+    def __init__(self, view: ClusterView, block_size: int, num_layers: int, counters: dict[str, int], *,
+                 local_prefill_threshold: float = 256, max_prefill_queued_tokens: float = math.inf,
+                 overload: OverloadLimits = OverloadLimits()):
+        self.view = view
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.counters = counters
+        self.threshold = local_prefill_threshold
+        # past max_prefill_queued tokens of this router's remote prefills on a prefill actor, it gets
+        # no more while a decode actor's own queue of local prefills is shorter (prefill_placement)
+        self.max_prefill_queued = max_prefill_queued_tokens
+        self.overload = overload
+        self.prefill_queued: dict[str, int] = {}   # prompt tokens placed on each prefill actor, not yet delivered
+        self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet
+        self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
+        self._background: set[asyncio.Future] = set()   # fire-and-forget cleanups, kept referenced
+
+    # ---- the policy ---------------------------------------------------------------------------
+    def pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=()) -> str:
+        views = [w for w in self.view.views(pool) if w.worker_id not in exclude]
+        hits = {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
+        wid = choose_worker(views, session_worker, hits, overload_fn=self.overload)
+        if wid is None:
+            if any_ready(views):
+                raise WorkersOverloaded(f"every {pool} worker is overloaded; retry later")
+            raise NoWorkerReady(f"no {pool} worker is ready")
+        return wid
+
+    def _prefill_hint(self, p: _Placement) -> str | None:
+        """The prefill actor to reserve on alongside the decode actor; None: prefill locally."""
+        prefill_ids = [w.worker_id for w in self.view.views("prefill")]
+        if not remote_prefill_offered(self.threshold, len(prefill_ids)):
+            return None
+        try:
+            hint = self.pick("prefill", p.sess.prefill_worker if p.sess else None, p.hashes)
+        except (NoWorkerReady, WorkersOverloaded):
+            return None
+        local = local_prefill_queue(p.sess.decode_worker if p.sess else None, self.local_queued,
+                                    [w.worker_id for w in self.view.views("decode")])
+        placed = prefill_placement(hint, prefill_ids, self.prefill_queued, local, len(p.ids), self.max_prefill_queued)
+        if placed is None:      # every prefill actor is backlogged: prefill locally
+            self.counters["prefill_backlogged"] = self.counters.get("prefill_backlogged", 0) + 1
+        return placed
+
+    # ---- placing ------------------------------------------------------------------------------
+    async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,
+                    hashes: list[bytes], exclude: set[str]) -> Attempt:
+        """Reserve on a decode actor (the session's, else the best prefix hit, else the least
+        loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
+        draining or gone is skipped, and a prefill that cannot start falls back to local prefill.
+        The prefill actor is picked first and reserved on while the decode actor reserves (the two
+        answers are independent); it is named in the decode actor's reserve, which then registers
+        the KV receive from it. Both save a sequential call per remote prefill."""
+        p = _Placement(rid, ids, sp, sess, hashes)
+        p.prefill_hint = self._prefill_hint(p)
+        if p.prefill_hint is not None:
+            p.transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}"
+            # counted on the prefill actor at once, so concurrent arrivals see it
+            p.hold = self.hold(self.prefill_queued, p.prefill_hint, len(ids))
+            p.early = asyncio.ensure_future(self._reserve_prefill(p.prefill_hint, p.transfer_id, ids, sp))
+        try:
+            att, plan = await self._reserve_decode(p, exclude)
+        except BaseException:
+            self.release(p.hold)
+            self._drop_prefill_reservation(p.early, p.transfer_id)
+            raise
+        try:
+            await self._after_decode_reserve(att, p, plan)
+        except BaseException:
+            # cancelled (the client went, its deadline passed) or failed before the caller has the
+            # attempt: nobody else knows of the decode actor's reservation
+            self.view.inflight[att.decode_id] -= 1
+            self.release(att.local_hold)
+            self.in_background(att.decode.abort.remote(rid))
+            raise
+        return att
+
+    async def _reserve_decode(self, p: _Placement, exclude: set[str]) -> tuple[Attempt, DecodePlan]:
+        tried = set(exclude)
+        while True:
+            decode_id = self.pick("decode", p.sess.decode_worker if p.sess else None, p.hashes, exclude=tried)
+            decode = self.view.handle(decode_id)
+            # count it at once, so concurrent arrivals see this load before the worker reports it
+            self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
+            ask = DecodeReserve(p.rid, self.view.router_id, p.ids, p.sp, p.transfer_id, p.prefill_hint)
+            try:
+                plan = await self.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(p.rid))
+            except (WorkerUnavailable, ray.exceptions.RayActorError):
+                self.view.inflight[decode_id] -= 1
+                tried.add(decode_id)
+                continue
+            att = Attempt(decode_id, decode, transfer_id=p.transfer_id, mode=plan.mode)
+            att.marks["decode_reserved"] = time.perf_counter()
+            return att, plan
+
+    async def _after_decode_reserve(self, att: Attempt, p: _Placement, plan: DecodePlan) -> None:
+        """`place`, once the decode actor has answered: start the remote prefill it asked for (or
+        prefill locally), or drop the early prefill reservation when it prefills itself."""
+        if not plan.remote:                 # prefilled locally: the early one is not needed
+            # counted on the decode actor until its first token (prefill_placement weighs it)
+            att.local_hold = self.hold(self.local_queued, att.decode_id, len(p.ids) - plan.cached_tokens)
+            self.release(p.hold)
+            self._drop_prefill_reservation(p.early, p.transfer_id)
+            return
+        try:
+            await self._start_remote_prefill(att, p, plan)
+        except BaseException as e:
+            self.release(p.hold)
+            if not isinstance(e, PLACEMENT_ERRORS):
+                raise
+            log.info("remote prefill of %s unavailable (%s); prefilling locally", p.rid, e)
+            await self.prefill_locally(att, p.rid, p.ids, p.sp)
+            return
+        att.marks["prefill_started"] = time.perf_counter()
+        att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
+        hold = p.hold
+        if hold is None or hold[1] != att.prefill_id:    # another prefill actor took it
+            self.release(hold)
+            hold = self.hold(self.prefill_queued, att.prefill_id, len(p.ids))
+        att.prefill_task.add_done_callback(lambda _: self.release(hold))
+
+    async def prefill_locally(self, att: Attempt, rid: str, ids: list[int], sp: SamplingParams) -> None:
+        """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
+        for the decode actor's own prefill instead."""
+        await att.decode.abort.remote(rid)
+        plan = await self.reservation(att.decode.reserve.remote(DecodeReserve(rid, self.view.router_id, ids, sp)),
+                                      undo=lambda: att.decode.abort.remote(rid))
+        if att.local_hold is None:
+            att.local_hold = self.hold(self.local_queued, att.decode_id, len(ids) - plan.cached_tokens)
+        if att.first_task is not None:
+            att.first_task.cancel()
+        att.prefill_id = att.prefill_task = att.first_task = None
+
+    # ---- the remote prefill -------------------------------------------------------------------
+    async def _start_remote_prefill(self, att: Attempt, p: _Placement, plan: DecodePlan) -> None:
+        """Take the prefill actor's reservation (made alongside the decode actor's, `p.early`; else
+        reserve now), pull the decode actor's cached prefix into it when it lacks some, then start
+        the layer-by-layer transfer into the decode actor's reserved blocks."""
+        tried: set[str] = set()
+        prefill, prefill_id, res = None, plan.expecting, None
+        if p.early is not None:
+            try:
+                prefill, res = await p.early
+            except (WorkerUnavailable, ray.exceptions.RayActorError) as e:
+                # draining, out of KV blocks or gone: another prefill actor (the decode actor's
+                # receive is pointed at it by `expect`), as when none was reserved early
+                log.info("prefill actor %s unavailable for %s (%s); trying another", prefill_id, p.rid, e)
+                tried.add(prefill_id)
+        while res is None:
+            prefill_id = self.pick("prefill", p.sess.prefill_worker if p.sess else None, p.hashes, exclude=tried)
+            try:
+                prefill, res = await self._reserve_prefill(prefill_id, p.transfer_id, p.ids, p.sp)
+            except WorkerUnavailable:
+                tried.add(prefill_id)
+        try:
+            await self._transfer_from(att, p, plan, prefill, prefill_id, res)
+        except BaseException:
+            await prefill.abort.remote(p.transfer_id)  # do not leak the prefill actor's reservation
+            raise
+
+    async def _transfer_from(self, att: Attempt, p: _Placement, plan: DecodePlan, prefill, prefill_id: str,
+                             res: PrefillReservation) -> None:
+        """`plan`: the decode actor's reservation (its cached tokens, the blocks the KV lands in);
+        `res`: the prefill actor's (its cached tokens, all the prompt's blocks)."""
+        # kv_transfer.base loads torch, which the router process otherwise never needs
+        from tandem.kv_transfer.base import TransferSpec  # noqa: PLC0415
+
+        layers, bs, tid = list(range(self.num_layers)), self.block_size, p.transfer_id
+        first, n, blocks = plan.first_block, len(plan.dst_block_ids), res.block_ids
+        spec = TransferSpec(tid, prefill_id, att.decode_id, layers, blocks[first:first + n], plan.dst_block_ids,
+                            plan.num_tokens)
+        cached, peer_cached = res.cached_tokens, plan.cached_tokens
+        if peer_cached > cached:   # the decode actor holds more of the prefix: pull it, do not recompute
+            at = cached // bs      # both counts are whole blocks
+            pull_dst = blocks[at:peer_cached // bs]
+            pull = TransferSpec(f"{tid}/pull", att.decode_id, prefill_id, layers,
+                                plan.prefix_block_ids[at:at + len(pull_dst)], pull_dst, len(pull_dst) * bs)
+            await prefill.expect_pull.remote(spec=pull, owner=tid, covers_tokens=peer_cached)
+            await att.decode.send_prefix.remote(spec=pull)
+            cached = peer_cached
+        if plan.expecting != prefill_id:
+            await att.decode.expect.remote(spec=spec)
+        att.prefill_id, att.prefill_cached = prefill_id, cached
+        att.prefill_task = asyncio.ensure_future(prefill.start.remote(spec=spec))
+        # the first token as soon as it is sampled, while the last layers are still on the wire
+        att.first_task = asyncio.ensure_future(prefill.first_token.remote(transfer_id=tid))
+        self.prefix["prefill"].record(prefill_id, p.hashes[: len(p.ids) // bs])
+
+    async def _reserve_prefill(self, prefill_id: str, transfer_id: str, ids, sp) -> tuple[Any, PrefillReservation]:
+        """-> (the actor's handle, its reservation)."""
+        handle = self.view.handle(prefill_id)
+        if handle is None:
+            raise WorkerUnavailable(f"{prefill_id} left the prefill pool")
+        return handle, await self.reservation(handle.reserve.remote(PrefillReserve(transfer_id, ids, sp)),
+                                              undo=lambda: handle.abort.remote(transfer_id))
+
+    # ---- undoing ------------------------------------------------------------------------------
+    def _drop_prefill_reservation(self, early, transfer_id) -> None:
+        """In the background: once the early prefill reservation has been answered, free it."""
+        if early is not None:
+            self._undo_once_answered(early, lambda answer: answer[0].abort.remote(transfer_id))
+
+    async def reservation(self, ref, undo):
+        """Await an actor's reservation (`ref`, a Ray call). Cancelling the wait does not cancel the
+        call: the actor reserves all the same. If this request is cancelled meanwhile, `undo()` (an
+        abort call) frees it in the background once the actor has answered."""
+        call = asyncio.ensure_future(ref)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._undo_once_answered(call, lambda _answer: undo())
+            raise
+
+    def _undo_once_answered(self, call, undo) -> None:
+        """In the background: once `call` (a reservation) has answered, `undo(answer)` (an abort
+        call); nothing when it failed, since nothing was reserved."""
+        async def run():
+            try:
+                answer = await call
+            except Exception:  # noqa: BLE001 - refused or the actor died: nothing reserved
+                return
+            await undo(answer)
+        self.in_background(run())
+
+    def in_background(self, aw) -> None:
+        """A cleanup that must outlive the request (kept referenced; errors logged, not raised)."""
+        async def run():
+            try:
+                await aw
+            except Exception as e:  # noqa: BLE001 - best effort: a dead actor holds no KV
+                log.debug("background cleanup failed: %s", e)
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort_everywhere(self, rid: str, att: Attempt) -> None:
+        calls = [att.decode.abort.remote(rid)]
+        prefill = self.view.handle(att.prefill_id) if att.prefill_id else None
+        if prefill is not None:
+            calls.append(prefill.abort.remote(att.transfer_id))
+        for c in calls:
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(c.future())), 10)
+            except Exception:  # noqa: BLE001 - best effort; a dead actor holds no KV
+                pass
+        for task in (att.prefill_task, att.first_task):
+            if task is not None:
+                task.cancel()
+
+    # ---- prompt tokens counted on actors ------------------------------------------------------
+    @staticmethod
+    def hold(queued: dict[str, int], worker_id: str, tokens: int) -> Hold:
+        """Count `tokens` of this router's prompts on `worker_id` in `queued` (prefill_queued or
+        local_queued) until `release` of what this returns."""
+        queued[worker_id] = queued.get(worker_id, 0) + tokens
+        return queued, worker_id, tokens
+
+    @staticmethod
+    def release(hold: Hold | None) -> None:
+        if hold is None:
+            return
+        queued, worker_id, tokens = hold
+        left = queued.get(worker_id, 0) - tokens
+        if left > 0:
+            queued[worker_id] = left
+        else:
+            queued.pop(worker_id, None)
