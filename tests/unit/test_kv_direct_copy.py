@@ -46,7 +46,7 @@ def test_all_ready_and_streamed_transfers_copy_directly_and_move_no_data(direct)
         for layer in spec.layers:
             assert_layer_copied(src, dst, layer, spec.src_block_ids, spec.dst_block_ids)
     pipe = net._pipes[("prefill-0", "decode-0")]
-    assert _worker(sender)._direct and pipe.data.empty() and pipe.verdict == (True, "")
+    assert _worker(sender).direct.active and pipe.data.empty() and pipe.verdict == (True, "")
     assert pipe.layers_sent == 8            # announced by "ready" frames, none went as data
     # the all-ready one is one frame; the streamed one up to a frame per layer
     assert 2 <= pipe.frames_sent <= 5
@@ -57,7 +57,7 @@ def test_all_ready_and_streamed_transfers_copy_directly_and_move_no_data(direct)
     # back); the all-ready one had no time to overlap an upload with: its ids went in its frame
     worker = _worker(sender)
     assert {rid for _t, what, rid in sender.trace if what == "send.ids slot"} == {"req-2"}
-    assert worker.ids_in_frames == 1 and not worker._src_ids and worker._id_ring.idle
+    assert worker.direct.ids_in_frames == 1 and not worker.direct.arena and worker.direct.id_ring.idle
 
 
 def test_an_all_ready_send_on_a_direct_link_leaves_from_the_callers_thread(direct):
@@ -80,7 +80,7 @@ def test_an_all_ready_send_on_a_direct_link_leaves_from_the_callers_thread(direc
     threads = {rid for _t, what, rid in sender.trace if what == "send.begin"}   # the worker's check
     assert now == {"req-1", "req-2"} and not now & threads     # the fast path, whole
     assert "req-0" in threads                                  # the first one made the link
-    until(lambda: _worker(sender)._epoch_seen == net.connector("prefill-0").peer_epoch("decode-0"))
+    until(lambda: _worker(sender).epoch_seen == net.connector("prefill-0").peer_epoch("decode-0"))
 
 
 def test_the_sender_holds_its_blocks_until_the_receiver_has_copied_them():
@@ -128,8 +128,8 @@ def test_a_receiver_that_will_not_map_the_cache_says_why_and_the_data_goes_throu
     if why.startswith("direct"):
         receiver.config = replace(FAST, direct_copy=False)
     else:
-        import tandem.kv_transfer.sender as sender_mod
-        monkeypatch.setattr(sender_mod, "machine_id", lambda: "another-machine")
+        import tandem.kv_transfer.direct_send as direct_send
+        monkeypatch.setattr(direct_send, "machine_id", lambda: "another-machine")
     try:
         spec = make_spec()
         receiver.expect(spec)
@@ -139,7 +139,7 @@ def test_a_receiver_that_will_not_map_the_cache_says_why_and_the_data_goes_throu
             assert_layer_copied(src, dst, layer)
         pipe = net._pipes[("prefill-0", "decode-0")]
         assert pipe.verdict == (False, f"KVTransferError: {why}")
-        assert not _worker(sender)._direct and pipe.layers_sent == 4 and pipe.data.empty()
+        assert not _worker(sender).direct.active and pipe.layers_sent == 4 and pipe.data.empty()
     finally:
         sender.close()
         receiver.close()
@@ -204,7 +204,7 @@ def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only():
         until(lambda: receiver.poll(bad.request_id).terminal)
         with pytest.raises(Exception, match="outside the sender's 0..11"):
             receiver.wait(bad.request_id, 1)
-        assert sender._workers["decode-0"].ids_in_frames == 1
+        assert sender._workers["decode-0"].direct.ids_in_frames == 1
         receiver.reap()
         assert r_rel.calls == {bad.request_id: 1}
         assert not dst.tensor.any()               # nothing was copied
@@ -215,8 +215,8 @@ def test_ids_in_the_frame_outside_the_mapped_cache_fail_that_transfer_only():
 
 
 def test_a_streamed_transfer_whose_ids_overflow_the_arena_sends_them_in_its_frame(direct, monkeypatch):
-    import tandem.kv_transfer.sender as sender_mod
-    monkeypatch.setattr(sender_mod, "_ID_ARENA_BYTES", 8)          # room for one id, not three
+    import tandem.kv_transfer.direct_send as direct_send
+    monkeypatch.setattr(direct_send, "_ID_ARENA_BYTES", 8)          # room for one id, not three
     sender, receiver, net, src, dst, s_rel, r_rel = direct
     spec = make_spec("req-big", src=(4, 5, 6), dst=(2, 8, 10))
     receiver.expect(spec)
@@ -224,7 +224,7 @@ def test_a_streamed_transfer_whose_ids_overflow_the_arena_sends_them_in_its_fram
     assert receiver.wait(spec.request_id, 3) is TransferState.DONE
     for layer in spec.layers:
         assert_layer_copied(src, dst, layer, spec.src_block_ids, spec.dst_block_ids)
-    assert _worker(sender).ids_in_frames == 1
+    assert _worker(sender).direct.ids_in_frames == 1
 
 
 def test_ids_in_the_arena_are_clamped_into_the_mapped_cache():
@@ -239,7 +239,7 @@ def test_ids_in_the_arena_are_clamped_into_the_mapped_cache():
         receiver.expect(bad)
         stream(sender, bad, 0.01).join()
         assert receiver.wait(bad.request_id, 3) is TransferState.DONE
-        assert sender._workers["decode-0"].ids_in_frames == 0
+        assert sender._workers["decode-0"].direct.ids_in_frames == 0
         for layer in bad.layers:                  # block 150 read as the last shared block, 11
             assert torch.equal(dst.block(layer, DST[0]), src.block(layer, 11))
         assert_next_transfer_arrives(sender, receiver, src, dst, "req-ok")

@@ -302,7 +302,7 @@ def test_peer_dies_after_layer_k_fails_both_sides(pair):
     # every staging buffer came back, from the broken link's messages too
     sender.wait("req-2", timeout=2)
     worker = sender._workers["decode-0"]       # a slot is given back just after its message retires
-    until(lambda: not worker._inflight and worker._staging.idle)
+    until(lambda: not worker.window.messages and worker.streamed.staging.idle)
     loop = receiver._loops["prefill-0"]
     until(lambda: not loop._landings and loop._staging.idle)
 
@@ -344,10 +344,10 @@ def test_begin_prepares_the_link_and_an_abort_before_any_layer_leaks_nothing(pai
     receiver.expect(spec)
     sender.begin(spec)
     worker = sender._workers["decode-0"]
-    until(lambda: worker.link is not None and spec.request_id in worker._index)
+    until(lambda: worker.link is not None and spec.request_id in worker.streamed.index)
     sender.abort(spec.request_id)
     receiver.abort(spec.request_id)
-    until(lambda: not worker._index and not worker._prepared)
+    until(lambda: not worker.streamed.index and not worker.prepared)
     assert s_rel.calls == Counter({spec.request_id: 1})
     nxt = make_spec("req-next")          # the prepared link carries the next transfer
     receiver.expect(nxt)
@@ -703,7 +703,7 @@ def test_begin_checks_the_link_in_one_lookup_while_the_receivers_epoch_is_unchan
         receiver.expect(spec)
         sender.begin(spec)
         worker = sender._workers["decode-0"]
-        until(lambda: spec.request_id in worker._prepared or sender.poll(rid).terminal)
+        until(lambda: spec.request_id in worker.prepared or sender.poll(rid).terminal)
         for layer in spec.layers:
             sender.send_layer(rid, layer)
         try:
@@ -830,7 +830,7 @@ def test_a_restarted_receiver_fails_only_the_transfers_on_the_old_link():
         net.set_faults("prefill-0", "decode-0", held_sends=True)
         stuck = make_spec("stuck", src=(2, 4, 6), dst=(0, 2, 4))
         sender.send(stuck)           # to a receiver that is gone: nobody reads this pipe
-        until(lambda: sender._workers["decode-0"]._inflight)
+        until(lambda: sender._workers["decode-0"].window.messages)
         net.replace_pipe("prefill-0", "decode-0")       # it came back: a new pipe
         net.set_faults("prefill-0", "decode-0")
         t0 = time.monotonic()
