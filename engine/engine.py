@@ -24,15 +24,9 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.tokenizer import IncrementalDetokenizer
 from tandem.engine.weights import load_model
+from tandem.wire.messages import FirstToken, Usage
 
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
+__all__ = ["EngineStats", "FirstToken", "LLMEngine", "RequestOutput", "Usage"]
 
 
 @dataclass
@@ -43,9 +37,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
-    # a prefill-only request's first output token, as the decode actor continues from it:
-    # {"token_ids": [t], "text", "finish_reason": "stop" | "length" | None, "rng_state": bytes | None}
-    first: dict[str, Any] | None = None
+    # a prefill-only request's first output token, as the decode actor continues from it
+    first: FirstToken | None = None
 
 
 @dataclass
@@ -282,7 +275,7 @@ class LLMEngine:
         if req.prefill_only:  # KV computed; the caller hands the blocks on, then frees them
             first = self._first_output(req, new[0]) if new else None
             self._release(req.request_id)
-            return RequestOutput(req.request_id, new, first["text"] if first else "", finished=True,
+            return RequestOutput(req.request_id, new, first.text if first else "", finished=True,
                                  finish_reason=req.finish_reason, usage=self.usage(req), first=first)
         detok = self.detok[req.request_id]
         detok.add(new)
@@ -309,7 +302,7 @@ class LLMEngine:
             self._release(req.request_id)
         return out
 
-    def _first_output(self, req: Request, tok: int) -> dict[str, Any]:
+    def _first_output(self, req: Request, tok: int) -> FirstToken:
         """What the first output token of a prefill-only request gives its client, decided as the
         decode path would: its text (held back where a stop string could be starting), whether it
         ends the request (EOS, max_tokens, the context, a stop string), and the sampler's state
@@ -333,22 +326,21 @@ class LLMEngine:
             elif reason is None:
                 text = text[:max(0, len(text) - (max(map(len, sp.stop)) - 1))]
         g = self.sampler.generators.get(req.request_id)
-        return {"token_ids": [tok], "text": text, "finish_reason": reason.value if reason else None,
-                "rng_state": bytes(g.get_state().numpy()) if g is not None else None}
+        return FirstToken(tok, text, reason, bytes(g.get_state().numpy()) if g is not None else None)
 
-    def accept_first_token(self, req: Request, first: dict[str, Any]) -> None:
+    def accept_first_token(self, req: Request, first: FirstToken) -> None:
         """A request whose prompt KV a prefill actor computed (num_computed_tokens == prompt) takes
         the first output token that actor sampled (`RequestOutput.first`, already streamed to the
         client): it is appended, its text counted as emitted, the sampler continues from the
         prefill's state; the next step computes it and samples the second token."""
-        tok = first["token_ids"][0]
+        tok = first.token_id
         req.output_token_ids.append(tok)
         detok = self.detok[req.request_id]
         detok.add([tok])
-        detok.emitted = len(first["text"])
-        if first.get("rng_state") is not None:
+        detok.emitted = len(first.text)
+        if first.rng_state is not None:
             g = torch.Generator()
-            g.set_state(torch.frombuffer(bytearray(first["rng_state"]), dtype=torch.uint8))
+            g.set_state(torch.frombuffer(bytearray(first.rng_state), dtype=torch.uint8))
             self.sampler.generators[req.request_id] = g
 
     @staticmethod

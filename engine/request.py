@@ -8,64 +8,18 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from dataclasses import dataclass, field
 
+from tandem.wire.errors import InvalidRequestError, WorkerUnavailable
+from tandem.wire.messages import FinishReason, SamplingParams
 
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (bad parameter, too long, unknown role ...).
-
-    Raised before any KV is allocated; the message says what is wrong and what is allowed.
-    """
-
-
-class WorkerUnavailable(RuntimeError):
-    """This worker takes no new requests (draining or out of KV); the router tries another."""
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled, deadline, or the request failed
+__all__ = ["FinishReason", "InvalidRequestError", "Request", "RequestStatus", "SamplingParams", "WorkerUnavailable"]
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    # speculative decoding: the most draft tokens per step for this request (None: the engine's
-    # setting, 0: never speculate); the engine's length policy may use fewer
-    num_speculative_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if math.isnan(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
-        k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or k < 0):
-            raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 _ids = itertools.count()

@@ -1,0 +1,178 @@
+"""The messages that cross a process boundary between the router, the pool actors and the
+controller, each defined once with named fields: what a router asks a worker (`PrefillReserve`,
+`DecodeReserve`), what the worker answers (`PrefillReservation`, `DecodePlan`, `PrefillResult`),
+the first output token a prefill actor hands over to a decode actor (`FirstToken`, through the
+router), and what a decode actor streams to each router (`StepOutput`, `OutputError`; the router's
+output pump adds `WorkerLostNotice` when the actor dies). All are plain dataclasses: Ray pickles
+them, and every reader uses the same attribute names."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+from tandem.wire.errors import InvalidRequestError
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled, deadline, or the request failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # speculative decoding: the most draft tokens per step for this request (None: the engine's
+    # setting, 0: never speculate); the engine's length policy may use fewer
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if math.isnan(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A prefill-only request's first output token, as the decode actor continues from it: its
+    text (held back where a stop string could be starting), whether it ends the request, and the
+    sampler's state after the draw (None for an unseeded request)."""
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+    rng_state: bytes | None = None
+
+
+# ---- router -> prefill actor ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillReserve:
+    """Take blocks for a prompt; `sampling` gives its first output token (None: greedy, one token)."""
+    transfer_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class PrefillReservation:
+    """The prefill actor's answer: how much of the prompt it had cached, and all the prompt's blocks
+    (the router slices the ones to send, and those a prefix pull lands in)."""
+    cached_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class FirstTokenReady:
+    """`PrefillActor.first_token`: the first output token as soon as it is sampled, with where the
+    time went on the prefill actor (`timings`: stage -> seconds; empty when unknown)."""
+    first: FirstToken
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """`PrefillActor.start`, once the KV has arrived: the first output token again, with the
+    prompt's split between cached and computed tokens."""
+    cached_tokens: int
+    computed_tokens: int
+    first: FirstToken | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# ---- router -> decode actor -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeReserve:
+    """Place a request on a decode actor. `transfer_id` set: remote prefill is on offer under that
+    id; `prefill_id`: the prefill actor the router asks first (the decode actor then registers the
+    receive from it at once)."""
+    request_id: str
+    router_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    transfer_id: str | None = None
+    prefill_id: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The decode actor's answer. Local: it prefills the prompt itself. Remote: the KV of the prompt
+    from `first_block` on lands in `dst_block_ids` (covering `num_tokens` positions); it already
+    holds `prefix_block_ids` (its cached prefix), and has registered the receive from `expecting`
+    when the router named a prefill actor."""
+    remote: bool
+    cached_tokens: int
+    first_block: int = 0
+    dst_block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    prefix_block_ids: list[int] = field(default_factory=list)
+    expecting: str | None = None
+
+    @property
+    def mode(self) -> str:
+        return "remote" if self.remote else "local"
+
+
+# ---- decode actor -> router (get_outputs), and the router's own output pump -------------------------
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's share of one step: its new tokens and text; `finish_reason` and `usage` once
+    it finished."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class OutputError:
+    """The request failed on the decode actor (its KV transfer failed, a step raised, its router
+    stopped polling) and holds nothing there any more; the router moves it to another one."""
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class WorkerLostNotice:
+    """Put in every request's queue by the router's output pump when a decode actor stops
+    answering: the requests on `worker_id` move elsewhere."""
+    worker_id: str
+    error: str
+
+
+Output = Union[StepOutput, OutputError]
