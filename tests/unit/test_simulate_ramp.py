@@ -110,7 +110,7 @@ def test_cli_refuses_out_without_a_ramp_and_keeps_the_plain_run(tmp_path, capsys
 
 
 def test_the_simulated_controller_reads_what_the_live_one_is_given():
-    """controller.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
+    """pools.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
     already measured; the prompt rate over the last period."""
     from tandem.cluster.simulator import _Simulation
 

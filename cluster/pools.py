@@ -1,0 +1,294 @@
+"""The controller's bookkeeping for the prefill and decode pools, with no Ray in it: which workers
+are members and in what state, their health, each pool's target and bounds, and the autoscaler in
+the loop. Workers are reached only through `Member`s (cluster.members) and time comes in as
+arguments, so tests drive it with a fake member and a fake clock.
+
+A worker is `starting` until its readiness check passes, `ready` while its health checks pass,
+`draining` once asked to drain (no new admissions), and `dead` after `dead_after_failures` missed
+checks in a row, or at once when its actor is gone or failed to start; a dead worker is killed
+and forgotten and, if its pool is below target, replaced. A draining worker that reports nothing
+running, waiting or in flight is stopped (asked to shut down, killed once it did or its stop
+timed out: DRAINED_STOP_TIMEOUT_S) and leaves the membership at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
+from tandem.cluster.config import ClusterConfig
+from tandem.cluster.members import Member, Probe
+
+log = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+DRAINED_STOP_TIMEOUT_S = 10.0  # a drained worker's shutdown() may take this long before it is killed
+
+
+@dataclass
+class WorkerRecord:
+    member: Member
+    started_at: float
+    state: str = "starting"
+    info: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    failures: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.member.worker_id
+
+    @property
+    def pool(self) -> str:
+        return self.member.pool
+
+    def idle(self) -> bool:
+        s = self.stats
+        return bool(s) and s.get("running", 1) == 0 and s.get("waiting", 1) == 0 and s.get("in_flight", 0) == 0
+
+
+def _worst_percentiles(workers: list[dict[str, Any]], key: str) -> dict[str, float | None]:
+    vals = [w["stats"].get(key, {}) or {} for w in workers]
+    out = {}
+    for q in ("p50", "p90", "p99"):
+        xs = [v[q] for v in vals if v.get(q) is not None]
+        out[q] = max(xs) if xs else None  # the worst worker sets the pool's latency
+    return out
+
+
+def build_snapshot(workers: list[dict[str, Any]], prev: dict[str, float] | None, now: float,
+                   period_s: float) -> tuple[MetricsSnapshot, dict[str, float]]:
+    """The autoscaler's inputs from the workers' latest stats (`cluster_state()["workers"]`).
+    `prev` carries the counters of the last call, for rates; returns the new one to carry."""
+    def live(pool):
+        return [w for w in workers if w["pool"] == pool and w["state"] == "ready" and w.get("stats")]
+
+    def draining(pool):
+        return sum(1 for w in workers if w["pool"] == pool and w["state"] == "draining")
+
+    def total(ws, key, default=0):
+        return sum(w["stats"].get(key, default) for w in ws)
+
+    pre, dec = live("prefill"), live("decode")
+    computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s", 0.0)
+    rate = cap = None
+    if prev is not None and now > prev["at"]:
+        rate = max(0.0, (computed - prev["computed"]) / (now - prev["at"]))
+        dbusy = busy - prev["busy"]
+        if dbusy > 0.2 * period_s:
+            cap = (computed - prev["computed"]) / dbusy
+    lat, tpot = _worst_percentiles(pre, "prefill_latency"), _worst_percentiles(dec, "tpot")
+    snap = MetricsSnapshot(
+        prefill=PrefillMetrics(
+            size=len(pre), draining=draining("prefill"), queued_prompt_tokens=total(pre, "queued_prompt_tokens"),
+            prompt_tokens_per_s=rate or 0.0, prefill_tokens_per_s_per_worker=cap,
+            ttft_p50=lat["p50"], ttft_p90=lat["p90"], ttft_p99=lat["p99"]),
+        decode=DecodeMetrics(
+            size=len(dec), draining=draining("decode"), running_seqs=total(dec, "running"),
+            waiting_seqs=total(dec, "waiting"), kv_blocks_used=total(dec, "kv_blocks_used"),
+            kv_blocks_total=total(dec, "kv_blocks_total"), kv_blocks_waiting=total(dec, "kv_blocks_waiting"),
+            tpot_p50=tpot["p50"], tpot_p90=tpot["p90"], tpot_p99=tpot["p99"]))
+    return snap, {"at": now, "computed": computed, "busy": busy}
+
+
+class Pools:
+    """Membership, health and targets of both pools. `start_member(pool, worker_id)` starts a
+    worker and returns its Member; `clock` is monotonic seconds, `wall_clock` unix seconds (for
+    the decision log). Thread-safe: the controller's loop and its API calls share it."""
+
+    def __init__(self, config: ClusterConfig, start_member: Callable[[str, str], Member],
+                 clock: Callable[[], float], wall_clock: Callable[[], float],
+                 dead_after_failures: int = 3):
+        self.config = config
+        self.start_member = start_member
+        self.clock, self.wall_clock = clock, wall_clock
+        self.dead_after_failures = dead_after_failures
+        self.workers: dict[str, WorkerRecord] = {}
+        self.stopping: list[Member] = []  # left the membership; asked to shut down, not yet killed
+        self.targets = {"prefill": config.prefill.replicas, "decode": config.decode.replicas}
+        a = config.autoscaler
+        self.autoscale = config.autoscale
+        self.bounds = ({"prefill": (a.prefill_min, a.prefill_max), "decode": (a.decode_min, a.decode_max)}
+                       if config.autoscale else {p: (self.targets[p], self.targets[p]) for p in POOLS})
+        if config.autoscale:
+            self.targets = {p: min(max(self.targets[p], self.bounds[p][0]), self.bounds[p][1]) for p in POOLS}
+        self.pinned: set[str] = set()  # pools whose target an operator pinned (SetPoolBounds.target)
+        self.policy_state = PolicyState()
+        self._rates: dict[str, float] | None = None
+        self._next_decision = 0.0
+        self.decisions: list[dict[str, Any]] = []  # recent decisions, for status and tests
+        self.last_decision: dict[str, Any] = {}
+        self._ids = {p: itertools.count() for p in POOLS}
+        self._lock = threading.RLock()
+
+    # ---- membership -------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        """Start workers until each pool's live count (not draining) reaches its target; drain the
+        extra ones, youngest first (their caches are coldest)."""
+        with self._lock:
+            for pool in POOLS:
+                live = [w for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready")]
+                for _ in range(self.targets[pool] - len(live)):
+                    wid = f"{pool}-{next(self._ids[pool])}"
+                    self.workers[wid] = WorkerRecord(self.start_member(pool, wid), self.clock())
+                    log.info("starting %s", wid)
+                extra = len(live) - self.targets[pool]
+                if extra > 0:
+                    for w in sorted(live, key=lambda w: w.started_at, reverse=True)[:extra]:
+                        self._drain(w)
+
+    def _drain(self, w: WorkerRecord) -> None:
+        w.state = "draining"
+        w.member.drain()
+
+    def check(self) -> None:
+        """One round: readiness of starting workers, health of the others, then the dead and the
+        drained leave, the stopped are killed, and the pools are refilled to their targets."""
+        with self._lock:
+            now = self.clock()
+            for w in list(self.workers.values()):
+                if w.state == "starting":
+                    self._check_ready(w)
+            for w in list(self.workers.values()):   # the newly ready too: their first stats call goes out
+                if w.state in ("ready", "draining"):
+                    self._check_health(w, now)
+            for w in list(self.workers.values()):
+                if w.state == "dead":
+                    w.member.kill()
+                    del self.workers[w.worker_id]
+                elif w.state == "draining" and w.idle():
+                    log.info("%s drained; stopping it", w.worker_id)
+                    w.member.begin_stop(now, DRAINED_STOP_TIMEOUT_S)
+                    self.stopping.append(w.member)
+                    del self.workers[w.worker_id]
+            self._reap_stopped(now)
+        self.reconcile()
+
+    def _check_ready(self, w: WorkerRecord) -> None:
+        r = w.member.check_ready()
+        if r.status is Probe.OK:
+            w.info, w.state = dict(r.value or {}), "ready"
+        elif r.status is Probe.FAILED:
+            log.error("%s failed to start: %s", w.worker_id, r.error)
+            w.state = "dead"
+            w.info["error"] = str(r.error)
+
+    def _check_health(self, w: WorkerRecord, now: float) -> None:
+        r = w.member.check_health(now)
+        if r.status is Probe.PENDING:
+            return
+        if r.value is not None:          # an answer: it resets the count of misses
+            w.stats, w.failures = r.value, 0
+        if r.status is Probe.FAILED:     # a timeout, an error, or an answer carrying a loop error
+            w.failures += 1
+            if w.failures >= self.dead_after_failures or r.dead:
+                log.warning("%s is dead: %s", w.worker_id, r.error)
+                w.state = "dead"
+
+    def _reap_stopped(self, now: float) -> None:
+        for m in [m for m in self.stopping if m.check_stopped(now)]:
+            m.kill()
+            self.stopping.remove(m)
+
+    def stop_all(self, timeout_s: float) -> None:
+        """Every worker leaves and is asked to shut down (killed after `timeout_s` at the latest);
+        `all_stopped()` says when all are gone."""
+        with self._lock:
+            now = self.clock()
+            for w in self.workers.values():
+                w.member.begin_stop(now, timeout_s)
+                self.stopping.append(w.member)
+            self.workers.clear()
+
+    def all_stopped(self) -> bool:
+        with self._lock:
+            self._reap_stopped(self.clock())
+            return not self.stopping
+
+    # ---- autoscaling ------------------------------------------------------------------------
+    def maybe_autoscale(self) -> None:
+        """Once per autoscaler period: decide new targets from the workers' stats, then reconcile."""
+        now = self.clock()
+        if now < self._next_decision:
+            return
+        a = self.config.autoscaler
+        self._next_decision = now + a.period_s
+        with self._lock:
+            workers = self.state()["workers"]
+            (pmin, pmax), (dmin, dmax) = self.bounds["prefill"], self.bounds["decode"]
+        snap, self._rates = build_snapshot(workers, self._rates, now, a.period_s)
+        cfg = replace(a, prefill_min=pmin, prefill_max=pmax, decode_min=dmin, decode_max=dmax)
+        d = decide(snap, cfg, self.policy_state, now)
+        self.policy_state = d.state
+        with self._lock:
+            changed = False
+            for pool, target in (("prefill", d.prefill_target), ("decode", d.decode_target)):
+                if pool not in self.pinned and target != self.targets[pool]:
+                    log.info("autoscaler: %s %d -> %d", pool, self.targets[pool], target)
+                    self.targets[pool] = target
+                    changed = True
+            self.last_decision = {"at_unix_s": self.wall_clock(), "prefill_target": d.prefill_target,
+                                  "decode_target": d.decode_target, "reasons": list(d.reasons)}
+            self.decisions.append({**self.last_decision, "sizes": {"prefill": snap.prefill.size,
+                                                                   "decode": snap.decode.size}})
+            del self.decisions[:-500]
+        if changed:
+            self.reconcile()
+
+    # ---- what the API answers ---------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Workers (id, pool, state, readiness description, latest stats) and pools (size, target,
+        bounds, draining, pinned)."""
+        with self._lock:
+            workers = [{"worker_id": w.worker_id, "pool": w.pool, "state": w.state, **w.info,
+                        "stats": dict(w.stats)} for w in self.workers.values()]
+        pools = {p: {"size": sum(1 for w in workers if w["pool"] == p and w["state"] == "ready"),
+                     "target": self.targets[p], "min": self.bounds[p][0], "max": self.bounds[p][1],
+                     "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining"),
+                     "target_pinned": p in self.pinned}
+                 for p in POOLS}
+        return {"workers": workers, "pools": pools, "last_decision": self.last_decision}
+
+    def all_ready(self) -> bool:
+        """Every pool has its target of ready workers; raises if a worker failed to start."""
+        workers = self.state()["workers"]
+        dead = [w for w in workers if w["state"] == "dead"]
+        ready = {p: sum(1 for w in workers if w["pool"] == p and w["state"] == "ready") for p in POOLS}
+        if all(ready[p] >= self.targets[p] for p in POOLS):
+            return True
+        if dead:
+            raise RuntimeError(f"workers failed to start: {dead}")
+        return False
+
+    def drain_worker(self, worker_id: str) -> dict[str, Any]:
+        """Drain one worker and lower its pool's target by one (it is not replaced)."""
+        with self._lock:
+            w = self.workers.get(worker_id)
+            if w is None:
+                raise KeyError(f"unknown worker {worker_id!r}")
+            if w.state in ("starting", "ready"):
+                self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
+                self._drain(w)
+            return {"worker_id": w.worker_id, "pool": w.pool, "state": w.state}
+
+    def set_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> dict[str, Any]:
+        """New bounds for a pool; a `target` pins it (the autoscaler leaves it), None unpins."""
+        if pool not in POOLS:
+            raise ValueError(f"unknown pool {pool!r}; pools are {list(POOLS)}")
+        if min_size < 0 or max_size < min_size:
+            raise ValueError(f"bounds must satisfy 0 <= min <= max, got min={min_size} max={max_size}")
+        with self._lock:
+            self.bounds[pool] = (min_size, max_size)
+            if target is None:
+                self.pinned.discard(pool)
+                t = self.targets[pool]
+            else:
+                self.pinned.add(pool)
+                t = target
+            self.targets[pool] = min(max(t, min_size), max_size)
+        self.reconcile()
+        return self.state()["pools"][pool]

@@ -1,0 +1,216 @@
+"""The controller's pools (cluster.pools) without Ray: workers are fake members whose readiness and
+health the test sets, time is a fake clock, and every assertion goes through the public methods
+(`check`, `state`, `drain_worker`, `set_bounds`, `maybe_autoscale`, `stop_all`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cluster.config import load_config
+from tandem.cluster.members import Probe, ProbeResult
+from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S, Pools
+
+IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
+BUSY = {"running": 3, "waiting": 1, "in_flight": 0}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class FakeMember:
+    """A worker whose answers the test sets: `ready` for check_ready, `health` for check_health."""
+
+    def __init__(self, worker_id: str, pool: str) -> None:
+        self.worker_id, self.pool = worker_id, pool
+        self.ready = ProbeResult(Probe.OK, {"pid": 1, "kv_blocks_total": 64})
+        self.health = ProbeResult(Probe.OK, dict(BUSY))
+        self.draining = self.killed = self.shut_down = False
+        self.stop_deadline: float | None = None
+
+    def check_ready(self) -> ProbeResult:
+        return self.ready
+
+    def check_health(self, now: float) -> ProbeResult:
+        return self.health
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def begin_stop(self, now: float, timeout_s: float) -> None:
+        self.stop_deadline = now + timeout_s
+
+    def check_stopped(self, now: float) -> bool:
+        return self.shut_down or now >= self.stop_deadline
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+class FakeFleet:
+    """start_member: every member it started, by worker id."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.members: dict[str, FakeMember] = {}
+        self.ready = ready
+
+    def __call__(self, pool: str, worker_id: str) -> FakeMember:
+        m = FakeMember(worker_id, pool)
+        if not self.ready:
+            m.ready = ProbeResult.pending()
+        self.members[worker_id] = m
+        return m
+
+
+def make_pools(overrides=None, ready=True, dead_after_failures=3):
+    config = load_config(None, {"prefill.replicas": 1, "decode.replicas": 2, **(overrides or {})})
+    fleet, clock = FakeFleet(ready), FakeClock()
+    pools = Pools(config, fleet, clock, wall_clock=lambda: 1.7e9 + clock.t,
+                  dead_after_failures=dead_after_failures)
+    pools.reconcile()
+    return pools, fleet, clock
+
+
+def states(pools) -> dict[str, str]:
+    return {w["worker_id"]: w["state"] for w in pools.state()["workers"]}
+
+
+def test_workers_start_to_target_and_are_ready_once_their_check_passes():
+    pools, fleet, _ = make_pools(ready=False)
+    assert states(pools) == {"prefill-0": "starting", "decode-0": "starting", "decode-1": "starting"}
+    pools.check()
+    assert not pools.all_ready() and set(states(pools).values()) == {"starting"}
+    for m in fleet.members.values():
+        m.ready = ProbeResult(Probe.OK, {"pid": 7, "node": "n1"})
+    pools.check()
+    assert pools.all_ready()
+    workers = {w["worker_id"]: w for w in pools.state()["workers"]}
+    assert workers["decode-1"]["pid"] == 7 and workers["decode-1"]["stats"] == BUSY   # stats in the same round
+    assert pools.state()["pools"]["decode"] == {"size": 2, "target": 2, "min": 2, "max": 2, "draining": 0,
+                                                "target_pinned": False}
+
+
+def test_a_worker_that_fails_to_start_is_replaced():
+    pools, fleet, _ = make_pools(ready=False)
+    fleet.members["prefill-0"].ready = ProbeResult(Probe.FAILED, error=RuntimeError("no GPU"), dead=True)
+    pools.check()
+    assert fleet.members["prefill-0"].killed
+    assert states(pools) == {"decode-0": "starting", "decode-1": "starting", "prefill-1": "starting"}
+
+
+def test_a_dead_actor_is_killed_forgotten_and_replaced_at_once():
+    pools, fleet, _ = make_pools()
+    pools.check()
+    fleet.members["decode-0"].health = ProbeResult(Probe.FAILED, error=RuntimeError("actor died"), dead=True)
+    pools.check()
+    assert fleet.members["decode-0"].killed
+    assert states(pools) == {"prefill-0": "ready", "decode-1": "ready", "decode-2": "starting"}
+    pools.check()
+    assert states(pools)["decode-2"] == "ready" and pools.all_ready()
+
+
+def test_missed_checks_in_a_row_make_a_worker_dead_and_an_answer_resets_the_count():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    m = fleet.members["prefill-0"]
+    missed = ProbeResult(Probe.FAILED, error=TimeoutError("stats() unanswered"))
+    for health in (missed, missed, ProbeResult(Probe.OK, dict(IDLE)), missed, missed):
+        m.health = health
+        pools.check()
+        clock.advance(1.0)
+        assert states(pools)["prefill-0"] == "ready"
+    # a call still in flight counts as nothing, either way
+    m.health = ProbeResult.pending()
+    pools.check()
+    assert states(pools)["prefill-0"] == "ready"
+    m.health = missed
+    pools.check()          # the third miss in a row
+    assert m.killed and "prefill-0" not in states(pools) and states(pools)["prefill-1"] == "starting"
+
+
+def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    assert pools.drain_worker("decode-1") == {"worker_id": "decode-1", "pool": "decode", "state": "draining"}
+    m = fleet.members["decode-1"]
+    assert m.draining and pools.state()["pools"]["decode"]["target"] == 1
+    pools.check()                      # still busy: it stays, draining, and nobody replaces it
+    assert states(pools) == {"prefill-0": "ready", "decode-0": "ready", "decode-1": "draining"}
+    assert pools.state()["pools"]["decode"]["draining"] == 1
+    m.health = ProbeResult(Probe.OK, dict(IDLE))
+    pools.check()                      # idle: asked to shut down, out of the membership at once
+    assert "decode-1" not in states(pools) and m.stop_deadline == clock() + DRAINED_STOP_TIMEOUT_S
+    assert not m.killed
+    m.shut_down = True
+    pools.check()
+    assert m.killed and set(fleet.members) == {"prefill-0", "decode-0", "decode-1"}
+    with pytest.raises(KeyError, match="decode-1"):
+        pools.drain_worker("decode-1")
+
+
+def test_a_drained_worker_that_never_finishes_its_shutdown_is_killed_after_the_timeout():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    pools.drain_worker("prefill-0")
+    fleet.members["prefill-0"].health = ProbeResult(Probe.OK, dict(IDLE))
+    pools.check()
+    clock.advance(DRAINED_STOP_TIMEOUT_S - 0.5)
+    pools.check()
+    assert not fleet.members["prefill-0"].killed
+    clock.advance(1.0)
+    pools.check()
+    assert fleet.members["prefill-0"].killed
+
+
+def test_pinning_a_target_starts_workers_and_lowering_it_drains_the_youngest():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    clock.advance(5)
+    assert pools.set_bounds("decode", 1, 4, target=4)["target_pinned"]
+    assert [w for w, s in states(pools).items() if s == "starting"] == ["decode-2", "decode-3"]
+    pools.check()
+    clock.advance(5)
+    pools.set_bounds("decode", 1, 4, target=2)
+    assert [w for w, m in fleet.members.items() if m.draining] == ["decode-2", "decode-3"]
+    assert pools.set_bounds("decode", 1, 3)["target_pinned"] is False
+    with pytest.raises(ValueError, match="unknown pool"):
+        pools.set_bounds("embed", 0, 1)
+    with pytest.raises(ValueError, match="0 <= min <= max"):
+        pools.set_bounds("decode", 3, 1)
+
+
+def test_the_autoscaler_decides_once_a_period_and_leaves_a_pinned_pool():
+    pools, fleet, clock = make_pools({"autoscaler.enabled": True, "autoscaler.period_s": 5.0,
+                                      "autoscaler.upscale_delay_s": 0.0, "autoscaler.prefill_max": 4})
+    pools.check()
+    pools.set_bounds("decode", 1, 8, target=2)
+    heavy = {**IDLE, "queued_prompt_tokens": 10**6, "prefill_latency": {"p50": 9.0, "p90": 9.0, "p99": 9.0}}
+    fleet.members["prefill-0"].health = ProbeResult(Probe.OK, heavy)
+    pools.check()
+    pools.maybe_autoscale()
+    assert len(pools.decisions) == 1 and pools.last_decision["at_unix_s"] == 1.7e9 + clock()
+    assert pools.state()["pools"]["prefill"]["target"] > 1 and pools.state()["pools"]["decode"]["target"] == 2
+    clock.advance(4.9)
+    pools.maybe_autoscale()
+    assert len(pools.decisions) == 1             # not yet a period later
+    clock.advance(0.2)
+    pools.maybe_autoscale()
+    assert len(pools.decisions) == 2
+
+
+def test_stop_all_asks_every_worker_and_kills_each_once_stopped_or_timed_out():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    pools.stop_all(timeout_s=5.0)
+    assert pools.state()["workers"] == [] and not pools.all_stopped()
+    fleet.members["decode-0"].shut_down = True
+    assert not pools.all_stopped() and fleet.members["decode-0"].killed
+    clock.advance(5.0)
+    assert pools.all_stopped() and all(m.killed for m in fleet.members.values())
