@@ -1,4 +1,5 @@
-"""The decode pool's Ray actor: a thin shell around `DecodeWorker` (no policy lives here)."""
+"""The decode pool's Ray actor: a thin shell around `DecodeWorker` (no policy lives here). It
+builds the real engine and transport endpoint and hands them to the worker."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ray
 
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
+from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, Output
 
 
 @ray.remote(**ACTOR_CONCURRENCY)
@@ -15,24 +17,32 @@ class DecodeActor(PoolActorBase):
     def __init__(self, worker_id: str, engine_config, local_prefill_threshold: float, rendezvous: str | None,
                  num_cpus: float = 1.0, transfer_config=None):
         setup_process(num_cpus)
-        from tandem.decode_workers.worker import DecodeWorker
+        # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
+        from tandem.decode_workers.worker import DecodeWorker  # noqa: PLC0415
+        from tandem.engine.engine import LLMEngine  # noqa: PLC0415
+        from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
+        from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
 
         self.worker_id = worker_id
-        self.worker = DecodeWorker(worker_id, engine_config, local_prefill_threshold, rendezvous,
-                                   transfer_config=transfer_config)
+        engine = LLMEngine(engine_config)
+        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
+        connector = (DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
+                     if rendezvous is not None else None)
+        self.worker = DecodeWorker(worker_id, engine, connector, local_prefill_threshold=local_prefill_threshold,
+                                   transfer_config=tcfg)
         after_startup()
 
-    def reserve(self, request_id, router_id, prompt_token_ids, sampling, transfer_id=None, prefill_id=None):
-        return self.worker.reserve(request_id, router_id, prompt_token_ids, sampling, transfer_id, prefill_id)
+    def reserve(self, req: DecodeReserve) -> DecodePlan:
+        return self.worker.reserve(req)
 
-    def first_token(self, request_id, first):
+    def first_token(self, *, request_id: str, first: FirstToken) -> bool:
         return self.worker.first_token(request_id, first)
 
-    def expect(self, spec_msg):
-        return self.worker.expect(spec_msg)
+    def expect(self, *, spec) -> None:
+        return self.worker.expect(spec)
 
-    def send_prefix(self, spec_msg):
-        return self.worker.send_prefix(spec_msg)
+    def send_prefix(self, *, spec) -> None:
+        return self.worker.send_prefix(spec)
 
-    def get_outputs(self, router_id, timeout_s=1.0):
+    def get_outputs(self, *, router_id: str, timeout_s: float = 1.0) -> list[Output]:
         return self.worker.get_outputs(router_id, timeout_s)

@@ -1,4 +1,5 @@
-"""The prefill pool's Ray actor: a thin shell around `PrefillWorker` (no policy lives here)."""
+"""The prefill pool's Ray actor: a thin shell around `PrefillWorker` (no policy lives here). It
+builds the real engine and transport endpoint and hands them to the worker."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ray
 
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
+from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult
 
 
 @ray.remote(**ACTOR_CONCURRENCY)
@@ -15,20 +17,27 @@ class PrefillActor(PoolActorBase):
     def __init__(self, worker_id: str, engine_config, rendezvous: str, num_cpus: float = 1.0,
                  transfer_config=None):
         setup_process(num_cpus)
-        from tandem.prefill_workers.worker import PrefillWorker
+        # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
+        from tandem.engine.engine import LLMEngine  # noqa: PLC0415
+        from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
+        from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
+        from tandem.prefill_workers.worker import PrefillWorker  # noqa: PLC0415
 
         self.worker_id = worker_id
-        self.worker = PrefillWorker(worker_id, engine_config, rendezvous, transfer_config=transfer_config)
+        engine = LLMEngine(engine_config)
+        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
+        self.worker = PrefillWorker(worker_id, engine, DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg),
+                                    transfer_config=tcfg)
         after_startup()
 
-    def reserve(self, transfer_id, prompt_token_ids, sampling=None):
-        return self.worker.reserve(transfer_id, prompt_token_ids, sampling)
+    def reserve(self, req: PrefillReserve) -> PrefillReservation:
+        return self.worker.reserve(req)
 
-    def expect_pull(self, spec_msg, covers_tokens):
-        return self.worker.expect_pull(spec_msg, covers_tokens)
+    def expect_pull(self, *, spec, owner: str, covers_tokens: int) -> None:
+        return self.worker.expect_pull(spec, owner, covers_tokens)
 
-    def start(self, spec_msg):
-        return self.worker.start(spec_msg)
+    def start(self, *, spec) -> PrefillResult:
+        return self.worker.start(spec)
 
-    def first_token(self, transfer_id):
+    def first_token(self, *, transfer_id: str) -> FirstTokenReady:
         return self.worker.first_token(transfer_id)
