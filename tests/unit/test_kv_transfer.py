@@ -304,7 +304,7 @@ def test_peer_dies_after_layer_k_fails_both_sides(pair):
     worker = sender._workers["decode-0"]       # a slot is given back just after its message retires
     until(lambda: not worker.window.messages and worker.streamed.staging.idle)
     loop = receiver._loops["prefill-0"]
-    until(lambda: not loop._landings and loop._staging.idle)
+    until(lambda: not loop.landings and loop.streamed.staging.idle)
 
 
 def test_data_before_expect_fails_the_later_expect(pair):
@@ -525,7 +525,7 @@ def test_receiver_abort_between_parts_of_one_frame_writes_nothing_more():
         until(lambda: receiver.poll(spec.request_id) is TransferState.ABORTED and rel.calls[spec.request_id] == 1)
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1   # one frame, four parts
         loop = receiver._loops["prefill-0"]
-        until(lambda: not loop._landings and loop._staging.idle)
+        until(lambda: not loop.landings and loop.streamed.staging.idle)
         for layer in (1, 2, 3):                  # nothing after the abort was written
             assert dst.cache[layer, :, list(DST)].abs().sum() == 0
         net.set_faults("prefill-0", "decode-0")
@@ -855,14 +855,14 @@ def test_the_receiver_builds_a_transfers_block_index_at_expect_and_drops_it_if_n
     first = make_spec("first")
     receiver.expect(first)
     loop = receiver._loops["prefill-0"]
-    until(lambda: "first" in loop._index)
-    assert loop._index["first"].tolist() == list(DST)
+    until(lambda: "first" in loop.index)
+    assert loop.index["first"].tolist() == list(DST)
     receiver.abort("first")
     later = make_spec("later", dst=(2, 4, 6))
     receiver.expect(later)                       # the thread wakes, prunes, prepares
-    until(lambda: "later" in loop._index and "first" not in loop._index)
+    until(lambda: "later" in loop.index and "first" not in loop.index)
     sender.send(later)
     assert receiver.wait("later", 2) is TransferState.DONE
     for layer in later.layers:
         assert_layer_copied(src, dst, layer, SRC, (2, 4, 6))
-    until(lambda: not loop._index)
+    until(lambda: not loop.index)
