@@ -1,4 +1,4 @@
-"""deploy/: the KubeRay manifests and the Helm chart (rendered by deploy/render.py, deploy/template_syntax.py and template_funcs.py with default and
+"""deploy/: the KubeRay manifests and the Helm chart (rendered by deploy/render.py with default and
 non-default values) are valid against the KubeRay CRDs and Kubernetes' own schemas, agree with
 cluster/config.py (the ConfigMap loads, worker groups advertise the pools' resources), and pin one
 Ray version everywhere. No cluster and no network: the schemas ship with kubernetes-validate."""
