@@ -22,6 +22,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.speculative.speculator import build_speculator
 from tandem.engine.tokenizer import IncrementalDetokenizer
 from tandem.engine.weights import load_model
 from tandem.wire.messages import FirstToken, Usage
@@ -78,8 +79,6 @@ class LLMEngine:
         self.sampler = Sampler()
         self.speculator = None
         if config.speculative.enabled or proposer is not None:
-            from tandem.engine.speculative.speculator import build_speculator
-
             self.speculator = build_speculator(config.speculative, model, self.sampler, num_blocks=num_blocks,
                                                block_size=bs, dtype=config.dtype, seed=config.seed,
                                                draft_model=draft_model, proposer=proposer)
@@ -381,59 +380,58 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("warmup needs an idle engine")
         t0 = time.perf_counter()
-        launches = 0
-        if self.kv_cache.device.type == "cuda":   # from here on, every Triton compile is counted
-            from tandem.engine.kernels.compile_watch import watch
-
-            watch.install()
-        if self.runner._fused():  # the Triton ops: compile each attention variant first
-            from tandem.engine.kernels.paged_attention import compile_variants
-
-            kv = self.kv_cache.tensor[0]
-            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
-        if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
-            from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy
-
-            launches += compile_block_copy(self.kv_cache.tensor)
-        rng = random.Random(seed)
-        vocab = self.model_config.vocab_size
-        capacity = self.allocator.num_blocks * self.allocator.block_size
-        budget = capacity // 2
-        ran, requests = [], []
-
-        def prompt(n: int) -> list[int]:
-            phrase = [rng.randrange(vocab) for _ in range(64)]
-            ids = [rng.randrange(vocab) for _ in range(n)]
-            for at in range(0, n - 64, 512):  # repeated phrases: n-gram drafts find matches
-                ids[at:at + 64] = phrase
-            if n >= 128:
-                ids[-64:] = phrase
-            return ids
-
-        for n, batch in shapes:
-            n = min(n, self.max_model_len - decode_tokens - 1)
-            if n < 8 or batch * (n + decode_tokens) > budget:
-                continue
-            reqs = [{"prompt_token_ids": prompt(n), "max_tokens": decode_tokens, "ignore_eos": True}
-                    for _ in range(batch)]
-            out = self.generate(reqs)
-            ran.append((n, batch))
-            requests.append(reqs[0]["prompt_token_ids"] + out[0]["token_ids"])
-        if requests:  # a prefill over a cached prefix
-            base = requests[-1]
-            ext = base + [rng.randrange(vocab) for _ in range(300)]
-            if len(ext) + decode_tokens < self.max_model_len and len(ext) < budget:
-                self.generate([{"prompt_token_ids": ext, "max_tokens": decode_tokens, "ignore_eos": True}])
+        launches = self._compile_kernels()
+        ran = self._run_warmup_requests(shapes, decode_tokens, random.Random(seed))
         self.allocator.reset_prefix_cache()
         self.allocator.prefix_queries = self.allocator.prefix_hits = 0
         self.stats = EngineStats()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)
-            from tandem.engine.kernels.compile_watch import watch
+            from tandem.engine.kernels.compile_watch import watch  # noqa: PLC0415 (triton loads only where kernels run)
 
             watch.arm()                 # a compile after this one is logged: warmup missed it
         return {"shapes": ran, "kernel_variants": launches, "seconds": round(time.perf_counter() - t0, 3),
                 **self.runner.graph_stats}
+
+    def _compile_kernels(self) -> int:
+        """Compiles every Triton kernel variant serving can launch; returns how many were launched."""
+        launches = 0
+        if self.kv_cache.device.type == "cuda":   # from here on, every Triton compile is counted
+            from tandem.engine.kernels.compile_watch import watch  # noqa: PLC0415 (triton loads only where kernels run)
+
+            watch.install()
+        if self.runner._fused():  # the Triton ops: compile each attention variant first
+            from tandem.engine.kernels.paged_attention import compile_variants  # noqa: PLC0415 (as above)
+
+            kv = self.kv_cache.tensor[0]
+            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
+        if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
+            from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy  # noqa: PLC0415 (as above)
+
+            launches += compile_block_copy(self.kv_cache.tensor)
+        return launches
+
+    def _run_warmup_requests(self, shapes: tuple[tuple[int, int], ...], decode_tokens: int,
+                             rng: random.Random) -> list[tuple[int, int]]:
+        """Generates each (prompt tokens, batch) shape that fits, then one prefill over a cached
+        prefix; returns the shapes that ran."""
+        vocab = self.model_config.vocab_size
+        budget = self.allocator.num_blocks * self.allocator.block_size // 2
+        ran, requests = [], []
+        for n, batch in shapes:
+            n = min(n, self.max_model_len - decode_tokens - 1)
+            if n < 8 or batch * (n + decode_tokens) > budget:
+                continue
+            reqs = [{"prompt_token_ids": _warmup_prompt(rng, vocab, n), "max_tokens": decode_tokens,
+                     "ignore_eos": True} for _ in range(batch)]
+            out = self.generate(reqs)
+            ran.append((n, batch))
+            requests.append(reqs[0]["prompt_token_ids"] + out[0]["token_ids"])
+        if requests:  # a prefill over a cached prefix
+            ext = requests[-1] + [rng.randrange(vocab) for _ in range(300)]
+            if len(ext) + decode_tokens < self.max_model_len and len(ext) < budget:
+                self.generate([{"prompt_token_ids": ext, "max_tokens": decode_tokens, "ignore_eos": True}])
+        return ran
 
     # ---- offline ----------------------------------------------------------------------------
     def generate(self, requests: list[dict[str, Any]], arrivals: list[int] | None = None) -> list[dict[str, Any]]:
@@ -466,3 +464,14 @@ class LLMEngine:
                     res["usage"] = vars(out.usage)
             step += 1
         return [results[rid] for rid in order]
+
+
+def _warmup_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    """n random token ids with one 64-token phrase repeated, so an n-gram proposer finds drafts."""
+    phrase = [rng.randrange(vocab) for _ in range(64)]
+    ids = [rng.randrange(vocab) for _ in range(n)]
+    for at in range(0, n - 64, 512):
+        ids[at:at + 64] = phrase
+    if n >= 128:
+        ids[-64:] = phrase
+    return ids

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pickle
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from tandem.engine.config import CacheConfig
+from tandem.engine.kernels import triton_available
 
 
 def num_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device) -> int:
@@ -57,7 +59,7 @@ class KVCache:
         idx = self.block_index(block_ids)
         shape = (len(layers), *self.block_payload_shape(len(idx)))
         if self.uses_triton_copy():
-            from tandem.engine.kernels.block_copy import copy_blocks
+            from tandem.engine.kernels.block_copy import copy_blocks  # noqa: PLC0415 (triton loads only where kernels run)
 
             out = torch.empty(shape, dtype=self.dtype, device=self.device) if out is None else out
             copy_blocks(self.tensor, layers, idx, out, to_buf=True)
@@ -72,7 +74,7 @@ class KVCache:
         """Write `data` (shaped like `gather_layers`' result) into those blocks, one kernel."""
         idx = self.block_index(block_ids)
         if self.uses_triton_copy() and data.dtype == self.dtype and data.is_contiguous():
-            from tandem.engine.kernels.block_copy import copy_blocks
+            from tandem.engine.kernels.block_copy import copy_blocks  # noqa: PLC0415 (triton loads only where kernels run)
 
             copy_blocks(self.tensor, layers, idx, data, to_buf=False)
             return
@@ -87,8 +89,6 @@ class KVCache:
         tensor = self.tensor if tensor is None else tensor
         if tensor.device.type != "cuda":
             return None
-        from torch.multiprocessing.reductions import reduce_tensor
-
         return pickle.dumps(reduce_tensor(tensor)[1])
 
     def open_shared(self, handle: bytes) -> torch.Tensor:
@@ -96,8 +96,6 @@ class KVCache:
         The handle comes from a peer actor of this deployment over its private link."""
         if self.device.type != "cuda":
             raise RuntimeError("a CPU cache cannot map a peer's memory")
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         args = list(pickle.loads(handle))
         args[6] = self.device.index or 0   # the peer's device number means nothing here
         return rebuild_cuda_tensor(*args)
@@ -110,7 +108,7 @@ class KVCache:
         (its id arena), unseen here: ids are clamped into the peer's cache, so a bad one copies a
         wrong block but never reads outside it."""
         if self.uses_triton_copy():
-            from tandem.engine.kernels.block_copy import copy_cache_blocks
+            from tandem.engine.kernels.block_copy import copy_cache_blocks  # noqa: PLC0415 (triton loads only where kernels run)
 
             # the layouts were compared when the peer was mapped: no checks on the transfer's path
             copy_cache_blocks(peer, self.tensor, layers, src_index, dst_index, check=False)
@@ -122,8 +120,6 @@ class KVCache:
     def uses_triton_copy(self) -> bool:
         """Block copies through engine.kernels.block_copy: on CUDA, where Triton is installed."""
         if self._use_triton is None:
-            from tandem.engine.kernels import triton_available
-
             self._use_triton = self.device.type == "cuda" and triton_available()
         return self._use_triton
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
 from tandem.engine.config import ModelConfig
+from tandem.engine.kernels import triton_available
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -167,9 +168,9 @@ class TritonOps:
     fused = True
 
     def __init__(self):
-        from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
-        from tandem.engine.kernels.kv_write import write_kv
-        from tandem.engine.kernels.paged_attention import paged_attention
+        from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: PLC0415 (triton loads only where kernels run)
+        from tandem.engine.kernels.kv_write import write_kv  # noqa: PLC0415 (as above)
+        from tandem.engine.kernels.paged_attention import paged_attention  # noqa: PLC0415 (as above)
 
         self.write_kv, self.attention = write_kv, paged_attention
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
@@ -178,8 +179,6 @@ class TritonOps:
 def default_ops(device: torch.device) -> TorchOps | TritonOps:
     """TritonOps on a CUDA device where Triton imports, else TorchOps."""
     if device.type == "cuda":
-        from tandem.engine.kernels import triton_available
-
         if triton_available():
             return TritonOps()
     return TorchOps()

@@ -179,7 +179,7 @@ class ModelRunner:
         """Whether the decode kernel splits contexts of this length at this batch size."""
         plan = self._split_plans.get((batch, context))
         if plan is None:
-            from tandem.engine.kernels.paged_attention import _num_sms, choose_partition_size
+            from tandem.engine.kernels.paged_attention import _num_sms, choose_partition_size  # noqa: PLC0415 (triton loads only where kernels run)
 
             size = choose_partition_size(batch, self.model.config.num_kv_heads, context, _num_sms(self.device))
             plan = self._split_plans[(batch, context)] = size is not None and size < context

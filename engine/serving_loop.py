@@ -26,6 +26,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import torch
+
 from tandem.engine.request import WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -293,8 +295,6 @@ class EngineLoop:
         cache = getattr(self.engine, "kv_cache", None)
         if cache is None or getattr(cache.device, "type", "cpu") != "cuda":
             return {}
-        import torch
-
         stats = torch.cuda.memory_stats(cache.device)
         now = {"mallocs": stats.get("segment.all.allocated", 0), "frees": stats.get("segment.all.freed", 0),
                "retries": stats.get("num_alloc_retries", 0)}

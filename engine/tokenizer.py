@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
 from tandem.engine.request import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -19,9 +23,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 def _render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
                      **extra: Any) -> str:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
 
     def raise_exception(msg):
@@ -46,8 +47,6 @@ class HFTokenizer:
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), bos_token: str | None = None,
                  add_bos: bool = False):
-        from tokenizers import Tokenizer
-
         self._tok = Tokenizer.from_file(str(tokenizer_json))
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
@@ -152,8 +151,6 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     `meta` holds the GGUF keys tokenizer.ggml.{model, pre, tokens, merges, token_type}. The `smollm`
     pre-tokenizer splits digits individually before the GPT-2 byte-level split, as SmolLM2's own
     tokenizer.json does."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"only byte-level BPE (gpt2) GGUF vocabularies are supported, "
                          f"got {meta.get('tokenizer.ggml.model')!r}")

@@ -6,15 +6,18 @@ a safetensors file. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
 
 from tandem.engine.config import PRESETS, ModelConfig
 from tandem.engine.model import LlamaForCausalLM
@@ -80,8 +83,6 @@ def convert_gguf(path: Path, out: Path) -> Path:
     tokenizer.json, tokenizer_config.json). Done once: a complete `out` is reused as is."""
     if (out / ".complete").exists():
         return out
-    import fcntl
-
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:  # one converter at a time per output
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -91,10 +92,6 @@ def convert_gguf(path: Path, out: Path) -> Path:
 
 
 def _convert_gguf(path: Path, out: Path) -> Path:
-    import gguf
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
@@ -155,8 +152,6 @@ def _convert_gguf(path: Path, out: Path) -> Path:
 
 # ---- loading ------------------------------------------------------------------------------------
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
@@ -227,8 +222,6 @@ def hf_state_dict(model: LlamaForCausalLM, on_host: bool = True) -> dict[str, to
 
 
 def save_hf_dir(model: LlamaForCausalLM, path: Path) -> Path:
-    from safetensors.torch import save_file
-
     path.mkdir(parents=True, exist_ok=True)
     save_file(hf_state_dict(model), str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))

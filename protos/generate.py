@@ -55,7 +55,7 @@ def relax_version_pins(path: Path) -> None:
 
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
     """Run protoc on every .proto; returns the generated files (under out_dir/protos/tandem/v1)."""
-    from grpc_tools import protoc  # a test/dev dependency only
+    from grpc_tools import protoc  # noqa: PLC0415 (a test/dev dependency only)
 
     out_dir = Path(out_dir).resolve()
     well_known = resources.files("grpc_tools") / "_proto"

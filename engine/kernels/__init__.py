@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def triton_available() -> bool:
     """True when the kernels can run here: there is a CUDA GPU or the interpreter is on
     (`TRITON_INTERPRET=1`), and Triton imports. Imports triton only in those two cases."""
-    import torch
-
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         return False
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401, PLC0415 (triton loads only where kernels run)
     except ImportError:
         return False
     return True

@@ -38,7 +38,7 @@ class CompileWatch:
             if self._installed:
                 return True
             try:
-                import triton
+                import triton  # noqa: PLC0415 (triton loads only where kernels run)
             except ImportError:
                 return False
             knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -46,7 +46,7 @@ class CompileWatch:
                 previous = knobs.jit_cache_hook
                 knobs.jit_cache_hook = self._hook(previous)
             else:                            # Triton before knobs: a class attribute
-                from triton.runtime.jit import JITFunction
+                from triton.runtime.jit import JITFunction  # noqa: PLC0415 (as above)
 
                 if not hasattr(JITFunction, "cache_hook"):
                     return False

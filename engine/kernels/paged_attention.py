@@ -199,6 +199,15 @@ def _decode_kernel(
                                      stride_vb, stride_vs, stride_vh, scale_log2,
                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
 
+    _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
+                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+                  HEAD_DIM, SPLIT)
+
+
+@triton.jit
+def _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
+                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
     if SPLIT:
         # unnormalised partial state of this launch's token rows: acc [rows, Hq, P, D] and
         # (m, l) [rows, Hq, P, 2], merged by _reduce_partitions_kernel
@@ -237,7 +246,7 @@ def _reduce_partitions_kernel(
     base_rows = (tokens - tl.load(query_start_loc_ptr + first_seq)) * stride_pt + heads * stride_ph
 
     m = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    denom = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
     for part in range(0, num_parts):
         part_rows = base_rows + part
@@ -249,10 +258,10 @@ def _reduce_partitions_kernel(
         a = tl.exp2(m - m_new)
         b = tl.exp2(m_p - m_new)
         acc = acc * a[:, None] + o_p * b[:, None]
-        l = l * a + l_p * b
+        denom = denom * a + l_p * b
         m = m_new
-    l = tl.where(row_ok, l, 1.0)
-    out = acc / l[:, None]
+    denom = tl.where(row_ok, denom, 1.0)
+    out = acc / denom[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

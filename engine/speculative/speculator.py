@@ -17,9 +17,12 @@ import torch
 from tandem.engine.config import SpeculativeConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, probs_for
+from tandem.engine.speculative.draft_model import DraftModelProposer, early_exit_model
+from tandem.engine.speculative.ngram import NgramProposer
 from tandem.engine.speculative.policy import SpeculationLengthPolicy
 from tandem.engine.speculative.proposer import Draft, Proposer
 from tandem.engine.speculative.verify import accept_greedy, accept_sampled
+from tandem.engine.weights import load_model
 
 
 class Speculator:
@@ -106,16 +109,10 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
     device = target.embed_tokens.weight.device
     if proposer is None:
         if cfg.method == "ngram":
-            from tandem.engine.speculative.ngram import NgramProposer
-
             proposer = NgramProposer(cfg.min_n, cfg.max_n)
         elif cfg.method == "draft":
-            from tandem.engine.speculative.draft_model import DraftModelProposer, early_exit_model
-
             if draft_model is None:
                 if cfg.draft_model is not None:
-                    from tandem.engine.weights import load_model
-
                     draft_model, _, _ = load_model(cfg.draft_model, dtype, str(device), seed + 1)
                 else:
                     draft_model = early_exit_model(target, cfg.draft_num_layers)
