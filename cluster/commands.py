@@ -1,5 +1,5 @@
 """Cluster subcommands of `tandem`: `up` (serve), `chat` (interactive client), `status` (Admin),
-`scale`, `bench` (load generator, in cluster/loadgen.py)."""
+`scale`, `bench` (load generator, in cluster/loadgen_client.py)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def _register_bench(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from tandem.cluster.loadgen import cmd_bench as run
+    from tandem.cluster.loadgen_client import cmd_bench as run
 
     return run(args)
 

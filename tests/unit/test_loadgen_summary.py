@@ -180,7 +180,8 @@ def test_a_rate_that_comes_back_in_a_ramp_sends_prompts_of_its_own():
     way down against 76.1% on its way up)."""
     import random
 
-    from tandem.cluster.loadgen import iter_token_ids, load_sessions, token_seed
+    from tandem.cluster.loadgen import load_sessions, token_seed
+    from tandem.cluster.workloads import iter_token_ids
 
     assert token_seed(0, 0.4) == "0-0.4" and token_seed(0, 0.4, 0, "s1") == "0-0.4-s1"
     specs = load_sessions("agent-small", None, random.Random(0), num_sessions=1, max_context=None)[0]
