@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -175,8 +176,6 @@ def machine_id() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
-        import socket
-
         return socket.gethostname()
 
 

@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 
 from tandem.kv_transfer.base import KVTransferConfig, TransferSpec
 from tandem.kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.torch_dist import (backend_for, make_dist_receiver, make_dist_sender,
+                                           start_rendezvous_store)
 
 CONFIG = KVTransferConfig(timeout_s=10.0, start_timeout_s=60.0, connect_timeout_s=60.0)
 SEED = 1234
@@ -42,7 +44,6 @@ def _spec(args: argparse.Namespace, rid: str, n_layers: int | None = None) -> Tr
 
 
 def _sender_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, out: Any) -> None:
-    from tandem.kv_transfer.torch_dist import make_dist_sender
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     released: list[str] = []
@@ -68,7 +69,6 @@ def _sender_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, ou
 
 
 def _receiver_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, out: Any) -> None:
-    from tandem.kv_transfer.torch_dist import make_dist_receiver
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     released: list[str] = []
@@ -104,6 +104,28 @@ def _receiver_main(addr: str, args: argparse.Namespace, device: str, cmds: Any, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    devices = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
+    store, port = start_rendezvous_store("127.0.0.1")   # kept alive until the checks are done
+    results: dict[str, Any] = {"backend": backend_for(devices[0]), "torch": torch.__version__,
+                               "args": vars(args), "transfers": []}
+    layer_bytes = (args.blocks * 2 * args.block_size * args.heads * args.head_dim
+                   * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    _run_checks(args, f"127.0.0.1:{port}", devices, layer_bytes, results)
+    _print(results, layer_bytes)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    ok = (all(t["receiver"].get("exact") for t in results["transfers"])
+          and results["abort"]["receiver"]["state"] == "aborted"
+          and results["abort"]["receiver"]["released"] == 1 and results["abort"]["sender"]["released"] == 1
+          and results["kill"]["receiver"]["state"] != "done" and results["kill"]["receiver"]["released"] == 1
+          and results["after_restart"]["receiver"].get("exact"))
+    print("SELFCHECK", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--layers", type=int, default=32)
@@ -114,22 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    devices = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
+    return p.parse_args(argv)
 
-    from tandem.kv_transfer.torch_dist import backend_for, start_rendezvous_store
-    store, port = start_rendezvous_store("127.0.0.1")
-    addr = f"127.0.0.1:{port}"
+
+def _run_checks(args: argparse.Namespace, addr: str, devices: tuple[str, str], layer_bytes: int,
+                results: dict[str, Any]) -> None:
+    """Timed transfers, an abort from the receiver, a sender killed mid-transfer and one started
+    again under the same id, between two spawned processes; their outcomes go into `results`."""
     ctx = mp.get_context("spawn")
     r_cmd, r_out, s_cmd, s_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     recv_p = ctx.Process(target=_receiver_main, args=(addr, args, devices[1], r_cmd, r_out))
     send_p = ctx.Process(target=_sender_main, args=(addr, args, devices[0], s_cmd, s_out))
     recv_p.start()
     send_p.start()
-    results: dict[str, Any] = {"backend": backend_for(devices[0]), "torch": torch.__version__,
-                               "args": vars(args), "transfers": []}
-    layer_bytes = (args.blocks * 2 * args.block_size * args.heads * args.head_dim
-                   * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
 
     def transfer(rid: str, **sender_opts: Any) -> dict[str, Any]:
         spec = _spec(args, rid).to_msg()
@@ -163,17 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    _print(results, layer_bytes)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    ok = (all(t["receiver"].get("exact") for t in results["transfers"])
-          and results["abort"]["receiver"]["state"] == "aborted"
-          and results["abort"]["receiver"]["released"] == 1 and results["abort"]["sender"]["released"] == 1
-          and results["kill"]["receiver"]["state"] != "done" and results["kill"]["receiver"]["released"] == 1
-          and results["after_restart"]["receiver"].get("exact"))
-    print("SELFCHECK", "OK" if ok else "FAILED")
-    return 0 if ok else 1
 
 
 def _print(results: dict[str, Any], layer_bytes: int) -> None:
