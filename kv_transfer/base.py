@@ -65,8 +65,8 @@ class KVTransferConfig:
     nccl_high_priority: bool = True
     # Where the receiver can map the sender's cache (two GPUs of one host: CUDA IPC over NVLink),
     # it copies the blocks straight out of it, block to block in one kernel, and the link carries
-    # only control frames: no staging, gather, NCCL send or scatter (kv_transfer.sender, "direct
-    # copy"). Off, or where mapping fails, the data goes through the link.
+    # only control frames: no staging, gather, NCCL send or scatter (kv_transfer.direct_send).
+    # Off, or where mapping fails, the data goes through the link (kv_transfer.streamed_send).
     direct_copy: bool = True
     # Control frames on a Unix socket between two actors of one host (~50 us a frame, against
     # ~0.3 ms through gloo); off, or between hosts, on the pair's gloo group.
@@ -241,6 +241,27 @@ class BlockStore(Protocol):
         ...
 
     def block_payload_shape(self, n_blocks: int) -> tuple[int, ...]:
+        ...
+
+    # ---- direct copies (kv_transfer.direct_send / direct_recv) --------------------------------
+    # `tensor` is the whole cache, [num_layers, 2, num_blocks, block_size, Hkv, D]: a receiver
+    # compares a mapped peer cache's layout with it.
+    tensor: torch.Tensor
+
+    def share(self, tensor: torch.Tensor | None = None) -> bytes | None:
+        """A handle through which another process of this host maps `tensor` (default: the whole
+        cache); None where it cannot be shared (then the data goes through the link)."""
+        ...
+
+    def open_shared(self, handle: bytes) -> torch.Tensor:
+        """Map a peer's `share` handle into this process; raises where it cannot."""
+        ...
+
+    def copy_from_peer(self, peer: torch.Tensor, layers: range, src_index: torch.Tensor,
+                       dst_index: torch.Tensor) -> None:
+        """This cache's blocks `dst_index` of `layers` <- the same layers' blocks `src_index` of
+        `peer` (a mapped cache of this layout), one kernel on the current stream; source ids are
+        clamped into the peer's cache."""
         ...
 
 

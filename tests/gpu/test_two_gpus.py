@@ -49,7 +49,7 @@ class Endpoint:
 
     def direct(self) -> bool:
         """Sender: did its link to decode-0 go direct (the receiver copies out of this cache)?"""
-        return self.end._workers["decode-0"]._direct
+        return self.end._workers["decode-0"].direct.active
 
     def expect(self, spec_msg: dict) -> None:
         self.end.expect(TransferSpec.from_msg(spec_msg))
