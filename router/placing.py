@@ -97,18 +97,18 @@ class Placer:
             raise NoWorkerReady(f"no {pool} worker is ready")
         return wid
 
-    def _prefill_hint(self, p: _Placement) -> str | None:
+    def prefill_target(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> str | None:
         """The prefill actor to reserve on alongside the decode actor; None: prefill locally."""
         prefill_ids = [w.worker_id for w in self.view.views("prefill")]
         if not remote_prefill_offered(self.threshold, len(prefill_ids)):
             return None
         try:
-            hint = self.pick("prefill", p.sess.prefill_worker if p.sess else None, p.hashes)
+            hint = self.pick("prefill", sess.prefill_worker if sess else None, hashes)
         except (NoWorkerReady, WorkersOverloaded):
             return None
-        local = local_prefill_queue(p.sess.decode_worker if p.sess else None, self.local_queued,
+        local = local_prefill_queue(sess.decode_worker if sess else None, self.local_queued,
                                     [w.worker_id for w in self.view.views("decode")])
-        placed = prefill_placement(hint, prefill_ids, self.prefill_queued, local, len(p.ids), self.max_prefill_queued)
+        placed = prefill_placement(hint, prefill_ids, self.prefill_queued, local, num_tokens, self.max_prefill_queued)
         if placed is None:      # every prefill actor is backlogged: prefill locally
             self.counters["prefill_backlogged"] = self.counters.get("prefill_backlogged", 0) + 1
         return placed
@@ -123,7 +123,7 @@ class Placer:
         answers are independent); it is named in the decode actor's reserve, which then registers
         the KV receive from it. Both save a sequential call per remote prefill."""
         p = _Placement(rid, ids, sp, sess, hashes)
-        p.prefill_hint = self._prefill_hint(p)
+        p.prefill_hint = self.prefill_target(sess, len(ids), hashes)
         if p.prefill_hint is not None:
             p.transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}"
             # counted on the prefill actor at once, so concurrent arrivals see it

@@ -1,0 +1,327 @@
+"""The discrete-event simulation of Tandem's request path (cluster/simulator.py describes it). Every
+placement decision is the router's and the decode worker's own, through tandem.placement: the same
+rules, the same tie-breaking, on what the simulation knows of its workers.
+
+Events, in a request's order: `arrive` (the router picks a decode worker), admission on that worker
+(KV for prompt + output; local or remote prefill), `kv_ready` (a remote prefill's KV is usable: the
+first token), `step` (one continuous-batching step: a token per running sequence, chunks of local
+prefills), then finish. `ready` (a worker started) and `control` (the autoscaler's period) come
+from the pools.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+from tandem.cluster import sim_control
+from tandem.cluster.autoscaler import AutoscalerConfig, MetricsSnapshot, PolicyState
+from tandem.cluster.sim_model import SLO, PerfModel, PoolSample, RequestLike, RequestResult, SimResult, summarize
+from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
+from tandem.placement import (OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
+                              remote_prefill_offered, wants_remote_prefill)
+
+
+class Simulation:
+    def __init__(self, requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,
+                 slo: SLO, autoscaler: AutoscalerConfig | None, seed: int, colocated: bool,
+                 worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
+                 send_until_s: float | Mapping[str, float] | None = None,
+                 max_workers: int | None = None, overload: OverloadLimits = OverloadLimits()):
+        self.perf, self.slo, self.cfg = perf, slo, autoscaler
+        self.seed = seed   # placement is deterministic: kept so callers' seeds still name a run
+        self.send_until_s = send_until_s
+        self.max_workers = max_workers
+        self.overload = overload
+        self.slot_queue: deque[SimWorker] = deque()  # created past max_workers, oldest first
+        self.unsent: set[int] = set()  # seq indices a closed-loop session never sent (due too late)
+        self.pull_prefix = pull_prefix
+        self.colocated = colocated
+        self.threshold = float("inf") if colocated else perf.local_prefill_threshold
+        self.startup_s = worker_startup_s
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.counter = 0
+        self.seqs = [SimSeq(r, i) for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
+        # closed loop: a session's next turn is sent `think_s` after its previous turn finished
+        self.next_turns: dict[str, deque[SimSeq]] | None = None
+        if closed_loop:
+            self.next_turns = {}
+            for s in sorted(self.seqs, key=lambda s: (s.spec.turn, s.arrival_s)):
+                self.next_turns.setdefault(s.spec.session_id, deque()).append(s)
+        self.prefills: list[SimPrefillWorker] = []
+        self.decodes: list[SimDecodeWorker] = []
+        # the router's session state, written when a turn finishes: its decode and prefill workers
+        self.session_decode: dict[str, SimDecodeWorker] = {}
+        self.session_prefill: dict[str, str] = {}
+        self.prefill_of: dict[int, str] = {}   # seq idx -> the prefill worker that computed it
+        self.done = 0
+        self.samples: list[PoolSample] = []
+        self.policy = PolicyState()
+        # for the autoscaler's snapshot: (time, value) within the window
+        self.recent_ttft: deque[tuple[float, float]] = deque()  # prefill pool's part of TTFT
+        self.recent_tpot: deque[tuple[float, float]] = deque()
+        self.recent_prefill: deque[tuple[float, int, int]] = deque()  # (time, tokens, context)
+        for _ in range(0 if colocated else prefill):
+            self.add_worker(self.prefills, SimPrefillWorker, 0.0, started=True)
+        for _ in range(decode):
+            self.add_worker(self.decodes, SimDecodeWorker, 0.0, started=True)
+
+    # -- events ----------------------------------------------------------------------------------
+    def push(self, t: float, kind: str, payload: Any = None) -> None:
+        self.counter += 1
+        heapq.heappush(self.events, (t, self.counter, kind, payload))
+
+    def run(self) -> None:
+        first = self.seqs if self.next_turns is None else [q.popleft() for q in self.next_turns.values()]
+        for s in first:
+            self.push(s.arrival_s, "arrive", s)
+        if self.cfg is not None and self.seqs:
+            self.push(self.seqs[0].spec.arrival_s, "control")
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, "_on_" + kind)(now, payload)
+
+    # -- pools -----------------------------------------------------------------------------------
+    def add_worker(self, pool: list, cls: type, now: float, started: bool = False) -> None:
+        w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens)
+        if started:
+            w.up = w.accepting = True
+        elif self.max_workers is not None and self._slots_held() >= self.max_workers:
+            w.pending = True  # like a Ray actor asking for a GPU that no node has free
+            self.slot_queue.append(w)
+        else:
+            self.push(w.ready_s, "ready", w)
+        pool.append(w)
+
+    def _slots_held(self) -> int:
+        return sum(not w.gone and not w.pending for w in self.prefills + self.decodes)
+
+    def start_pending(self, now: float) -> None:
+        """Workers waiting for a slot start, oldest first, as drained workers free theirs."""
+        while self.slot_queue and self._slots_held() < self.max_workers:
+            w = self.slot_queue.popleft()
+            if not w.gone:
+                w.pending, w.ready_s = False, now + self.startup_s
+                self.push(w.ready_s, "ready", w)
+
+    def _on_ready(self, now: float, w: SimWorker) -> None:
+        if w.gone:
+            return
+        w.up, w.accepting = True, not w.draining
+        if isinstance(w, SimDecodeWorker):
+            self._admit(w, now)
+
+    def _on_control(self, now: float, _: Any) -> None:
+        sim_control.control(self, now)
+
+    def _snapshot(self, now: float) -> MetricsSnapshot:
+        return sim_control.snapshot(self, now)
+
+    # -- placement: the router's rules (tandem.placement) -----------------------------------------
+    def pick_decode(self, r: RequestLike) -> SimDecodeWorker | None:
+        """The router's decode choice: the session's worker unless it is not ready or overloaded,
+        else the most cached, the least loaded, the lowest KV use, the smallest id. None: no worker
+        can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
+        perf = self.perf
+        live = {w.name: w for w in self.decodes if w.up and not w.gone}
+        own = self.session_decode.get(r.session_id)
+        views = [w.view(r, perf.block_tokens, perf.kv_capacity_tokens) for w in live.values()]
+        wid = choose_worker(views, own.name if own else None, overload_fn=self.overload)
+        return live.get(wid)
+
+    def pick_prefill(self, s: SimSeq, now: float) -> SimPrefillWorker | None:
+        """The router's prefill choice for a request the decode worker may prefill remotely: the
+        prefill worker picked like a decode worker, unless it is backlogged past
+        `prefill_queue_limit` (`prefill_placement`); None: prefill locally."""
+        r = s.spec
+        ready = {p.name: p for p in self.prefills if p.accepting}
+        if not remote_prefill_offered(self.threshold, len(ready)):
+            return None
+        hint = choose_worker([p.view(r, now) for p in ready.values()], self.session_prefill.get(r.session_id),
+                             overload_fn=self.overload)
+        if hint is None:
+            return None
+        for p in ready.values():
+            p.deliver(now)
+        local = local_prefill_queue(s.session_decode, {w.name: w.local_queued() for w in self.decodes},
+                                    [w.name for w in self.decodes if w.up and not w.gone])
+        target = prefill_placement(hint, list(ready), {n: p.queued_tokens for n, p in ready.items()}, local,
+                                   r.input_tokens, self.perf.prefill_queue_limit)
+        return ready.get(target)
+
+    # -- a request's path ------------------------------------------------------------------------
+    def _on_arrive(self, now: float, s: SimSeq) -> None:
+        r = s.spec
+        w = self.pick_decode(r) if r.input_tokens + r.output_tokens <= self.perf.kv_capacity_tokens else None
+        if w is None:
+            s.kind = "rejected"
+            self._retire(now, s)
+            return
+        own = self.session_decode.get(r.session_id)
+        s.session_decode = own.name if own else None
+        s.decode = w
+        w.waiting.append(s)
+        self._admit(w, now)
+
+    def _admit(self, w: SimDecodeWorker, now: float) -> None:
+        perf = self.perf
+        while w.up and w.waiting and w.slots_used() < perf.max_batch:
+            s = w.waiting[0]
+            r = s.spec
+            hit = w.cache.hit(r)
+            need = r.input_tokens + r.output_tokens - hit
+            pinned = w.cache.hit_keys(r, hit)
+            w.cache.pin(pinned)
+            w.cache.evict_to(perf.kv_capacity_tokens - w.reserved - need)
+            if w.reserved + need + w.cache.tokens > perf.kv_capacity_tokens and w.slots_used():
+                w.cache.unpin(pinned)
+                return  # KV full: the head of the queue waits for running sequences to finish
+            w.waiting.popleft()
+            s.pinned = pinned
+            w.reserved += need
+            w.held += r.input_tokens + r.output_tokens
+            s.reserved = need
+            # the decode worker's rule, then the router's prefill choice (side-effect free, so the
+            # order the router asks them in does not matter)
+            p = self.pick_prefill(s, now) if wants_remote_prefill(r.input_tokens, hit, self.threshold) else None
+            if p is not None:
+                self._send_to_prefill(s, p, hit, now)
+            else:
+                s.kind, s.cached, s.prefill_left, s.context = "local", hit, r.input_tokens - hit, hit
+                w.local.append(s)
+                self._step_if_idle(w, now)
+
+    def _send_to_prefill(self, s: SimSeq, p: SimPrefillWorker, decode_hit: int, now: float) -> None:
+        """`p` computes what its own cache lacks (or, with pull_prefix, what the decode worker's
+        cached prefix lacks, after receiving that prefix over the KV link), FIFO."""
+        r, perf = s.spec, self.perf
+        n_in, hit = r.input_tokens, p.cache.hit(r)
+        if self.pull_prefix and decode_hit > hit:
+            n = n_in - decode_hit
+            busy_s = perf.transfer_s(decode_hit - hit) + perf.prefill_s(n, n_in)
+        else:
+            n, busy_s = n_in - hit, perf.prefill_s(n_in - hit, n_in)
+        start = max(now, p.free_s)
+        end = start + busy_s
+        p.free_s = end
+        p.jobs.append((start, end, n))
+        p.cache.store(r, n_in)
+        p.cache.pin(p.cache.keys(r))  # the newest prompt stays even if it alone is over capacity
+        p.cache.evict_to(perf.kv_capacity_tokens)
+        p.cache.unpin(p.cache.keys(r))
+        self.recent_prefill.append((now, n, n_in))
+        self.prefill_of[s.idx] = p.name
+        s.kind, s.cached = "remote", n_in - n
+        s.decode.awaiting_kv += 1
+        # layer-by-layer streaming hides the transfer under compute unless it is the slower one
+        ready = max(end, start + perf.transfer_s(n_in - decode_hit)) + perf.remote_overhead_s
+        p.queued.append((ready, n_in))
+        p.queued_tokens += n_in
+        self.recent_ttft.append((ready, ready - now))
+        self.push(ready, "kv_ready", s)
+
+    def _on_kv_ready(self, now: float, s: SimSeq) -> None:
+        w = s.decode
+        w.awaiting_kv -= 1
+        s.context = s.spec.input_tokens
+        self._first_token(s, now)
+        self._admit(w, now)
+        self._step_if_idle(w, now)
+
+    def _first_token(self, s: SimSeq, now: float) -> None:
+        # the client sees it a control path later; the engine goes on at once
+        s.first_token_s, s.generated = now + self.perf.request_overhead_s, 1
+        s.context += 1
+        if s.spec.output_tokens <= 1:
+            self._finish(s, now)
+        else:
+            s.decode.running.append(s)
+
+    def _step_if_idle(self, w: SimDecodeWorker, now: float) -> None:
+        if w.stepping or not (w.running or w.local):
+            return
+        perf = self.perf
+        batch = list(w.running)
+        dt = perf.decode_step_s(len(batch), sum(s.context for s in batch)) if batch else 0.0
+        budget = max(perf.max_step_tokens - len(batch), perf.block_tokens)
+        chunks = []
+        for s in w.local:  # chunked prefill, FIFO, within the step's token budget
+            if budget <= 0:
+                break
+            n = min(s.prefill_left, budget)
+            budget -= n
+            chunks.append((s, n))
+            dt += n * (perf.prefill_per_token_s + perf.prefill_attn_s * (s.context + n))
+        if chunks:
+            dt += perf.prefill_base_s
+        w.stepping = True
+        self.push(now + dt, "step", (w, batch, chunks))
+
+    def _on_step(self, now: float, payload: tuple) -> None:
+        w, batch, chunks = payload
+        w.stepping = False
+        for s in batch:
+            s.generated += 1
+            s.context += 1
+            if s.generated >= s.spec.output_tokens:
+                self._finish(s, now)
+        if any(s.finish_s is not None for s in batch):
+            w.running = [s for s in w.running if s.finish_s is None]
+        for s, n in chunks:
+            s.prefill_left -= n
+            s.context += n
+            if s.prefill_left <= 0:
+                w.local.remove(s)
+                self._first_token(s, now)
+        self._admit(w, now)
+        self._step_if_idle(w, now)
+
+    def _finish(self, s: SimSeq, now: float) -> None:
+        w, r = s.decode, s.spec
+        s.finish_s = now + self.perf.request_overhead_s       # client-visible, like the first token
+        w.reserved -= s.reserved
+        w.held -= r.input_tokens + r.output_tokens
+        w.cache.unpin(s.pinned)
+        w.cache.store(r, r.input_tokens + r.output_tokens)
+        w.cache.evict_to(self.perf.kv_capacity_tokens - w.reserved)
+        if r.output_tokens > 1:
+            self.recent_tpot.append((now, (s.finish_s - s.first_token_s) / (r.output_tokens - 1)))
+        # the router writes the session's workers once its turn is done
+        self.session_decode[r.session_id] = w
+        if s.idx in self.prefill_of:
+            self.session_prefill[r.session_id] = self.prefill_of.pop(s.idx)
+        self._retire(now, s)
+
+    def _retire(self, now: float, s: SimSeq) -> None:
+        self.done += 1
+        if self.next_turns is not None and self.next_turns.get(s.spec.session_id):
+            nxt = self.next_turns[s.spec.session_id].popleft()
+            nxt.arrival_s = (s.finish_s or now) + getattr(nxt.spec, "think_s", 0.0)
+            until = self.send_until_s
+            if isinstance(until, Mapping):
+                until = until.get(s.spec.session_id)
+            if until is not None and nxt.arrival_s >= until:
+                # due past the run's end: neither it nor the session's later turns are sent
+                self.unsent.add(id(nxt))
+                self.unsent.update(id(x) for x in self.next_turns.pop(s.spec.session_id))
+                return
+            self.push(nxt.arrival_s, "arrive", nxt)
+
+    # -- results ---------------------------------------------------------------------------------
+    def result(self, label: str, prefill: int, decode: int) -> SimResult:
+        reqs = []
+        for s in self.seqs:
+            if id(s) in self.unsent:
+                continue
+            r = s.spec
+            ok = s.finish_s is not None
+            tpot = ((s.finish_s - s.first_token_s) / (r.output_tokens - 1)
+                    if ok and r.output_tokens > 1 else None)
+            reqs.append(RequestResult(
+                r.session_id, r.turn, s.arrival_s, r.input_tokens, r.output_tokens,
+                s.cached if ok else 0, s.kind if ok else "rejected",
+                s.first_token_s - s.arrival_s if ok else None, tpot,
+                s.finish_s - s.arrival_s if ok else None))
+        return SimResult(summarize(reqs, self.slo, label, prefill, decode, self.samples), reqs,
+                         list(self.samples))

@@ -1,0 +1,174 @@
+"""The simulated workers: a prefix cache per worker (LRU, in tokens), one record per request in
+flight (`SimSeq`), and the prefill and decode workers' queues and batches. State only; the rules
+that move requests between them are in cluster/sim_engine.py."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from typing import Any
+
+from tandem.cluster.sim_model import RequestLike
+from tandem.placement import DRAINING, READY, WorkerView
+
+
+class PrefixCache:
+    """LRU prefix cache of one worker, in tokens. A session entry holds how many leading tokens of
+    the session's context are cached; a hash entry is one `hash_block_tokens` block. Entries that a
+    running sequence uses are pinned: never evicted until it finishes."""
+
+    def __init__(self, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.entries: OrderedDict[tuple, int] = OrderedDict()
+        self.pins: dict[tuple, int] = {}
+        self.tokens = 0
+
+    def hit(self, r: RequestLike) -> int:
+        if r.hash_ids:
+            n = 0
+            while n < len(r.hash_ids) and ("h", r.hash_ids[n]) in self.entries:
+                n += 1
+            # the last prompt token is always computed: its logits give the first output token
+            return min(n * r.hash_block_tokens, r.input_tokens - 1)
+        cached = min(self.entries.get(("s", r.session_id), 0), r.shared_prefix_tokens, r.input_tokens - 1)
+        return cached // self.block_tokens * self.block_tokens
+
+    def keys(self, r: RequestLike) -> list[tuple]:
+        return [("h", h) for h in r.hash_ids] if r.hash_ids else [("s", r.session_id)]
+
+    def hit_keys(self, r: RequestLike, hit: int) -> list[tuple]:
+        """The entries that hold the first `hit` tokens of `r` (what a hit uses)."""
+        if not hit:
+            return []
+        return [("h", h) for h in r.hash_ids[:math.ceil(hit / r.hash_block_tokens)]] if r.hash_ids \
+            else [("s", r.session_id)]
+
+    def pin(self, keys: list[tuple]) -> None:
+        for k in keys:
+            self.pins[k] = self.pins.get(k, 0) + 1
+            self.entries.move_to_end(k)
+
+    def unpin(self, keys: list[tuple]) -> None:
+        for k in keys:
+            self.pins[k] -= 1
+            if not self.pins[k]:
+                del self.pins[k]
+
+    def store(self, r: RequestLike, context_tokens: int) -> None:
+        """Cache `context_tokens` of this request's sequence (most recently used)."""
+        if r.hash_ids:
+            for k in self.keys(r):
+                if k not in self.entries:
+                    self.entries[k] = r.hash_block_tokens
+                    self.tokens += r.hash_block_tokens
+                self.entries.move_to_end(k)
+            return
+        k = ("s", r.session_id)
+        self.tokens += context_tokens - self.entries.get(k, 0)
+        self.entries[k] = context_tokens
+        self.entries.move_to_end(k)
+
+    def evict_to(self, limit: int) -> None:
+        """Evict least recently used, unpinned entries until at most `limit` tokens are cached."""
+        if self.tokens <= limit:
+            return
+        for k in [k for k in self.entries if k not in self.pins]:
+            self.tokens -= self.entries.pop(k)
+            if self.tokens <= limit:
+                return
+
+
+class SimSeq:
+    __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
+                 "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode")
+
+    def __init__(self, spec: RequestLike, idx: int):
+        self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
+        self.decode: SimDecodeWorker | None = None
+        self.session_decode: str | None = None  # the session's decode worker when it arrived
+        self.pinned: list[tuple] = []  # decode-cache entries this sequence uses
+        self.reserved = self.cached = self.prefill_left = self.context = self.generated = 0
+        self.kind = "rejected"
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+
+
+class SimWorker:
+    pool = ""
+
+    def __init__(self, wid: int, ready_s: float, block_tokens: int):
+        self.wid, self.ready_s = wid, ready_s
+        self.up = False  # started
+        self.accepting = False  # started and not draining
+        self.draining = False
+        self.gone = False
+        self.pending = False  # created past max_workers: waits for a slot before it starts
+        self.cache = PrefixCache(block_tokens)
+
+    @property
+    def name(self) -> str:
+        """Its worker id, named as the controller names a live one."""
+        return f"{self.pool}-{self.wid}"
+
+
+class SimPrefillWorker(SimWorker):
+    pool = "prefill"
+
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        self.free_s = 0.0
+        self.jobs: deque[tuple[float, float, int]] = deque()  # (start, end, tokens), FIFO
+        self.queued: deque[tuple[float, int]] = deque()      # (KV delivered at, prompt tokens)
+        self.queued_tokens = 0
+
+    def idle(self, now: float) -> bool:
+        return self.free_s <= now
+
+    def deliver(self, now: float) -> None:
+        """Prompts whose KV has been delivered by `now` leave the router's count of queued tokens."""
+        while self.queued and self.queued[0][0] <= now:
+            self.queued_tokens -= self.queued.popleft()[1]
+
+    def view(self, r: RequestLike, now: float) -> WorkerView:
+        """What the router knows of it (tandem.placement): its prompts not yet computed as load."""
+        while self.jobs and self.jobs[0][1] <= now:      # FIFO: the oldest ends first
+            self.jobs.popleft()
+        return WorkerView(self.name, self.pool, READY if self.accepting else DRAINING, running=len(self.jobs),
+                          cached_prefix_tokens=self.cache.hit(r))
+
+
+class SimDecodeWorker(SimWorker):
+    pool = "decode"
+
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        self.waiting: deque[SimSeq] = deque()  # routed here, not admitted
+        self.local: list[SimSeq] = []  # admitted, prefilling here in chunks
+        self.running: list[SimSeq] = []
+        self.awaiting_kv = 0  # admitted, remote prefill in flight
+        self.reserved = 0  # KV tokens reserved by admitted sequences, beyond their cached prefix
+        self.held = 0  # KV tokens admitted sequences use, cached prefix included (what "used" means)
+        self.stepping = False
+
+    def slots_used(self) -> int:
+        return len(self.running) + len(self.local) + self.awaiting_kv
+
+    def load(self) -> int:
+        return self.slots_used() + len(self.waiting)
+
+    def local_queued(self) -> int:
+        """Prompt tokens it prefills itself and has not finished (the router counts them to the
+        first token)."""
+        return sum(x.spec.input_tokens - x.cached for x in self.local if x.prefill_left > 0)
+
+    def view(self, r: RequestLike, block_tokens: int, kv_capacity_tokens: int) -> WorkerView:
+        """What the router knows of it (tandem.placement)."""
+        return WorkerView(self.name, self.pool, READY if self.accepting else DRAINING,
+                          running=self.slots_used(), waiting=len(self.waiting),
+                          kv_blocks_used=self.held // block_tokens,
+                          kv_blocks_total=kv_capacity_tokens // block_tokens,
+                          cached_prefix_tokens=self.cache.hit(r))
+
+    def idle(self, now: float) -> bool:
+        return not (self.load() or self.stepping)
+
