@@ -15,9 +15,8 @@ from tandem.kv_transfer.base import KVTransferConfig, TransferState
 from tandem.kv_transfer.fake import make_fake_pair
 from tandem.kv_transfer.testing import TensorBlockStore
 
-from tests.unit.test_kv_transfer import (DST, FAST, Releases, assert_layer_copied,
-                                         assert_next_transfer_arrives, make_spec, open_pair, stream,
-                                         until)
+from tests.unit.kv_factories import (DST, FAST, Releases, assert_layer_copied,
+                                     assert_next_transfer_arrives, make_spec, open_pair, stream, until)
 
 
 def _worker(sender):
