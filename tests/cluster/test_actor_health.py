@@ -18,7 +18,7 @@ def test_health_calls_answer_while_every_request_thread_waits(ray_session):
     actor = DecodeActor.options(max_concurrency=1, num_cpus=1).remote("decode-h", engine, 256.0, None)
     try:
         ray.get(actor.ready.remote(), timeout=120)
-        poll = actor.get_outputs.remote("router-x", 4.0)
+        poll = actor.get_outputs.remote(router_id="router-x", timeout_s=4.0)
         time.sleep(0.5)                                   # the long-poll holds the only request thread
         t0 = time.monotonic()
         stats = ray.get(actor.stats.remote(), timeout=2.0)

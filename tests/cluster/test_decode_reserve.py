@@ -11,40 +11,52 @@ import pytest
 
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import EngineConfig
-from tandem.kv_transfer.base import TransferState
-from tandem.kv_transfer.torch_dist import start_rendezvous_store
+from tandem.engine.engine import LLMEngine
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec, TransferState
+from tandem.kv_transfer.torch_dist import DistConnector, start_rendezvous_store
+from tandem.wire.errors import NoReservation
+from tandem.wire.messages import DecodeReserve, OutputError, SamplingParams
 
 
 @pytest.fixture
 def worker():
     store, port = start_rendezvous_store("127.0.0.1")
-    w = DecodeWorker("decode-r", EngineConfig(model="smollm2-135m"), local_prefill_threshold=16,
-                     rendezvous=f"127.0.0.1:{port}")
+    engine = LLMEngine(EngineConfig(model="smollm2-135m"))
+    tcfg = KVTransferConfig(start_timeout_s=600.0)
+    w = DecodeWorker("decode-r", engine, DistConnector("decode-r", f"127.0.0.1:{port}", engine.kv_cache.device, tcfg),
+                     local_prefill_threshold=16, transfer_config=tcfg)
     yield w
     w.shutdown()
     del store
 
 
 def used_blocks(w: DecodeWorker) -> int:
-    return w.loop.run(lambda: w.engine.allocator.num_used_blocks)
+    return w.kv_blocks_used()
+
+
+def reserve(w: DecodeWorker, rid: str, ids: list[int], transfer_id: str | None = None,
+            prefill_id: str | None = None, **sampling):
+    sp = SamplingParams(**{"max_tokens": 4, **sampling})
+    return w.reserve(DecodeReserve(rid, "router-a", ids, sp, transfer_id=transfer_id, prefill_id=prefill_id))
 
 
 def test_reserve_registers_the_receive_from_the_named_prefill_actor(worker):
-    w, sampling = worker, {"max_tokens": 4, "ignore_eos": True}
-    plan = w.reserve("req-1", "router-a", list(range(100, 200)), sampling, "t-1", "prefill-9")
-    assert plan["mode"] == "remote" and plan["expecting"] == "prefill-9"
+    w = worker
+    plan = reserve(w, "req-1", list(range(100, 200)), "t-1", "prefill-9", ignore_eos=True)
+    assert plan.remote and plan.expecting == "prefill-9"
     assert w.receiver.poll("t-1") is TransferState.WAITING
-    assert w.receiver._table.get("t-1").spec.dst_block_ids == tuple(plan["dst_block_ids"])
+    assert w.receiver._table.get("t-1").spec.dst_block_ids == tuple(plan.dst_block_ids)
     assert w.receiver._table.get("t-1").peer == "prefill-9"
+    assert w.held() == {"req-1": "receiving", "t-1": "receiving"}
     # without a named prefill actor the router registers it later (`expect`), as before
-    other = w.reserve("req-2", "router-a", list(range(300, 380)), sampling, "t-2")
-    assert other["mode"] == "remote" and "expecting" not in other
+    other = reserve(w, "req-2", list(range(300, 380)), "t-2", ignore_eos=True)
+    assert other.remote and other.expecting is None
     with pytest.raises(KeyError):
         w.receiver.poll("t-2")
     held = used_blocks(w)
     assert w.abort("req-1")
     assert w.receiver.poll("t-1") is TransferState.ABORTED
-    assert used_blocks(w) == held - len(plan["dst_block_ids"])      # its blocks are free again
+    assert used_blocks(w) == held - len(plan.dst_block_ids)      # its blocks are free again
     assert w.abort("req-2")
     assert used_blocks(w) == 0
 
@@ -52,14 +64,12 @@ def test_reserve_registers_the_receive_from_the_named_prefill_actor(worker):
 def test_expect_from_another_prefill_actor_redirects_the_registered_receive(worker):
     """The router's first prefill actor could not take the request: its `expect` names another,
     and the receive registered at reserve now waits for that one."""
-    from tandem.kv_transfer.base import TransferSpec
-
     w = worker
-    plan = w.reserve("req-4", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-4", "prefill-9")
-    n = len(plan["dst_block_ids"])
+    plan = reserve(w, "req-4", list(range(100, 200)), "t-4", "prefill-9")
+    n = len(plan.dst_block_ids)
     spec = TransferSpec("t-4", "prefill-7", "decode-r", tuple(range(w.engine.kv_cache.num_layers)),
-                        tuple(range(n)), tuple(plan["dst_block_ids"]), plan["num_tokens"])
-    w.expect(spec.to_msg())
+                        tuple(range(n)), tuple(plan.dst_block_ids), plan.num_tokens)
+    w.expect(spec)
     assert w.receiver._table.get("t-4").peer == "prefill-7"
     assert w.receiver.poll("t-4") is TransferState.WAITING
     assert w.abort("req-4") and used_blocks(w) == 0
@@ -68,9 +78,11 @@ def test_expect_from_another_prefill_actor_redirects_the_registered_receive(work
 def test_a_receive_that_cannot_be_registered_fails_the_reserve_and_keeps_nothing(worker):
     w = worker
     with pytest.raises(ValueError, match="distinct"):     # the sender cannot be the receiver itself
-        w.reserve("req-3", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-3", "decode-r")
+        reserve(w, "req-3", list(range(100, 200)), "t-3", "decode-r")
     assert used_blocks(w) == 0
-    assert "t-3" not in w.remote and "req-3" not in w.transfer_of
+    assert w.held() == {}
+    with pytest.raises(NoReservation):                     # and nothing to `expect` into
+        w.expect(TransferSpec("t-3", "prefill-7", "decode-r", (0,), (), (0,), 16))
 
 
 def wait_for(cond, timeout_s: float = 10.0) -> bool:
@@ -87,7 +99,7 @@ def test_an_abort_after_the_kv_landed_but_before_the_loop_saw_it_frees_the_block
     its transfer has just finished, before the decode loop reaped it: no release is owed for a
     DONE transfer, so the reap hands the blocks back."""
     w = worker
-    w.reserve("req-a", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-a", "prefill-9")
+    reserve(w, "req-a", list(range(100, 200)), "t-a", "prefill-9")
     assert used_blocks(w) > 0
 
     def land_then_abort():                      # one loop turn: no reap in between
@@ -96,14 +108,14 @@ def test_an_abort_after_the_kv_landed_but_before_the_loop_saw_it_frees_the_block
 
     assert w.loop.run(land_then_abort)
     assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
-    assert not w.remote and not w._receiving and "req-a" not in w._kv_ready
+    assert w.held() == {}
 
 
 def test_an_abort_while_a_layer_is_copied_frees_the_blocks_once_the_copy_ends(worker):
     """The blocks must not be reused while a layer is still being written into them, and must
     come back once it is."""
     w = worker
-    w.reserve("req-b", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-b", "prefill-9")
+    reserve(w, "req-b", list(range(100, 200)), "t-b", "prefill-9")
     held = used_blocks(w)
 
     def claim_then_abort():
@@ -114,9 +126,10 @@ def test_an_abort_while_a_layer_is_copied_frees_the_blocks_once_the_copy_ends(wo
     rec = w.loop.run(claim_then_abort)
     time.sleep(0.1)                                   # many idle polls of the loop
     assert used_blocks(w) == held                     # still being written into
+    assert w.held() == {"t-b": "releasing"}          # the request is gone, its transfer not yet
     w.receiver._table.end_work(rec, 0)                # the copy ends, on the transport's thread
     assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
-    assert not w._receiving
+    assert w.held() == {}
 
 
 def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports_once(worker):
@@ -125,7 +138,7 @@ def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports
     from tandem.kv_transfer.base import KVTransferError
 
     w = worker
-    w.reserve("req-c", "router-a", list(range(100, 200)), {"max_tokens": 4}, "t-c", "prefill-9")
+    reserve(w, "req-c", list(range(100, 200)), "t-c", "prefill-9")
     held = used_blocks(w)
 
     def claim_then_fail():
@@ -135,26 +148,25 @@ def test_a_transfer_failing_mid_copy_frees_its_blocks_after_the_copy_and_reports
 
     rec = w.loop.run(claim_then_fail)
     errors = []
-    assert wait_for(lambda: errors.extend(m for m in w.get_outputs("router-a", 0.05) if "error" in m) or errors)
-    assert [m["request_id"] for m in errors] == ["req-c"] and "failed" in errors[0]["error"]
-    assert not w.remote and used_blocks(w) == held
+    assert wait_for(lambda: errors.extend(m for m in w.get_outputs("router-a", 0.05)
+                                          if isinstance(m, OutputError)) or errors)
+    assert [m.request_id for m in errors] == ["req-c"] and "failed" in errors[0].error
+    assert w.held() == {"t-c": "releasing"} and used_blocks(w) == held
     w.receiver._table.end_work(rec, 0)
     assert wait_for(lambda: used_blocks(w) == 0), used_blocks(w)
-    assert not w._receiving
+    assert w.held() == {}
 
 
 def test_a_request_aborted_mid_stream_leaves_nothing_behind(worker):
     """Cancelled streams are common (a coding agent stops a turn): an abort leaves no per-request
     state on the decode actor, which runs for weeks."""
     w = worker
-    plan = w.reserve("req-l", "router-a", list(range(100, 140)), {"max_tokens": 400, "ignore_eos": True})
-    assert plan["mode"] == "local"
+    plan = reserve(w, "req-l", list(range(100, 140)), max_tokens=400, ignore_eos=True)
+    assert not plan.remote
     got = []
-    assert wait_for(lambda: got.extend(t for m in w.get_outputs("router-a", 0.2) for t in m["token_ids"])
+    assert wait_for(lambda: got.extend(t for m in w.get_outputs("router-a", 0.2) for t in m.token_ids)
                     or len(got) >= 3, timeout_s=60)
+    assert w.held() == {"req-l": "in_engine"}
     assert w.abort("req-l")
     assert wait_for(lambda: used_blocks(w) == 0)
-    leftovers = {name: d for name in ("owner", "remote", "transfer_of", "_kv_ready", "_first",
-                                      "_first_token_at", "_receiving")
-                 if "req-l" in (d := getattr(w, name))}
-    assert not leftovers, leftovers
+    assert w.held() == {}

@@ -12,30 +12,36 @@ import time
 
 import pytest
 
-from tandem.kv_transfer.base import KVTransferConfig, TransferSpec
+from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.kv_transfer.base import KVTransferConfig, TransferSpec, TransferState
+from tandem.kv_transfer.torch_dist import DistConnector, start_rendezvous_store
+from tandem.prefill_workers.worker import PrefillWorker
+from tandem.wire.errors import NoReservation, TransferFailed
+from tandem.wire.messages import PrefillReserve, SamplingParams
 
 
 @pytest.fixture
 def prefill():
-    from tandem.engine.config import CacheConfig, EngineConfig
-    from tandem.kv_transfer.torch_dist import start_rendezvous_store
-    from tandem.prefill_workers.worker import PrefillWorker
-
     store, port = start_rendezvous_store("127.0.0.1")
-    w = PrefillWorker("prefill-t", EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=256)),
-                      f"127.0.0.1:{port}", transfer_config=KVTransferConfig(connect_timeout_s=4.0, timeout_s=4.0))
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=256)))
+    tcfg = KVTransferConfig(connect_timeout_s=4.0, timeout_s=4.0)
+    w = PrefillWorker("prefill-t", engine, DistConnector("prefill-t", f"127.0.0.1:{port}", engine.kv_cache.device, tcfg),
+                      transfer_config=tcfg)
     yield w
     w.shutdown()
     del store
 
 
-def test_first_token_comes_before_the_transfer_ends(prefill):
-    from tandem.engine.engine import LLMEngine
+def reserve(prefill: PrefillWorker, tid: str, ids: list[int]):
+    return prefill.reserve(PrefillReserve(tid, ids, SamplingParams(max_tokens=4)))
 
+
+def test_first_token_comes_before_the_transfer_ends(prefill):
     ids = list(range(100, 180))
-    res = prefill.reserve("t1", ids, {"max_tokens": 4})
+    res = reserve(prefill, "t1", ids)
     spec = TransferSpec("t1", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
-                        tuple(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
+                        tuple(res.block_ids), tuple(range(len(res.block_ids))), len(ids))
     outcome: dict = {}
 
     def start():
@@ -52,16 +58,16 @@ def test_first_token_comes_before_the_transfer_ends(prefill):
     assert "at" not in outcome, "start returned first: the token waited for the transfer"
     # the same token a plain engine samples after this prompt (greedy); the worker's engine is busy
     ref = LLMEngine(prefill.engine.config).generate([{"prompt_token_ids": ids, "max_tokens": 1}])[0]
-    assert got["first"]["token_ids"] == ref["token_ids"]
-    assert set(got["timings"]) == {"prefix pull", "queue+compute"}
+    assert [got.first.token_id] == ref["token_ids"]
+    assert set(got.timings) == {"prefix pull", "queue+compute"}
     t.join(60)
-    assert "error" in outcome and outcome["at"] > at        # the peer never joined: the transfer failed
-    assert prefill.engine.allocator.num_used_blocks == 0     # and its blocks came back
+    assert isinstance(outcome.get("error"), TransferFailed) and outcome["at"] > at   # the peer never joined
+    assert prefill.kv_blocks_used() == 0 and prefill.held() == {}     # and its blocks came back
 
 
 def test_first_token_of_a_transfer_that_never_started_raises_at_once(prefill):
-    bad = TransferSpec("t-unknown", "prefill-t", "decode-absent", (0,), (0,), (0,), 16).to_msg()
-    with pytest.raises(Exception):
+    bad = TransferSpec("t-unknown", "prefill-t", "decode-absent", (0,), (0,), (0,), 16)
+    with pytest.raises(NoReservation):
         prefill.start(bad)                                   # no reservation under that id
     t0 = time.monotonic()
     with pytest.raises(Exception):
@@ -69,25 +75,24 @@ def test_first_token_of_a_transfer_that_never_started_raises_at_once(prefill):
     assert time.monotonic() - t0 < 1.0
 
 
-def _reserve_with_pull(prefill, tid: str, pid: str) -> int:
-    """Reserve `tid` and register a pull of its first block from a decode actor; -> blocks held."""
+def _reserve_with_pull(prefill, tid: str, pid: str) -> list[int]:
+    """Reserve `tid` and register a pull of its first block from a decode actor; -> its blocks."""
     ids = list(range(100, 180))
-    res = prefill.reserve(tid, ids, {"max_tokens": 4})
+    res = reserve(prefill, tid, ids)
     pull = TransferSpec(pid, "decode-absent", "prefill-t", tuple(range(prefill.engine.kv_cache.num_layers)),
-                        (7,), tuple(res["block_ids"][:1]), 16).to_msg()
-    prefill.expect_pull({**pull, "owner": tid}, 16)
-    return prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)
+                        (7,), tuple(res.block_ids[:1]), 16)
+    prefill.expect_pull(pull, tid, 16)
+    return res.block_ids
 
 
 def _used_after_polls(prefill) -> int:
     time.sleep(0.1)                       # many idle polls of the loop
-    return prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)
+    return prefill.kv_blocks_used()
 
 
 def test_an_abort_while_a_pull_copies_a_layer_keeps_the_blocks_until_the_copy_ends(prefill):
-    from tandem.kv_transfer.base import TransferState
-
-    held = _reserve_with_pull(prefill, "t-p", "pull-p")
+    _reserve_with_pull(prefill, "t-p", "pull-p")
+    held = prefill.kv_blocks_used()
     assert held > 0
 
     def claim_then_abort():                   # one loop turn: a layer of the pull is being copied
@@ -98,17 +103,16 @@ def test_an_abort_while_a_pull_copies_a_layer_keeps_the_blocks_until_the_copy_en
     rec = prefill.loop.run(claim_then_abort)
     assert prefill.receiver.poll("pull-p") is TransferState.ABORTED
     assert _used_after_polls(prefill) == held        # not reusable while written into
+    assert prefill.held() == {"t-p": "parked"}
     prefill.receiver._table.end_work(rec, 0)          # the copy ends, on the transport's thread
     deadline = time.monotonic() + 10
     while _used_after_polls(prefill) and time.monotonic() < deadline:
         pass
     assert _used_after_polls(prefill) == 0
-    assert not prefill._parked and not prefill._pull_holds and not prefill.pulling
+    assert prefill.held() == {}
 
 
 def test_an_abort_after_a_pull_landed_unseen_frees_the_blocks_at_its_reap(prefill):
-    from tandem.kv_transfer.base import TransferState
-
     _reserve_with_pull(prefill, "t-q", "pull-q")
 
     def land_then_abort():
@@ -117,24 +121,23 @@ def test_an_abort_after_a_pull_landed_unseen_frees_the_blocks_at_its_reap(prefil
 
     assert prefill.loop.run(land_then_abort)
     assert _used_after_polls(prefill) == 0
-    assert not prefill._parked and not prefill._pull_holds
+    assert prefill.held() == {}
 
 
 def test_a_start_the_sender_refuses_keeps_nothing(prefill):
     """A spec whose source blocks are not the reservation's: `start` raises with the reason, the
     first-token waiter is answered, and the reservation's blocks come back."""
     ids = list(range(100, 180))
-    res = prefill.reserve("t-bad", ids, {"max_tokens": 4})
-    assert prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks) > 0
+    res = reserve(prefill, "t-bad", ids)
+    assert prefill.kv_blocks_used() > 0
     n = prefill.engine.kv_cache.num_blocks
     spec = TransferSpec("t-bad", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
-                        (n + 5,) * len(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
+                        (n + 5,) * len(res.block_ids), tuple(range(len(res.block_ids))), len(ids))
     with pytest.raises(ValueError, match="outside"):
         prefill.start(spec)
     with pytest.raises(Exception):
         prefill.first_token("t-bad", timeout_s=5)
-    assert prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks) == 0
-    assert not prefill.active and not prefill.done and not prefill._started and not prefill.reserved
+    assert prefill.kv_blocks_used() == 0 and prefill.held() == {}
     assert not prefill.abort("t-bad")            # nothing left to abort
 
 
@@ -143,8 +146,8 @@ def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
     reservation_timeout_s, and a start that comes later says why it is refused."""
     prefill.reservation_timeout_s = 2.0       # well past the check below, GC pauses included
     ids = list(range(100, 180))
-    res = prefill.reserve("t-late", ids, {"max_tokens": 4})
-    used = lambda: prefill.loop.run(lambda: prefill.engine.allocator.num_used_blocks)  # noqa: E731
+    res = reserve(prefill, "t-late", ids)
+    used = prefill.kv_blocks_used
     assert used() > 0
     time.sleep(0.2)
     assert used() > 0                                   # not before its time
@@ -153,25 +156,23 @@ def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
         time.sleep(0.05)
     assert used() == 0 and prefill.stats()["reservations_expired"] == 1
     spec = TransferSpec("t-late", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
-                        tuple(res["block_ids"]), tuple(range(len(res["block_ids"]))), len(ids)).to_msg()
-    with pytest.raises(KeyError, match="not started within"):
+                        tuple(res.block_ids), tuple(range(len(res.block_ids))), len(ids))
+    with pytest.raises(NoReservation, match="not started within"):
         prefill.start(spec)
 
 
 def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
     """On a fast link the prefix pull can land (and be reaped) before the router's `start` call
     arrives: the request then computes only past the pulled prefix, as when it lands after."""
-    from tandem.kv_transfer.base import TransferState
-
-    _reserve_with_pull(prefill, "t-early", "pull-early")      # pulls 16 tokens of the 80
-    before = prefill.loop.run(lambda: dict(prefill.counters))
+    res_blocks = _reserve_with_pull(prefill, "t-early", "pull-early")      # pulls 16 tokens of the 80
+    before = prefill.stats()
     prefill.loop.run(lambda: prefill.receiver._table.finish("pull-early", TransferState.DONE))
     deadline = time.monotonic() + 10
-    while prefill.loop.run(lambda: "pull-early" in prefill.pulling) and time.monotonic() < deadline:
+    while prefill.stats()["pulled_tokens"] == before["pulled_tokens"] and time.monotonic() < deadline:
         time.sleep(0.01)                                      # reaped by the loop, start not yet come
-    res_blocks = prefill.loop.run(lambda: list(prefill.reserved["t-early"].block_ids))
+    assert prefill.held() == {"t-early": "reserved"}
     spec = TransferSpec("t-early", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
-                        tuple(res_blocks[:5]), tuple(range(5)), 80).to_msg()
+                        tuple(res_blocks[:5]), tuple(range(5)), 80)
 
     def start():
         try:
@@ -181,6 +182,6 @@ def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
 
     threading.Thread(target=start, daemon=True).start()
     prefill.first_token("t-early", timeout_s=30)
-    after = prefill.loop.run(lambda: dict(prefill.counters))
+    after = prefill.stats()
     assert after["pulled_tokens"] - before["pulled_tokens"] == 16
     assert after["computed_tokens"] - before["computed_tokens"] == 80 - 16

@@ -9,6 +9,8 @@ import time
 
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.wire.messages import DecodeReserve, OutputError, SamplingParams, StepOutput
 
 
 def _until(cond, timeout=20.0):
@@ -19,9 +21,10 @@ def _until(cond, timeout=20.0):
 
 
 def test_a_silent_router_loses_its_requests_and_their_kv():
-    w = DecodeWorker("decode-t", EngineConfig(model="smollm2-135m"), router_timeout_s=0.6)  # ~20+ ms steps: long requests stay running
+    # ~20+ ms steps: long requests stay running
+    w = DecodeWorker("decode-t", LLMEngine(EngineConfig(model="smollm2-135m")), router_timeout_s=0.6)
     stop = threading.Event()
-    live_out: list[dict] = []
+    live_out: list = []
 
     def live_router():                       # polls like ClusterView's pump
         while not stop.is_set():
@@ -30,26 +33,25 @@ def test_a_silent_router_loses_its_requests_and_their_kv():
     t = threading.Thread(target=live_router, daemon=True)
     t.start()
     try:
-        sampling = {"max_tokens": 1500, "ignore_eos": True}
+        sampling = SamplingParams(max_tokens=1500, ignore_eos=True)
         for i in range(2):
-            w.reserve(f"dead-{i}", "r-dead", list(range(3 + i, 40 + i)), sampling)
-        w.reserve("live-0", "r-live", list(range(50, 90)), {"max_tokens": 1500, "ignore_eos": True})
+            w.reserve(DecodeReserve(f"dead-{i}", "r-dead", list(range(3 + i, 40 + i)), sampling))
+        w.reserve(DecodeReserve("live-0", "r-live", list(range(50, 90)), sampling))
         _until(lambda: w.counters.get("router_timeouts", 0) == 2)
-        assert not {"dead-0", "dead-1"} & set(w.engine.scheduler.requests)
-        assert "live-0" in w.engine.scheduler.requests            # the live router's request goes on
-        used = w.loop.run(lambda: w.engine.allocator.num_used_blocks)
+        assert w.held() == {"live-0": "in_engine"}              # the live router's request goes on
+        used = w.kv_blocks_used()
         live_blocks = w.loop.run(lambda: len(w.engine.scheduler.requests["live-0"].block_ids))
         assert used == live_blocks                                 # the dead router's KV is free
         # the router comes back: it finds an error for each request instead of a token stream
         back = w.get_outputs("r-dead", 0.5)
-        assert sorted(m["request_id"] for m in back) == ["dead-0", "dead-1"]
-        assert all("did not poll" in m["error"] for m in back) and all("token_ids" not in m for m in back)
+        assert sorted(m.request_id for m in back) == ["dead-0", "dead-1"]
+        assert all(isinstance(m, OutputError) and "did not poll" in m.error for m in back)
         # and serves again: a new request from it is not expired on the spot
-        w.reserve("dead-2", "r-dead", list(range(7, 30)), {"max_tokens": 3, "ignore_eos": True})
-        got: list[dict] = []
-        _until(lambda: got.extend(w.get_outputs("r-dead", 0.05)) or any("finish_reason" in m for m in got))
-        assert sum(len(m["token_ids"]) for m in got if "token_ids" in m) == 3
-        assert any(m.get("token_ids") for m in live_out)
+        w.reserve(DecodeReserve("dead-2", "r-dead", list(range(7, 30)), SamplingParams(max_tokens=3, ignore_eos=True)))
+        got: list = []
+        _until(lambda: got.extend(w.get_outputs("r-dead", 0.05)) or any(getattr(m, "finished", False) for m in got))
+        assert sum(len(m.token_ids) for m in got if isinstance(m, StepOutput)) == 3
+        assert any(isinstance(m, StepOutput) and m.token_ids for m in live_out)
     finally:
         stop.set()
         t.join(5)
