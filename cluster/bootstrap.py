@@ -13,6 +13,8 @@ from typing import Any
 import ray
 
 from tandem.cluster.config import ClusterConfig
+from tandem.cluster.controller import Controller
+from tandem.engine.weights import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,6 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
 
 
 def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:
-    from tandem.cluster.controller import Controller
-    from tandem.engine.weights import resolve_model_dir
-
     resolve_model_dir(config.engine.model)  # convert a GGUF once, here, before actors race to it
     namespace = namespace or f"tandem-{uuid.uuid4().hex[:6]}"
     started = init_ray(config, namespace)

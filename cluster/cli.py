@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 
-from tandem.engine.request import InvalidRequestError
+from tandem.cluster import commands
+from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 
 def _read_prompt_file(path: str) -> list[dict]:
@@ -38,8 +40,7 @@ def _read_prompt_file(path: str) -> list[dict]:
 
 
 def cmd_generate(args) -> int:
-    from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-    from tandem.engine.engine import LLMEngine
+    from tandem.engine.engine import LLMEngine  # noqa: PLC0415 - torch loads only for offline generation
 
     if args.prompt_file:
         reqs = _read_prompt_file(args.prompt_file)
@@ -58,7 +59,6 @@ def cmd_generate(args) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
                                     speculative=spec))
     # validate everything before running anything
-    from tandem.engine.request import SamplingParams
     for r in reqs:
         sp = SamplingParams(**{k: (tuple(v) if k == "stop" else v) for k, v in r.items()
                                if k in SamplingParams.__dataclass_fields__})
@@ -72,8 +72,7 @@ def cmd_generate(args) -> int:
         return 0
     # one prompt, human output: stream as tokens arrive
     r = reqs[0]
-    from tandem.engine.request import SamplingParams as SP
-    sp = SP(**{k: v for k, v in r.items() if k in SP.__dataclass_fields__})
+    sp = SamplingParams(**{k: v for k, v in r.items() if k in SamplingParams.__dataclass_fields__})
     engine.add_request("cli", prompt=r.get("prompt"), sampling=sp)
     while engine.has_unfinished():
         for out in engine.step():
@@ -109,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --speculative draft: draft with the model's own first N layers")
     g.set_defaults(func=cmd_generate)
 
-    from tandem.cluster import commands  # the cluster commands register themselves
-    commands.register(sub)
+    commands.register(sub)  # the cluster commands register themselves
     return p
 
 

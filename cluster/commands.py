@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -10,6 +11,18 @@ import os
 import signal
 import sys
 import uuid
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from tandem.cluster import loadgen_client, profiling
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
+                                load_client_token, resolve_auth, with_metadata)
+from tandem.router.tls import ClientTLSConfig, TLSConfig, channel_credentials, channel_options, server_credentials
+from tandem.runtime.logging_setup import setup_logging
+from tandem.runtime.metrics import start_metrics_server
+from tandem.runtime.process import after_startup
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -61,8 +74,6 @@ def register(sub) -> None:
     st.set_defaults(func=cmd_status)
     _register_scale(sub)
     _register_bench(sub)
-    from tandem.cluster import profiling
-
     profiling.register(sub)
 
 
@@ -78,8 +89,6 @@ def _register_scale(sub) -> None:
 
 
 def _register_bench(sub) -> None:
-    import argparse
-
     b = sub.add_parser(
         "bench", help="load-test a running cluster: TTFT/TPOT/E2E percentiles, goodput, cache and draft hits",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=(
@@ -120,16 +129,10 @@ def _register_bench(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from tandem.cluster.loadgen_client import cmd_bench as run
-
-    return run(args)
+    return loadgen_client.cmd_bench(args)
 
 
 def cmd_scale(args) -> int:
-    import grpc
-
-    from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-
     stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
     req = admin_pb2.SetPoolBoundsRequest(pool=args.pool, min=args.min, max=args.max)
     if args.size is not None:
@@ -154,12 +157,9 @@ def _client_flags(p) -> None:
 
 # ---- up -----------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
-    from tandem.cluster.bootstrap import start_cluster
-    from tandem.cluster.config import load_config
-
-    from tandem.runtime.logging_setup import setup_logging
-    from tandem.router.auth import resolve_auth
-
+    # Ray and torch (cluster.config holds kv_transfer's config, which loads it) only when a cluster starts
+    from tandem.cluster.bootstrap import start_cluster  # noqa: PLC0415
+    from tandem.cluster.config import load_config  # noqa: PLC0415
     overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
@@ -195,9 +195,6 @@ def cmd_up(args) -> int:
 
 def _server_security(args, auth_enabled: bool) -> dict:
     """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
-    from tandem.router.auth import BearerTokenInterceptor, TokenStore
-    from tandem.router.tls import TLSConfig, server_credentials
-
     out: dict = {"interceptors": (), "credentials": None}
     if auth_enabled:
         out["interceptors"] = (BearerTokenInterceptor(TokenStore.from_sources(args.auth_token_file)),)
@@ -209,9 +206,9 @@ def _server_security(args, auth_enabled: bool) -> dict:
 
 
 async def serve_until_stopped(cluster, config, security: dict | None = None) -> None:
-    from tandem.runtime.metrics import start_metrics_server
-    from tandem.engine.weights import load_tokenizer
-    from tandem.router.server import serve
+    # the tokenizer's loader brings torch, the router Ray: only `tandem up` needs them
+    from tandem.engine.weights import load_tokenizer  # noqa: PLC0415
+    from tandem.router.server import serve  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -225,8 +222,6 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
-    from tandem.runtime.process import after_startup
-
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:
         await stop.wait()
@@ -240,11 +235,6 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
 # ---- clients ------------------------------------------------------------------------------------
 def _channel(target: str, args=None):
     """A channel to the router, with TLS and the bearer token when the flags or env ask for them."""
-    import grpc
-
-    from tandem.router.auth import auth_metadata, call_credentials, load_client_token, with_metadata
-    from tandem.router.tls import ClientTLSConfig, channel_credentials, channel_options
-
     token = load_client_token(token_file=getattr(args, "auth_token_file", None))
     if getattr(args, "tls_ca_file", None):
         tls = ClientTLSConfig(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
@@ -262,8 +252,6 @@ def _channel(target: str, args=None):
 def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_tokens=256, temperature=0.0,
                     on_text=None, timeout=None):
     """Send one Generate call; calls on_text(delta) as text streams; returns (text, token ids, last msg)."""
-    from tandem.protos.tandem.v1 import generation_pb2 as pb
-
     req = pb.GenerateRequest(session_id=session_id,
                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature))
     if messages is not None:
@@ -281,10 +269,6 @@ def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_toke
 
 
 def cmd_chat(args) -> int:
-    import grpc
-
-    from tandem.protos.tandem.v1 import generation_pb2_grpc
-
     stub = generation_pb2_grpc.GenerationStub(_channel(args.target, args))
     session = args.session or uuid.uuid4().hex[:12]
     messages: list[dict[str, str]] = []
@@ -314,11 +298,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_status(args) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-
     stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
     try:
         state = stub.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)

@@ -15,6 +15,14 @@ import subprocess
 import sys
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.cluster.commands import stream_generate
+from tandem.engine.config import EngineConfig
+from tandem.engine.request import SamplingParams
+from tandem.protos.tandem.v1 import generation_pb2_grpc
+
 TURNS = [
     "Write a Python function `is_prime(n)` that returns True when n is prime.",
     "Now add a docstring and type hints to it.",
@@ -30,9 +38,6 @@ def _free_port() -> int:
 
 
 def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     deadline = time.monotonic() + timeout_s
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     while time.monotonic() < deadline:
@@ -49,11 +54,6 @@ def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = 
 
 
 def run_session(target: str, max_tokens: int) -> None:
-    import grpc
-
-    from tandem.cluster.commands import stream_generate
-    from tandem.protos.tandem.v1 import generation_pb2_grpc
-
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(TURNS, 1):
@@ -105,9 +105,7 @@ def run_cluster(model: str, max_tokens: int) -> int:
 
 
 def run_offline(model: str, max_tokens: int) -> int:
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.engine import LLMEngine
-    from tandem.engine.request import SamplingParams
+    from tandem.engine.engine import LLMEngine  # noqa: PLC0415 - torch loads only for --offline
 
     engine = LLMEngine(EngineConfig(model=model))
     messages: list[dict[str, str]] = []

@@ -177,12 +177,12 @@ def write_outputs(report: dict, out_dir: str | Path, label: str) -> list[Path]:
     paths = [out / f"bench-{label}.json"]
     paths[0].write_text(json.dumps(report, indent=1))
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional (the `bench` extra); without it, no plots
     except ImportError:
         print("tandem bench: matplotlib is not installed (pip install matplotlib); no plots", file=sys.stderr)
         return paths
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     slo = report["config"]["slo"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -8,18 +8,20 @@ import asyncio
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 import ray
 
+from tandem.cluster.bootstrap import start_cluster
 from tandem.cluster.config import load_config
+from tandem.engine.weights import load_tokenizer
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from tandem.router.server import serve
 
 
 class RunningCluster:
     def __init__(self, overrides: dict, redis_url: str | None = None):
-        from tandem.cluster.bootstrap import start_cluster
-
         self.config = load_config(None, {"router.port": 0, "router.redis_url": redis_url, **overrides})
         self.cluster = start_cluster(self.config, namespace=f"test-{uuid.uuid4().hex[:6]}")
         self.loop = asyncio.new_event_loop()
@@ -33,11 +35,6 @@ class RunningCluster:
 
     def add_router(self, redis_url: str | None = None) -> str:
         """Start another router on this cluster (optionally with its own Redis URL); its target."""
-        from dataclasses import replace
-
-        from tandem.engine.weights import load_tokenizer
-        from tandem.router.server import serve
-
         config = self.config
         if redis_url is not None:
             config = replace(config, router=replace(config.router, redis_url=redis_url))

@@ -9,8 +9,20 @@ import dataclasses
 import json
 import math
 import random
+import statistics
 import time
 from typing import Any
+
+import grpc
+
+from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.layouts import load_perf
+from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
+from tandem.cluster.simulator import SLO, PerfModel, format_table, simulate, sweep
+from tandem.cluster.workloads import load_workload
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.request import SamplingParams
+from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 
 def _timed(fn, repeats: int = 2) -> float:
@@ -26,12 +38,11 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
                    prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
                    decode_contexts=(128, 512), quick: bool = False) -> list[tuple[str, tuple, float]]:
     """Samples in `PerfModel.fit`'s format, measured on this machine."""
-    import torch
+    # torch and the engine load only to profile, never for the rest of the CLI
+    import torch  # noqa: PLC0415
 
-    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tandem.engine.engine import LLMEngine
-    from tandem.engine.request import SamplingParams
-    from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest
+    from tandem.engine.engine import LLMEngine  # noqa: PLC0415
+    from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest  # noqa: PLC0415
 
     if quick:
         prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
@@ -88,12 +99,6 @@ def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: i
     has a prefill pool) through the gRPC API, minus what `perf` predicts the engine spends on them.
     Fresh random prompts, so nothing is cached; medians of `probes` each. -> `perf` with
     request_overhead_s and remote_overhead_s set (both >= 0)."""
-    import dataclasses
-    import statistics
-    import time
-
-    from tandem.protos.tandem.v1 import generation_pb2 as pb
-
     rng = random.Random(seed)
 
     def ttft(n: int) -> float:
@@ -119,15 +124,9 @@ def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: i
 
 
 def cmd_profile(args) -> int:
-    from tandem.cluster.simulator import PerfModel
-
     samples = profile_engine(args.model, args.device, args.dtype, quick=args.quick)
     perf = PerfModel.fit(samples, block_tokens=16)
     if args.target:       # the control path, measured on the running cluster
-        import grpc
-
-        from tandem.protos.tandem.v1 import generation_pb2_grpc
-
         with grpc.insecure_channel(args.target) as channel:
             perf = fit_control_path(generation_pb2_grpc.GenerationStub(channel), perf,
                                     vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
@@ -144,16 +143,6 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def load_perf(path: str | None):
-    from tandem.cluster.simulator import PerfModel
-
-    if path is None:
-        return PerfModel()
-    with open(path) as f:
-        d = json.load(f)
-    return PerfModel.from_dict(d.get("perf_model", d))
-
-
 def perf_for_cluster(perf, cluster):
     """`perf` with what a cluster config sets rather than the hardware: the decode actors'
     local-prefill threshold, sequence slots and step token budget, the prefill queue cap, and the
@@ -167,10 +156,7 @@ def perf_for_cluster(perf, cluster):
 
 
 def cmd_simulate(args) -> int:
-    from tandem.cluster.workloads import load_workload
-    from tandem.cluster.autoscaler import AutoscalerConfig
-    from tandem.cluster.config import load_config
-    from tandem.cluster.simulator import SLO, format_table, simulate, sweep
+    from tandem.cluster.config import load_config  # noqa: PLC0415 - it loads torch (kv_transfer's config)
 
     perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
@@ -206,8 +192,6 @@ def cmd_simulate(args) -> int:
 
 
 def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
-    from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
-
     rates = [float(r) for r in args.ramp.split(",") if r.strip()]
     step_s = args.step_s or 60.0
     plan = ramp_plan(args.workload, rates, step_s, args.seed)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tandem.cluster.loadgen import RampPlan, load_sessions, parse_workload, plan_ramp, sessions_needed
+from tandem.cluster.loadgen_report import plot_timeline
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.simulator import SLO, PerfModel, PoolSample, SimResult, SimSummary, format_table, simulate, summarize
 
@@ -108,13 +109,11 @@ def write_ramp(report: dict[str, Any], out_dir: str | Path, label: str) -> list[
     if not report["pool_timeline"]:
         return paths
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional (the `bench` extra); without it, no plots
     except ImportError:
         return paths
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tandem.cluster.loadgen_report import plot_timeline
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     paths.append(plot_timeline(report, out / f"sim-{label}-timeline.png", plt,
                                title=f"tandem simulate {label}: pools and latency over time (simulated)"))
