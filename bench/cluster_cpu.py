@@ -17,6 +17,15 @@ import statistics
 import threading
 import time
 
+import ray
+import torch
+
+from tandem.cluster.local import RunningCluster
+from tandem.cluster.profiling import fit_control_path, profile_engine
+from tandem.cluster.simulator import SLO, PerfModel, simulate
+from tandem.cluster.workloads import PROFILES, coding_agent_sessions
+from tandem.protos.tandem.v1 import generation_pb2 as pb
+
 
 def pct(xs, q):
     xs = sorted(xs)
@@ -25,8 +34,6 @@ def pct(xs, q):
 
 def run_sessions(cluster, specs_by_session, vocab, seed):
     """Replay sessions against the cluster; -> list of per-request records."""
-    from tandem.protos.tandem.v1 import generation_pb2 as pb
-
     records, lock = [], threading.Lock()
 
     def session(sid, specs):
@@ -64,56 +71,36 @@ def run_sessions(cluster, specs_by_session, vocab, seed):
     return records, time.perf_counter() - t0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sessions", type=int, default=4)
-    p.add_argument("--max-turns", type=int, default=6)
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--threshold", type=float, default=32, help="decode actors' local prefill threshold")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-
-    import ray
-
-    from tandem.cluster.workloads import PROFILES, coding_agent_sessions
-    from tandem.cluster.local import RunningCluster
-    from tandem.cluster.profiling import fit_control_path, profile_engine
-    from tandem.cluster.simulator import SLO, PerfModel, simulate
-
-    rng = random.Random(a.seed)
-    specs = [s for s in coding_agent_sessions(rng, a.sessions, 10.0, PROFILES["coding-agent-small"])
-             if s.turn < a.max_turns]
-    by_session: dict = {}
-    for s in specs:
-        by_session.setdefault(s.session_id, []).append(s)
-    # the performance model, fitted first on an idle machine with the threads one pool actor gets
-    import torch
-
+def fit_perf(threshold: float):
+    """The engine's performance model, fitted on this idle machine with the threads one pool actor gets."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     samples = profile_engine("smollm2-135m", quick=True)
     torch.set_num_threads(threads)
-    perf = PerfModel.fit(samples, local_prefill_threshold=a.threshold, block_tokens=16, max_step_tokens=2048)
+    return PerfModel.fit(samples, local_prefill_threshold=threshold, block_tokens=16, max_step_tokens=2048)
 
+
+def measure(a, perf, by_session):
+    """Run the sessions on a local CPU cluster; -> (records, wall s, perf with the control path
+    fitted on the idle cluster: router, Ray round trips, streaming)."""
     ray.init(num_cpus=4, resources={"tandem_prefill": 8, "tandem_decode": 8}, include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False, logging_level="ERROR")
     c = RunningCluster({"model.name": "smollm2-135m", "cache.num_blocks": 2048, "prefill.replicas": a.prefill,
                         "decode.replicas": a.decode, "decode.local_prefill_threshold": a.threshold})
     try:
-        # the control path (router, Ray round trips, streaming), measured on this idle cluster
         perf = fit_control_path(c.stub, perf, vocab_size=49152, threshold=a.threshold)
         recs, wall = run_sessions(c, by_session, 49152, a.seed)
     finally:
         c.close()
         ray.shutdown()
+    return recs, wall, perf
+
+
+def print_comparison(a, recs, wall, n_sessions, perf, sim) -> None:
     ttft = [r["ttft"] for r in recs]
     tpot = [r["tpot"] for r in recs if r["output"] > 1]
     cached = sum(r["cached"] for r in recs) / sum(r["prompt"] for r in recs)
-
-    sim = simulate(specs, a.prefill, a.decode, perf, SLO(), closed_loop=True, pull_prefix=True).summary
-
-    print(f"\n{len(recs)} requests in {len(by_session)} sessions over {wall:.1f} s; smollm2-135m on CPU, "
+    print(f"\n{len(recs)} requests in {n_sessions} sessions over {wall:.1f} s; smollm2-135m on CPU, "
           f"{a.prefill} prefill + {a.decode} decode actors, local-prefill threshold {a.threshold:g}\n")
     print("| | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | cached prompt tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -126,6 +113,26 @@ def main() -> None:
           f"+{perf.remote_overhead_s * 1e3:.1f} ms per remote prefill")
     print(f"simulator / measured medians: TTFT {sim.ttft_p50 / statistics.median(ttft):.2f}, "
           f"TPOT {sim.tpot_p50 / statistics.median(tpot):.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--threshold", type=float, default=32, help="decode actors' local prefill threshold")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    rng = random.Random(a.seed)
+    specs = [s for s in coding_agent_sessions(rng, a.sessions, 10.0, PROFILES["coding-agent-small"])
+             if s.turn < a.max_turns]
+    by_session: dict = {}
+    for s in specs:
+        by_session.setdefault(s.session_id, []).append(s)
+    recs, wall, perf = measure(a, fit_perf(a.threshold), by_session)
+    sim = simulate(specs, a.prefill, a.decode, perf, SLO(), closed_loop=True, pull_prefix=True).summary
+    print_comparison(a, recs, wall, len(by_session), perf, sim)
 
 
 if __name__ == "__main__":
