@@ -28,6 +28,17 @@ import argparse
 import os
 import time
 
+import torch
+
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import Request
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.speculative.policy import SpeculationLengthPolicy
+from tandem.engine.speculative.speculator import resolve_max_verify_tokens
+from tandem.engine.weights import load_model
+
 CODE = {
     "total_price": '''def total_price(items, tax_rate):
     total = 0
@@ -198,20 +209,9 @@ def chat_requests(max_tokens: int) -> list[dict]:
 
 
 # ---- CPU: end to end ----------------------------------------------------------------------------
-def run_cpu(args) -> None:
-    import torch
-
-    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-    from tandem.engine.engine import LLMEngine
-    from tandem.engine.weights import load_model
-
-    torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def build_engines(args, methods: list[str]) -> dict[tuple[str, int], LLMEngine]:
+    """One warmed-up engine per (method, concurrency), all sharing one loaded model."""
     model, tok, _ = load_model(args.model)
-    workloads = {"code edits": code_edit_requests(args.max_tokens)[:args.limit],
-                 "open chat": chat_requests(args.chat_max_tokens)[:args.limit]}
-    methods = args.methods.split(",")
     engines = {}
     for method in methods:
         spec = SpeculativeConfig(method=method, num_tokens=args.num_tokens,
@@ -221,39 +221,55 @@ def run_cpu(args) -> None:
                                scheduler=SchedulerConfig(max_num_seqs=conc), speculative=spec)
             engines[method, conc] = LLMEngine(cfg, model=model, tokenizer=tok)
             engines[method, conc].generate([{"prompt": "Hello", "max_tokens": 4}])  # warm up
-    rows = []
-    for wname, reqs in workloads.items():
-        for conc in args.concurrency:
-            best: dict[str, dict] = {}
-            # methods interleaved, best of `repeat` each: a shared machine's load hits all alike
-            for rep in range(args.repeat):
-                for method in methods:
-                    engine = engines[method, conc]
-                    engine.allocator.reset_prefix_cache()  # every run computes its prompts
-                    engine.stats = type(engine.stats)()
-                    t0 = time.perf_counter()
-                    res = engine.generate([dict(r, request_id=f"{r['request_id']}-{rep}") for r in reqs])
-                    wall = time.perf_counter() - t0
-                    st = engine.stats
-                    out_tokens = sum(len(r["token_ids"]) for r in res)
-                    # each sequence-step that samples outputs exactly one token that was not a draft
-                    seq_steps = out_tokens - st.accepted_draft_tokens
-                    row = {"workload": wname, "conc": conc, "method": method, "tokens": out_tokens, "wall": wall,
-                           "tps": out_tokens / wall, "ids": [r["token_ids"] for r in res],
-                           "per_verify": (1 + st.accepted_draft_tokens / st.draft_seq_steps
-                                          if st.draft_seq_steps else None),
-                           "per_step": out_tokens / seq_steps if seq_steps else None,
-                           "acceptance": st.accepted_draft_tokens / st.draft_tokens if st.draft_tokens else None}
-                    print(f"# {wname:10s} conc={conc} {method:5s} run {rep}: {out_tokens} tokens in {wall:.1f}s "
-                          f"({row['tps']:.1f} tok/s), {st.steps} steps, load {os.getloadavg()[0]:.1f}", flush=True)
-                    if method not in best or wall < best[method]["wall"]:
-                        best[method] = row
-            base = best[methods[0]]
-            for method in methods:
-                row = best[method]
-                row["speedup"] = row["tps"] / base["tps"]
-                row["same"] = row["ids"] == base["ids"]
-                rows.append(row)
+    return engines
+
+
+def timed_run(engine: LLMEngine, reqs: list[dict], rep: int) -> dict:
+    """One pass of `reqs` through `engine`, from an empty prefix cache and fresh stats."""
+    engine.allocator.reset_prefix_cache()  # every run computes its prompts
+    engine.stats = type(engine.stats)()
+    t0 = time.perf_counter()
+    res = engine.generate([dict(r, request_id=f"{r['request_id']}-{rep}") for r in reqs])
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    out_tokens = sum(len(r["token_ids"]) for r in res)
+    # each sequence-step that samples outputs exactly one token that was not a draft
+    seq_steps = out_tokens - st.accepted_draft_tokens
+    return {"tokens": out_tokens, "wall": wall, "tps": out_tokens / wall, "ids": [r["token_ids"] for r in res],
+            "per_verify": 1 + st.accepted_draft_tokens / st.draft_seq_steps if st.draft_seq_steps else None,
+            "per_step": out_tokens / seq_steps if seq_steps else None,
+            "acceptance": st.accepted_draft_tokens / st.draft_tokens if st.draft_tokens else None,
+            "steps": st.steps}
+
+
+def best_rows(engines, methods: list[str], wname: str, conc: int, reqs: list[dict], repeat: int) -> list[dict]:
+    """Each method's fastest of `repeat` runs (methods interleaved: a shared machine's load hits
+    all alike), with its speedup over the first method and whether its tokens equal that one's."""
+    best: dict[str, dict] = {}
+    for rep in range(repeat):
+        for method in methods:
+            row = {"workload": wname, "conc": conc, "method": method, **timed_run(engines[method, conc], reqs, rep)}
+            print(f"# {wname:10s} conc={conc} {method:5s} run {rep}: {row['tokens']} tokens in {row['wall']:.1f}s "
+                  f"({row['tps']:.1f} tok/s), {row['steps']} steps, load {os.getloadavg()[0]:.1f}", flush=True)
+            if method not in best or row["wall"] < best[method]["wall"]:
+                best[method] = row
+    base = best[methods[0]]
+    for row in best.values():
+        row["speedup"] = row["tps"] / base["tps"]
+        row["same"] = row["ids"] == base["ids"]
+    return [best[m] for m in methods]
+
+
+def run_cpu(args) -> None:
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workloads = {"code edits": code_edit_requests(args.max_tokens)[:args.limit],
+                 "open chat": chat_requests(args.chat_max_tokens)[:args.limit]}
+    methods = args.methods.split(",")
+    engines = build_engines(args, methods)
+    rows = [row for wname, reqs in workloads.items() for conc in args.concurrency
+            for row in best_rows(engines, methods, wname, conc, reqs, args.repeat)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"\n{args.model}, CPU ({torch.get_num_threads()} threads), greedy, k <= {args.num_tokens}, "
           f"max_tokens {args.max_tokens} (code) / {args.chat_max_tokens} (chat), best of {args.repeat}\n")
@@ -274,37 +290,14 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def run_gpu(args) -> None:
-    import torch
-
-    from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-    from tandem.engine.engine import LLMEngine
-    from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.request import Request
-    from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
-    from tandem.engine.speculative.policy import SpeculationLengthPolicy
-    from tandem.engine.speculative.speculator import resolve_max_verify_tokens
-
-    batches = args.batch_sizes
-    kmax = args.max_k
-    ctx = args.context
-    bs = 16
-    num_blocks = max(batches) * (-(-(ctx + kmax + 1) // bs)) + 8
-    t0 = time.perf_counter()
-    cuda = args.device.startswith("cuda")
-    engine = LLMEngine(EngineConfig(model=args.gpu_model, dtype="bfloat16", device=args.device,
-                                    cache=CacheConfig(block_size=bs, num_blocks=num_blocks)))
-    runners = {"engine": engine.runner}  # as the engine runs steps: CUDA graphs where it has them
-    if args.eager and cuda:
-        runners["eager"] = ModelRunner(engine.model, engine.kv_cache, engine.kv_cache.device, cuda_graphs=False)
-    print(f"# {args.gpu_model} loaded in {time.perf_counter() - t0:.0f}s, {num_blocks} KV blocks, "
-          f"ops {type(engine.model.ops_for(engine.kv_cache.device)).__name__}", flush=True)
-    alloc = engine.allocator
-    vocab = engine.model_config.vocab_size
+def verify_costs(engine: LLMEngine, runners: dict, args) -> dict[str, dict[tuple[int, int], float]]:
+    """Per runner, per (batch, k): ms per step with 1 + k query tokens per sequence, on `args.context`
+    tokens of synthetic context (blocks reserved, KV not computed: no timing changes)."""
+    kmax, ctx, cuda = args.max_k, args.context, args.device.startswith("cuda")
+    alloc, vocab = engine.allocator, engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    # per (batch, k): ms per step, for each runner
     costs: dict[str, dict[tuple[int, int], float]] = {name: {} for name in runners}
-    for B in batches:
+    for B in args.batch_sizes:
         reqs = []
         for b in range(B):
             r = Request(f"b{B}-{b}", torch.randint(0, vocab, (ctx,), generator=gen).tolist())
@@ -323,22 +316,26 @@ def run_gpu(args) -> None:
             if cost:
                 print(f"# batch {B} {mode}: " + " ".join(f"k={k}:{cost[B, k]:.2f}ms" for k in range(kmax + 1)),
                       flush=True)
+    return costs
 
-    where = torch.cuda.get_device_name() if cuda else args.device
-    print(f"\n{args.gpu_model}, bf16, {where}, context {ctx}, mean of {args.iters} after {args.warmup} "
-          f"warm-up; engine: runner.execute as the engine calls it (CUDA graphs for the shapes it "
-          f"captures), eager: no graphs\n")
-    budget = resolve_max_verify_tokens(SpeculativeConfig(), torch.device(args.device))
+
+def print_verify_costs(costs, args) -> None:
+    kmax = args.max_k
     for mode, cost in costs.items():
         if not cost:
             continue
         print(f"Verify step cost relative to a plain decode step (k = 0), {mode}:\n")
         print("| batch | decode ms | " + " | ".join(f"k={k}" for k in range(1, kmax + 1)) + " |")
         print("|---|---|" + "---|" * kmax)
-        for B in batches:
+        for B in args.batch_sizes:
             print(f"| {B} | {cost[B, 0]:.2f} | "
                   + " | ".join(f"{cost[B, k] / cost[B, 0]:.2f}" for k in range(1, kmax + 1)) + " |")
         print()
+
+
+def print_speedups(costs, args, budget: int) -> None:
+    """Expected speedup per acceptance rate and batch: at the best fixed k, and at the policy's k."""
+    kmax = args.max_k
 
     def step_cost(cost, B: int, k: float) -> float:  # k may be fractional: sequences at k and k + 1
         lo = int(k)
@@ -352,7 +349,7 @@ def run_gpu(args) -> None:
           + " | ".join(f"best k ({m}) | speedup at best k ({m}) | speedup at policy k ({m})" for m in modes) + " |")
     print("|---|---|---|" + "---|---|---|" * len(modes))
     for a in args.acceptance:
-        for B in batches:
+        for B in args.batch_sizes:
             # every sequence with this acceptance; a step's cost follows its total tokens
             policy = SpeculationLengthPolicy(budget, initial_acceptance=a)
             ks = policy.choose({f"s{b}": kmax for b in range(B)})
@@ -367,9 +364,29 @@ def run_gpu(args) -> None:
             print(f"| {a:.2f} | {B} | {k_mean:.2f} | " + " | ".join(cells) + " |")
 
 
-def _time_ms(fn, iters: int, warmup: int, cuda: bool) -> float:
-    import torch
+def run_gpu(args) -> None:
+    bs = 16
+    num_blocks = max(args.batch_sizes) * (-(-(args.context + args.max_k + 1) // bs)) + 8
+    t0 = time.perf_counter()
+    cuda = args.device.startswith("cuda")
+    engine = LLMEngine(EngineConfig(model=args.gpu_model, dtype="bfloat16", device=args.device,
+                                    cache=CacheConfig(block_size=bs, num_blocks=num_blocks)))
+    runners = {"engine": engine.runner}  # as the engine runs steps: CUDA graphs where it has them
+    if args.eager and cuda:
+        runners["eager"] = ModelRunner(engine.model, engine.kv_cache, engine.kv_cache.device, cuda_graphs=False)
+    print(f"# {args.gpu_model} loaded in {time.perf_counter() - t0:.0f}s, {num_blocks} KV blocks, "
+          f"ops {type(engine.model.ops_for(engine.kv_cache.device)).__name__}", flush=True)
+    costs = verify_costs(engine, runners, args)
+    where = torch.cuda.get_device_name() if cuda else args.device
+    print(f"\n{args.gpu_model}, bf16, {where}, context {args.context}, mean of {args.iters} after {args.warmup} "
+          f"warm-up; engine: runner.execute as the engine calls it (CUDA graphs for the shapes it "
+          f"captures), eager: no graphs\n")
+    budget = resolve_max_verify_tokens(SpeculativeConfig(), torch.device(args.device))
+    print_verify_costs(costs, args)
+    print_speedups(costs, args, budget)
 
+
+def _time_ms(fn, iters: int, warmup: int, cuda: bool) -> float:
     for _ in range(warmup):
         fn()
     if not cuda:  # a smoke test of this mode off the GPU
