@@ -15,6 +15,10 @@ import time
 
 import torch
 
+from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.weights import load_model, smollm2_gguf_path
+
 
 def make_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n prompts of exactly `length` tokens, different from each other."""
@@ -31,9 +35,6 @@ def make_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_tandem(model, tok, prompts, new_tokens: int) -> float:
-    from tandem.engine.config import CacheConfig, EngineConfig
-    from tandem.engine.engine import LLMEngine
-
     e = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=2048)), model=model, tokenizer=tok)
     reqs = [{"prompt_token_ids": p, "max_tokens": new_tokens, "ignore_eos": True} for p in prompts]
     e.generate(reqs[:1])  # warm-up
@@ -64,9 +65,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     a = p.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.weights import load_model, smollm2_gguf_path
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the reference: a test extra, loaded only here
 
     model, tok, _ = load_model("smollm2-135m")
     path = smollm2_gguf_path()
