@@ -57,7 +57,8 @@ def cmd_generate(args) -> int:
     spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
                              draft_model=args.draft_model, draft_num_layers=args.draft_layers)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
-                                    speculative=spec))
+                                    speculative=spec, tensor_parallel_size=args.tensor_parallel,
+                                    quantization=args.quantization))
     # validate everything before running anything
     for r in reqs:
         sp = SamplingParams(**{k: (tuple(v) if k == "stop" else v) for k, v in r.items()
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per request, in input order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="ranks per model (only 1 so far)")
+    g.add_argument("--quantization", help="weight quantization (none so far)")
     g.add_argument("--num-blocks", type=int, help="KV cache size in blocks (default: from memory)")
     g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
                    help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model or "

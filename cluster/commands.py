@@ -31,6 +31,10 @@ def register(sub) -> None:
     up = sub.add_parser("up", help="start a cluster (local Ray, or the one RAY_ADDRESS names) and serve gRPC")
     up.add_argument("--config", help="cluster YAML (see cluster/config.py)")
     up.add_argument("--model")
+    up.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model.dtype (default float32)")
+    up.add_argument("--device", help="model.device: cpu, cuda (default cpu)")
+    up.add_argument("--tensor-parallel", type=int, metavar="N", help="ranks per worker (only 1 so far)")
+    up.add_argument("--quantization", help="weight quantization (none so far)")
     up.add_argument("--prefill", type=int, help="prefill actors")
     up.add_argument("--decode", type=int, help="decode actors")
     up.add_argument("--host")
@@ -160,7 +164,9 @@ def cmd_up(args) -> int:
     # Ray and torch (cluster.config holds kv_transfer's config, which loads it) only when a cluster starts
     from tandem.cluster.bootstrap import start_cluster  # noqa: PLC0415
     from tandem.cluster.config import load_config  # noqa: PLC0415
-    overrides = {"model.name": args.model, "prefill.replicas": args.prefill, "decode.replicas": args.decode,
+    overrides = {"model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
+                 "model.tensor_parallel_size": args.tensor_parallel, "model.quantization": args.quantization,
+                 "prefill.replicas": args.prefill, "decode.replicas": args.decode,
                  "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
                  "prefill.max_queued_tokens": args.prefill_queue_limit,

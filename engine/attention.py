@@ -6,7 +6,9 @@ head_dim]`. A batch step is flattened ("varlen"): the new tokens of every sequen
 KV length after this step (cached prefix + new tokens). Token j of sequence b sits at position
 `seq_lens[b] - query_lens[b] + j` and attends causally to KV positions [0, that position]. The same
 call serves prefill with a cached prefix, decode (one query token per sequence) and the speculative
-verifier (1 + k query tokens per sequence), in any mix.
+verifier (1 + k query tokens per sequence), in any mix. With a sliding window W (Mistral), the
+token at position p sees only KV positions (p - W, p]: the W most recent, itself included, as
+transformers' sliding-window mask.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V are read through the block table
-    (the new tokens' K/V must already be written). Grouped-query heads share K/V."""
+    (the new tokens' K/V must already be written). Grouped-query heads share K/V. `sliding_window`:
+    None, or W: each query sees only its W most recent positions."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -68,7 +71,10 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = k_cache[tables].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
         v = v_cache[tables].flatten(1, 2)[:, :L]
         lens = meta.seq_lens[:, None].to(k.device)
-        mask = torch.arange(L, device=k.device)[None, :] < lens  # [B, L]
+        kpos = torch.arange(L, device=k.device)[None, :]
+        mask = kpos < lens  # [B, L]
+        if sliding_window is not None:  # the query sits at lens - 1
+            mask &= kpos > lens - 1 - sliding_window
         qb = q.view(B, num_heads, 1, -1)
         # grouped-query heads read their shared K/V in place (no repeat_interleave copy)
         o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
@@ -81,13 +87,16 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = _gather_kv(k_cache, meta.block_tables[b], kv_len).transpose(0, 1)
         v = _gather_kv(v_cache, meta.block_tables[b], kv_len).transpose(0, 1)
         gqa = group > 1
-        if q_len == 1:
+        if q_len == 1 and sliding_window is None:
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
         else:
-            # causal with an offset: query j may see keys [0, kv_len - q_len + j]
+            # causal with an offset: query j may see keys [0, kv_len - q_len + j] (the window's last W)
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             kpos = torch.arange(kv_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=kpos <= qpos, scale=scale, enable_gqa=gqa)
+            mask = kpos <= qpos
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out

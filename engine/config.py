@@ -31,8 +31,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the family (engine.architectures) and the decoder switches it sets
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head, before rotary
+    sliding_window: int | None = None  # Mistral: a token attends to itself and the window - 1 before it
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -41,40 +48,20 @@ class ModelConfig:
             raise ConfigError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")
 
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2, SmolLM2)."""
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
     def to_hf(self) -> dict[str, Any]:
-        """A config.json dict that transformers' LlamaConfig reads back to the same architecture."""
+        """A config.json dict that transformers reads back to the same architecture (the inverse of
+        engine.architectures.config_from_hf); the features a family lacks are written as off."""
         d: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": self.architecture.removesuffix("ForCausalLM").lower(),  # llama, qwen2, ...
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
+            "sliding_window": self.sliding_window,
         }
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
@@ -202,6 +189,9 @@ class EngineConfig:
     # actors run LLMEngine.warmup() before serving (kernels compiled, decode graphs captured);
     # None: on CUDA only
     warmup: bool | None = None
+    # vLLM's names; refused until built (issue 24): one rank per worker, unquantized weights
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -211,3 +201,9 @@ class EngineConfig:
             raise ConfigError(f"engine: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.warmup not in (None, True, False):
             raise ConfigError(f"engine: warmup must be true, false or null (CUDA only), got {self.warmup!r}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"engine: tensor_parallel_size {self.tensor_parallel_size} is not implemented "
+                              "yet (only 1: one device per worker)")
+        if self.quantization not in (None, "none"):
+            raise ConfigError(f"engine: quantization {self.quantization!r} is not implemented yet "
+                              "(only none: weights in --dtype)")

@@ -404,7 +404,8 @@ class LLMEngine:
             from tandem.engine.kernels.paged_attention import compile_variants  # noqa: PLC0415 (as above)
 
             kv = self.kv_cache.tensor[0]
-            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads)
+            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads,
+                                        sliding_window=self.model_config.sliding_window)
         if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
             from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy  # noqa: PLC0415 (as above)
 

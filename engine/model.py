@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2-style without biases, SmolLM2) over a paged cache.
+"""The decoder every served family runs on (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), over a
+paged cache. The family's switches come from ModelConfig (engine.architectures sets them): q/k/v
+biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), a sliding attention window (Mistral).
 
 Single-device and batch-flattened: `forward(input_ids [T], positions [T], kv_cache, meta)` runs
 every scheduled token of every sequence in one pass; attention reads through the block table
@@ -91,7 +93,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        # Qwen3: each head's q and k normalised over head_dim (one weight shared by all heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sliding_window = cfg.sliding_window
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
@@ -101,10 +107,12 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
@@ -113,10 +121,13 @@ class Attention(nn.Module):
         q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # in place: the rotary kernel and write_kv read these views
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         ops.rotary_embedding(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.view(T, self.q_size))
 
 
@@ -241,22 +252,37 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- weights ----------------------------------------------------------------------------
-    def load_hf_state_dict(self, tensors) -> None:
-        """Load from Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight` ...)."""
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight under its Hugging Face name (engine.architectures.expected_tensors lists the
+        same names), as a view of this model's own storage: q/k/v (weights and biases) and gate/up
+        are row slices of the fused projections. Loading copies into these views; saving reads them."""
         cfg = self.config
-        get = lambda name: tensors[name]  # noqa: E731
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight.detach(),
+               "model.norm.weight": self.norm.weight.detach()}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight.detach()
+        for i, layer in enumerate(self.layers):
+            p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            qkv = {"weight": attn.qkv_proj.weight, "bias": attn.qkv_proj.bias}
+            for kind, fused in qkv.items():
+                if fused is not None:
+                    for n, part in zip("qkv", fused.detach().split([q, kv, kv], 0)):
+                        out[f"{p}self_attn.{n}_proj.{kind}"] = part
+            if attn.q_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
+                out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
+            gate, up = mlp.gate_up_proj.weight.detach().split(cfg.intermediate_size, 0)
+            out.update({p + "self_attn.o_proj.weight": attn.o_proj.weight.detach(),
+                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                        p + "mlp.down_proj.weight": mlp.down_proj.weight.detach(),
+                        p + "input_layernorm.weight": layer.input_layernorm.weight.detach(),
+                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach()})
+        return out
+
+    def load_hf_state_dict(self, tensors) -> None:
+        """Copy `tensors` (Hugging Face names; engine.architectures.check_tensors has checked the
+        set and the shapes) into the model."""
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-            self.norm.weight.copy_(get("model.norm.weight"))
-            if not cfg.tie_word_embeddings:
-                self.lm_head.weight.copy_(get("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                layer.self_attn.qkv_proj.weight.copy_(torch.cat(
-                    [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
-                layer.self_attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                layer.mlp.gate_up_proj.weight.copy_(torch.cat(
-                    [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0))
-                layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+            for name, dst in self.hf_tensors().items():
+                dst.copy_(tensors[name])

@@ -16,6 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from tandem.engine.architectures import UnsupportedModelError
 from tandem.engine.request import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -43,6 +44,11 @@ def check_messages(messages: list[dict[str, str]]) -> None:
             raise InvalidRequestError(f"messages[{i}].content must be a string")
 
 
+def _token_text(token: str | dict | None) -> str | None:
+    """tokenizer_config.json writes a special token as its text or as {"content": text, ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 class HFTokenizer:
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), bos_token: str | None = None,
@@ -63,10 +69,15 @@ class HFTokenizer:
         template = cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
-        bos = cfg.get("bos_token")
-        if isinstance(bos, dict):
-            bos = bos.get("content")
-        return cls(path / "tokenizer.json", template, eos_token_ids, bos, bool(cfg.get("add_bos_token", False)))
+        if not (path / "tokenizer.json").exists():
+            raise UnsupportedModelError(f"{path}: no tokenizer.json (the fast-tokenizer file is needed)")
+        bos, eos = (_token_text(cfg.get(k)) for k in ("bos_token", "eos_token"))
+        tok = cls(path / "tokenizer.json", template, eos_token_ids, bos, bool(cfg.get("add_bos_token", False)))
+        # the EOS set: the model config's, and the tokenizer's own end token
+        eos_id = tok._tok.token_to_id(eos) if eos else None
+        if eos_id is not None and eos_id not in eos_token_ids:
+            tok.eos_token_ids = (*eos_token_ids, eos_id)
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

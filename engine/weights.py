@@ -17,8 +17,9 @@ import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from tandem.engine.checkpoint import check_model_dir, load_tensors
 from tandem.engine.config import PRESETS, ModelConfig
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_json_from_gguf
@@ -45,18 +46,22 @@ def smollm2_gguf_path() -> Path:
 
 def resolve_model_dir(name: str) -> Path | None:
     """Directory holding config.json/model weights/tokenizer.json for `name`, converting a GGUF
-    on first use; None for random presets."""
+    on first use; None for random presets. A directory is checked against the model registry
+    (config.json and the safetensors headers, no weights read): UnsupportedModelError names what
+    would not serve, so a command refuses it before it starts anything."""
     if name in PRESETS:
         return None
     if name == "smollm2-135m":
-        return convert_gguf(smollm2_gguf_path(), cache_dir() / "models" / "smollm2-135m")
-    p = Path(name).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return convert_gguf(p, cache_dir() / "models" / (p.stem + "-" + str(p.stat().st_size)))
-    if p.is_dir() and (p / "config.json").exists():
-        return p
-    raise ModelNotFoundError(f"unknown model {name!r}: use one of {sorted(PRESETS) + ['smollm2-135m']}, "
-                             f"a Hugging Face model directory, or a .gguf file")
+        path = convert_gguf(smollm2_gguf_path(), cache_dir() / "models" / "smollm2-135m")
+    elif (p := Path(name).expanduser()).is_file() and p.suffix == ".gguf":
+        path = convert_gguf(p, cache_dir() / "models" / (p.stem + "-" + str(p.stat().st_size)))
+    elif p.is_dir() and (p / "config.json").exists():
+        path = p
+    else:
+        raise ModelNotFoundError(f"unknown model {name!r}: use one of {sorted(PRESETS) + ['smollm2-135m']}, "
+                                 f"a Hugging Face model directory, or a .gguf file")
+    check_model_dir(path)
+    return path
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -151,15 +156,6 @@ def _convert_gguf(path: Path, out: Path) -> Path:
 
 
 # ---- loading ------------------------------------------------------------------------------------
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    if not tensors:
-        raise ModelNotFoundError(f"{path}: no *.safetensors files")
-    return tensors
-
-
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
     """Seeded random weights with trained-like scales (so activations and logits stay finite)."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
@@ -173,7 +169,8 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int = 0):
-    """-> (model in eval mode on `device`, tokenizer, ModelConfig)."""
+    """-> (model in eval mode on `device`, tokenizer, ModelConfig). A directory is checked against
+    the model registry first (engine.checkpoint): UnsupportedModelError names what does not serve."""
     torch_dtype = DTYPES[dtype]
     path = resolve_model_dir(name)
     if path is None:
@@ -183,42 +180,27 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int
         init_random(model, seed)
         tokenizer = ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids)
     else:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-        tensors = _load_safetensors(path)
+        cfg = check_model_dir(path)
+        tensors = load_tensors(path, device, torch_dtype)
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
         model = model.to_empty(device=device).to(torch_dtype)
         model.rotary = type(model.rotary)(cfg, cfg.max_position_embeddings).to(device)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_hf_state_dict({k: v.to(device=device, dtype=torch_dtype) for k, v in tensors.items()})
+        model.load_hf_state_dict(tensors)
         tokenizer = HFTokenizer.from_dir(path, cfg.eos_token_ids)
     return model.eval(), tokenizer, cfg
 
 
 def hf_state_dict(model: LlamaForCausalLM, on_host: bool = True) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face Llama names (unfused), e.g. to check it against
+    """The model's weights under Hugging Face names (unfused), e.g. to check it against
     transformers. `on_host=False`: views of the model's own tensors, where they are (q/k/v and
     gate/up are row slices of the fused weights), with no copy."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
-                                   "model.norm.weight": model.norm.weight}
-    if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv], 0)
-        gate, up = layer.mlp.gate_up_proj.weight.split(cfg.intermediate_size, 0)
-        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                   p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                   p + "input_layernorm.weight": layer.input_layernorm.weight,
-                   p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+    sd = model.hf_tensors()
     if not on_host:
-        return {k: v.detach() for k, v in sd.items()}
-    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+        return sd
+    return {k: v.contiguous().cpu() for k, v in sd.items()}
 
 
 def save_hf_dir(model: LlamaForCausalLM, path: Path) -> Path:
@@ -234,5 +216,5 @@ def load_tokenizer(name: str):
     if path is None:
         cfg = PRESETS[name]
         return ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids), cfg
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    cfg = check_model_dir(path)
     return HFTokenizer.from_dir(path, cfg.eos_token_ids), cfg

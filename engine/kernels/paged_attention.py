@@ -4,7 +4,8 @@ Same contract as the reference: q is the varlen batch of new tokens [T, Hq, D]; 
 included, already written) are read through each sequence's block table from
 `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` (views allowed: only the last dim must be
 contiguous); token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and sees KV
-positions [0, that position].
+positions [0, that position]; with a sliding window W (`sliding_window`, Mistral) only the positions
+(that position - W, that position].
 
 - `paged_prefill_attention`: any query lengths, cached prefixes, in one launch. Flash-attention
   style: one program per (query head, tile of BLOCK_M query rows, sequence), online softmax over
@@ -14,6 +15,8 @@ positions [0, that position].
   its rows are every (query token, query head of the group), so each K/V tile is read once per
   KV group. Long contexts are split into partitions (flash-decoding) so that a small batch still
   fills the GPU; a second kernel merges the partitions' softmax states.
+- A sliding window (constexpr SLIDING, the window a runtime int) starts each program's key loop at
+  the first tile its earliest query can see and masks every tile (no unmasked fast path).
 - `paged_attention`: the decode kernel when every sequence has at most MAX_DECODE_QUERY_LEN new
   tokens, else the prefill kernel; a mixed batch whose short sequences come first runs as two
   launches (decode kernel on those, prefill kernel on the rest).
@@ -54,11 +57,12 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                  k_cache_ptr, v_cache_ptr,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, MASKED: tl.constexpr):
+                 PRECISION: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) for rows q [M, D] at
-    positions q_pos [M]. MASKED: apply the causal and length masks (else all keys are visible)."""
+    positions q_pos [M]. MASKED: apply the causal and length masks (else all keys are visible);
+    SLIDING (with MASKED): also hide keys at or before q_pos - window."""
     kv_pos = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_ok = kv_pos < seq_len
@@ -74,6 +78,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N], log2 domain
     if MASKED:
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -87,16 +93,16 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=['first_seq', 'stride_bt'])
+@triton.jit(do_not_specialize=['first_seq', 'stride_bt', 'window'])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, first_seq,
+    scale_log2, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     # heads vary fastest, so the programs of one KV group run together and share K/V in L2
     head = tl.program_id(0)
@@ -128,33 +134,52 @@ def _prefill_kernel(
     first_pos = ctx_len + m_block * BLOCK_M
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    masked_start = unmasked_end
+    if SLIDING:  # every tile masked, from the first one the tile's first row can see
+        unmasked_end = 0
+        masked_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
-    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING)
+    for start_n in range(masked_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_bt', 'stride_pt', 'stride_ph'])
+@triton.jit
+def _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """-> (unmasked_end, masked_start): a decode program reads keys [part_start, unmasked_end)
+    without the mask and [masked_start, part_end) with it."""
+    # keys up to ctx_len are visible to every query token; only the last tiles need the mask
+    unmasked_end = part_start + ((tl.minimum(part_end, ctx_len + 1) - part_start) // BLOCK_N) * BLOCK_N
+    unmasked_end = tl.maximum(unmasked_end, part_start)
+    masked_start = unmasked_end
+    if SLIDING:  # every tile masked, from the first one the earliest query (at ctx_len) can see;
+        # a partition wholly before the window keeps m = -1e30, l = 0, and weighs 0 in the merge
+        unmasked_end = part_start
+        masked_start = tl.maximum((tl.maximum(ctx_len - window + 1, 0) // BLOCK_N) * BLOCK_N, part_start)
+    return unmasked_end, masked_start
+
+
+@triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_bt', 'stride_pt', 'stride_ph', 'window'])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, partition_size, first_seq,
+    scale_log2, partition_size, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,19 +210,17 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    # keys up to ctx_len are visible to every query token; only the last tiles need the mask
-    unmasked_end = part_start + ((tl.minimum(part_end, ctx_len + 1) - part_start) // BLOCK_N) * BLOCK_N
-    unmasked_end = tl.maximum(unmasked_end, part_start)
+    unmasked_end, masked_start = _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N, SLIDING)
     for start_n in range(part_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
-    for start_n in range(unmasked_end, part_end, BLOCK_N):
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING)
+    for start_n in range(masked_start, part_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, part_end, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING)
 
     _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
                   out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
@@ -266,8 +289,10 @@ def _reduce_partitions_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _check_attention_args(q, k_cache, v_cache, meta, out, kernel) -> torch.Tensor:
+def _check_attention_args(q, k_cache, v_cache, meta, out, kernel, sliding_window=None) -> torch.Tensor:
     """Validates the shared contract; returns `out` (allocated when None)."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     require_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
     require_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
@@ -322,38 +347,38 @@ class _SeqRange:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Causal varlen attention over a paged cache for any mix of query lengths, in one launch.
     q: [T, Hq, D] -> out [T, Hq, D] (written into `out` when given)."""
-    out = _check_attention_args(q, k_cache, v_cache, meta, out, _prefill_kernel)
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _prefill_kernel, sliding_window)
     if q.shape[0]:
-        _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta))
+        _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), sliding_window)
     return out
 
 
-def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange):
+def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, sliding_window=None):
     if seqs.max_query_len >= 128 and q.shape[2] <= 128:
         block_m, block_n, num_warps = 128, 64, 8
     else:
         block_m, block_n, num_warps = max(16, min(64, next_power_of_2(seqs.max_query_len))), 64, 4
     _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps,
-                    num_stages=2, seqs=seqs)
+                    num_stages=2, seqs=seqs, sliding_window=sliding_window)
 
 
 def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps, num_stages,
-                    seqs: _SeqRange | None = None):
+                    seqs: _SeqRange | None = None, sliding_window: int | None = None):
     seqs = seqs or _SeqRange(meta)
     num_heads = q.shape[1]
     grid = (num_heads, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * _LOG2E, seqs.first,
+        scale * _LOG2E, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SLIDING=sliding_window is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -389,11 +414,12 @@ _WHOLE_CONTEXT = 2**30
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                           partition_size: int | str | None = "auto") -> torch.Tensor:
+                           partition_size: int | str | None = "auto",
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Attention for 1..MAX_DECODE_QUERY_LEN new tokens per sequence (decode, speculative verify).
     q: [T, Hq, D] -> out [T, Hq, D]. partition_size: "auto" picks the split-K plan from the batch
     shape and the SM count; None forces one pass; an int (a multiple of 64) forces that split."""
-    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel)
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel, sliding_window)
     if meta.max_query_len > MAX_DECODE_QUERY_LEN:
         raise ValueError(f"paged_decode_attention takes at most {MAX_DECODE_QUERY_LEN} query tokens "
                          f"per sequence, got max_query_len={meta.max_query_len}; use "
@@ -404,20 +430,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"partition_size must be \"auto\", None or a positive multiple of "
                          f"{_DECODE_BLOCK_N}, got {partition_size!r}")
     if q.shape[0]:
-        _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), partition_size)
+        _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), partition_size, sliding_window)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, partition_size="auto"):
+def _decode(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, partition_size="auto",
+            sliding_window=None):
     if partition_size == "auto":
         partition_size = choose_partition_size(seqs.count, k_cache.shape[2], seqs.max_seq_len,
                                                _num_sms(q.device), _DECODE_BLOCK_N)
     _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, _DECODE_BLOCK_N,
-                   num_warps=4, num_stages=2, seqs=seqs)
+                   num_warps=4, num_stages=2, seqs=seqs, sliding_window=sliding_window)
 
 
 def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_n, num_warps,
-                   num_stages, seqs: _SeqRange | None = None):
+                   num_stages, seqs: _SeqRange | None = None, sliding_window: int | None = None):
     seqs = seqs or _SeqRange(meta)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -439,12 +466,13 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
     _decode_kernel[(seqs.count, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first,
+        scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), num_heads * num_parts, num_parts,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
+        SLIDING=sliding_window is not None,
         num_warps=num_warps, num_stages=num_stages, **common,
     )
     if split:
@@ -457,28 +485,30 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The GPU twin of `paged_attention_torch`. Every sequence has at most MAX_DECODE_QUERY_LEN new
     tokens: the decode kernel. None has: the prefill kernel. A mix whose short sequences come
     first (decode and verify rows before prefill chunks, as the scheduler should order a batch):
     the decode kernel on those and the prefill kernel on the rest, two launches. Any other mix:
     the prefill kernel for all (correct, but a short row then costs a whole query tile per head)."""
+    window = sliding_window
     if meta.max_query_len <= MAX_DECODE_QUERY_LEN:
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out)
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, sliding_window=window)
     num_short = 0
     for q_len in meta.query_lens_cpu:
         if q_len > MAX_DECODE_QUERY_LEN:
             break
         num_short += 1
     if num_short == 0 or any(n <= MAX_DECODE_QUERY_LEN for n in meta.query_lens_cpu[num_short:]):
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out)
-    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel)
-    _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, 0, num_short))
-    _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, num_short))
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out, window)
+    out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel, window)
+    _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, 0, num_short), sliding_window=window)
+    _prefill(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta, num_short), window)
     return out
 
 
-def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                     sliding_window: int | None = None) -> int:
     """Launch every kernel variant the dispatch above can pick for this cache (each prefill tile
     shape; each decode query tile, with and without split-K) on a small problem, so Triton has
     compiled them (or loaded them from its cache) before serving needs one: a first compile takes
@@ -504,12 +534,13 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
 
     launches = 0
     for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
-        paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0)
+        paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, sliding_window=sliding_window)
         launches += 1
     block_g = next_power_of_2(num_heads // num_kv_heads)
     tiles = {max(next_power_of_2(n), triton.cdiv(16, block_g)): n for n in range(MAX_DECODE_QUERY_LEN, 0, -1)}
     for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
         for partition in (None, _DECODE_BLOCK_N):
-            paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, partition_size=partition)
+            paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, partition_size=partition,
+                                   sliding_window=sliding_window)
             launches += 1
     return launches
