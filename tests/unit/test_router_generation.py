@@ -15,7 +15,9 @@ from tandem.protos.tandem.v1 import generation_pb2
 from tandem.router.generation import Router
 from tandem.router.server import status_code
 from tandem.router.sessions import InMemorySessionStore, SessionState
-from tandem.wire.errors import WorkersOverloaded
+from tandem.router.admission import Overloaded
+from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoWorkerReady, WorkersOverloaded,
+                                WorkerUnavailable)
 from tandem.wire.messages import (DecodePlan, FinishReason, FirstToken, FirstTokenReady, OutputError,
                                   PrefillReservation, PrefillResult, StepOutput, Usage)
 
@@ -229,3 +231,16 @@ def test_without_limits_the_session_keeps_its_worker():
     asyncio.run(router.sessions.put("s", SessionState(decode_worker="d0", prefill_worker=None, num_tokens=8)))
     asyncio.run(run(router, request(session_id="s")))
     assert view.actor("d0").called("reserve") and not view.actor("d1").called("reserve")
+
+
+@pytest.mark.parametrize("error, code", [
+    (InvalidRequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded("full", 100), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (WorkersOverloaded("all busy"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoWorkerReady("none"), grpc.StatusCode.UNAVAILABLE),
+    (MigrationsExhausted("twice"), grpc.StatusCode.UNAVAILABLE),
+    (WorkerUnavailable("draining"), grpc.StatusCode.UNAVAILABLE),
+    (RuntimeError("a bug"), grpc.StatusCode.INTERNAL),
+])
+def test_each_error_type_has_one_status_code_at_the_edge(error, code):
+    assert status_code(error) is code
