@@ -18,6 +18,8 @@
     python bench/kv_transfer_gpu.py [--ttft] [--out results.json]
 
 Needs two CUDA GPUs and Ray; run on the device machine (see docs/benchmarks.md for the command).
+This file holds the two actors and the transfer tables' run; the other tables, the shapes and specs
+are in kv_transfer_tables.py next to it.
 """
 
 from __future__ import annotations
@@ -35,20 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
+from kv_transfer_tables import (BLOCK, CONFIG, HEAD_DIM, HEADS, LAYERS, MiB, TOKEN_BYTES,  # noqa: E402
+                                VARIANTS, transfer_spec, transfer_rows, back_to_back, bench_ttft,
+                                busy_owner, profile_transfer, trace_transfer)
 
-from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
-
-MiB = 1 << 20
-LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128          # Llama-3-8B KV, bf16
-TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2          # 128 KiB per token, all layers
-CONFIG = KVTransferConfig(timeout_s=60.0, start_timeout_s=120.0, connect_timeout_s=120.0)
-# The transfer table is measured under each of these (KVTransferConfig fields), in one run: Tandem's
-# defaults (the decode actor copies the blocks straight out of the prefill actor's cache, CUDA IPC
-# over NVLink), then every byte through the link over NCCL (staging, gather, send, scatter: the path
-# between hosts, and the default before), the ratios' baseline; and two NCCL settings measured before.
-VARIANTS = {"default": {}, "nccl": {"direct_copy": False},
-            "nccl-normal-priority": {"direct_copy": False, "nccl_high_priority": False},
-            "nccl-window-2GiB": {"direct_copy": False, "max_inflight_messages": 8}}
+from tandem.kv_transfer.base import TransferSpec  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -298,14 +291,6 @@ class Endpoint:
         self.receiver = LayerStreamReceiver(self.store, self.conn, cfg)
 
 
-def _spec(rid: str, tokens: int, num_blocks: int, seed: int) -> TransferSpec:
-    n = tokens // BLOCK
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randperm(num_blocks, generator=g)[:n].tolist()
-    dst = torch.randperm(num_blocks, generator=g)[:n].tolist()
-    return TransferSpec(rid, "prefill-0", "decode-0", tuple(range(LAYERS)), src, dst, tokens)
-
-
 def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, float]) -> list[dict]:
     from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
@@ -316,6 +301,35 @@ def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, 
     prefill = Endpoint.options(num_gpus=gpus).remote("prefill-0", rendezvous, num_blocks, 1234, args.device)
     decode = Endpoint.options(num_gpus=gpus).remote("decode-0", rendezvous, num_blocks, None, args.device)
     print("prefill actor:", ray.get(prefill.where.remote()), "| decode actor:", ray.get(decode.where.remote()))
+    raw = _raw_tables(args, prefill, decode, raw_by_size, raw_single_s)
+    mid = args.prompts[len(args.prompts) // 2]
+    sweep = _message_sweep(args, prefill, decode, num_blocks, mid)
+    by_variant = _variant_tables(args, prefill, decode, num_blocks, raw_by_size, raw_single_s)
+    first = args.variants[0]
+    if first != args.variants[-1]:      # the tables below run with the first setting, warmed up
+        ray.get([prefill.configure.remote(**VARIANTS[first]), decode.configure.remote(**VARIANTS[first])])
+        spec = transfer_spec(f"rewarm-{first}", mid, num_blocks, 5)
+        ray.get(decode.expect.remote(spec.to_msg()))
+        ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
+    rows, sustained = by_variant[first]["rows"], by_variant[first]["sustained"]
+    busy = busy_owner(args, prefill, decode, mid, num_blocks) if args.busy_reps else []
+    traced = trace_transfer(prefill, decode, mid, num_blocks)
+    copies = _copy_table(args, prefill)
+    profiled = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        profiled = profile_transfer(prefill, decode, mid, num_blocks, args.profile)
+    for a in (prefill, decode):
+        ray.kill(a)
+    del store
+    return {"rows": rows, "variants": by_variant, "sustained": sustained, "message_sweep": sweep,
+            "traced": traced, "block_copy": copies,
+            "profiled": profiled, "busy_owner": busy}, raw
+
+
+def _raw_tables(args, prefill, decode, raw_by_size: dict[int, float], raw_single_s: dict[int, float]) -> list[dict]:
+    """Raw NCCL between the two actors: back to back per size (into `raw_by_size`, GB/s), and one
+    message at a time per prompt size (into `raw_single_s`, seconds)."""
     raw = ray.get([prefill.raw.remote("decode-0", True, args.sizes, args.raw_total_mib),
                    decode.raw.remote("prefill-0", False, args.sizes, args.raw_total_mib)])[1]
     raw_by_size.update({r["size_mib"]: r["gbps"] for r in raw})
@@ -333,14 +347,18 @@ def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, 
     for mib, t in single.items():
         print(f"{mib:>6} {t * 1e3:>8.2f} {mib * MiB / t / 1e9:>8.1f}")
     raw_single_s.update(single)
+    return raw
 
+
+def _message_sweep(args, prefill, decode, num_blocks: int, mid: int) -> list[dict]:
+    """The middle prompt, all layers ready, at each max_message_bytes of --message-mib; leaves the
+    sender at --message-bytes or the best of them."""
     sweep = []
-    mid = args.prompts[len(args.prompts) // 2]
     for mib in args.message_mib:
         ray.get(prefill.set_message_bytes.remote(mib * MiB))
         times = []
         for rep in range(args.reps + 1):
-            spec = _spec(f"m{mib}-{rep}", mid, num_blocks, 50 + rep)
+            spec = transfer_spec(f"m{mib}-{rep}", mid, num_blocks, 50 + rep)
             ray.get(decode.expect.remote(spec.to_msg()))
             sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
             if rep:
@@ -354,31 +372,21 @@ def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, 
         print(f"{r['message_mib']:>12} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f}")
     ray.get(prefill.set_message_bytes.remote(args.message_bytes or best["message_mib"] * MiB))
     print(f"using {(args.message_bytes or best['message_mib'] * MiB) / MiB:.0f} MiB messages below")
+    return sweep
 
+
+def _variant_tables(args, prefill, decode, num_blocks: int, raw_by_size: dict[int, float],
+                    raw_single_s: dict[int, float]) -> dict[str, dict]:
+    """The transfer table and the back-to-back rate under each --variants setting, then their
+    ratios to the last one."""
     by_variant = {}
     for name in args.variants:
         overrides = VARIANTS[name]
         ray.get([prefill.configure.remote(**overrides), decode.configure.remote(**overrides)])
-        rows = _transfer_rows(args, prefill, decode, num_blocks, raw_by_size, name)
+        rows = transfer_rows(args, prefill, decode, num_blocks, raw_by_size, name)
         by_variant[name] = {"config": overrides, "rows": rows,
                             "sustained": back_to_back(args, prefill, decode, num_blocks, raw_by_size)}
-        print(f"\nTandem transfer ({name}: {overrides or 'defaults'}), Llama-3-8B KV "
-              f"({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
-        print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'1 raw msg ms':>13} "
-              f"{'of it':>6} {'exact':>6} {'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
-        for r in rows:
-            one = raw_single_s.get(round(r["mib"]))
-            r["raw_single_seconds"] = one
-            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
-                  f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {one * 1e3 if one else float('nan'):>13.2f} "
-                  f"{one / r['seconds'] if one else float('nan'):>6.0%} {str(r['bit_exact']):>6} "
-                  f"{r['layer_gap_ms']:>23.2f} {r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
-        print(f"back to back: k all-ready transfers queued at once, from the first call to the last DONE "
-              f"(median of {args.reps})")
-        print(f"{'tokens':>7} {'k':>3} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7}")
-        for r in by_variant[name]["sustained"]:
-            print(f"{r['tokens']:>7} {r['transfers']:>3} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
-                  f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%}")
+        _print_variant(args, name, overrides, rows, by_variant[name]["sustained"], raw_single_s)
     if len(by_variant) > 1:
         base = args.variants[-1]
         print(f"\nall layers ready, ms (ratio to {base}, the same run)")
@@ -388,256 +396,38 @@ def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, 
             print(f"{tokens:>7} " + " ".join(
                 f"{by_variant[v]['rows'][i]['seconds'] * 1e3:>13.2f} ({by_variant[v]['rows'][i]['seconds'] / ref:.2f}x)"
                 for v in args.variants))
-    first = args.variants[0]
-    if first != args.variants[-1]:      # the tables below run with the first setting, warmed up
-        ray.get([prefill.configure.remote(**VARIANTS[first]), decode.configure.remote(**VARIANTS[first])])
-        spec = _spec(f"rewarm-{first}", mid, num_blocks, 5)
-        ray.get(decode.expect.remote(spec.to_msg()))
-        ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
-    rows, sustained = by_variant[first]["rows"], by_variant[first]["sustained"]
-    busy = busy_owner(args, prefill, decode, mid, num_blocks) if args.busy_reps else []
-    traced = trace_transfer(prefill, decode, mid, num_blocks)
+    return by_variant
+
+
+def _print_variant(args, name: str, overrides: dict, rows: list[dict], sustained: list[dict],
+                   raw_single_s: dict[int, float]) -> None:
+    print(f"\nTandem transfer ({name}: {overrides or 'defaults'}), Llama-3-8B KV "
+          f"({TOKEN_BYTES // 1024} KiB/token), median of {args.reps}")
+    print(f"{'tokens':>7} {'MiB':>7} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7} {'1 raw msg ms':>13} "
+          f"{'of it':>6} {'exact':>6} {'streamed: gap/layer ms':>23} {'tail ms':>8} {'1 layer on wire ms':>19}")
+    for r in rows:
+        one = raw_single_s.get(round(r["mib"]))
+        r["raw_single_seconds"] = one
+        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
+              f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%} {one * 1e3 if one else float('nan'):>13.2f} "
+              f"{one / r['seconds'] if one else float('nan'):>6.0%} {str(r['bit_exact']):>6} "
+              f"{r['layer_gap_ms']:>23.2f} {r['tail_ms']:>8.2f} {r['one_layer_wire_ms']:>19.2f}")
+    print(f"back to back: k all-ready transfers queued at once, from the first call to the last DONE "
+          f"(median of {args.reps})")
+    print(f"{'tokens':>7} {'k':>3} {'ms':>8} {'GB/s':>7} {'raw GB/s':>9} {'of raw':>7}")
+    for r in sustained:
+        print(f"{r['tokens']:>7} {r['transfers']:>3} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} "
+              f"{r['raw_gbps']:>9.1f} {r['ratio']:>6.0%}")
+
+
+def _copy_table(args, prefill) -> list[dict]:
     copies = [ray.get(prefill.copy_speed.remote(tokens, layers)) for tokens in args.prompts for layers in (1, 8)]
     print("\nblock gather/scatter of one message, GB/s read + written (H200 HBM: ~4100 GB/s copy, "
           "docs/benchmarks.md)")
     print(f"{'tokens':>7} {'layers':>6} {'MiB':>6} " + " ".join(f"{k:>15}" for k in list(copies[0])[3:]))
     for c in copies:
         print(f"{c['tokens']:>7} {c['layers']:>6} {c['mib']:>6.0f} " + " ".join(f"{v:>15.0f}" for v in list(c.values())[3:]))
-    profiled = None
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
-        profiled = profile_transfer(prefill, decode, mid, num_blocks, args.profile)
-    for a in (prefill, decode):
-        ray.kill(a)
-    del store
-    return {"rows": rows, "variants": by_variant, "sustained": sustained, "message_sweep": sweep,
-            "traced": traced, "block_copy": copies,
-            "profiled": profiled, "busy_owner": busy}, raw
-
-
-def _transfer_rows(args, prefill, decode, num_blocks: int, raw_by_size: dict[int, float], tag: str) -> list[dict]:
-    """Tandem's transfer of each prompt size: all layers ready (median of reps, after a warm-up),
-    and streamed as a prefill computes them (the tail after the last layer)."""
-    rows = []
-    for tokens in args.prompts:
-        nbytes = tokens * TOKEN_BYTES
-        times, tails = [], []
-        for rep in range(args.reps + 1):
-            spec = _spec(f"{tag}-t{tokens}-{rep}", tokens, num_blocks, rep)
-            ray.get(decode.expect.remote(spec.to_msg()))
-            sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
-            if rep:                                   # the first is warm-up
-                times.append(done - sent["start"])
-        exact = (ray.get(prefill.checksums.remote(list(spec.src_block_ids)))
-                 == ray.get(decode.checksums.remote(list(spec.dst_block_ids))))
-        gap = args.prefill_s_per_token * tokens / LAYERS  # one layer's share of the prefill
-        for rep in range(args.reps):
-            spec = _spec(f"{tag}-s{tokens}-{rep}", tokens, num_blocks, 100 + rep)
-            ray.get(decode.expect.remote(spec.to_msg()))
-            sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap), decode.wait_done.remote(spec.request_id)])
-            tails.append(done - sent["last_queued"])
-        t = statistics.median(times)
-        raw_same = _raw_at(raw_by_size, nbytes)
-        rows.append({"tokens": tokens, "mib": nbytes / MiB, "seconds": t, "gbps": nbytes / t / 1e9,
-                     "samples_ms": [x * 1e3 for x in times],
-                     "raw_gbps": raw_same, "ratio": nbytes / t / 1e9 / raw_same, "bit_exact": exact,
-                     "layer_gap_ms": gap * 1e3, "tail_ms": statistics.median(tails) * 1e3,
-                     "one_layer_wire_ms": nbytes / LAYERS / (raw_same * 1e9) * 1e3})
-    return rows
-
-
-def back_to_back(args, prefill, decode, num_blocks: int, raw_by_size: dict[int, float]) -> list[dict]:
-    """Tandem's transfer rate with transfers queued back to back, measured as the raw rate is
-    (several messages posted, then all waited for): a prefill actor handing a peer the KV of many
-    prompts. Each transfer's control path then overlaps the previous one's data on the wire."""
-    rows = []
-    for tokens in args.prompts:
-        nbytes = tokens * TOKEN_BYTES
-        k = max(4, min(16, (8 << 30) // nbytes))
-        times = []
-        for rep in range(args.reps + 1):
-            specs = [_spec(f"bb{tokens}-{rep}-{i}-{time.monotonic_ns()}", tokens, num_blocks, 1000 * rep + i) for i in range(k)]
-            ray.get([decode.expect.remote(sp.to_msg()) for sp in specs])
-            start, done = ray.get([prefill.send_many.remote([sp.to_msg() for sp in specs]),
-                                   decode.wait_all.remote([sp.request_id for sp in specs])])
-            if rep:
-                times.append(done - start)
-        t = statistics.median(times)
-        raw_same = _raw_at(raw_by_size, nbytes)
-        rows.append({"tokens": tokens, "transfers": k, "seconds": t, "gbps": k * nbytes / t / 1e9,
-                     "raw_gbps": raw_same, "ratio": k * nbytes / t / 1e9 / raw_same})
-    return rows
-
-
-def busy_owner(args, prefill, decode, tokens: int, num_blocks: int) -> list[dict]:
-    """The transfer while both actors' Python is busy, as a prefill or decode loop keeps it (a
-    thread running Python 4 ms of every 5): the transport's threads must take the GIL from it at
-    every step (frame, receive posts, landings). Python's default switch interval (5 ms) against
-    the 200 us the pool actors serve with (cluster/actor_common.py) (or --busy-intervals-us), and
-    idle actors as the base."""
-    from tandem.runtime.process import DEFAULT_GIL_SWITCH_INTERVAL_S
-
-    nbytes, gap = tokens * TOKEN_BYTES, args.prefill_s_per_token * tokens / LAYERS
-    rows = []
-    intervals = args.busy_intervals_us or [5000.0, DEFAULT_GIL_SWITCH_INTERVAL_S * 1e6]
-    for label, switch in [("idle actors", None)] + [(f"busy, {us:g} us switch", us / 1e6) for us in intervals]:
-        ray.get([a.set_busy.remote(switch) for a in (prefill, decode)])
-        times, tails = [], []
-        for rep in range(args.busy_reps + 1):
-            for streamed in (False, True):
-                spec = _spec(f"b{label[:4]}{switch}-{rep}-{streamed}", tokens, num_blocks, 300 + rep)
-                ray.get(decode.expect.remote(spec.to_msg()))
-                sent, done = ray.get([prefill.send.remote(spec.to_msg(), gap if streamed else 0.0),
-                                      decode.wait_done.remote(spec.request_id)])
-                if rep:
-                    (tails if streamed else times).append(done - (sent["last_queued"] if streamed else sent["start"]))
-        t = statistics.median(times)
-        rows.append({"owner": label, "switch_s": switch, "tokens": tokens, "seconds": t, "gbps": nbytes / t / 1e9,
-                     "tail_ms": statistics.median(tails) * 1e3, "samples_ms": [x * 1e3 for x in times],
-                     "tail_samples_ms": [x * 1e3 for x in tails]})
-    ray.get([a.set_busy.remote(None) for a in (prefill, decode)])
-    print(f"\nbusy actors, {tokens}-token prompt, median of {args.busy_reps}: all layers ready (ms, GB/s) and "
-          f"streamed (tail after the last layer)")
-    print(f"{'actors':>22} {'ms':>8} {'GB/s':>7} {'tail ms':>8}")
-    for r in rows:
-        print(f"{r['owner']:>22} {r['seconds'] * 1e3:>8.2f} {r['gbps']:>7.1f} {r['tail_ms']:>8.2f}")
-    return rows
-
-
-def profile_transfer(prefill, decode, tokens: int, num_blocks: int, out_dir: str) -> dict:
-    """One transfer of `tokens` under torch.profiler on both actors: prints one timeline (ms from the
-    sender's first call) of the transport's host ops (gloo frames, NCCL posts, gathers, scatters,
-    allocations, CUDA syncs) and the GPU kernels on both sides; writes both Chrome traces."""
-    ray.get([prefill.profile_start.remote(), decode.profile_start.remote()])
-    marks = ray.get([prefill.profile_mark.remote(), decode.profile_mark.remote()])
-    for warm in (True, False):       # the first ops of a thread under the profiler are slow
-        spec = _spec(f"p{tokens}-{warm}", tokens, num_blocks, 999)
-        ray.get(decode.expect.remote(spec.to_msg()))
-        sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
-    paths = ray.get([prefill.profile_stop.remote(f"{out_dir}/trace-prefill.json"),
-                     decode.profile_stop.remote(f"{out_dir}/trace-decode.json")])
-    t0 = sent["start"]
-    events = []
-    for side, path, mark in zip(("send", "recv"), paths, marks):
-        events += _trace_events(side, path, mark, t0)
-    events.sort()
-    total = (done - t0) * 1e3
-    print(f"\nprofiled transfer, {tokens} tokens ({tokens * TOKEN_BYTES / MiB:.0f} MiB): {total:.2f} ms "
-          f"from the sender's first call to the receiver's DONE (profiler on: slower than the table)")
-    print(f"{'start ms':>9} {'dur ms':>7} {'side':>4} {'where':>12}  what")
-    for start, dur, side, where, name in events:
-        print(f"{start:>9.3f} {dur:>7.3f} {side:>4} {where:>12}  {name[:90]}")
-    return {"tokens": tokens, "ms": total, "traces": paths,
-            "events": [dict(zip(("start_ms", "dur_ms", "side", "where", "name"), e)) for e in events]}
-
-
-_HOST_OPS = ("nccl:", "gloo:", "c10d::", "aten::index_select", "aten::index_copy", "aten::empty",
-             "aten::to", "aten::copy_", "cudaStreamSynchronize", "cudaEventSynchronize",
-             "cudaDeviceSynchronize", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaStreamWaitEvent",
-             "record_param_comms", "bench.")
-
-
-def _trace_events(side: str, path: str, mark_wall: float, t0: float) -> list[tuple]:
-    """(start ms from t0, duration ms, side, thread or stream, name) of the interesting events of
-    one Chrome trace, placed on the wall clock through the bench.mark op."""
-    trace = json.loads(Path(path).read_text())
-    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    marks = [e for e in evs if e.get("name") == "bench.mark"]
-    if not marks:
-        return []
-    shift = mark_wall * 1e3 - marks[0]["ts"] / 1e3           # trace ms -> wall ms
-    out = []
-    for e in evs:
-        name, cat = e.get("name", ""), e.get("cat", "")
-        gpu = cat in ("kernel", "gpu_memcpy", "gpu_memset")
-        if not gpu and not name.startswith(_HOST_OPS):
-            continue
-        start = e["ts"] / 1e3 + shift - t0 * 1e3
-        if start < -1.0 or name == "bench.mark":
-            continue
-        where = f"stream {e.get('args', {}).get('stream', e.get('tid'))}" if gpu else f"tid {e.get('tid')}"
-        out.append((round(start, 3), round(e.get("dur", 0) / 1e3, 3), side, str(where)[-12:], name))
-    return out
-
-
-def trace_transfer(prefill, decode, tokens: int, num_blocks: int) -> dict:
-    """One transfer with the transport's own step trace on (no profiler): when each message was
-    picked, posted and done on the sender, announced, posted and landed on the receiver."""
-    ray.get([prefill.set_trace.remote(True), decode.set_trace.remote(True)])
-    spec = _spec(f"trace{tokens}", tokens, num_blocks, 777)
-    ray.get(decode.expect.remote(spec.to_msg()))
-    sent, done = ray.get([prefill.send.remote(spec.to_msg()), decode.wait_done.remote(spec.request_id)])
-    steps = sorted(ray.get(prefill.set_trace.remote(False)) + ray.get(decode.set_trace.remote(False)))
-    t0 = sent["start"]
-    print(f"\ntraced transfer, {tokens} tokens: {(done - t0) * 1e3:.2f} ms from the sender's first call "
-          f"to the receiver's DONE; its steps (ms from the first call):")
-    for t, what, _rid in steps:
-        print(f"{(t - t0) * 1e3:>9.3f}  {what}")
-    print(f"{(sent['last_queued'] - t0) * 1e3:>9.3f}  (last layer queued)\n{(done - t0) * 1e3:>9.3f}  (DONE seen by the owner)")
-    return {"tokens": tokens, "ms": (done - t0) * 1e3,
-            "steps": [((t - t0) * 1e3, what) for t, what, _rid in steps]}
-
-
-def _raw_at(raw_by_size: dict[int, float], nbytes: int) -> float:
-    """Raw GB/s at the measured size nearest `nbytes` from below (the wire's best at that size)."""
-    sizes = sorted(raw_by_size)
-    below = [s for s in sizes if s * MiB <= nbytes] or sizes[:1]
-    return raw_by_size[below[-1]]
-
-
-def bench_ttft(args) -> list[dict]:
-    from tandem.cluster.local import RunningCluster
-    from tandem.protos.tandem.v1 import generation_pb2 as pb
-
-    gpu = 1 if args.device == "cuda" else 0
-    base = {"model.name": args.model, "model.device": args.device,
-            "model.dtype": "bfloat16" if gpu else "float32",
-            "scheduler.max_num_batched_tokens": args.chunk, "scheduler.max_num_seqs": 8,
-            "prefill.num_gpus": gpu, "decode.num_gpus": gpu, "router.metrics_port": None,
-            "speculative.method": "off",
-            "router.slow_ttft_log_s": 0.0}    # the router logs where each first token's time went
-    modes = {"remote": {**base, "prefill.replicas": 1, "decode.replicas": 1, "decode.local_prefill_threshold": 0},
-             "local": {**base, "prefill.replicas": 0, "decode.replicas": 1,
-                       "decode.local_prefill_threshold": float("inf")}}
-    results: dict[str, dict[int, list[float]]] = {}
-    from tandem.engine.weights import load_tokenizer
-
-    vocab = min(100000, load_tokenizer(args.model)[1].vocab_size)   # fresh random prompts, any model
-    for mode, overrides in modes.items():
-        t = time.perf_counter()
-        cluster = RunningCluster(overrides)
-        print(f"\n{mode}: cluster up in {time.perf_counter() - t:.0f}s", flush=True)
-        try:
-            results[mode] = {}
-            for tokens in args.prompts:
-                samples = []
-                for rep in range(args.reps + 1):
-                    g = torch.Generator().manual_seed(tokens * 100 + rep)   # fresh: no cache hits
-                    ids = torch.randint(1000, vocab, (tokens,), generator=g).tolist()
-                    req = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(
-                        max_tokens=2, temperature=0, ignore_eos=True))
-                    t0 = time.perf_counter()
-                    first = None
-                    for r in cluster.stub.Generate(req, timeout=300):
-                        if r.token_ids and first is None:
-                            first = time.perf_counter() - t0
-                    if rep:
-                        samples.append(first)
-                results[mode][tokens] = samples
-                print(f"  {tokens:>6} tokens: TTFT median {statistics.median(samples) * 1e3:.1f} ms", flush=True)
-        finally:
-            cluster.close()
-    rows = []
-    for tokens in args.prompts:
-        remote, local = (statistics.median(results[m][tokens]) for m in ("remote", "local"))
-        rows.append({"tokens": tokens, "remote_ms": remote * 1e3, "local_ms": local * 1e3, "ratio": remote / local,
-                     "remote_samples_ms": [x * 1e3 for x in results["remote"][tokens]],
-                     "local_samples_ms": [x * 1e3 for x in results["local"][tokens]]})
-    print(f"\nTTFT through the API, {args.model}, prefill chunk {args.chunk} tokens, median of {args.reps}")
-    print(f"{'tokens':>7} {'remote ms':>10} {'local ms':>9} {'remote/local':>13}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['remote_ms']:>10.1f} {r['local_ms']:>9.1f} {r['ratio']:>13.3f}")
-    return rows
+    return copies
 
 
 def main() -> None:
