@@ -18,6 +18,7 @@ from tandem.cluster.config import load_config
 from tandem.engine.weights import load_tokenizer
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 from tandem.router.server import serve
+from tandem.wire.stats import WorkerStats
 
 
 class RunningCluster:
@@ -62,7 +63,7 @@ class RunningCluster:
             last = r
         return ids, text, last
 
-    def worker_stats(self) -> dict[str, dict]:
+    def worker_stats(self) -> dict[str, WorkerStats]:
         state = ray.get(self.cluster.controller.cluster_state.remote())
         handles = {w["worker_id"]: ray.get_actor(w["actor_name"], namespace=self.cluster.namespace)
                    for w in state["workers"] if w["state"] == "ready"}

@@ -25,6 +25,7 @@ import ray
 from tandem.cluster.config import ClusterConfig, PoolConfig
 from tandem.decode_workers.actor import DecodeActor
 from tandem.prefill_workers.actor import PrefillActor
+from tandem.wire.stats import WorkerStats
 
 
 class Probe(enum.Enum):
@@ -36,7 +37,7 @@ class Probe(enum.Enum):
 @dataclass(frozen=True)
 class ProbeResult:
     status: Probe
-    value: dict[str, Any] | None = None  # OK: ready()'s description, or stats()'s stats
+    value: dict[str, Any] | WorkerStats | None = None  # OK: ready()'s description, or stats()'s WorkerStats
     error: BaseException | None = None  # FAILED: why
     dead: bool = False  # FAILED because the actor is gone: no later check can pass
 
@@ -98,8 +99,8 @@ class ActorMember:
             return ProbeResult(Probe.FAILED, error=e, dead=True)
         except Exception as e:  # noqa: BLE001 - a missed health check
             return ProbeResult(Probe.FAILED, error=e)
-        if stats.get("loop_error"):
-            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(stats["loop_error"]))
+        if stats.loop_error:
+            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(stats.loop_error))
         return ProbeResult(Probe.OK, stats)
 
     def drain(self) -> None:

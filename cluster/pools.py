@@ -22,6 +22,7 @@ from typing import Any, Callable
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
+from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class WorkerRecord:
     started_at: float
     state: str = "starting"
     info: dict[str, Any] = field(default_factory=dict)
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: WorkerStats | None = None
     failures: int = 0
 
     @property
@@ -47,15 +48,14 @@ class WorkerRecord:
         return self.member.pool
 
     def idle(self) -> bool:
-        s = self.stats
-        return bool(s) and s.get("running", 1) == 0 and s.get("waiting", 1) == 0 and s.get("in_flight", 0) == 0
+        return self.stats is not None and self.stats.idle()
 
 
 def _worst_percentiles(workers: list[dict[str, Any]], key: str) -> dict[str, float | None]:
-    vals = [w["stats"].get(key, {}) or {} for w in workers]
+    vals: list[Percentiles] = [getattr(w["stats"], key) for w in workers]
     out = {}
     for q in ("p50", "p90", "p99"):
-        xs = [v[q] for v in vals if v.get(q) is not None]
+        xs = [getattr(v, q) for v in vals if getattr(v, q) is not None]
         out[q] = max(xs) if xs else None  # the worst worker sets the pool's latency
     return out
 
@@ -70,11 +70,11 @@ def build_snapshot(workers: list[dict[str, Any]], prev: dict[str, float] | None,
     def draining(pool):
         return sum(1 for w in workers if w["pool"] == pool and w["state"] == "draining")
 
-    def total(ws, key, default=0):
-        return sum(w["stats"].get(key, default) for w in ws)
+    def total(ws, key):
+        return sum(getattr(w["stats"], key) for w in ws)
 
     pre, dec = live("prefill"), live("decode")
-    computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s", 0.0)
+    computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s")
     rate = cap = None
     if prev is not None and now > prev["at"]:
         rate = max(0.0, (computed - prev["computed"]) / (now - prev["at"]))
@@ -245,7 +245,7 @@ class Pools:
         bounds, draining, pinned)."""
         with self._lock:
             workers = [{"worker_id": w.worker_id, "pool": w.pool, "state": w.state, **w.info,
-                        "stats": dict(w.stats)} for w in self.workers.values()]
+                        "stats": w.stats} for w in self.workers.values()]
         pools = {p: {"size": sum(1 for w in workers if w["pool"] == p and w["state"] == "ready"),
                      "target": self.targets[p], "min": self.bounds[p][0], "max": self.bounds[p][1],
                      "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining"),

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from tandem.decode_workers.outboxes import Outboxes
 from tandem.decode_workers.records import AbortAction, DecodeRequest, DecodeState, FirstTokenTaken
@@ -39,6 +39,7 @@ from tandem.runtime.latency import LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, WorkerUnavailable
 from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, Output, OutputError, StepOutput
+from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class DecodeWorker:
                          "kv_transfer_bytes": 0}
         self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
         self.tpot = LatencyWindow()
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: WorkerStats | None = None
         self.loop = EngineLoop(engine, on_step=self._publish, before_step=self._before_step,
                                on_step_error=self._fail_engine_requests, name=f"{worker_id}-loop")
         self.loop.start()
@@ -117,7 +118,7 @@ class DecodeWorker:
         """Send cached prefix blocks of a reserved request to the prefill actor that will extend it."""
         self.loop.run(self.sender.send, spec)  # the blocks stay held by the reserved request meanwhile
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """The latest snapshot, taken by the loop between steps: answers at once even while a long
         step runs (health checks must not wait for the engine)."""
         return self._snapshot or self.loop.run(self._stats)
@@ -353,23 +354,22 @@ class DecodeWorker:
         for router, msgs in per_router.items():
             self.outboxes.put(router, msgs)
 
-    def _stats(self) -> dict[str, Any]:
+    def _stats(self) -> WorkerStats:
         e = self.engine
         a = e.allocator
         waiting_kv = sum(1 for r in self.requests.values() if r.waiting)
-        return {"worker_id": self.worker_id, "pool": "decode", "running": len(e.scheduler.running),
-                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + waiting_kv,
-                "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
-                "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
-                "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
-                "busy_s": self.loop.busy_s, "draining": self.draining,
-                "tpot": self.tpot.percentiles(self.clock()),
-                "kv_blocks_waiting": sum(e.allocator.blocks_needed(r.num_tokens) for r in e.scheduler.waiting),
-                "draft_tokens": getattr(e.stats, "draft_tokens", 0),
-                "accepted_draft_tokens": getattr(e.stats, "accepted_draft_tokens", 0),
-                "loop_error": repr(self.loop.error) if self.loop.error else None,
-                "last_step_error": self.loop.last_step_error,
-                "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
-                "mid_step_calls": self.loop.mid_step_calls,
-                "late_compiles": compile_watch.late,
-                "cuda_graphs": e.runner.graph_stats, **self.counters, **self.transfer_times.stats()}
+        return WorkerStats(
+            self.worker_id, "decode", running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting) + len(e.scheduler.ready) + waiting_kv,
+            kv_blocks_used=a.num_used_blocks, kv_blocks_total=a.num_blocks,
+            prefix_queries=a.prefix_queries, prefix_hits=a.prefix_hits, tokens_computed=e.stats.tokens_computed,
+            steps=e.stats.steps, busy_s=self.loop.busy_s, draining=self.draining,
+            tpot=Percentiles(**self.tpot.percentiles(self.clock())),
+            kv_blocks_waiting=sum(a.blocks_needed(r.num_tokens) for r in e.scheduler.waiting),
+            draft_tokens=getattr(e.stats, "draft_tokens", 0),
+            accepted_draft_tokens=getattr(e.stats, "accepted_draft_tokens", 0),
+            loop_error=repr(self.loop.error) if self.loop.error else None,
+            last_step_error=self.loop.last_step_error, warmup_s=self.warmup["seconds"] if self.warmup else 0.0,
+            slow_steps=self.loop.slow_steps, mid_step_calls=self.loop.mid_step_calls,
+            late_compiles=compile_watch.late, cuda_graphs=e.runner.graph_stats,
+            **self.counters, **self.transfer_times.stats())

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kernels.compile_watch import watch as compile_watch
@@ -40,6 +40,7 @@ from tandem.runtime.latency import LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, TransferFailed, WorkerUnavailable
 from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult
+from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class PrefillWorker:
                          "kv_transfer_bytes": 0}
         self.transfer_times = TransferTimes()  # KV delivered, per transfer: the kv_transfer_seconds histogram
         self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: WorkerStats | None = None
         self.loop = EngineLoop(engine, on_step=self._on_step, before_step=self._before_step,
                                layer_done=self._layer_done, on_step_error=self._fail_engine_requests,
                                name=f"{worker_id}-loop")
@@ -130,7 +131,7 @@ class PrefillWorker:
     def abort(self, transfer_id: str) -> bool:
         return self.loop.run(self._abort, transfer_id)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """The latest snapshot, taken by the loop between steps: answers at once even while a long
         step runs (health checks must not wait for the engine)."""
         return self._snapshot or self.loop.run(self._stats)
@@ -353,27 +354,25 @@ class PrefillWorker:
                 self.engine.abort(tid)
         self.counters["step_failures"] = self.counters.get("step_failures", 0) + 1
 
-    def _stats(self) -> dict[str, Any]:
+    def _stats(self) -> WorkerStats:
         e = self.engine
         a = e.allocator
         reserved = sum(1 for j in self.jobs.values() if j.state is PrefillState.RESERVED)
         started = sum(1 for j in self.jobs.values() if j.started)
-        return {"worker_id": self.worker_id, "pool": "prefill", "running": len(e.scheduler.running),
-                "waiting": len(e.scheduler.waiting) + len(e.scheduler.ready) + reserved,
-                "queued_prompt_tokens": sum(r.num_tokens - r.num_computed_tokens
-                                            for r in list(e.scheduler.running) + list(e.scheduler.ready)),
-                "in_flight": started + reserved,
-                "kv_blocks_used": a.num_used_blocks, "kv_blocks_total": a.num_blocks,
-                "prefix_queries": a.prefix_queries, "prefix_hits": a.prefix_hits,
-                "tokens_computed": e.stats.tokens_computed, "steps": e.stats.steps,
-                "busy_s": self.loop.busy_s, "draining": self.draining,
-                "prefill_latency": self.latency.percentiles(self.clock()),
-                "loop_error": repr(self.loop.error) if self.loop.error else None,
-                "last_step_error": self.loop.last_step_error,
-                "warmup_s": self.warmup["seconds"] if self.warmup else 0.0, "slow_steps": self.loop.slow_steps,
-                "mid_step_calls": self.loop.mid_step_calls,
-                "late_compiles": compile_watch.late,
-                "cuda_graphs": e.runner.graph_stats, **self.counters, **self.transfer_times.stats()}
+        return WorkerStats(
+            self.worker_id, "prefill", running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting) + len(e.scheduler.ready) + reserved,
+            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens
+                                     for r in list(e.scheduler.running) + list(e.scheduler.ready)),
+            in_flight=started + reserved, kv_blocks_used=a.num_used_blocks, kv_blocks_total=a.num_blocks,
+            prefix_queries=a.prefix_queries, prefix_hits=a.prefix_hits, tokens_computed=e.stats.tokens_computed,
+            steps=e.stats.steps, busy_s=self.loop.busy_s, draining=self.draining,
+            prefill_latency=Percentiles(**self.latency.percentiles(self.clock())),
+            loop_error=repr(self.loop.error) if self.loop.error else None,
+            last_step_error=self.loop.last_step_error, warmup_s=self.warmup["seconds"] if self.warmup else 0.0,
+            slow_steps=self.loop.slow_steps, mid_step_calls=self.loop.mid_step_calls,
+            late_compiles=compile_watch.late, cuda_graphs=e.runner.graph_stats,
+            **self.counters, **self.transfer_times.stats())
 
 
 def _timings(job: PrefillJob, last: str) -> dict[str, float]:

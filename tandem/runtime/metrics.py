@@ -27,6 +27,8 @@ from typing import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
 
+from tandem.wire.stats import WorkerStats
+
 # TTFT spans a warm-cache GPU prefill (ms) to a cold 100k-token prompt on CPU (minutes).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -88,18 +90,15 @@ class WorkerMetricsSnapshot:
     @classmethod
     def from_worker_stats(cls, w: dict) -> "WorkerMetricsSnapshot":
         """A worker as the controller gathered it ({"worker_id", "pool", "pid", "stats": the
-        worker's stats}) in the hub's terms."""
-        s = w.get("stats") or {}
+        worker's WorkerStats or None}) in the hub's terms."""
+        s = w.get("stats") or WorkerStats(w["worker_id"], w["pool"])
         return cls(
             worker_id=w["worker_id"], pool=w["pool"], incarnation=str(w.get("pid", "")),
-            running=s.get("running", 0), waiting=s.get("waiting", 0),
-            kv_blocks_used=s.get("kv_blocks_used", 0), kv_blocks_total=s.get("kv_blocks_total", 0),
-            prefix_queries=s.get("prefix_queries", 0), prefix_hits=s.get("prefix_hits", 0),
-            kv_transfer_bytes=s.get("kv_transfer_bytes", 0),
-            kv_transfer_count=s.get("kv_transfer_count", 0),
-            kv_transfer_seconds_sum=s.get("kv_transfer_seconds", 0.0),
-            kv_transfer_seconds_buckets=tuple(s.get("kv_transfer_seconds_buckets", ())),
-            draft_tokens=s.get("draft_tokens", 0), accepted_tokens=s.get("accepted_draft_tokens", 0))
+            running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+            prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits, kv_transfer_bytes=s.kv_transfer_bytes,
+            kv_transfer_count=s.kv_transfer_count, kv_transfer_seconds_sum=s.kv_transfer_seconds,
+            kv_transfer_seconds_buckets=tuple(s.kv_transfer_seconds_buckets),
+            draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens)
 
     @property
     def kv_cache_usage(self) -> float:

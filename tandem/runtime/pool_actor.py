@@ -5,12 +5,14 @@ own (ACTOR_CONCURRENCY)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
 import ray
 
 from tandem.runtime.process import gc_stats
+from tandem.wire.stats import ProcessStats, WorkerStats
 
 
 def describe(worker_id: str, pool: str) -> dict:
@@ -45,15 +47,15 @@ class PoolActorBase:
         return self.worker.abort(request_id)
 
     @ray.method(concurrency_group="health")
-    def stats(self):
-        return {**self.worker.stats(), **gc_stats()}
+    def stats(self) -> WorkerStats:
+        return dataclasses.replace(self.worker.stats(), process=ProcessStats(**gc_stats()))
 
     @ray.method(concurrency_group="health")
     def set_draining(self, draining: bool = True):
         """Stop (or resume) taking new requests; the answer is the latest stats with the new state
         (the snapshot itself is taken by the engine loop between steps, so it may predate this)."""
         self.worker.draining = draining
-        return {**self.worker.stats(), "draining": draining}
+        return dataclasses.replace(self.worker.stats(), draining=draining)
 
     def shutdown(self):
         self.worker.shutdown()

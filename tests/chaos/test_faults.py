@@ -58,7 +58,7 @@ def test_kill_decode_actor_mid_stream(make_cluster):
     ref = _reference("tiny-random", reqs)
     results, errors = [None] * len(reqs), []
     threads = _streams(c, reqs, results, errors)
-    _wait(lambda: c.worker_stats().get("decode-1", {}).get("running", 0) > 0, 60, "streams on decode-1")
+    _wait(lambda: getattr(c.worker_stats().get("decode-1"), "running", 0) > 0, 60, "streams on decode-1")
     os.kill(_worker_pid(c, "decode-1"), signal.SIGKILL)
     for t in threads:
         t.join(300)
@@ -82,7 +82,7 @@ def test_kill_prefill_actor_mid_transfer(make_cluster):
     ref = _reference("smollm2-135m", reqs, 1024)
     results, errors = [None] * len(reqs), []
     threads = _streams(c, reqs, results, errors)
-    _wait(lambda: c.worker_stats().get("prefill-0", {}).get("running", 0) > 0, 60, "a prefill in progress")
+    _wait(lambda: getattr(c.worker_stats().get("prefill-0"), "running", 0) > 0, 60, "a prefill in progress")
     os.kill(_worker_pid(c, "prefill-0"), signal.SIGKILL)
     for t in threads:
         t.join(300)
@@ -155,8 +155,8 @@ def test_a_failing_step_costs_its_requests_a_retry_not_the_actor(make_cluster):
     assert not errors, errors
     assert results == ref
     stats = c.worker_stats()["decode-0"]
-    assert stats["step_failures"] == 1 and stats["last_step_error"].startswith("InjectedStepFailure")
-    assert stats["loop_error"] is None
+    assert stats.step_failures == 1 and stats.last_step_error.startswith("InjectedStepFailure")
+    assert stats.loop_error is None
     used = c.wait_idle()
     assert all(v == 0 for v in used.values()), used
     assert c.generate(prompt=reqs[1]["prompt"], max_tokens=10, ignore_eos=True)[0] == ref[1][:10]
@@ -172,10 +172,10 @@ def test_a_failing_prefill_step_falls_back_to_local_prefill(make_cluster):
     ids, _, last = c.generate(prompt=reqs[0]["prompt"], max_tokens=12, ignore_eos=True)
     assert ids == ref[0]
     stats = c.worker_stats()
-    assert stats["prefill-0"]["step_failures"] == 1 and stats["prefill-0"]["loop_error"] is None
+    assert stats["prefill-0"].step_failures == 1 and stats["prefill-0"].loop_error is None
     used = c.wait_idle()
     assert all(v == 0 for v in used.values()), used
     # the prefill actor still serves: the next remote prefill goes through it
-    before = stats["prefill-0"].get("prefills", 0)
+    before = stats["prefill-0"].prefills
     assert c.generate(prompt="and now a prompt that prefills remotely " * 5, max_tokens=4)[0]
-    assert c.worker_stats()["prefill-0"].get("prefills", 0) == before + 1
+    assert c.worker_stats()["prefill-0"].prefills == before + 1

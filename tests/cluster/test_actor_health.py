@@ -22,10 +22,10 @@ def test_health_calls_answer_while_every_request_thread_waits(ray_session):
         time.sleep(0.5)                                   # the long-poll holds the only request thread
         t0 = time.monotonic()
         stats = ray.get(actor.stats.remote(), timeout=2.0)
-        assert stats["worker_id"] == "decode-h" and time.monotonic() - t0 < 2.0
-        assert ray.get(actor.set_draining.remote(True), timeout=2.0)["draining"]
+        assert stats.worker_id == "decode-h" and time.monotonic() - t0 < 2.0
+        assert ray.get(actor.set_draining.remote(True), timeout=2.0).draining
         end = time.monotonic() + 2.0                      # the loop's next snapshot shows it
-        while not ray.get(actor.stats.remote(), timeout=2.0)["draining"]:
+        while not ray.get(actor.stats.remote(), timeout=2.0).draining:
             assert time.monotonic() < end, "draining never showed in stats"
             time.sleep(0.05)
         assert not ray.get(poll, timeout=10)             # the long-poll itself ends normally

@@ -98,7 +98,7 @@ def test_drain_in_the_middle_of_streams_loses_nothing(make_cluster):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until decode-1 has streams in flight
         st = c.worker_stats()
-        if st.get("decode-1", {}).get("running", 0) > 0:
+        if getattr(st.get("decode-1"), "running", 0) > 0:
             break
         time.sleep(0.05)
     w = c.admin.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id="decode-1"), timeout=10)

@@ -66,13 +66,13 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
     ids, _, _ = remote.generate(messages=CHAT, max_tokens=12)
     assert ids == ref[-1]["token_ids"]
     stats = remote.worker_stats()
-    assert stats["decode-0"]["remote_prefills"] >= 6, "these requests were meant to take the remote path"
-    assert stats["prefill-0"]["prefills"] >= 6
+    assert stats["decode-0"].remote_prefills >= 6, "these requests were meant to take the remote path"
+    assert stats["prefill-0"].prefills >= 6
     from tandem.runtime.process import DEFAULT_GIL_SWITCH_INTERVAL_S
     for actor in ("decode-0", "prefill-0"):
-        assert stats[actor]["gil_switch_interval_s"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S), \
+        assert stats[actor].process.gil_switch_interval_s == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_S), \
             f"{actor} serves with Python's 5 ms GIL switch interval"
-        assert stats[actor]["mid_step_calls"] >= 0
+        assert stats[actor].mid_step_calls >= 0
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -141,12 +141,12 @@ def test_second_turn_hits_the_cache_remote_path(remote, caplog):
     new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
     # the prefill actor computed exactly the uncached prompt tokens (and sampled the first output
     # token from the last one's logits)
-    computed = after["prefill-0"]["computed_tokens"] - before["prefill-0"]["computed_tokens"]
+    computed = after["prefill-0"].computed_tokens - before["prefill-0"].computed_tokens
     assert computed == new
     # the part of the prompt the decode actor had cached and the prefill actor had not (the first
     # turn's output) was pulled from the decode actor, not recomputed
-    assert after["prefill-0"]["pulled_tokens"] > before["prefill-0"]["pulled_tokens"]
-    assert after["decode-0"]["remote_prefills"] == before["decode-0"]["remote_prefills"] + 1
+    assert after["prefill-0"].pulled_tokens > before["prefill-0"].pulled_tokens
+    assert after["decode-0"].remote_prefills == before["decode-0"].remote_prefills + 1
 
 
 def test_second_turn_hits_the_cache_local_path(make_cluster):
@@ -154,9 +154,9 @@ def test_second_turn_hits_the_cache_local_path(make_cluster):
     last1, last2, before, after = _two_turns(local, "sess-local")
     assert last2.usage.cached_prompt_tokens >= last1.usage.prompt_tokens
     new = last2.usage.prompt_tokens - last2.usage.cached_prompt_tokens
-    d = after["decode-0"]["tokens_computed"] - before["decode-0"]["tokens_computed"]
+    d = after["decode-0"].tokens_computed - before["decode-0"].tokens_computed
     assert d == new + last2.usage.completion_tokens - 1
-    assert after["prefill-0"]["prefills"] == 0
+    assert after["prefill-0"].prefills == 0
 
 
 BAD = [
@@ -239,8 +239,8 @@ def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
     ref = offline(reqs)
     assert _generate_concurrently(c, reqs, "s") == [r["token_ids"] for r in ref]
     stats = c.worker_stats()
-    assert all(stats[w]["requests"] > 0 for w in ("decode-0", "decode-1")), "both decode actors should serve"
-    assert sum(stats[w]["prefills"] for w in ("prefill-0", "prefill-1")) > 0
+    assert all(stats[w].requests > 0 for w in ("decode-0", "decode-1")), "both decode actors should serve"
+    assert sum(stats[w].prefills for w in ("prefill-0", "prefill-1")) > 0
     assert all(v == 0 for v in c.wait_idle().values())
 
 
@@ -254,8 +254,8 @@ def test_a_backlogged_prefill_pool_sends_new_prompts_to_local_prefill(make_clust
     ref = offline(reqs)
     assert _generate_concurrently(c, reqs, "q") == [r["token_ids"] for r in ref]
     d = c.worker_stats()["decode-0"]
-    assert d["remote_prefills"] >= 1 and d["local_prefills"] >= 1, d     # an idle prefill actor takes one
-    assert d["remote_prefills"] + d["local_prefills"] == len(reqs)
+    assert d.remote_prefills >= 1 and d.local_prefills >= 1, d     # an idle prefill actor takes one
+    assert d.remote_prefills + d.local_prefills == len(reqs)
     assert all(v == 0 for v in c.wait_idle().values())
 
 

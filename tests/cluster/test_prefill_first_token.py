@@ -154,7 +154,7 @@ def test_a_reservation_never_started_is_freed_and_a_late_start_refused(prefill):
     deadline = time.monotonic() + 10
     while used() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert used() == 0 and prefill.stats()["reservations_expired"] == 1
+    assert used() == 0 and prefill.stats().reservations_expired == 1
     spec = TransferSpec("t-late", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
                         tuple(res.block_ids), tuple(range(len(res.block_ids))), len(ids))
     with pytest.raises(NoReservation, match="not started within"):
@@ -168,7 +168,7 @@ def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
     before = prefill.stats()
     prefill.loop.run(lambda: prefill.receiver._table.finish("pull-early", TransferState.DONE))
     deadline = time.monotonic() + 10
-    while prefill.stats()["pulled_tokens"] == before["pulled_tokens"] and time.monotonic() < deadline:
+    while prefill.stats().pulled_tokens == before.pulled_tokens and time.monotonic() < deadline:
         time.sleep(0.01)                                      # reaped by the loop, start not yet come
     assert prefill.held() == {"t-early": "reserved"}
     spec = TransferSpec("t-early", "prefill-t", "decode-absent", tuple(range(prefill.engine.kv_cache.num_layers)),
@@ -183,5 +183,5 @@ def test_a_pull_that_lands_before_start_is_used_not_recomputed(prefill):
     threading.Thread(target=start, daemon=True).start()
     prefill.first_token("t-early", timeout_s=30)
     after = prefill.stats()
-    assert after["pulled_tokens"] - before["pulled_tokens"] == 16
-    assert after["computed_tokens"] - before["computed_tokens"] == 80 - 16
+    assert after.pulled_tokens - before.pulled_tokens == 16
+    assert after.computed_tokens - before.computed_tokens == 80 - 16

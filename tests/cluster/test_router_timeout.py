@@ -37,7 +37,7 @@ def test_a_silent_router_loses_its_requests_and_their_kv():
         for i in range(2):
             w.reserve(DecodeReserve(f"dead-{i}", "r-dead", list(range(3 + i, 40 + i)), sampling))
         w.reserve(DecodeReserve("live-0", "r-live", list(range(50, 90)), sampling))
-        _until(lambda: w.counters.get("router_timeouts", 0) == 2)
+        _until(lambda: w.stats().router_timeouts == 2)
         assert w.held() == {"live-0": "in_engine"}              # the live router's request goes on
         used = w.kv_blocks_used()
         live_blocks = w.loop.run(lambda: len(w.engine.scheduler.requests["live-0"].block_ids))

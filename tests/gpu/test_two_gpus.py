@@ -282,9 +282,9 @@ def _generate(overrides: dict, prompts: list[list[int]]) -> tuple[list[list[int]
                                      ignore_eos=True)[0])
         counters = {}
         for stats in cluster.worker_stats().values():
-            if stats.get("pool") == "decode":
+            if stats.pool == "decode":
                 for k in ("remote_prefills", "local_prefills", "transfer_failures"):
-                    counters[k] = counters.get(k, 0) + stats.get(k, 0)
+                    counters[k] = counters.get(k, 0) + getattr(stats, k)
         return outs, counters
     finally:
         cluster.close()

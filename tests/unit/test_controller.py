@@ -4,14 +4,17 @@ health the test sets, time is a fake clock, and every assertion goes through the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tandem.cluster.config import load_config
 from tandem.cluster.members import Probe, ProbeResult
 from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S, Pools
+from tandem.wire.stats import Percentiles, WorkerStats
 
-IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
-BUSY = {"running": 3, "waiting": 1, "in_flight": 0}
+IDLE = WorkerStats("w", "decode", running=0, waiting=0, in_flight=0)
+BUSY = WorkerStats("w", "decode", running=3, waiting=1, in_flight=0)
 
 
 class FakeClock:
@@ -31,7 +34,7 @@ class FakeMember:
     def __init__(self, worker_id: str, pool: str) -> None:
         self.worker_id, self.pool = worker_id, pool
         self.ready = ProbeResult(Probe.OK, {"pid": 1, "kv_blocks_total": 64})
-        self.health = ProbeResult(Probe.OK, dict(BUSY))
+        self.health = ProbeResult(Probe.OK, BUSY)
         self.draining = self.killed = self.shut_down = False
         self.stop_deadline: float | None = None
 
@@ -121,7 +124,7 @@ def test_missed_checks_in_a_row_make_a_worker_dead_and_an_answer_resets_the_coun
     pools.check()
     m = fleet.members["prefill-0"]
     missed = ProbeResult(Probe.FAILED, error=TimeoutError("stats() unanswered"))
-    for health in (missed, missed, ProbeResult(Probe.OK, dict(IDLE)), missed, missed):
+    for health in (missed, missed, ProbeResult(Probe.OK, IDLE), missed, missed):
         m.health = health
         pools.check()
         clock.advance(1.0)
@@ -144,7 +147,7 @@ def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
     pools.check()                      # still busy: it stays, draining, and nobody replaces it
     assert states(pools) == {"prefill-0": "ready", "decode-0": "ready", "decode-1": "draining"}
     assert pools.state()["pools"]["decode"]["draining"] == 1
-    m.health = ProbeResult(Probe.OK, dict(IDLE))
+    m.health = ProbeResult(Probe.OK, IDLE)
     pools.check()                      # idle: asked to shut down, out of the membership at once
     assert "decode-1" not in states(pools) and m.stop_deadline == clock() + DRAINED_STOP_TIMEOUT_S
     assert not m.killed
@@ -159,7 +162,7 @@ def test_a_drained_worker_that_never_finishes_its_shutdown_is_killed_after_the_t
     pools, fleet, clock = make_pools()
     pools.check()
     pools.drain_worker("prefill-0")
-    fleet.members["prefill-0"].health = ProbeResult(Probe.OK, dict(IDLE))
+    fleet.members["prefill-0"].health = ProbeResult(Probe.OK, IDLE)
     pools.check()
     clock.advance(DRAINED_STOP_TIMEOUT_S - 0.5)
     pools.check()
@@ -191,7 +194,7 @@ def test_the_autoscaler_decides_once_a_period_and_leaves_a_pinned_pool():
                                       "autoscaler.upscale_delay_s": 0.0, "autoscaler.prefill_max": 4})
     pools.check()
     pools.set_bounds("decode", 1, 8, target=2)
-    heavy = {**IDLE, "queued_prompt_tokens": 10**6, "prefill_latency": {"p50": 9.0, "p90": 9.0, "p99": 9.0}}
+    heavy = dataclasses.replace(IDLE, queued_prompt_tokens=10**6, prefill_latency=Percentiles(9.0, 9.0, 9.0))
     fleet.members["prefill-0"].health = ProbeResult(Probe.OK, heavy)
     pools.check()
     pools.maybe_autoscale()

@@ -58,7 +58,7 @@ def test_a_long_prompt_offered_remote_prefill_reserves_the_blocks_the_kv_lands_i
     plan = decode.reserve(DecodeReserve("r2", "router-a", list(range(10, 90)), SP, transfer_id="t2"))
     assert plan.remote and plan.expecting is None and plan.num_tokens == 80 and len(plan.dst_block_ids) == 5
     assert decode.held() == {"r2": "reserved", "t2": "reserved"}
-    assert decode.kv_blocks_used() == 5 and decode.stats()["remote_prefills"] == 1
+    assert decode.kv_blocks_used() == 5 and decode.stats().remote_prefills == 1
     assert decode.abort("r2")
     assert decode.held() == {} and decode.kv_blocks_used() == 0
 
@@ -92,7 +92,7 @@ def test_a_silent_router_loses_its_requests_and_their_kv_and_finds_errors_when_b
         clock.advance(20.0)
         w.get_outputs("r-live", 0.0)                      # the live router polls; the dead one does not
         clock.advance(20.0)                               # r-dead silent 40 s, r-live 20 s
-        until(lambda: w.stats().get("router_timeouts") == 1)
+        until(lambda: w.stats().router_timeouts == 1)
         assert w.held() == {"live-0": "in_engine"}
         back = w.get_outputs("r-dead", 0.5)
         assert [(type(m), m.request_id) for m in back] == [(OutputError, "dead-0")] and "did not poll" in back[0].error

@@ -110,8 +110,8 @@ def test_the_decode_workers_cached_prefix_is_pulled_not_recomputed(prefill, deco
     before = prefill.stats()
     assert run_remote(prefill, decode, "r2", ids) == one_engine(ids)
     after = prefill.stats()
-    assert after["pulled_tokens"] - before["pulled_tokens"] == 48
-    assert after["computed_tokens"] - before["computed_tokens"] == len(ids) - 48
+    assert after.pulled_tokens - before.pulled_tokens == 48
+    assert after.computed_tokens - before.computed_tokens == len(ids) - 48
     until(lambda: prefill.held() == {} and prefill.kv_blocks_used() == 0)
 
 
@@ -124,7 +124,7 @@ def test_a_reservation_never_started_is_freed_after_its_timeout_and_a_late_start
         assert w.held() == {"t-late": "reserved"} and w.kv_blocks_used() > 0
         clock.advance(121.0)
         until(lambda: w.kv_blocks_used() == 0)
-        assert w.held() == {} and w.stats()["reservations_expired"] == 1
+        assert w.held() == {} and w.stats().reservations_expired == 1
         spec = TransferSpec("t-late", "prefill-0", "decode-0", (0, 1), res.block_ids, res.block_ids, 80)
         with pytest.raises(NoReservation, match="not started within"):
             w.start(spec)
@@ -155,7 +155,7 @@ def test_a_transfer_whose_peer_dies_fails_start_and_frees_everything(net, prefil
     with pytest.raises(TransferFailed):
         prefill.start(transfer_spec("t3", res, plan, prefill.engine.kv_cache.num_layers), timeout_s=30)
     until(lambda: prefill.held() == {} and prefill.kv_blocks_used() == 0)
-    assert prefill.stats()["transfer_failures"] == 1
+    assert prefill.stats().transfer_failures == 1
     errors: list = []
     until(lambda: errors.extend(m for m in decode.get_outputs("router", 0.05) if isinstance(m, OutputError))
           or errors)
