@@ -32,12 +32,14 @@ import time
 import traceback
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.model import TritonOps
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import SamplingParams
-from tandem.engine.weights import load_model
+from tandem.engine.weights import hf_state_dict, load_model
 
 
 class Bench:
@@ -98,7 +100,7 @@ class Bench:
         src = torch.randn(n, device=self.dev, dtype=torch.bfloat16)
         dst = torch.empty_like(src)
         copy_ms = self.gpu_ms(lambda: dst.copy_(src), reps=30, warmup=5)
-        del src, dst
+        src = dst = None  # 4 GiB back before the matmuls
         m = 256 if self.dry else 8192
         a = torch.randn(m, m, device=self.dev, dtype=torch.bfloat16)
         b = torch.randn(m, m, device=self.dev, dtype=torch.bfloat16)
@@ -108,7 +110,7 @@ class Bench:
             "copy_gbs": 2 * n * 2 / copy_ms / 1e6, "matmul_tflops": 2 * m**3 / mm_ms / 1e9,
             "torch": torch.__version__}
         if self.dev.type == "cuda":
-            import triton
+            import triton  # noqa: PLC0415 - installed only where CUDA is (x86_64 Linux)
 
             c["triton"] = triton.__version__
             c["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
@@ -191,8 +193,6 @@ class Bench:
         t0 = time.perf_counter()
         model, tok, cfg = load_model(name, dtype, str(self.dev), seed=0)
         if self.dry:
-            from tandem.engine.model import TritonOps
-
             model.ops = TritonOps()
         self.sync()
         self.results["llama_load_s"] = time.perf_counter() - t0
@@ -250,8 +250,6 @@ class Bench:
         eager = lambda: e.runner.execute(batch_inputs, layer_done=lambda layer: None)  # noqa: E731
         eager()
         self.sync()
-        from torch.profiler import ProfilerActivity, profile
-
         acts = [ProfilerActivity.CUDA] if self.dev.type == "cuda" else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
             for _ in range(3):
@@ -312,13 +310,14 @@ class Bench:
                 gbs = w.numel() * w.element_size() / ms / 1e6
                 rows.append({"m": m, "weight": name, "shape": list(w.shape), "us": ms * 1e3,
                              "gbs": gbs, "of_copy": gbs / bw})
-                del copies
+                copies = None  # the weight copies go before the next shape's
         print(f"# gemm {[(r['m'], r['weight'], round(r['of_copy'], 2)) for r in rows]}", flush=True)
 
     # ---- transformers ---------------------------------------------------------------------
     def peer(self):
-        from transformers import LlamaConfig
-        from transformers import LlamaForCausalLM as HFLlama
+        # the reference implementation: a test extra, loaded only for this section
+        from transformers import LlamaConfig  # noqa: PLC0415
+        from transformers import LlamaForCausalLM as HFLlama  # noqa: PLC0415
 
         model = self.model
         self.model = None
@@ -357,7 +356,7 @@ class Bench:
                  "transformers": __import__("transformers").__version__}
             rows.append(r)
             print(f"# transformers generate {r}", flush=True)
-        del hf
+        hf = None  # the peer model's memory back before the next section
 
     # ---- smollm2 --------------------------------------------------------------------------
     def small(self):
@@ -365,8 +364,6 @@ class Bench:
         dtype = "float32" if self.dry else "bfloat16"
         model, tok, _ = load_model(name, dtype, str(self.dev), seed=0)
         if self.dry:
-            from tandem.engine.model import TritonOps
-
             model.ops = TritonOps()
         batches = (1, 2) if self.dry else (1, 2, 4, 8, 16, 32, 64)
         ctx = 64 if self.dry else 512
@@ -439,8 +436,6 @@ class Bench:
 
 def device_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Views of the model's own GPU tensors under Hugging Face names (no copy to the host)."""
-    from tandem.engine.weights import hf_state_dict
-
     return hf_state_dict(model, on_host=False)
 
 
