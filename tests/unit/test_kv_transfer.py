@@ -1,6 +1,7 @@
 """KV transfer over the in-process fake transport: the real sender/receiver state machines, no Ray,
 no torch.distributed groups. Their contract: order, aborts, timeouts, dead and restarted peers,
-releases. (Batching and staging: test_kv_batching.py; direct copies: test_kv_direct_copy.py.)"""
+releases. (Batching and staging: test_kv_batching.py; direct copies: test_kv_direct_copy.py; what
+goes on the wire: test_kv_frames.py.)"""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ import threading
 import time
 from collections import Counter
 
-import msgpack
 import pytest
 import torch
 
 from tandem.kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
                                      KVTransferTimeout, TransferSpec, TransferState)
 from tandem.kv_transfer.fake import FakeNetwork, make_fake_pair
-from tandem.kv_transfer.link import (FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_bytes,
-                                     frame_tail_bytes)
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.records import TransferTable
 from tandem.kv_transfer.sender import LayerStreamSender
@@ -35,37 +33,8 @@ def pair():
     opened[1].close()
 
 
-def test_spec_msgpack_round_trip_and_validation():
-    spec = make_spec()
-    assert TransferSpec.from_msg(msgpack.unpackb(msgpack.packb(spec.to_msg()))) == spec
-    with pytest.raises(ValueError):
-        make_spec(src=(1, 2), dst=(3,))
-    with pytest.raises(ValueError):
-        make_spec(layers=(0, 0))
-    with pytest.raises(ValueError):
-        make_spec(dst=(4, 4, 5))
-    with pytest.raises(ValueError):
-        TransferSpec("r", "a", "a", (0,), (1,), (1,), 1)
 
 
-def test_control_frame_round_trip():
-    msg = {"op": "layer", "rid": "r" * 200, "idx": 3, "layer": 7, "shape": [3, 2, 4, 2, 8]}
-    frame = encode_frame(msg)
-    assert frame.shape == (FRAME_BYTES,) and frame.dtype == torch.uint8
-    assert decode_frame(frame) == msg and frame_tail_bytes(frame) == 0
-    # a longer frame (a direct copy's block ids) is a head and a tail, decoded as one
-    big = {"op": "ready", "src": bytes(range(256)) * 40}
-    frame = encode_frame(big)
-    assert frame.numel() > FRAME_BYTES and frame_tail_bytes(frame[:FRAME_BYTES]) == frame.numel() - FRAME_BYTES
-    assert decode_frame(frame) == big
-    with pytest.raises(ValueError, match="corrupt"):
-        decode_frame(frame[:FRAME_BYTES])          # the head alone
-    with pytest.raises(ValueError, match="exceeds"):
-        encode_frame({"op": "x", "blob": "y" * MAX_FRAME_BYTES})
-    # the Unix socket carries the same frames as bytes
-    raw = frame_bytes(big)
-    assert bytes(raw) == encode_frame(big).numpy().tobytes()
-    assert frame_tail_bytes(raw[:FRAME_BYTES]) == len(raw) - FRAME_BYTES and decode_frame(raw) == big
 
 
 def test_the_transfer_table_walks_only_unfinished_transfers():
