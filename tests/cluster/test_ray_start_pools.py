@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray") if (BIN / "ray").exists() else shutil.which("ray")
 # `tandem` without relying on the console script being on PATH.
-TANDEM = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())"]
+TANDEM = [sys.executable, "-c", "import sys; from tandem.cluster.cli import main; sys.exit(main())"]
 ROOT = Path(__file__).resolve().parents[2]
 
 NODE_START_S = 60     # a `ray start` until its node shows in the cluster's resources
@@ -155,18 +155,77 @@ def no_local_ray():
     yield
 
 
-@pytest.mark.isolated  # make test runs it in a pytest process of its own: no other Ray on the machine
-@pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
-def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
-    gcs_port, grpc_port = _free_port(), _free_port()
+def _start_with_restarts(procs: _Processes, name: str, argv: list[str], wait_until_up) -> None:
+    """Start a `ray start`; one that exits during startup is started once more (with the same
+    argv), as the kubelet restarts a pod whose container exited."""
+    for attempt in range(NODE_START_ATTEMPTS):
+        node = procs.start(name + (f"-retry{attempt}" if attempt else ""), argv())
+        try:
+            wait_until_up()
+            return
+        except AssertionError:
+            if node.poll() is None or attempt + 1 == NODE_START_ATTEMPTS:
+                raise
+            procs.forget(node)
+
+
+def _start_nodes(procs: _Processes, gcs_port: int, temp_dir: str, env: dict[str, str]) -> str:
+    """The head and the two worker groups, as deploy/kuberay's pods start them; -> the GCS address."""
     address = f"127.0.0.1:{gcs_port}"
-    # Short: Ray's unix socket paths under it must stay below 108 bytes.
-    temp_dir = tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp")
+    # The head pod: rayStartParams {num-cpus: "0"}, so no pool actor can land here. Restarted with
+    # fresh ports: Ray picks some component ports at random and refuses to start when one collides
+    # with a port it was given ("... is trying to use a port number ... used by other components").
+    _start_with_restarts(procs, "ray-head", lambda: [
+        RAY, "start", "--head", "--block", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}", *_node_ports()],
+        lambda: _wait_for("the head's GCS", lambda: subprocess.run(
+            [RAY, "health-check", f"--address={address}"], capture_output=True, env=env,
+            timeout=30).returncode == 0, NODE_START_S, procs))
+    # The worker groups: rayStartParams.resources '"{\"tandem_prefill\": 1}"' and the decode one.
+    # One node at a time: two raylets registering at once on a 2-core machine once made one of
+    # them time out asking the GCS for its node info.
+    for pool in ("prefill", "decode"):
+        argv = [RAY, "start", "--block", f"--address={address}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
+                f"--resources={json.dumps({f'tandem_{pool}': 1})}",
+                f"--temp-dir={temp_dir}", "--disable-usage-stats", *_node_ports()]
+        _start_with_restarts(procs, f"ray-{pool}", lambda argv=argv: argv, lambda pool=pool: _wait_for(
+            f"the {pool} node", lambda: f"tandem_{pool}" in _ray_resources(address, env)[0],
+            NODE_START_S, procs, every_s=2.0))
+    return address
+
+
+def _generate_one(channel) -> None:
+    """One Generate call of 8 tokens; it must end with LENGTH and report its usage."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    request = generation_pb2.GenerateRequest(
+        prompt="def add(a, b):",
+        sampling=generation_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    responses = list(stub.Generate(request, timeout=REQUEST_S))
+    token_ids = [t for r in responses for t in r.token_ids]
+    assert len(token_ids) == 8, responses
+    last = responses[-1]
+    reason = last.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[last.finish_reason].name
+    assert reason.endswith("LENGTH"), reason
+    assert last.usage.completion_tokens == 8 and last.usage.prompt_tokens > 0, last.usage
+
+
+def _cluster_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_AUTH_TOKEN")}
     # Ray's token authentication, as a KubeRay cluster with authOptions.mode=token runs it: every
     # node and client shares one token
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex + uuid.uuid4().hex)
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    return env
+
+
+@pytest.mark.isolated  # make test runs it in a pytest process of its own: no other Ray on the machine
+@pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
+def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
+    gcs_port, grpc_port = _free_port(), _free_port()
+    # Short: Ray's unix socket paths under it must stay below 108 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp")
+    env = _cluster_env()
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"name": "tiny-random", "device": "cpu", "dtype": "float32"},
@@ -178,43 +237,7 @@ def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
     procs = _Processes(tmp_path, env)
     channel = None
     try:
-        # The head pod: rayStartParams {num-cpus: "0"}, so no pool actor can land here. Started
-        # again, with fresh ports, if it exits during startup (as the kubelet restarts the pod):
-        # Ray picks some component ports at random and refuses to start when one collides with
-        # a port it was given ("... is trying to use a port number ... used by other components").
-        for attempt in range(NODE_START_ATTEMPTS):
-            head = procs.start("ray-head" + (f"-retry{attempt}" if attempt else ""), [
-                RAY, "start", "--head", "--block", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                f"--temp-dir={temp_dir}", "--disable-usage-stats",
-                f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}", *_node_ports()])
-            try:
-                _wait_for("the head's GCS", lambda: subprocess.run(
-                    [RAY, "health-check", f"--address={address}"], capture_output=True, env=env,
-                    timeout=30).returncode == 0, NODE_START_S, procs)
-                break
-            except AssertionError:
-                if head.poll() is None or attempt + 1 == NODE_START_ATTEMPTS:
-                    raise
-                procs.forget(head)
-        # The worker groups: rayStartParams.resources '"{\"tandem_prefill\": 1}"' and the decode one.
-        # One node at a time: two raylets registering at once on a 2-core machine once made one of
-        # them time out asking the GCS for its node info. A `ray start` that exits during startup is
-        # started again, as the kubelet restarts a worker pod whose container exited.
-        for pool in ("prefill", "decode"):
-            argv = [RAY, "start", "--block", f"--address={address}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-                    f"--resources={json.dumps({f'tandem_{pool}': 1})}",
-                    f"--temp-dir={temp_dir}", "--disable-usage-stats", *_node_ports()]
-            for attempt in range(NODE_START_ATTEMPTS):
-                node = procs.start(f"ray-{pool}" + (f"-retry{attempt}" if attempt else ""), argv)
-                try:
-                    _wait_for(f"the {pool} node", lambda: f"tandem_{pool}" in _ray_resources(address, env)[0],
-                              NODE_START_S, procs, every_s=2.0)
-                    break
-                except AssertionError:
-                    if node.poll() is None or attempt + 1 == NODE_START_ATTEMPTS:
-                        raise
-                    procs.forget(node)
-
+        address = _start_nodes(procs, gcs_port, temp_dir, env)
         # The head container's command: `tandem up` joins the cluster through RAY_ADDRESS.
         procs.start("tandem-up", [*TANDEM, "up", "--config", str(config), "--model", "tiny-random",
                                   "--prefill", "1", "--decode", "1", "--host", "127.0.0.1",
@@ -224,24 +247,12 @@ def test_kuberay_shaped_cluster_serves_a_request(no_local_ray, tmp_path):
         serving = health_pb2.HealthCheckResponse.SERVING
         _wait_for("grpc.health.v1 SERVING", lambda: health.Check(
             health_pb2.HealthCheckRequest(service=""), timeout=5).status == serving, SERVING_S, procs)
-
         # The pool actors asked for their pools' resources (a fraction each), so they sit on the
         # nodes that advertise them, as on KubeRay.
         total, available = _ray_resources(address, env)
         for pool in ("tandem_prefill", "tandem_decode"):
             assert available.get(pool, 0) < total[pool], f"no actor holds {pool}: {available}"
-
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = generation_pb2.GenerateRequest(
-            prompt="def add(a, b):",
-            sampling=generation_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        responses = list(stub.Generate(request, timeout=REQUEST_S))
-        token_ids = [t for r in responses for t in r.token_ids]
-        assert len(token_ids) == 8, responses
-        last = responses[-1]
-        reason = last.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[last.finish_reason].name
-        assert reason.endswith("LENGTH"), reason
-        assert last.usage.completion_tokens == 8 and last.usage.prompt_tokens > 0, last.usage
+        _generate_one(channel)
     finally:
         if channel is not None:
             channel.close()
