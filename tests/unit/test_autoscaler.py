@@ -54,7 +54,9 @@ def changes(seq) -> int:
 def test_calm_load_holds_and_idle_shrinks_to_min():
     cfg = make_config()
     assert drive(cfg, lambda p, d, i: calm(p, d), 40)[-1] == (2, 2)
-    idle = lambda p, d, i: MetricsSnapshot(prefill(p), decode(d, kv_frac=0.0))
+    def idle(p, d, i):
+        return MetricsSnapshot(prefill(p), decode(d, kv_frac=0.0))
+
     assert drive(cfg, idle, 100)[-1] == (1, 1)
 
 
@@ -109,7 +111,9 @@ def test_steady_noisy_load_settles_and_never_flaps():
     prompt_rate, seqs = 4.5 * CAP, 150  # ~4.5 prefill workers' worth, 150 sequences
 
     def steady(p, d, i):
-        noise = lambda: rng.uniform(0.85, 1.15)
+        def noise():
+            return rng.uniform(0.85, 1.15)
+
         util = prompt_rate * noise() / (CAP * p)
         return MetricsSnapshot(
             prefill(p, prompt_tokens_per_s=prompt_rate * noise(), queued_prompt_tokens=int(2000 * util),
