@@ -29,7 +29,9 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,7 +43,15 @@ from kv_transfer_tables import (BLOCK, CONFIG, HEAD_DIM, HEADS, LAYERS, MiB, TOK
                                 VARIANTS, transfer_spec, transfer_rows, back_to_back, bench_ttft,
                                 busy_owner, profile_transfer, trace_transfer)
 
+from tandem.cluster.bootstrap import init_ray  # noqa: E402
+from tandem.cluster.config import load_config  # noqa: E402
 from tandem.kv_transfer.base import TransferSpec  # noqa: E402
+from tandem.kv_transfer.receiver import LayerStreamReceiver  # noqa: E402
+from tandem.kv_transfer.sender import LayerStreamSender  # noqa: E402
+from tandem.kv_transfer.testing import TensorBlockStore  # noqa: E402
+from tandem.kv_transfer.torch_dist import DistConnector, start_rendezvous_store  # noqa: E402
+from tandem.runtime.process import gil_switch_interval  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -52,13 +62,6 @@ def _sync(device: str) -> None:
 @ray.remote(num_cpus=1)
 class Endpoint:
     def __init__(self, actor_id: str, rendezvous: str, num_blocks: int, seed: int | None, device: str = "cuda"):
-        from tandem.kv_transfer.receiver import LayerStreamReceiver
-        from tandem.kv_transfer.sender import LayerStreamSender
-        from tandem.kv_transfer.testing import TensorBlockStore
-        from tandem.kv_transfer.torch_dist import DistConnector
-
-        from tandem.runtime.process import gil_switch_interval
-
         sys.setswitchinterval(gil_switch_interval())    # as the pool actors serve
         self.actor_id, self.rendezvous = actor_id, rendezvous
         self.device = device
@@ -153,14 +156,11 @@ class Endpoint:
         """switch_s: start a thread that runs pure Python `on_ms` then sleeps `off_ms`, as an engine
         loop does between its kernel launches and waits, and serve with that GIL switch interval;
         None: stop it (the pool actors' interval again)."""
-        import threading
-
         stop = getattr(self, "_busy_stop", None)
         if stop is not None:
             stop.set()
             self._busy_thread.join()
             self._busy_stop = None
-        from tandem.runtime.process import gil_switch_interval
 
         sys.setswitchinterval(switch_s or gil_switch_interval())
         if switch_s is None:
@@ -211,8 +211,6 @@ class Endpoint:
 
     # ---- one transfer under torch.profiler ------------------------------------------------------
     def profile_start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
         try:                          # record the transport's threads too, and CUDA syncs
             cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True,
@@ -267,8 +265,6 @@ class Endpoint:
         return {"tokens": tokens, "layers": layers, "mib": buf.numel() * buf.element_size() / MiB, **out}
 
     def set_message_bytes(self, nbytes: int) -> None:
-        from dataclasses import replace
-
         self.sender.config = replace(self.sender.config, max_message_bytes=nbytes)
 
     def messages_sent(self) -> int:
@@ -277,12 +273,6 @@ class Endpoint:
     def configure(self, **overrides) -> None:
         """New sender, receiver and connector with these KVTransferConfig fields changed (the
         message size kept); the pair rendezvous afresh."""
-        from dataclasses import replace
-
-        from tandem.kv_transfer.receiver import LayerStreamReceiver
-        from tandem.kv_transfer.sender import LayerStreamSender
-        from tandem.kv_transfer.torch_dist import DistConnector
-
         cfg = replace(CONFIG, max_message_bytes=self.sender.config.max_message_bytes, **overrides)
         self.sender.close()
         self.receiver.close()
@@ -292,8 +282,6 @@ class Endpoint:
 
 
 def bench_transfer(args, raw_by_size: dict[int, float], raw_single_s: dict[int, float]) -> list[dict]:
-    from tandem.kv_transfer.torch_dist import start_rendezvous_store
-
     store, port = start_rendezvous_store("127.0.0.1")
     rendezvous = f"127.0.0.1:{port}"
     num_blocks = max(args.prompts) // BLOCK + 64
@@ -465,8 +453,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("needs two CUDA GPUs")
-    from tandem.cluster.bootstrap import init_ray
-    from tandem.cluster.config import load_config
 
     init_ray(load_config(None, {"prefill.num_gpus": 1, "decode.num_gpus": 1}), "kv-bench")
     results = {"argv": sys.argv, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
