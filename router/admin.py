@@ -10,6 +10,7 @@ import grpc
 
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem.runtime.metrics import WorkerMetricsSnapshot
+from tandem.wire.stats import WorkerStats
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -49,16 +50,16 @@ def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
         for w in state["workers"]:
             if w["pool"] != name:
                 continue
-            s = w.get("stats") or {}
+            s = w.get("stats") or WorkerStats(w["worker_id"], name)   # none yet: all zero
             pool.workers.add(id=w["worker_id"], pool=name, pid=w.get("pid", 0), node=w.get("node", ""),
-                             state=_WORKER_STATE[w["state"]], running_requests=s.get("running", 0),
-                             waiting_requests=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
-                             kv_blocks_total=s.get("kv_blocks_total", 0))
+                             state=_WORKER_STATE[w["state"]], running_requests=s.running,
+                             waiting_requests=s.waiting, kv_blocks_used=s.kv_blocks_used,
+                             kv_blocks_total=s.kv_blocks_total)
             totals.workers += 1
-            totals.running_requests += s.get("running", 0)
-            totals.waiting_requests += s.get("waiting", 0)
-            totals.kv_blocks_used += s.get("kv_blocks_used", 0)
-            totals.kv_blocks_total += s.get("kv_blocks_total", 0)
+            totals.running_requests += s.running
+            totals.waiting_requests += s.waiting
+            totals.kv_blocks_used += s.kv_blocks_used
+            totals.kv_blocks_total += s.kv_blocks_total
     d = state.get("last_decision") or {}
     if d:
         out.last_decision.CopyFrom(admin_pb2.AutoscalerDecision(

@@ -13,6 +13,7 @@ import ray
 
 from tandem.placement import WorkerView
 from tandem.wire.messages import WorkerLostNotice
+from tandem.wire.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,10 @@ class ClusterView:
         for w in self.state["workers"]:
             if w["pool"] != pool or w["worker_id"] not in self.handles:
                 continue
-            s = w.get("stats") or {}
+            s = w.get("stats") or WorkerStats(w["worker_id"], pool)   # none yet: all zero
             mine = self.inflight.get(w["worker_id"], 0)
-            out.append(WorkerView(w["worker_id"], pool, w["state"], running=max(s.get("running", 0), mine),
-                                  waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
-                                  kv_blocks_total=s.get("kv_blocks_total", 0)))
+            out.append(WorkerView(w["worker_id"], pool, w["state"], running=max(s.running, mine), waiting=s.waiting,
+                                  kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total))
         return out
 
     def handle(self, wid: str):
