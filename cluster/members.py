@@ -5,7 +5,8 @@ bookkeeping never waits on an actor and runs in tests against a fake member with
 Every check is a poll: it sends a call when none is in flight and reports what came back since.
 - `check_ready()`: PENDING until the actor's `ready()` answers; then OK with its description
   (pid, node, KV blocks), or FAILED with the error (the actor failed to start).
-- `check_health(now)`: OK with the worker's stats from the latest answered `stats()` call;
+- `check_health(now)`: OK with the worker's stats from the latest answered `stats()` call (and
+  `sent_at`, when that call went out: an answer may predate what the controller did since);
   FAILED when the call raised, the worker reports a loop error, or no answer came within
   `health_timeout_s`; PENDING while the call is in flight. `dead` is True when the actor itself
   is gone (no further checks needed).
@@ -40,6 +41,7 @@ class ProbeResult:
     value: dict[str, Any] | WorkerStats | None = None  # OK: ready()'s description, or stats()'s WorkerStats
     error: BaseException | None = None  # FAILED: why
     dead: bool = False  # FAILED because the actor is gone: no later check can pass
+    sent_at: float | None = None  # an answered stats() call: when it was sent (the caller's clock)
 
     @classmethod
     def pending(cls) -> "ProbeResult":
@@ -100,8 +102,9 @@ class ActorMember:
         except Exception as e:  # noqa: BLE001 - a missed health check
             return ProbeResult(Probe.FAILED, error=e)
         if stats.loop_error:
-            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(stats.loop_error))
-        return ProbeResult(Probe.OK, stats)
+            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(stats.loop_error),
+                               sent_at=self._stats_sent_at)
+        return ProbeResult(Probe.OK, stats, sent_at=self._stats_sent_at)
 
     def drain(self) -> None:
         try:

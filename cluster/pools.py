@@ -7,7 +7,8 @@ A worker is `starting` until its readiness check passes, `ready` while its healt
 `draining` once asked to drain (no new admissions), and `dead` after `dead_after_failures` missed
 checks in a row, or at once when its actor is gone or failed to start; a dead worker is killed
 and forgotten and, if its pool is below target, replaced. A draining worker that reports nothing
-running, waiting or in flight is stopped (asked to shut down, killed once it did or its stop
+running, waiting or in flight, in stats asked for after it was told to drain (an earlier answer
+may predate the requests it still holds), is stopped (asked to shut down, killed once it did or its stop
 timed out: DRAINED_STOP_TIMEOUT_S) and leaves the membership at once.
 """
 
@@ -37,6 +38,8 @@ class WorkerRecord:
     state: str = "starting"
     info: dict[str, Any] = field(default_factory=dict)
     stats: WorkerStats | None = None
+    stats_sent_at: float = float("-inf")  # when the call that brought `stats` went out
+    drained_at: float | None = None  # when it was told to drain
     failures: int = 0
 
     @property
@@ -47,8 +50,10 @@ class WorkerRecord:
     def pool(self) -> str:
         return self.member.pool
 
-    def idle(self) -> bool:
-        return self.stats is not None and self.stats.idle()
+    def drained(self) -> bool:
+        """Draining, and idle in stats asked for since it was told to drain."""
+        return (self.state == "draining" and self.drained_at is not None and self.stats_sent_at > self.drained_at
+                and self.stats is not None and self.stats.idle())
 
 
 def _worst_percentiles(workers: list[dict[str, Any]], key: str) -> dict[str, float | None]:
@@ -142,7 +147,7 @@ class Pools:
                         self._drain(w)
 
     def _drain(self, w: WorkerRecord) -> None:
-        w.state = "draining"
+        w.state, w.drained_at = "draining", self.clock()
         w.member.drain()
 
     def check(self) -> None:
@@ -160,7 +165,7 @@ class Pools:
                 if w.state == "dead":
                     w.member.kill()
                     del self.workers[w.worker_id]
-                elif w.state == "draining" and w.idle():
+                elif w.drained():
                     log.info("%s drained; stopping it", w.worker_id)
                     w.member.begin_stop(now, DRAINED_STOP_TIMEOUT_S)
                     self.stopping.append(w.member)
@@ -183,6 +188,7 @@ class Pools:
             return
         if r.value is not None:          # an answer: it resets the count of misses
             w.stats, w.failures = r.value, 0
+            w.stats_sent_at = r.sent_at if r.sent_at is not None else now
         if r.status is Probe.FAILED:     # a timeout, an error, or an answer carrying a loop error
             w.failures += 1
             if w.failures >= self.dead_after_failures or r.dead:

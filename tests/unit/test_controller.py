@@ -29,7 +29,8 @@ class FakeClock:
 
 
 class FakeMember:
-    """A worker whose answers the test sets: `ready` for check_ready, `health` for check_health."""
+    """A worker whose answers the test sets: `ready` for check_ready, `health` for check_health
+    (an answer to a stats call sent `answer_lag_s` before the check)."""
 
     def __init__(self, worker_id: str, pool: str) -> None:
         self.worker_id, self.pool = worker_id, pool
@@ -37,12 +38,15 @@ class FakeMember:
         self.health = ProbeResult(Probe.OK, BUSY)
         self.draining = self.killed = self.shut_down = False
         self.stop_deadline: float | None = None
+        self.answer_lag_s = 0.0
 
     def check_ready(self) -> ProbeResult:
         return self.ready
 
     def check_health(self, now: float) -> ProbeResult:
-        return self.health
+        if self.health.value is None:
+            return self.health
+        return dataclasses.replace(self.health, sent_at=now - self.answer_lag_s)
 
     def drain(self) -> None:
         self.draining = True
@@ -148,6 +152,7 @@ def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
     assert states(pools) == {"prefill-0": "ready", "decode-0": "ready", "decode-1": "draining"}
     assert pools.state()["pools"]["decode"]["draining"] == 1
     m.health = ProbeResult(Probe.OK, IDLE)
+    clock.advance(1.0)
     pools.check()                      # idle: asked to shut down, out of the membership at once
     assert "decode-1" not in states(pools) and m.stop_deadline == clock() + DRAINED_STOP_TIMEOUT_S
     assert not m.killed
@@ -158,11 +163,30 @@ def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
         pools.drain_worker("decode-1")
 
 
+def test_an_idle_answer_asked_for_before_the_drain_does_not_stop_the_worker():
+    """A stats call in flight when the drain came may have been answered before the worker took
+    the requests it now holds: only an answer to a call sent after the drain may stop it."""
+    pools, fleet, clock = make_pools()
+    pools.check()
+    m = fleet.members["decode-1"]
+    clock.advance(1.0)
+    pools.drain_worker("decode-1")
+    m.health, m.answer_lag_s = ProbeResult(Probe.OK, IDLE), 1.5   # sent before the drain
+    clock.advance(1.0)
+    pools.check()
+    assert states(pools)["decode-1"] == "draining" and m.stop_deadline is None
+    m.answer_lag_s = 0.5                                           # sent after it
+    clock.advance(1.0)
+    pools.check()
+    assert "decode-1" not in states(pools) and m.stop_deadline is not None
+
+
 def test_a_drained_worker_that_never_finishes_its_shutdown_is_killed_after_the_timeout():
     pools, fleet, clock = make_pools()
     pools.check()
     pools.drain_worker("prefill-0")
     fleet.members["prefill-0"].health = ProbeResult(Probe.OK, IDLE)
+    clock.advance(1.0)
     pools.check()
     clock.advance(DRAINED_STOP_TIMEOUT_S - 0.5)
     pools.check()
