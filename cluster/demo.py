@@ -90,9 +90,10 @@ def run_cluster(model: str, max_tokens: int) -> int:
     try:
         wait_serving(target, 600, proc)
         run_session(target, max_tokens)
-        # status reports the controller's last health poll (every second): let one pass, so it
-        # shows the pools after the session rather than during its last turn
-        time.sleep(1.5)
+        # status reports the stats the controller's health polls (every second) brought back, each
+        # asked for a poll before it is read: let two pass, so it shows the pools after the session
+        # rather than during its last turn
+        time.sleep(2.5)
         print(f"\n{DIM}$ tandem status --target {target}{RESET}", flush=True)
         subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "status", "--target", target], check=False)
     finally:
