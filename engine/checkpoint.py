@@ -43,6 +43,11 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The files an index names (Mistral's repositories also ship consolidated.safetensors, in
+    another naming, beside the sharded Hugging Face files), else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / name for name in sorted(set(_read_json(index).get("weight_map", {}).values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))

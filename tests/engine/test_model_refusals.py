@@ -123,3 +123,18 @@ def test_tensor_parallel_and_quantization_are_refused_until_built(command):
                                 ("--quantization", "fp8", "quantization 'fp8' is not implemented")):
         rc, err = _tandem(command, "--model", "tiny-random", flag, value, *extra)
         assert rc == 2 and len(err) == 1 and needle in err[0], (command, flag, rc, err[-5:])
+
+
+def test_an_index_names_the_weight_files(pristine, tmp_path):
+    """Mistral's repositories ship consolidated.safetensors (other names) beside the sharded files:
+    with model.safetensors.index.json only the files it names are read."""
+    import torch
+
+    path = _copy(pristine, "llama", tmp_path)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(path / "consolidated.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="consolidated.safetensors: tensor 'layers.0.attention.wq"):
+        resolve_model_dir(str(path))
+    names = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    resolve_model_dir(str(path))
