@@ -1,7 +1,7 @@
 """The controller actor: the pools (cluster.pools: membership, health checks, targets and the
 autoscaler), the rendezvous store for KV-transfer groups, and the loop that checks the pools every
-`health_period_s`. It reaches workers only through `ActorMember`s (cluster.members) and never
-waits on one.
+`health_period_s`. It reaches workers only through `ActorMember`s (cluster.actor_members) and
+never waits on one.
 
 Workers are Ray actors named `<namespace>:<worker id>`; routers look them up by name and read
 the membership and load from `cluster_state()`.
@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.members import ActorStarter
+from tandem.cluster.actor_members import ActorStarter
 from tandem.cluster.pools import Pools
 from tandem.kv_transfer.torch_dist import start_rendezvous_store
 
