@@ -12,7 +12,7 @@ from tandem.cluster.workloads import RequestSpec
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.cli import main
 from tandem.cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
-from tandem.cluster.simulator import SLO, PerfModel, simulate
+from tandem.cluster.simulator import SLO, PerfModel, Simulation, simulate
 
 # One prefill worker does ~5k prompt tokens/s: the small agent profile at 4 sessions/s overloads it.
 PERF = PerfModel(prefill_base_s=0.001, prefill_per_token_s=2e-4, prefill_attn_s=0.0,
@@ -112,10 +112,8 @@ def test_cli_refuses_out_without_a_ramp_and_keeps_the_plain_run(tmp_path, capsys
 def test_the_simulated_controller_reads_what_the_live_one_is_given():
     """pools.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
     already measured; the prompt rate over the last period."""
-    from tandem.cluster.simulator import _Simulation
-
-    sim = _Simulation([RequestSpec("a", 0, 0.0, 100, 4)], 1, 1, PERF, SLO_, AUTO, seed=0, colocated=False,
-                      worker_startup_s=0.0, closed_loop=False, pull_prefix=False)
+    sim = Simulation([RequestSpec("a", 0, 0.0, 100, 4)], 1, 1, PERF, SLO_, AUTO, seed=0, colocated=False,
+                     worker_startup_s=0.0, closed_loop=False, pull_prefix=False)
     # (stamped at, seconds): out of the window, in it, and a KV that is not ready until after now
     sim.recent_ttft.extend([(5.0, 9.0), (15.0, 0.2), (40.0, 0.1), (45.0, 5.0)])
     sim.recent_prefill.extend([(20.0, 1000, 1000), (40.5, 300, 300)])
