@@ -18,18 +18,19 @@ class DecodeActor(PoolActorBase):
                  num_cpus: float = 1.0, transfer_config=None):
         setup_process(num_cpus)
         # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
-        from tandem.decode_workers.worker import DecodeWorker  # noqa: PLC0415
+        from tandem.decode_workers.worker import DecodeWorker, warm_up  # noqa: PLC0415
         from tandem.engine.engine import LLMEngine  # noqa: PLC0415
         from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
         from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
 
         self.worker_id = worker_id
         engine = LLMEngine(engine_config)
+        warmup = warm_up(engine, worker_id)
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         connector = (DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
                      if rendezvous is not None else None)
         self.worker = DecodeWorker(worker_id, engine, connector, local_prefill_threshold=local_prefill_threshold,
-                                   transfer_config=tcfg)
+                                   transfer_config=tcfg, warmup=warmup)
         after_startup()
 
     def reserve(self, req: DecodeReserve) -> DecodePlan:

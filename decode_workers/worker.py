@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from tandem.decode_workers.outboxes import Outboxes
 from tandem.decode_workers.records import AbortAction, DecodeRequest, DecodeState, FirstTokenTaken
@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector | None = None,
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
-                 router_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        """`connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests;
+                 router_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 warmup: dict[str, Any] | None = None):
+        """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
+        `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests;
         None: no remote prefill). `router_timeout_s`: a router that has not asked for its outputs
         for this long is gone (live routers ask every 0.5 s); its requests are aborted and their KV
         freed. `clock`: for that timeout and TPOT."""
@@ -57,11 +59,7 @@ class DecodeWorker:
         self.router_timeout_s = router_timeout_s
         self.clock = clock
         self._routers_checked = 0.0
-        # kernels compiled and decode graphs captured before the first request, not inside it
-        self.warmup = engine.warmup() if engine.wants_warmup else None
-        if self.warmup is not None:
-            log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, self.warmup["seconds"],
-                     os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
+        self.warmup = warmup
         self.threshold = local_prefill_threshold
         self.block_size = engine.allocator.block_size
         self.receiver = self.sender = None
@@ -373,3 +371,14 @@ class DecodeWorker:
             slow_steps=self.loop.slow_steps, mid_step_calls=self.loop.mid_step_calls,
             late_compiles=compile_watch.late, cuda_graphs=e.runner.graph_stats,
             **self.counters, **self.transfer_times.stats())
+
+
+def warm_up(engine: LLMEngine, worker_id: str) -> dict[str, Any] | None:
+    """Kernels compiled and decode graphs captured before the first request, not inside it (where
+    the engine wants it: on CUDA). The actor runs it before it joins the transport."""
+    if not engine.wants_warmup:
+        return None
+    result = engine.warmup()
+    log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, result["seconds"],
+             os.environ.get("CUDA_MODULE_LOADING"), result)
+    return result

@@ -21,13 +21,14 @@ class PrefillActor(PoolActorBase):
         from tandem.engine.engine import LLMEngine  # noqa: PLC0415
         from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
         from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
-        from tandem.prefill_workers.worker import PrefillWorker  # noqa: PLC0415
+        from tandem.prefill_workers.worker import PrefillWorker, warm_up  # noqa: PLC0415
 
         self.worker_id = worker_id
         engine = LLMEngine(engine_config)
+        warmup = warm_up(engine, worker_id)
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         self.worker = PrefillWorker(worker_id, engine, DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg),
-                                    transfer_config=tcfg)
+                                    transfer_config=tcfg, warmup=warmup)
         after_startup()
 
     def reserve(self, req: PrefillReserve) -> PrefillReservation:

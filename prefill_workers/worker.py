@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kernels.compile_watch import watch as compile_watch
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector,
                  transfer_config: KVTransferConfig | None = None, reservation_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
-        """`connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests).
+                 clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None):
+        """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
+        `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests).
         `reservation_timeout_s`: a reservation its router has not started by then is freed (the
         router crashed or lost it between the two calls, which are milliseconds apart); a late
         `start` is refused and its router prefills locally. `clock`: for that timeout and the
@@ -59,12 +60,7 @@ class PrefillWorker:
         self.reservation_timeout_s = reservation_timeout_s
         self.clock = clock
         self._reservations_checked = 0.0
-        # kernels compiled before the first request, not inside it; one output token per warmup
-        # request: a prefill actor's steps are never decode-shaped, so it needs no decode graphs
-        self.warmup = engine.warmup(decode_tokens=1) if engine.wants_warmup else None
-        if self.warmup is not None:
-            log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, self.warmup["seconds"],
-                     os.environ.get("CUDA_MODULE_LOADING"), self.warmup)
+        self.warmup = warmup
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         # a finished transfer wakes the loop, which hands the result over at once instead of at
         # its next idle poll (up to idle_wait_s later, on every remote first token)
@@ -373,6 +369,18 @@ class PrefillWorker:
             slow_steps=self.loop.slow_steps, mid_step_calls=self.loop.mid_step_calls,
             late_compiles=compile_watch.late, cuda_graphs=e.runner.graph_stats,
             **self.counters, **self.transfer_times.stats())
+
+
+def warm_up(engine: LLMEngine, worker_id: str) -> dict[str, Any] | None:
+    """Kernels compiled before the first request, not inside it (where the engine wants it: on
+    CUDA); one output token per warmup request: a prefill actor's steps are never decode-shaped, so
+    it needs no decode graphs. The actor runs it before it joins the transport."""
+    if not engine.wants_warmup:
+        return None
+    result = engine.warmup(decode_tokens=1)
+    log.info("%s warmed up in %.1f s (CUDA_MODULE_LOADING=%s): %s", worker_id, result["seconds"],
+             os.environ.get("CUDA_MODULE_LOADING"), result)
+    return result
 
 
 def _timings(job: PrefillJob, last: str) -> dict[str, float]:
