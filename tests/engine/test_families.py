@@ -18,7 +18,7 @@ import torch
 from tests.engine.families import EOS, FAMILIES, IM_END, SLIDING_WINDOW, build_family_dir, hf_greedy
 from tests.engine.test_model_vs_hf import _close, _our_logits
 
-pytestmark = pytest.mark.parametrize("family", list(FAMILIES))
+every_family = pytest.mark.parametrize("family", list(FAMILIES))
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +43,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@every_family
 @torch.inference_mode()
 def test_logits_match_transformers(family, family_models, make_engine):
     _, model, tok, hf = family_models(family)
@@ -51,6 +52,7 @@ def test_logits_match_transformers(family, family_models, make_engine):
     _close(ours, hf(torch.tensor([ids])).logits[0].float())
 
 
+@every_family
 def test_greedy_batch_matches_transformers(family, family_models, make_engine):
     """Three prompts in one batch (chunked prefill of the longest, then decode together), 20
     tokens each: with Mistral every decode step reads past the window."""
@@ -62,6 +64,7 @@ def test_greedy_batch_matches_transformers(family, family_models, make_engine):
         assert res["token_ids"] == hf_greedy(hf, p, 20, eos=None), f"{family}, prompt of {len(p)}"
 
 
+@every_family
 def test_cli_generate_matches_transformers(family, family_models):
     path, _, _, hf = family_models(family)
     prompt = "def add(a, b):\n    return a + b\n# the sum of the first ten numbers is"
@@ -75,6 +78,7 @@ def test_cli_generate_matches_transformers(family, family_models):
     assert res["token_ids"] == hf_greedy(hf, res["prompt_token_ids"], 16, eos=eos)
 
 
+@every_family
 def test_eos_set_and_chat_template_come_from_the_directory(family, family_models, make_engine):
     _, model, tok, _ = family_models(family)
     # Qwen lists <|im_end|> only in generation_config.json; everyone has </s> in config.json
@@ -85,6 +89,10 @@ def test_eos_set_and_chat_template_come_from_the_directory(family, family_models
     assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi<|im_end|>\n<|assistant|>"
 
 
+# what the GPU path does differently per family: q/k norms written back in place (Qwen3), the
+# window inside the kernels (Mistral); Llama's is tests/engine/test_gpu_path_cpu.py, Qwen2's biases
+# are the same nn.Linear on both paths
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_triton_path_matches_the_cpu_path(family, family_models):
     """The GPU path (Triton attention with the window inside the kernels, fused norm and rotary
     kernels, q/k norms written back in place, the static-buffer step), under the interpreter on
