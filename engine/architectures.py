@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.config import ModelConfig
+from tandem.wire.errors import ConfigError
 
 
 class UnsupportedModelError(ValueError):
@@ -51,6 +52,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # checkpoint tensors transformers itself drops on load (old Llama exports carry rotary buffers)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def architecture_of(cfg: dict[str, Any], source: str) -> Architecture:
@@ -119,18 +121,24 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     arch = architecture_of(cfg, source)
     _check_features(cfg, arch, source)
     theta, scaling = _rope(cfg, arch, source)
+    missing = [k for k in _REQUIRED_KEYS if k not in cfg]
+    if missing:
+        raise UnsupportedModelError(f"{source}: lacks {missing}")
     heads = cfg["num_attention_heads"]
     window = cfg.get("sliding_window") if arch.sliding_window else None
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids(cfg.get("eos_token_id")), architecture=arch.name,
-        qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, sliding_window=window)
+    try:
+        return ModelConfig(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")), architecture=arch.name,
+            qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, sliding_window=window)
+    except (ConfigError, TypeError) as e:  # shapes that do not fit together, or a value of the wrong type
+        raise UnsupportedModelError(f"{source}: {e}") from None
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

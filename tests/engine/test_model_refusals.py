@@ -74,6 +74,8 @@ CASES = {
                   ("config.json", "quantization_config (quant_method 'fp8') is not supported")),
     "activation": ("qwen3", lambda p: _edit_config(p, hidden_act="gelu"),
                    ("config.json", "hidden_act='gelu' (only silu) is not implemented")),
+    "heads": ("qwen3", lambda p: _edit_config(p, num_key_value_heads=3),
+              ("config.json", "num_heads (4) must be a multiple of num_kv_heads (3)")),
     "attention-bias": ("qwen3", lambda p: _edit_config(p, attention_bias=True),
                        ("config.json", "attention_bias=True is not implemented for Qwen3ForCausalLM")),
 }
