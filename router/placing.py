@@ -26,13 +26,15 @@ from tandem.placement import (OverloadLimits, any_ready, choose_worker, local_pr
 from tandem.router.cluster_view import ClusterView
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.sessions import SessionState
-from tandem.wire.errors import NoWorkerReady, WorkersOverloaded, WorkerUnavailable
+from tandem.wire.errors import NoReservation, NoWorkerReady, WorkersOverloaded, WorkerUnavailable
 from tandem.wire.messages import DecodePlan, DecodeReserve, PrefillReservation, PrefillReserve, SamplingParams
 
 log = logging.getLogger(__name__)
 
 Hold = tuple[dict[str, int], str, int]   # (queued counts, worker id, tokens): see Placer.hold
-PLACEMENT_ERRORS = (WorkerUnavailable, NoWorkerReady, WorkersOverloaded, ray.exceptions.RayActorError)
+# what sends a request to another actor or to its decode actor's own prefill (NoReservation: the
+# prefill actor's reservation expired or was aborted between reserve and a prefix pull)
+PLACEMENT_ERRORS = (WorkerUnavailable, NoWorkerReady, WorkersOverloaded, NoReservation, ray.exceptions.RayActorError)
 
 
 @dataclass

@@ -16,8 +16,8 @@ from tandem.router.generation import Router
 from tandem.router.server import status_code
 from tandem.router.sessions import InMemorySessionStore, SessionState
 from tandem.router.admission import Overloaded
-from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoWorkerReady, WorkersOverloaded,
-                                WorkerUnavailable)
+from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoReservation, NoWorkerReady,
+                                WorkersOverloaded, WorkerUnavailable)
 from tandem.wire.messages import (DecodePlan, FinishReason, FirstToken, FirstTokenReady, OutputError,
                                   PrefillReservation, PrefillResult, StepOutput, Usage)
 
@@ -197,6 +197,39 @@ def test_a_migration_that_prefills_remotely_again_records_ttft_once(caplog):
     assert sum("slow first token" in r.getMessage() for r in caplog.records) == 1
     assert out[0].request_id and not out[1].request_id
     assert out[-1].finish_reason == generation_pb2.LENGTH and out[-1].usage.completion_tokens == 3
+
+
+class CachingDecode(FakeDecode):
+    """A decode actor that holds the prompt's first two blocks: the prefill actor must pull them."""
+
+    def reserve(self, ask):
+        plan = super().reserve(ask)
+        if plan.remote:
+            plan = DecodePlan(remote=True, cached_tokens=2 * BLOCK, first_block=2, dst_block_ids=[2, 3],
+                              num_tokens=len(ask.prompt_token_ids), prefix_block_ids=[0, 1],
+                              expecting=ask.prefill_id)
+        return plan
+
+    def send_prefix(self, spec):
+        return None
+
+
+class ExpiredPrefill(FakePrefill):
+    """Its reservation is gone (expired or aborted) when the prefix pull is registered."""
+
+    def expect_pull(self, spec, owner, covers_tokens):
+        return NoReservation(owner)
+
+
+def test_a_reservation_gone_before_its_prefix_pull_falls_back_to_local_prefill():
+    view = FakeView()
+    view.add(CachingDecode("d0", view, remote=True), "decode")
+    view.add(ExpiredPrefill("p0"), "prefill")
+    router = make_router(view, local_prefill_threshold=0)
+    out = asyncio.run(run(router, request()))
+    assert [list(r.token_ids) for r in out] == [[11], [12]]       # served by d0's own prefill
+    assert view.actor("p0").called("expect_pull") and view.actor("p0").called("abort")
+    assert len(view.actor("d0").called("reserve")) == 2           # remote plan, then the local one
 
 
 def test_an_overloaded_session_worker_is_left_for_another():
