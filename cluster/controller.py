@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from dataclasses import replace
 
 import ray
 
@@ -20,6 +20,7 @@ from tandem.cluster.config import ClusterConfig
 from tandem.cluster.actor_members import ActorStarter
 from tandem.cluster.pools import Pools
 from tandem.kv_transfer.torch_dist import start_rendezvous_store
+from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Controller:
                 log.exception("health check round failed")
 
     # ---- API (routers, Admin) -----------------------------------------------------------------
-    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float = 300.0) -> ClusterState:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.pools.check()
@@ -60,20 +61,22 @@ class Controller:
             time.sleep(0.2)
         raise TimeoutError(f"pools not ready after {timeout_s:.0f} s: {self.cluster_state()}")
 
-    def cluster_state(self) -> dict[str, Any]:
+    def cluster_state(self) -> ClusterState:
         state = self.pools.state()
-        for w in state["workers"]:
-            w["actor_name"] = f"{self.namespace}:{w['worker_id']}"
-        return {**state, "rendezvous": self.rendezvous, "namespace": self.namespace,
-                "local_prefill_threshold": self.config.decode.local_prefill_threshold}
+        workers = tuple(replace(w, actor_name=self._actor_name(w.worker_id)) for w in state.workers)
+        return replace(state, workers=workers, rendezvous=self.rendezvous, namespace=self.namespace,
+                       local_prefill_threshold=self.config.decode.local_prefill_threshold)
 
-    def drain_worker(self, worker_id: str) -> dict[str, Any]:
-        return self.pools.drain_worker(worker_id)
+    def _actor_name(self, worker_id: str) -> str:
+        return f"{self.namespace}:{worker_id}"
 
-    def set_pool_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> dict[str, Any]:
+    def drain_worker(self, worker_id: str) -> WorkerEntry:
+        return replace(self.pools.drain_worker(worker_id), actor_name=self._actor_name(worker_id))
+
+    def set_pool_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> PoolState:
         return self.pools.set_bounds(pool, min_size, max_size, target)
 
-    def decision_log(self) -> list[dict[str, Any]]:
+    def decision_log(self) -> list[AutoscalerDecision]:
         return list(self.pools.decisions)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

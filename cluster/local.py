@@ -65,8 +65,8 @@ class RunningCluster:
 
     def worker_stats(self) -> dict[str, WorkerStats]:
         state = ray.get(self.cluster.controller.cluster_state.remote())
-        handles = {w["worker_id"]: ray.get_actor(w["actor_name"], namespace=self.cluster.namespace)
-                   for w in state["workers"] if w["state"] == "ready"}
+        handles = {w.worker_id: ray.get_actor(w.actor_name, namespace=self.cluster.namespace)
+                   for w in state.workers if w.state == "ready"}
         out = {}
         for wid, h in handles.items():
             try:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
+from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
 from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,8 @@ class WorkerRecord:
                 and self.stats is not None and self.stats.idle())
 
 
-def _worst_percentiles(workers: list[dict[str, Any]], key: str) -> dict[str, float | None]:
-    vals: list[Percentiles] = [getattr(w["stats"], key) for w in workers]
+def _worst_percentiles(workers: list[WorkerEntry], key: str) -> dict[str, float | None]:
+    vals: list[Percentiles] = [getattr(w.stats, key) for w in workers]
     out = {}
     for q in ("p50", "p90", "p99"):
         xs = [getattr(v, q) for v in vals if getattr(v, q) is not None]
@@ -65,18 +66,18 @@ def _worst_percentiles(workers: list[dict[str, Any]], key: str) -> dict[str, flo
     return out
 
 
-def build_snapshot(workers: list[dict[str, Any]], prev: dict[str, float] | None, now: float,
+def build_snapshot(workers: tuple[WorkerEntry, ...], prev: dict[str, float] | None, now: float,
                    period_s: float) -> tuple[MetricsSnapshot, dict[str, float]]:
-    """The autoscaler's inputs from the workers' latest stats (`cluster_state()["workers"]`).
+    """The autoscaler's inputs from the workers' latest stats (`cluster_state().workers`).
     `prev` carries the counters of the last call, for rates; returns the new one to carry."""
     def live(pool):
-        return [w for w in workers if w["pool"] == pool and w["state"] == "ready" and w.get("stats")]
+        return [w for w in workers if w.pool == pool and w.state == "ready" and w.stats is not None]
 
     def draining(pool):
-        return sum(1 for w in workers if w["pool"] == pool and w["state"] == "draining")
+        return sum(1 for w in workers if w.pool == pool and w.state == "draining")
 
     def total(ws, key):
-        return sum(getattr(w["stats"], key) for w in ws)
+        return sum(getattr(w.stats, key) for w in ws)
 
     pre, dec = live("prefill"), live("decode")
     computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s")
@@ -125,8 +126,8 @@ class Pools:
         self.policy_state = PolicyState()
         self._rates: dict[str, float] | None = None
         self._next_decision = 0.0
-        self.decisions: list[dict[str, Any]] = []  # recent decisions, for status and tests
-        self.last_decision: dict[str, Any] = {}
+        self.decisions: list[AutoscalerDecision] = []  # recent decisions, for status and tests
+        self.last_decision: AutoscalerDecision | None = None
         self._ids = {p: itertools.count() for p in POOLS}
         self._lock = threading.RLock()
 
@@ -224,7 +225,7 @@ class Pools:
         a = self.config.autoscaler
         self._next_decision = now + a.period_s
         with self._lock:
-            workers = self.state()["workers"]
+            workers = self.state().workers
             (pmin, pmax), (dmin, dmax) = self.bounds["prefill"], self.bounds["decode"]
         snap, self._rates = build_snapshot(workers, self._rates, now, a.period_s)
         cfg = replace(a, prefill_min=pmin, prefill_max=pmax, decode_min=dmin, decode_max=dmax)
@@ -237,40 +238,39 @@ class Pools:
                     log.info("autoscaler: %s %d -> %d", pool, self.targets[pool], target)
                     self.targets[pool] = target
                     changed = True
-            self.last_decision = {"at_unix_s": self.wall_clock(), "prefill_target": d.prefill_target,
-                                  "decode_target": d.decode_target, "reasons": list(d.reasons)}
-            self.decisions.append({**self.last_decision, "sizes": {"prefill": snap.prefill.size,
-                                                                   "decode": snap.decode.size}})
+            self.last_decision = AutoscalerDecision(
+                self.wall_clock(), d.prefill_target, d.decode_target, tuple(d.reasons),
+                prefill_size=snap.prefill.size, decode_size=snap.decode.size)
+            self.decisions.append(self.last_decision)
             del self.decisions[:-500]
         if changed:
             self.reconcile()
 
     # ---- what the API answers ---------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ClusterState:
         """Workers (id, pool, state, readiness description, latest stats) and pools (size, target,
         bounds, draining, pinned)."""
         with self._lock:
-            workers = [{"worker_id": w.worker_id, "pool": w.pool, "state": w.state, **w.info,
-                        "stats": w.stats} for w in self.workers.values()]
-        pools = {p: {"size": sum(1 for w in workers if w["pool"] == p and w["state"] == "ready"),
-                     "target": self.targets[p], "min": self.bounds[p][0], "max": self.bounds[p][1],
-                     "draining": sum(1 for w in workers if w["pool"] == p and w["state"] == "draining"),
-                     "target_pinned": p in self.pinned}
+            workers = tuple(_entry(w) for w in self.workers.values())
+        pools = {p: PoolState(size=sum(1 for w in workers if w.pool == p and w.state == "ready"),
+                              target=self.targets[p], min=self.bounds[p][0], max=self.bounds[p][1],
+                              draining=sum(1 for w in workers if w.pool == p and w.state == "draining"),
+                              target_pinned=p in self.pinned)
                  for p in POOLS}
-        return {"workers": workers, "pools": pools, "last_decision": self.last_decision}
+        return ClusterState(workers, pools, self.last_decision)
 
     def all_ready(self) -> bool:
         """Every pool has its target of ready workers; raises if a worker failed to start."""
-        workers = self.state()["workers"]
-        dead = [w for w in workers if w["state"] == "dead"]
-        ready = {p: sum(1 for w in workers if w["pool"] == p and w["state"] == "ready") for p in POOLS}
+        workers = self.state().workers
+        dead = [w for w in workers if w.state == "dead"]
+        ready = {p: sum(1 for w in workers if w.pool == p and w.state == "ready") for p in POOLS}
         if all(ready[p] >= self.targets[p] for p in POOLS):
             return True
         if dead:
             raise RuntimeError(f"workers failed to start: {dead}")
         return False
 
-    def drain_worker(self, worker_id: str) -> dict[str, Any]:
+    def drain_worker(self, worker_id: str) -> WorkerEntry:
         """Drain one worker and lower its pool's target by one (it is not replaced)."""
         with self._lock:
             w = self.workers.get(worker_id)
@@ -279,9 +279,9 @@ class Pools:
             if w.state in ("starting", "ready"):
                 self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
                 self._drain(w)
-            return {"worker_id": w.worker_id, "pool": w.pool, "state": w.state}
+            return _entry(w)
 
-    def set_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> dict[str, Any]:
+    def set_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> PoolState:
         """New bounds for a pool; a `target` pins it (the autoscaler leaves it), None unpins."""
         if pool not in POOLS:
             raise ValueError(f"unknown pool {pool!r}; pools are {list(POOLS)}")
@@ -297,4 +297,10 @@ class Pools:
                 t = target
             self.targets[pool] = min(max(t, min_size), max_size)
         self.reconcile()
-        return self.state()["pools"][pool]
+        return self.state().pools[pool]
+
+
+def _entry(w: WorkerRecord) -> WorkerEntry:
+    i = w.info
+    return WorkerEntry(w.worker_id, w.pool, w.state, pid=i.get("pid", 0), node=i.get("node", ""),
+                       host=i.get("host", ""), error=i.get("error"), stats=w.stats)

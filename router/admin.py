@@ -4,13 +4,11 @@ each time the router refreshes its view of the cluster."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem.runtime.metrics import WorkerMetricsSnapshot
-from tandem.wire.stats import WorkerStats
+from tandem.wire.cluster import ClusterState
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -34,25 +32,25 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             r = await self.controller.drain_worker.remote(request.worker_id)
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
-        return admin_pb2.Worker(id=r["worker_id"], pool=r["pool"], state=_WORKER_STATE[r["state"]])
+        return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state])
 
 
 _WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,
                  "draining": admin_pb2.WORKER_STATE_DRAINING, "dead": admin_pb2.WORKER_STATE_DEAD}
 
 
-def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
+def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
     out = admin_pb2.ClusterState()
     totals = out.totals
-    for name, p in state["pools"].items():
-        pool = out.pools.add(name=name, size=p["size"], target=p["target"], min=p["min"], max=p["max"],
-                             draining=p["draining"], target_pinned=p.get("target_pinned", False))
-        for w in state["workers"]:
-            if w["pool"] != name:
+    for name, p in state.pools.items():
+        pool = out.pools.add(name=name, size=p.size, target=p.target, min=p.min, max=p.max,
+                             draining=p.draining, target_pinned=p.target_pinned)
+        for w in state.workers:
+            if w.pool != name:
                 continue
-            s = w.get("stats") or WorkerStats(w["worker_id"], name)   # none yet: all zero
-            pool.workers.add(id=w["worker_id"], pool=name, pid=w.get("pid", 0), node=w.get("node", ""),
-                             state=_WORKER_STATE[w["state"]], running_requests=s.running,
+            s = w.load()
+            pool.workers.add(id=w.worker_id, pool=name, pid=w.pid, node=w.node,
+                             state=_WORKER_STATE[w.state], running_requests=s.running,
                              waiting_requests=s.waiting, kv_blocks_used=s.kv_blocks_used,
                              kv_blocks_total=s.kv_blocks_total)
             totals.workers += 1
@@ -60,16 +58,16 @@ def cluster_state_proto(state: dict[str, Any]) -> admin_pb2.ClusterState:
             totals.waiting_requests += s.waiting
             totals.kv_blocks_used += s.kv_blocks_used
             totals.kv_blocks_total += s.kv_blocks_total
-    d = state.get("last_decision") or {}
-    if d:
+    d = state.last_decision
+    if d is not None:
         out.last_decision.CopyFrom(admin_pb2.AutoscalerDecision(
-            at_unix_s=d.get("at_unix_s", 0.0), prefill_target=d.get("prefill_target", 0),
-            decode_target=d.get("decode_target", 0), reasons=d.get("reasons", [])))
+            at_unix_s=d.at_unix_s, prefill_target=d.prefill_target, decode_target=d.decode_target,
+            reasons=list(d.reasons)))
     return out
 
 
-def publish_cluster_metrics(hub, state: dict[str, Any]) -> None:
-    hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(w) for w in state["workers"] if w.get("stats")])
-    for name, p in state["pools"].items():
-        hub.set_pool(name, p["size"], p["target"])
+def publish_cluster_metrics(hub, state: ClusterState) -> None:
+    hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(w) for w in state.workers if w.stats is not None])
+    for name, p in state.pools.items():
+        hub.set_pool(name, p.size, p.target)
 

@@ -12,8 +12,8 @@ from typing import Any
 import ray
 
 from tandem.placement import WorkerView
+from tandem.wire.cluster import ClusterState
 from tandem.wire.messages import WorkerLostNotice
-from tandem.wire.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class ClusterView:
         self.router_id = router_id
         self.namespace = namespace
         self.refresh_s = refresh_s
-        self.state: dict[str, Any] = {"workers": [], "pools": {}}
+        self.state = ClusterState()
         self.handles: dict[str, Any] = {}
         self.inflight: dict[str, int] = {}  # requests this router has on each worker right now
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs
@@ -47,15 +47,15 @@ class ClusterView:
         if self.on_refresh is not None:
             self.on_refresh(self.state)
         live = set()
-        for w in self.state["workers"]:
-            wid = w["worker_id"]
+        for w in self.state.workers:
+            wid = w.worker_id
             live.add(wid)
-            if w["state"] in ("ready", "draining") and wid not in self.handles:
+            if w.state in ("ready", "draining") and wid not in self.handles:
                 try:
-                    self.handles[wid] = ray.get_actor(w["actor_name"], namespace=self.namespace)
+                    self.handles[wid] = ray.get_actor(w.actor_name, namespace=self.namespace)
                 except ValueError:
                     continue
-            if w["pool"] == "decode" and wid in self.handles and wid not in self._pumps:
+            if w.pool == "decode" and wid in self.handles and wid not in self._pumps:
                 self._pumps[wid] = asyncio.create_task(self._pump(wid))
         for wid in list(self.handles):
             if wid not in live:
@@ -94,12 +94,12 @@ class ClusterView:
     # ---- views for routing -------------------------------------------------------------------
     def views(self, pool: str) -> list[WorkerView]:
         out = []
-        for w in self.state["workers"]:
-            if w["pool"] != pool or w["worker_id"] not in self.handles:
+        for w in self.state.workers:
+            if w.pool != pool or w.worker_id not in self.handles:
                 continue
-            s = w.get("stats") or WorkerStats(w["worker_id"], pool)   # none yet: all zero
-            mine = self.inflight.get(w["worker_id"], 0)
-            out.append(WorkerView(w["worker_id"], pool, w["state"], running=max(s.running, mine), waiting=s.waiting,
+            s = w.load()
+            mine = self.inflight.get(w.worker_id, 0)
+            out.append(WorkerView(w.worker_id, pool, w.state, running=max(s.running, mine), waiting=s.waiting,
                                   kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total))
         return out
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
 
-from tandem.wire.stats import WorkerStats
+from tandem.wire.cluster import WorkerEntry
 
 # TTFT spans a warm-cache GPU prefill (ms) to a cold 100k-token prompt on CPU (minutes).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
@@ -88,12 +88,12 @@ class WorkerMetricsSnapshot:
         return cls(**d)
 
     @classmethod
-    def from_worker_stats(cls, w: dict) -> "WorkerMetricsSnapshot":
-        """A worker as the controller gathered it ({"worker_id", "pool", "pid", "stats": the
-        worker's WorkerStats or None}) in the hub's terms."""
-        s = w.get("stats") or WorkerStats(w["worker_id"], w["pool"])
+    def from_worker_stats(cls, w: WorkerEntry) -> "WorkerMetricsSnapshot":
+        """A worker as the controller's cluster state carries it (its pid and latest stats) in the
+        hub's terms."""
+        s = w.load()
         return cls(
-            worker_id=w["worker_id"], pool=w["pool"], incarnation=str(w.get("pid", "")),
+            worker_id=w.worker_id, pool=w.pool, incarnation=str(w.pid or ""),
             running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits, kv_transfer_bytes=s.kv_transfer_bytes,
             kv_transfer_count=s.kv_transfer_count, kv_transfer_seconds_sum=s.kv_transfer_seconds,

@@ -134,7 +134,7 @@ def _actor(c, worker_id):
     import ray
 
     state = ray.get(c.cluster.controller.cluster_state.remote())
-    name = next(w["actor_name"] for w in state["workers"] if w["worker_id"] == worker_id)
+    name = state.worker(worker_id).actor_name
     return ray.get_actor(name, namespace=c.cluster.namespace)
 
 

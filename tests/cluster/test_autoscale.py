@@ -59,8 +59,8 @@ def test_burst_grows_prefill_then_idle_shrinks_it(make_cluster):
     assert not errors, errors
     assert grew, "a burst of long prompts should grow the prefill pool"
     log = ray.get(c.cluster.controller.decision_log.remote())
-    assert all(d["decode_target"] == 1 for d in log), "decode's own signal did not rise"
-    assert any("TTFT" in r or "tokens waiting" in r for d in log for r in d["reasons"])
+    assert all(d.decode_target == 1 for d in log), "decode's own signal did not rise"
+    assert any("TTFT" in r or "tokens waiting" in r for d in log for r in d.reasons)
     ref = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=1024))).generate(
         [{"prompt": p, "max_tokens": 4} for p in prompts])
     assert results == [r["token_ids"] for r in ref]

@@ -11,6 +11,7 @@ import pytest
 from tandem.cluster.config import load_config
 from tandem.cluster.members import Probe, ProbeResult
 from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S, Pools
+from tandem.wire.cluster import PoolState
 from tandem.wire.stats import Percentiles, WorkerStats
 
 IDLE = WorkerStats("w", "decode", running=0, waiting=0, in_flight=0)
@@ -86,7 +87,7 @@ def make_pools(overrides=None, ready=True, dead_after_failures=3):
 
 
 def states(pools) -> dict[str, str]:
-    return {w["worker_id"]: w["state"] for w in pools.state()["workers"]}
+    return {w.worker_id: w.state for w in pools.state().workers}
 
 
 def test_workers_start_to_target_and_are_ready_once_their_check_passes():
@@ -98,10 +99,9 @@ def test_workers_start_to_target_and_are_ready_once_their_check_passes():
         m.ready = ProbeResult(Probe.OK, {"pid": 7, "node": "n1"})
     pools.check()
     assert pools.all_ready()
-    workers = {w["worker_id"]: w for w in pools.state()["workers"]}
-    assert workers["decode-1"]["pid"] == 7 and workers["decode-1"]["stats"] == BUSY   # stats in the same round
-    assert pools.state()["pools"]["decode"] == {"size": 2, "target": 2, "min": 2, "max": 2, "draining": 0,
-                                                "target_pinned": False}
+    w = pools.state().worker("decode-1")
+    assert w.pid == 7 and w.node == "n1" and w.stats == BUSY   # stats in the same round
+    assert pools.state().pools["decode"] == PoolState(size=2, target=2, min=2, max=2, draining=0, target_pinned=False)
 
 
 def test_a_worker_that_fails_to_start_is_replaced():
@@ -145,12 +145,13 @@ def test_missed_checks_in_a_row_make_a_worker_dead_and_an_answer_resets_the_coun
 def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
     pools, fleet, clock = make_pools()
     pools.check()
-    assert pools.drain_worker("decode-1") == {"worker_id": "decode-1", "pool": "decode", "state": "draining"}
+    drained = pools.drain_worker("decode-1")
+    assert (drained.worker_id, drained.pool, drained.state) == ("decode-1", "decode", "draining")
     m = fleet.members["decode-1"]
-    assert m.draining and pools.state()["pools"]["decode"]["target"] == 1
+    assert m.draining and pools.state().pools["decode"].target == 1
     pools.check()                      # still busy: it stays, draining, and nobody replaces it
     assert states(pools) == {"prefill-0": "ready", "decode-0": "ready", "decode-1": "draining"}
-    assert pools.state()["pools"]["decode"]["draining"] == 1
+    assert pools.state().pools["decode"].draining == 1
     m.health = ProbeResult(Probe.OK, IDLE)
     clock.advance(1.0)
     pools.check()                      # idle: asked to shut down, out of the membership at once
@@ -200,13 +201,13 @@ def test_pinning_a_target_starts_workers_and_lowering_it_drains_the_youngest():
     pools, fleet, clock = make_pools()
     pools.check()
     clock.advance(5)
-    assert pools.set_bounds("decode", 1, 4, target=4)["target_pinned"]
+    assert pools.set_bounds("decode", 1, 4, target=4).target_pinned
     assert [w for w, s in states(pools).items() if s == "starting"] == ["decode-2", "decode-3"]
     pools.check()
     clock.advance(5)
     pools.set_bounds("decode", 1, 4, target=2)
     assert [w for w, m in fleet.members.items() if m.draining] == ["decode-2", "decode-3"]
-    assert pools.set_bounds("decode", 1, 3)["target_pinned"] is False
+    assert pools.set_bounds("decode", 1, 3).target_pinned is False
     with pytest.raises(ValueError, match="unknown pool"):
         pools.set_bounds("embed", 0, 1)
     with pytest.raises(ValueError, match="0 <= min <= max"):
@@ -222,8 +223,10 @@ def test_the_autoscaler_decides_once_a_period_and_leaves_a_pinned_pool():
     fleet.members["prefill-0"].health = ProbeResult(Probe.OK, heavy)
     pools.check()
     pools.maybe_autoscale()
-    assert len(pools.decisions) == 1 and pools.last_decision["at_unix_s"] == 1.7e9 + clock()
-    assert pools.state()["pools"]["prefill"]["target"] > 1 and pools.state()["pools"]["decode"]["target"] == 2
+    d = pools.state().last_decision
+    assert len(pools.decisions) == 1 and d == pools.decisions[0] and d.at_unix_s == 1.7e9 + clock()
+    assert d.prefill_target > 1 and (d.prefill_size, d.decode_size) == (1, 2)
+    assert pools.state().pools["prefill"].target > 1 and pools.state().pools["decode"].target == 2
     clock.advance(4.9)
     pools.maybe_autoscale()
     assert len(pools.decisions) == 1             # not yet a period later
@@ -236,7 +239,7 @@ def test_stop_all_asks_every_worker_and_kills_each_once_stopped_or_timed_out():
     pools, fleet, clock = make_pools()
     pools.check()
     pools.stop_all(timeout_s=5.0)
-    assert pools.state()["workers"] == [] and not pools.all_stopped()
+    assert pools.state().workers == () and not pools.all_stopped()
     fleet.members["decode-0"].shut_down = True
     assert not pools.all_stopped() and fleet.members["decode-0"].killed
     clock.advance(5.0)

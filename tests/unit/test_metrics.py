@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.runtime.logging_setup import bind_request, current_request_id, setup_logging
 from tandem.runtime.metrics import (KV_TRANSFER_BUCKETS, METRIC_NAMES, MetricsHub, TransferTimes,
                                     WorkerCounters, WorkerMetricsSnapshot, start_metrics_server)
+from tandem.wire.cluster import WorkerEntry
 from tandem.wire.stats import WorkerStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
@@ -107,8 +108,7 @@ def test_transfers_a_worker_reports_fill_the_histograms_count_and_buckets():
     times = TransferTimes()                    # what a prefill or decode worker keeps
 
     def report():
-        worker = {"worker_id": "p0", "pool": "prefill", "pid": 41,
-                  "stats": WorkerStats("p0", "prefill", **times.stats())}
+        worker = WorkerEntry("p0", "prefill", "ready", pid=41, stats=WorkerStats("p0", "prefill", **times.stats()))
         hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(worker)])
 
     def value(suffix, **labels):

@@ -9,9 +9,11 @@ import pickle
 import pytest
 
 from tandem.wire import errors
+from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
 from tandem.wire.messages import (DecodePlan, DecodeReserve, FinishReason, FirstToken, FirstTokenReady, OutputError,
                                   PrefillReservation, PrefillReserve, PrefillResult, SamplingParams, StepOutput,
                                   Usage, WorkerLostNotice)
+from tandem.wire.stats import WorkerStats
 
 FIRST = FirstToken(42, " hi", FinishReason.STOP, rng_state=b"\x01\x02")
 MESSAGES = [
@@ -27,6 +29,10 @@ MESSAGES = [
     StepOutput("r1", [5, 6], "ab", FinishReason.LENGTH, Usage(prompt_tokens=2, completion_tokens=2)),
     OutputError("r1", "KV transfer failed"),
     WorkerLostNotice("decode-0", "worker decode-0 lost"),
+    ClusterState((WorkerEntry("decode-0", "decode", "ready", "ns:decode-0", pid=7, stats=WorkerStats("decode-0", "decode")),
+                  WorkerEntry("prefill-0", "prefill", "dead", error="no GPU")),
+                 {"decode": PoolState(1, 1, 1, 1), "prefill": PoolState(0, 1, 1, 1)},
+                 AutoscalerDecision(1.7e9, 1, 1, ("hold",)), rendezvous="h:1", namespace="ns"),
 ]
 
 
