@@ -24,6 +24,7 @@ from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyStat
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
 from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
+from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
 from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class Pools:
         with self._lock:
             w = self.workers.get(worker_id)
             if w is None:
-                raise KeyError(f"unknown worker {worker_id!r}")
+                raise UnknownWorker(f"unknown worker {worker_id!r}")
             if w.state in ("starting", "ready"):
                 self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
                 self._drain(w)
@@ -284,9 +285,9 @@ class Pools:
     def set_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> PoolState:
         """New bounds for a pool; a `target` pins it (the autoscaler leaves it), None unpins."""
         if pool not in POOLS:
-            raise ValueError(f"unknown pool {pool!r}; pools are {list(POOLS)}")
+            raise UnknownPool(f"unknown pool {pool!r}; pools are {list(POOLS)}")
         if min_size < 0 or max_size < min_size:
-            raise ValueError(f"bounds must satisfy 0 <= min <= max, got min={min_size} max={max_size}")
+            raise InvalidPoolBounds(f"bounds must satisfy 0 <= min <= max, got min={min_size} max={max_size}")
         with self._lock:
             self.bounds[pool] = (min_size, max_size)
             if target is None:

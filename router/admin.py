@@ -4,9 +4,10 @@ each time the router refreshes its view of the cluster."""
 
 from __future__ import annotations
 
-import grpc
+import ray
 
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem.router.status_codes import status_code
 from tandem.runtime.metrics import WorkerMetricsSnapshot
 from tandem.wire.cluster import ClusterState
 
@@ -16,23 +17,27 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self.controller = controller
 
     async def GetClusterState(self, request, context):
-        return cluster_state_proto(await self.controller.cluster_state.remote())
+        return cluster_state_proto(await self._ask(context, self.controller.cluster_state.remote()))
 
     async def SetPoolBounds(self, request, context):
         target = request.target if request.HasField("target") else None
-        try:
-            await self.controller.set_pool_bounds.remote(request.pool, request.min, request.max, target)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        state = cluster_state_proto(await self.controller.cluster_state.remote())
+        await self._ask(context, self.controller.set_pool_bounds.remote(request.pool, request.min, request.max, target))
+        state = cluster_state_proto(await self._ask(context, self.controller.cluster_state.remote()))
         return next(p for p in state.pools if p.name == request.pool)
 
     async def DrainWorker(self, request, context):
-        try:
-            r = await self.controller.drain_worker.remote(request.worker_id)
-        except KeyError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e).strip("'\""))
+        r = await self._ask(context, self.controller.drain_worker.remote(request.worker_id))
         return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state])
+
+    @staticmethod
+    async def _ask(context, call):
+        """The controller's answer; its refusal (or its loss) leaves as the error's status code,
+        with the controller's own message rather than Ray's traceback."""
+        try:
+            return await call
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a status, never UNKNOWN
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+            await context.abort(status_code(e), str(cause))
 
 
 _WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,

@@ -1,7 +1,7 @@
 """The gRPC front door: `tandem.v1.Generation` (server streaming), `tandem.v1.Admin`
 (router/admin.py), health and reflection. Admission and the client's identity are taken here; the
-request itself is router/generation.py's. Errors are mapped to status codes here, once, by
-`STATUS_CODES`.
+request itself is router/generation.py's. Errors leave as status codes here, mapped once by
+router/status_codes.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import logging
 import uuid
 
 import grpc
-import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -22,28 +21,15 @@ from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
 from tandem.router.sessions import make_session_store
+from tandem.router.status_codes import status_code
 from tandem.router.validation import RequestLimits
-from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoWorkerReady, WorkersOverloaded,
-                                WorkerUnavailable)
+from tandem.wire.errors import InvalidRequestError, MigrationsExhausted, NoWorkerReady, WorkersOverloaded
 
 log = logging.getLogger(__name__)
 
-# Error type -> status code, first match wins. The router's own errors carry a message for the
-# client; anything else failed in the cluster (an actor's error, a dead actor) and is logged.
-STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),          # admission: with retry-after-ms
-    (WorkersOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NoWorkerReady, grpc.StatusCode.UNAVAILABLE),
-    (MigrationsExhausted, grpc.StatusCode.UNAVAILABLE),
-    (WorkerUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (ray.exceptions.RayActorError, grpc.StatusCode.UNAVAILABLE),
-)
+# The router's own errors carry a message for the client; anything else failed in the cluster (an
+# actor's error, a dead actor) and is logged.
 ROUTER_ERRORS = (InvalidRequestError, Overloaded, WorkersOverloaded, NoWorkerReady, MigrationsExhausted)
-
-
-def status_code(e: BaseException) -> grpc.StatusCode:
-    return next((code for kind, code in STATUS_CODES if isinstance(e, kind)), grpc.StatusCode.INTERNAL)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

@@ -48,3 +48,20 @@ class WorkersOverloaded(RuntimeError):
 
 class MigrationsExhausted(RuntimeError):
     """A request's decode actors failed it more times than the router moves a request: UNAVAILABLE."""
+
+
+# ---- the controller's refusals (the Admin service) ---------------------------------------------
+class UnknownWorker(KeyError):
+    """An operator named a worker that is not a member of any pool (never was, or already left):
+    NOT_FOUND."""
+
+    def __str__(self) -> str:      # KeyError quotes its argument; this is a sentence
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownPool(ValueError):
+    """An operator named a pool other than prefill and decode: INVALID_ARGUMENT."""
+
+
+class InvalidPoolBounds(ValueError):
+    """New pool bounds that do not satisfy 0 <= min <= max: INVALID_ARGUMENT."""

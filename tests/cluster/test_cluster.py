@@ -14,7 +14,7 @@ import threading
 import grpc
 import pytest
 
-from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.protos.tandem.v1 import admin_pb2, generation_pb2 as pb
 
 MODEL = {"model.name": "smollm2-135m", "cache.num_blocks": 512}
 REMOTE = {**MODEL, "decode.local_prefill_threshold": 0}  # every prompt is prefilled remotely
@@ -182,6 +182,27 @@ def test_bad_input_gets_invalid_argument(remote, offline, kwargs, needle):
     assert needle in err.value.details()
     ids, _, _ = remote.generate(prompt=PROMPTS[1], max_tokens=6)
     assert ids == offline([{"prompt": PROMPTS[1], "max_tokens": 6}])[0]["token_ids"]
+
+
+ADMIN_REFUSALS = [
+    ("DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="decode-99"), grpc.StatusCode.NOT_FOUND, "decode-99"),
+    ("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="embed", min=0, max=1), grpc.StatusCode.INVALID_ARGUMENT,
+     "unknown pool"),
+    ("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="decode", min=3, max=1), grpc.StatusCode.INVALID_ARGUMENT,
+     "0 <= min <= max"),
+]
+
+
+@pytest.mark.parametrize("method,request_,code,needle", ADMIN_REFUSALS, ids=lambda x: getattr(x, "name", None))
+def test_the_controllers_refusals_reach_an_admin_client_as_their_status_codes(remote, method, request_, code, needle):
+    """The controller raises its own error types (tandem.wire.errors); they cross Ray and leave the
+    router's Admin service with the code of the router's one table and the controller's message."""
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(remote.admin, method)(request_, timeout=10)
+    assert err.value.code() == code
+    assert needle in err.value.details() and "Traceback" not in err.value.details()
+    state = remote.admin.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)
+    assert {p.name: (p.min, p.max) for p in state.pools} == {"prefill": (1, 1), "decode": (1, 1)}
 
 
 def test_cancel_mid_stream_frees_every_block(remote):

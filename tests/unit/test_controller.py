@@ -8,82 +8,12 @@ import dataclasses
 
 import pytest
 
-from tandem.cluster.config import load_config
 from tandem.cluster.members import Probe, ProbeResult
-from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S, Pools
+from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S
 from tandem.wire.cluster import PoolState
-from tandem.wire.stats import Percentiles, WorkerStats
-
-IDLE = WorkerStats("w", "decode", running=0, waiting=0, in_flight=0)
-BUSY = WorkerStats("w", "decode", running=3, waiting=1, in_flight=0)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class FakeMember:
-    """A worker whose answers the test sets: `ready` for check_ready, `health` for check_health
-    (an answer to a stats call sent `answer_lag_s` before the check)."""
-
-    def __init__(self, worker_id: str, pool: str) -> None:
-        self.worker_id, self.pool = worker_id, pool
-        self.ready = ProbeResult(Probe.OK, {"pid": 1, "kv_blocks_total": 64})
-        self.health = ProbeResult(Probe.OK, BUSY)
-        self.draining = self.killed = self.shut_down = False
-        self.stop_deadline: float | None = None
-        self.answer_lag_s = 0.0
-
-    def check_ready(self) -> ProbeResult:
-        return self.ready
-
-    def check_health(self, now: float) -> ProbeResult:
-        if self.health.value is None:
-            return self.health
-        return dataclasses.replace(self.health, sent_at=now - self.answer_lag_s)
-
-    def drain(self) -> None:
-        self.draining = True
-
-    def begin_stop(self, now: float, timeout_s: float) -> None:
-        self.stop_deadline = now + timeout_s
-
-    def check_stopped(self, now: float) -> bool:
-        return self.shut_down or now >= self.stop_deadline
-
-    def kill(self) -> None:
-        self.killed = True
-
-
-class FakeFleet:
-    """start_member: every member it started, by worker id."""
-
-    def __init__(self, ready: bool = True) -> None:
-        self.members: dict[str, FakeMember] = {}
-        self.ready = ready
-
-    def __call__(self, pool: str, worker_id: str) -> FakeMember:
-        m = FakeMember(worker_id, pool)
-        if not self.ready:
-            m.ready = ProbeResult.pending()
-        self.members[worker_id] = m
-        return m
-
-
-def make_pools(overrides=None, ready=True, dead_after_failures=3):
-    config = load_config(None, {"prefill.replicas": 1, "decode.replicas": 2, **(overrides or {})})
-    fleet, clock = FakeFleet(ready), FakeClock()
-    pools = Pools(config, fleet, clock, wall_clock=lambda: 1.7e9 + clock.t,
-                  dead_after_failures=dead_after_failures)
-    pools.reconcile()
-    return pools, fleet, clock
+from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
+from tandem.wire.stats import Percentiles
+from tests.unit.pool_factories import BUSY, IDLE, make_pools
 
 
 def states(pools) -> dict[str, str]:
@@ -160,7 +90,7 @@ def test_a_drained_worker_is_not_replaced_and_leaves_once_idle():
     m.shut_down = True
     pools.check()
     assert m.killed and set(fleet.members) == {"prefill-0", "decode-0", "decode-1"}
-    with pytest.raises(KeyError, match="decode-1"):
+    with pytest.raises(UnknownWorker, match="decode-1"):
         pools.drain_worker("decode-1")
 
 
@@ -208,9 +138,9 @@ def test_pinning_a_target_starts_workers_and_lowering_it_drains_the_youngest():
     pools.set_bounds("decode", 1, 4, target=2)
     assert [w for w, m in fleet.members.items() if m.draining] == ["decode-2", "decode-3"]
     assert pools.set_bounds("decode", 1, 3).target_pinned is False
-    with pytest.raises(ValueError, match="unknown pool"):
+    with pytest.raises(UnknownPool, match="unknown pool"):
         pools.set_bounds("embed", 0, 1)
-    with pytest.raises(ValueError, match="0 <= min <= max"):
+    with pytest.raises(InvalidPoolBounds, match="0 <= min <= max"):
         pools.set_bounds("decode", 3, 1)
 
 

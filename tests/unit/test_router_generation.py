@@ -13,7 +13,7 @@ import pytest
 from tandem.placement import OverloadLimits, WorkerView
 from tandem.protos.tandem.v1 import generation_pb2
 from tandem.router.generation import Router
-from tandem.router.server import status_code
+from tandem.router.status_codes import status_code
 from tandem.router.sessions import InMemorySessionStore, SessionState
 from tandem.router.admission import Overloaded
 from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoReservation, NoWorkerReady,

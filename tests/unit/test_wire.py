@@ -56,7 +56,8 @@ def test_sampling_parameters_are_validated_where_they_are_made():
 
 
 @pytest.mark.parametrize("kind", [errors.WorkerUnavailable, errors.NoReservation, errors.TransferFailed,
-                                  errors.WorkerLost, errors.InvalidRequestError])
+                                  errors.WorkerLost, errors.InvalidRequestError, errors.UnknownWorker,
+                                  errors.UnknownPool, errors.InvalidPoolBounds])
 def test_each_failure_kind_keeps_its_type_and_message_across_the_boundary(kind):
     e = pickle.loads(pickle.dumps(kind("why it failed")))
     assert type(e) is kind and str(e) == "why it failed"

@@ -1,0 +1,103 @@
+"""The Admin service (router/admin.py) through a real grpc.aio server and client, over the
+controller's real pools (fake members, no Ray): its answers in protobuf terms, and each of the
+controller's refusals reaching the client as the status code of the router's one table, with the
+controller's message, also when it comes wrapped the way Ray re-raises an actor's error."""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+
+import grpc
+import pytest
+import ray
+
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from tandem.router.admin import AdminService
+from tandem.router.status_codes import status_code
+from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
+from tests.unit.pool_factories import make_pools
+
+
+class _Method:
+    """`controller.<method>.remote(...)`: awaitable; an error comes back as Ray re-raises it (a
+    RayTaskError that is also an instance of the actor's error type)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        try:
+            return self.fn(*args)
+        except Exception as e:
+            tb = "".join(traceback.format_exception(e))
+            raise ray.exceptions.RayTaskError(self.fn.__name__, tb, e, proctitle="controller", pid=1,
+                                              ip="127.0.0.1").as_instanceof_cause() from None
+
+
+class FakeController:
+    """The controller's API over real Pools, minus Ray."""
+
+    def __init__(self, pools) -> None:
+        self.cluster_state = _Method(pools.state)
+        self.drain_worker = _Method(pools.drain_worker)
+        self.set_pool_bounds = _Method(pools.set_bounds)
+
+
+def call_admin(method: str, request):
+    """One Admin call through a real server; returns the answer or the grpc error."""
+    pools, _, _ = make_pools()
+    pools.check()
+
+    async def main():
+        server = grpc.aio.server()
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(FakeController(pools)), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                try:
+                    return await getattr(admin_pb2_grpc.AdminStub(ch), method)(request, timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    return e
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("error, code", [
+    (UnknownWorker("unknown worker 'decode-9'"), grpc.StatusCode.NOT_FOUND),
+    (UnknownPool("unknown pool 'embed'"), grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidPoolBounds("bounds must satisfy 0 <= min <= max"), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_each_controller_refusal_has_one_status_code_in_the_routers_table(error, code):
+    assert status_code(error) is code
+    wrapped = ray.exceptions.RayTaskError("m", "", error, proctitle="c", pid=1, ip="127.0.0.1").as_instanceof_cause()
+    assert status_code(wrapped) is code                  # as Ray re-raises it in the router
+
+
+@pytest.mark.parametrize("method, request_, code, needle", [
+    ("DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="decode-9"), grpc.StatusCode.NOT_FOUND,
+     "unknown worker 'decode-9'"),
+    ("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="embed", min=0, max=1), grpc.StatusCode.INVALID_ARGUMENT,
+     "unknown pool 'embed'"),
+    ("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="decode", min=3, max=1), grpc.StatusCode.INVALID_ARGUMENT,
+     "bounds must satisfy 0 <= min <= max, got min=3 max=1"),
+], ids=["unknown-worker", "unknown-pool", "bad-bounds"])
+def test_each_controller_refusal_reaches_an_admin_client_as_its_status_code(method, request_, code, needle):
+    err = call_admin(method, request_)
+    assert isinstance(err, grpc.aio.AioRpcError), err
+    assert err.code() == code
+    assert err.details().startswith(needle) and "Traceback" not in err.details()   # the message, not Ray's
+
+
+def test_admin_answers_read_the_controllers_typed_state():
+    state = call_admin("GetClusterState", admin_pb2.GetClusterStateRequest())
+    assert {p.name: (p.size, p.target, p.min, p.max) for p in state.pools} == {"prefill": (1, 1, 1, 1),
+                                                                               "decode": (2, 2, 2, 2)}
+    assert state.totals.workers == 3 and state.totals.running_requests == 3 * 3   # BUSY: 3 running each
+    w = call_admin("DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="decode-1"))
+    assert (w.id, w.pool, w.state) == ("decode-1", "decode", admin_pb2.WORKER_STATE_DRAINING)
+    p = call_admin("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="decode", min=1, max=4, target=3))
+    assert (p.name, p.target, p.min, p.max, p.target_pinned) == ("decode", 3, 1, 4, True)
