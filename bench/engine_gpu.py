@@ -38,8 +38,8 @@ from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.model import TritonOps
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.request import SamplingParams
 from tandem.engine.weights import hf_state_dict, load_model
+from tandem.wire.messages import SamplingParams
 
 
 class Bench:

@@ -9,7 +9,8 @@ import sys
 
 from tandem.cluster import commands
 from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.errors import InvalidRequestError
+from tandem.wire.messages import SamplingParams
 
 
 def _read_prompt_file(path: str) -> list[dict]:

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cluster.commands import stream_generate
 from tandem.engine.config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.protos.tandem.v1 import generation_pb2_grpc
+from tandem.wire.messages import SamplingParams
 
 TURNS = [
     "Write a Python function `is_prime(n)` that returns True when n is prime.",

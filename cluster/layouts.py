@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-from tandem.cluster.simulator import SLO, PerfModel, SimSummary, simulate
+from tandem.cluster.sim_model import SLO, PerfModel, SimSummary
+from tandem.cluster.simulator import simulate
 
 
 def layout_name(n_prefill: int, n_decode: int) -> str:

@@ -18,11 +18,12 @@ import grpc
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.layouts import load_perf
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
-from tandem.cluster.simulator import SLO, PerfModel, format_table, simulate, sweep
+from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.engine.request import SamplingParams
 from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
+from tandem.wire.messages import SamplingParams
 
 
 def _timed(fn, repeats: int = 2) -> float:

@@ -26,7 +26,7 @@ Everything is deterministic for a given workload (ties break as the router break
 
 Modules: cluster/sim_model.py (inputs and results), sim_workers.py (caches, workers, requests),
 sim_engine.py (the events and rules), sim_control.py (the autoscaler in the loop); this one runs
-them.
+them (`simulate`, `sweep`, `format_table`). Import each name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -36,15 +36,8 @@ from typing import Any, Mapping, Sequence
 
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.sim_engine import Simulation
-from tandem.cluster.sim_model import (SLO, PerfModel, PoolSample, RequestLike, RequestResult, SimResult,
-                                      SimSummary, summarize)
-from tandem.cluster.sim_workers import PrefixCache
+from tandem.cluster.sim_model import SLO, PerfModel, RequestLike, SimResult, SimSummary
 from tandem.placement import OverloadLimits
-
-_Simulation = Simulation   # the name tests and older callers use
-
-__all__ = ["SLO", "PerfModel", "PoolSample", "PrefixCache", "RequestLike", "RequestResult", "SimResult",
-           "SimSummary", "Simulation", "format_table", "simulate", "summarize", "sweep"]
 
 
 def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,

@@ -19,15 +19,14 @@ from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache import KVCache, num_blocks_for
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative.speculator import build_speculator
 from tandem.engine.tokenizer import IncrementalDetokenizer
 from tandem.engine.weights import load_model
-from tandem.wire.messages import FirstToken, Usage
-
-__all__ = ["EngineStats", "FirstToken", "LLMEngine", "RequestOutput", "Usage"]
+from tandem.wire.errors import InvalidRequestError
+from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, Usage
 
 
 @dataclass

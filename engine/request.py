@@ -10,10 +10,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from tandem.wire.errors import InvalidRequestError, WorkerUnavailable
 from tandem.wire.messages import FinishReason, SamplingParams
-
-__all__ = ["FinishReason", "InvalidRequestError", "Request", "RequestStatus", "SamplingParams", "WorkerUnavailable"]
 
 
 class RequestStatus(enum.Enum):

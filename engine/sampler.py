@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.request import SamplingParams
+from tandem.wire.messages import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.request import Request, RequestStatus
+from tandem.wire.messages import FinishReason
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.engine.request import WorkerUnavailable
+from tandem.wire.errors import WorkerUnavailable
 
 log = logging.getLogger(__name__)
 

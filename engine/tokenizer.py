@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from tandem.engine.architectures import UnsupportedModelError
-from tandem.engine.request import InvalidRequestError
+from tandem.wire.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kernels.compile_watch import watch as compile_watch
-from tandem.engine.request import SamplingParams
 from tandem.engine.serving_loop import EngineLoop
 from tandem.kv_transfer.base import KVTransferConfig, TransferSpec, TransferState
 from tandem.kv_transfer.link import Connector
@@ -39,7 +38,7 @@ from tandem.prefill_workers.records import PrefillJob, PrefillState
 from tandem.runtime.latency import LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, TransferFailed, WorkerUnavailable
-from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult
+from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult, SamplingParams
 from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)

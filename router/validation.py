@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.errors import InvalidRequestError
+from tandem.wire.messages import SamplingParams
 
 # One error type for bad input, shared with the engine (which raises it for the same reasons).
 InvalidRequest = InvalidRequestError

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.errors import InvalidRequestError
+from tandem.wire.messages import SamplingParams
 
 CASES = [
     (dict(prompt=""), "prompt must not be empty"),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.request import SamplingParams
 from tandem.engine.sampler import Sampler, filter_logits
+from tandem.wire.messages import SamplingParams
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(smollm2, make_engine):

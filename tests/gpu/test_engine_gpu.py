@@ -18,8 +18,8 @@ import torch
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.model import TorchOps
-from tandem.engine.request import SamplingParams
 from tandem.engine.weights import load_model
+from tandem.wire.messages import SamplingParams
 
 MODEL = "smollm2-135m-random"
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.wire.messages import FinishReason, SamplingParams
 
 BLOCK = 4
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tandem.engine.request import WorkerUnavailable
 from tandem.engine.serving_loop import EngineLoop
+from tandem.wire.errors import WorkerUnavailable
 
 
 class FlakyEngine:

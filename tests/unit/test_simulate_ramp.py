@@ -12,7 +12,9 @@ from tandem.cluster.workloads import RequestSpec
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.cli import main
 from tandem.cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
-from tandem.cluster.simulator import SLO, PerfModel, Simulation, simulate
+from tandem.cluster.sim_engine import Simulation
+from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.simulator import simulate
 
 # One prefill worker does ~5k prompt tokens/s: the small agent profile at 4 sessions/s overloads it.
 PERF = PerfModel(prefill_base_s=0.001, prefill_per_token_s=2e-4, prefill_attn_s=0.0,

@@ -9,7 +9,9 @@ import pytest
 
 from tandem.cluster.workloads import PROFILES, RequestSpec, coding_agent_sessions, prefix_reuse_ratio, read_mooncake
 from tandem.cluster.autoscaler import AutoscalerConfig, ratio_ok
-from tandem.cluster.simulator import SLO, PerfModel, PrefixCache, format_table, simulate, sweep
+from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_workers import PrefixCache
+from tandem.cluster.simulator import format_table, simulate, sweep
 
 # Round numbers so expectations are easy to reason about.
 PERF = PerfModel(prefill_base_s=0.001, prefill_per_token_s=1e-4, prefill_attn_s=0.0,

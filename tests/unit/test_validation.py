@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from tandem.engine.request import InvalidRequestError
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 from tandem.router.validation import (InvalidRequest, RequestLimits, check_prompt_length,
                                validate_request)
+from tandem.wire.errors import InvalidRequestError
 
 VOCAB = 1000
 CONTEXT = 2048
