@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from tandem.cluster import loadgen_client, profiling
+from tandem.cluster.config import load_config
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
                                 load_client_token, resolve_auth, with_metadata)
@@ -161,9 +162,7 @@ def _client_flags(p) -> None:
 
 # ---- up -----------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
-    # Ray and torch (cluster.config holds kv_transfer's config, which loads it) only when a cluster starts
-    from tandem.cluster.bootstrap import start_cluster  # noqa: PLC0415
-    from tandem.cluster.config import load_config  # noqa: PLC0415
+    from tandem.cluster.bootstrap import start_cluster  # noqa: PLC0415 - Ray only when a cluster starts
     overrides = {"model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
                  "model.tensor_parallel_size": args.tensor_parallel, "model.quantization": args.quantization,
                  "prefill.replicas": args.prefill, "decode.replicas": args.decode,

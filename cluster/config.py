@@ -26,7 +26,7 @@ import yaml
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.wire.errors import ConfigError
-from tandem.kv_transfer.base import KVTransferConfig
+from tandem.kv_transfer.config import KVTransferConfig
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.config import load_config
 from tandem.cluster.layouts import load_perf
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO, PerfModel
@@ -157,8 +158,6 @@ def perf_for_cluster(perf, cluster):
 
 
 def cmd_simulate(args) -> int:
-    from tandem.cluster.config import load_config  # noqa: PLC0415 - it loads torch (kv_transfer's config)
-
     perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
         cluster = load_config(args.config)

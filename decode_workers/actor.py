@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ray
 
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
 from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, Output
@@ -20,7 +21,6 @@ class DecodeActor(PoolActorBase):
         # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
         from tandem.decode_workers.worker import DecodeWorker, warm_up  # noqa: PLC0415
         from tandem.engine.engine import LLMEngine  # noqa: PLC0415
-        from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
         from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
 
         self.worker_id = worker_id

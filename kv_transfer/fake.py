@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from tandem.kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
-                              ReleaseCallback)
+from tandem.kv_transfer.base import BlockStore, KVTransferError, KVTransferTimeout, ReleaseCallback
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import decode_frame, encode_frame
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.sender import LayerStreamSender

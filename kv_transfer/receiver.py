@@ -24,9 +24,9 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from tandem.kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferConfig,
-                                     KVTransferError, KVTransferTimeout, ReleaseCallback, TransferSpec,
-                                     TransferState)
+from tandem.kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferError, KVTransferTimeout,
+                                     ReleaseCallback, TransferSpec, TransferState)
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.recv_loop import PeerRecvLoop
 from tandem.kv_transfer.records import TransferTable

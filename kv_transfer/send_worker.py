@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
-                                     PinnedIndexRing, TransferSpec, TransferState)
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, PinnedIndexRing, TransferSpec, TransferState
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.direct_send import DirectSendPath
 from tandem.kv_transfer.frames import EndFrame
 from tandem.kv_transfer.link import PeerLink

@@ -32,8 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferConfig,
-                                     KVTransferError, ReleaseCallback, TransferSpec, TransferState)
+from tandem.kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferError, ReleaseCallback,
+                                     TransferSpec, TransferState)
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.records import TransferTable
 from tandem.kv_transfer.send_queue import BeginItem, EndItem, LayerItem

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.kv_transfer.base import (KVTransferConfig, KVTransferError, StagingRing, TransferSpec,
-                                     TransferState, device_index, layer_runs, plan_messages)
+from tandem.kv_transfer.base import (KVTransferError, StagingRing, TransferSpec, TransferState, device_index,
+                                     layer_runs, plan_messages)
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.frames import LayersFrame
 from tandem.kv_transfer.link import PeerLink, Pending
 from tandem.kv_transfer.records import TransferRecord

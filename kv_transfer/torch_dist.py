@@ -52,8 +52,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from tandem.kv_transfer.base import (BlockStore, KVTransferConfig, KVTransferError, KVTransferTimeout,
-                                     ReleaseCallback)
+from tandem.kv_transfer.base import BlockStore, KVTransferError, KVTransferTimeout, ReleaseCallback
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.dist_link import DistLink
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.sender import LayerStreamSender

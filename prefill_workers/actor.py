@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ray
 
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
 from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult
@@ -19,7 +20,6 @@ class PrefillActor(PoolActorBase):
         setup_process(num_cpus)
         # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
         from tandem.engine.engine import LLMEngine  # noqa: PLC0415
-        from tandem.kv_transfer.base import KVTransferConfig  # noqa: PLC0415
         from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
         from tandem.prefill_workers.worker import PrefillWorker, warm_up  # noqa: PLC0415
 

@@ -11,7 +11,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+from tandem.kv_transfer.base import TransferSpec  # noqa: E402
+from tandem.kv_transfer.config import KVTransferConfig  # noqa: E402
 from tandem.kv_transfer.torch_dist import start_rendezvous_store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,7 +26,7 @@ class KVEndpoint:
     """A prefill-like or decode-like actor around a TensorBlockStore; states come back as strings."""
 
     def __init__(self, actor_id: str, role: str, rendezvous: str, seed: int | None):
-        from tandem.kv_transfer.base import KVTransferConfig
+        from tandem.kv_transfer.config import KVTransferConfig
         from tandem.kv_transfer.testing import TensorBlockStore
         from tandem.kv_transfer.torch_dist import make_dist_receiver, make_dist_sender
 

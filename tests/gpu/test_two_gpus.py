@@ -11,7 +11,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tandem.kv_transfer.base import KVTransferConfig, TransferSpec  # noqa: E402
+from tandem.kv_transfer.base import TransferSpec  # noqa: E402
+from tandem.kv_transfer.config import KVTransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -35,3 +37,13 @@ def test_kv_transfer_section_from_yaml_and_overrides(tmp_path):
     path.write_text("kv_transfer: {direct: false}\n")
     with pytest.raises(ConfigError, match="unknown key.*direct_copy"):
         load_config(path)
+
+
+def test_the_config_and_the_cli_s_help_load_neither_torch_nor_ray():
+    """`tandem --help`, `status`, `simulate` and the config's readers stay light: KVTransferConfig
+    lives in the torch-free kv_transfer.config, and Ray loads only when a cluster starts."""
+    code = ("import sys, contextlib\nimport tandem.cluster.config\nfrom tandem.cluster.cli import main\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(None):\n    main(['--help'])\n"
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

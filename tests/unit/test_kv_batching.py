@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from tandem.kv_transfer.base import (KVTransferConfig, StagingRing, TransferState, layer_runs,
-                                     plan_messages)
+from tandem.kv_transfer.base import StagingRing, TransferState, layer_runs, plan_messages
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import make_fake_pair
 from tandem.kv_transfer.testing import TensorBlockStore
 

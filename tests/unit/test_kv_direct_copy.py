@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem.kv_transfer.base import KVTransferConfig, TransferState
+from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import make_fake_pair
 from tandem.kv_transfer.testing import TensorBlockStore
 

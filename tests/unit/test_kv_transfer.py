@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tandem.kv_transfer.base import (KVTransferAborted, KVTransferConfig, KVTransferError,
-                                     KVTransferTimeout, TransferSpec, TransferState)
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, KVTransferTimeout, TransferSpec, TransferState
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork, make_fake_pair
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.records import TransferTable

@@ -10,7 +10,7 @@ import threading
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.kv_transfer.base import KVTransferConfig
+from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.prefill_workers.worker import PrefillWorker
 
