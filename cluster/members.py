@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from tandem.wire.stats import WorkerStats
+from tandem.wire.stats import WorkerInfo, WorkerStats
 
 
 class Probe(enum.Enum):
@@ -33,7 +33,7 @@ class Probe(enum.Enum):
 @dataclass(frozen=True)
 class ProbeResult:
     status: Probe
-    value: dict[str, Any] | WorkerStats | None = None  # OK: ready()'s description, or stats()'s WorkerStats
+    value: WorkerInfo | WorkerStats | None = None  # OK: ready()'s WorkerInfo, or stats()'s WorkerStats
     error: BaseException | None = None  # FAILED: why
     dead: bool = False  # FAILED because the actor is gone: no later check can pass
     sent_at: float | None = None  # an answered stats() call: when it was sent (the caller's clock)

@@ -17,15 +17,15 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
 from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
 from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
-from tandem.wire.stats import Percentiles, WorkerStats
+from tandem.wire.stats import Percentiles, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class WorkerRecord:
     member: Member
     started_at: float
     state: str = "starting"
-    info: dict[str, Any] = field(default_factory=dict)
+    info: WorkerInfo | None = None     # its answer to ready()
+    error: str | None = None           # why it failed to start
     stats: WorkerStats | None = None
     stats_sent_at: float = float("-inf")  # when the call that brought `stats` went out
     drained_at: float | None = None  # when it was told to drain
@@ -58,17 +59,25 @@ class WorkerRecord:
                 and self.stats is not None and self.stats.idle())
 
 
-def _worst_percentiles(workers: list[WorkerEntry], key: str) -> dict[str, float | None]:
+@dataclass(frozen=True)
+class PrefillCounters:
+    """The prefill pool's cumulative counters at one snapshot, for the rates of the next."""
+    at: float
+    computed_tokens: int
+    busy_s: float
+
+
+def _worst_percentiles(workers: list[WorkerEntry], key: str) -> Percentiles:
     vals: list[Percentiles] = [getattr(w.stats, key) for w in workers]
-    out = {}
-    for q in ("p50", "p90", "p99"):
+
+    def worst(q: str) -> float | None:   # the worst worker sets the pool's latency
         xs = [getattr(v, q) for v in vals if getattr(v, q) is not None]
-        out[q] = max(xs) if xs else None  # the worst worker sets the pool's latency
-    return out
+        return max(xs) if xs else None
+    return Percentiles(worst("p50"), worst("p90"), worst("p99"))
 
 
-def build_snapshot(workers: tuple[WorkerEntry, ...], prev: dict[str, float] | None, now: float,
-                   period_s: float) -> tuple[MetricsSnapshot, dict[str, float]]:
+def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | None, now: float,
+                   period_s: float) -> tuple[MetricsSnapshot, PrefillCounters]:
     """The autoscaler's inputs from the workers' latest stats (`cluster_state().workers`).
     `prev` carries the counters of the last call, for rates; returns the new one to carry."""
     def live(pool):
@@ -83,23 +92,23 @@ def build_snapshot(workers: tuple[WorkerEntry, ...], prev: dict[str, float] | No
     pre, dec = live("prefill"), live("decode")
     computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s")
     rate = cap = None
-    if prev is not None and now > prev["at"]:
-        rate = max(0.0, (computed - prev["computed"]) / (now - prev["at"]))
-        dbusy = busy - prev["busy"]
+    if prev is not None and now > prev.at:
+        rate = max(0.0, (computed - prev.computed_tokens) / (now - prev.at))
+        dbusy = busy - prev.busy_s
         if dbusy > 0.2 * period_s:
-            cap = (computed - prev["computed"]) / dbusy
+            cap = (computed - prev.computed_tokens) / dbusy
     lat, tpot = _worst_percentiles(pre, "prefill_latency"), _worst_percentiles(dec, "tpot")
     snap = MetricsSnapshot(
         prefill=PrefillMetrics(
             size=len(pre), draining=draining("prefill"), queued_prompt_tokens=total(pre, "queued_prompt_tokens"),
             prompt_tokens_per_s=rate or 0.0, prefill_tokens_per_s_per_worker=cap,
-            ttft_p50=lat["p50"], ttft_p90=lat["p90"], ttft_p99=lat["p99"]),
+            ttft_p50=lat.p50, ttft_p90=lat.p90, ttft_p99=lat.p99),
         decode=DecodeMetrics(
             size=len(dec), draining=draining("decode"), running_seqs=total(dec, "running"),
             waiting_seqs=total(dec, "waiting"), kv_blocks_used=total(dec, "kv_blocks_used"),
             kv_blocks_total=total(dec, "kv_blocks_total"), kv_blocks_waiting=total(dec, "kv_blocks_waiting"),
-            tpot_p50=tpot["p50"], tpot_p90=tpot["p90"], tpot_p99=tpot["p99"]))
-    return snap, {"at": now, "computed": computed, "busy": busy}
+            tpot_p50=tpot.p50, tpot_p90=tpot.p90, tpot_p99=tpot.p99))
+    return snap, PrefillCounters(now, computed, busy)
 
 
 class Pools:
@@ -125,7 +134,7 @@ class Pools:
             self.targets = {p: min(max(self.targets[p], self.bounds[p][0]), self.bounds[p][1]) for p in POOLS}
         self.pinned: set[str] = set()  # pools whose target an operator pinned (SetPoolBounds.target)
         self.policy_state = PolicyState()
-        self._rates: dict[str, float] | None = None
+        self._rates: PrefillCounters | None = None
         self._next_decision = 0.0
         self.decisions: list[AutoscalerDecision] = []  # recent decisions, for status and tests
         self.last_decision: AutoscalerDecision | None = None
@@ -178,11 +187,11 @@ class Pools:
     def _check_ready(self, w: WorkerRecord) -> None:
         r = w.member.check_ready()
         if r.status is Probe.OK:
-            w.info, w.state = dict(r.value or {}), "ready"
+            w.info, w.state = r.value, "ready"
         elif r.status is Probe.FAILED:
             log.error("%s failed to start: %s", w.worker_id, r.error)
             w.state = "dead"
-            w.info["error"] = str(r.error)
+            w.error = str(r.error)
 
     def _check_health(self, w: WorkerRecord, now: float) -> None:
         r = w.member.check_health(now)
@@ -303,5 +312,5 @@ class Pools:
 
 def _entry(w: WorkerRecord) -> WorkerEntry:
     i = w.info
-    return WorkerEntry(w.worker_id, w.pool, w.state, pid=i.get("pid", 0), node=i.get("node", ""),
-                       host=i.get("host", ""), error=i.get("error"), stats=w.stats)
+    return WorkerEntry(w.worker_id, w.pool, w.state, pid=i.pid if i else 0, node=i.node if i else "",
+                       host=i.host if i else "", error=w.error, stats=w.stats)

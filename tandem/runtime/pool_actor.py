@@ -12,16 +12,16 @@ import socket
 import ray
 
 from tandem.runtime.process import gc_stats
-from tandem.wire.stats import ProcessStats, WorkerStats
+from tandem.wire.stats import ProcessStats, WorkerInfo, WorkerStats
 
 
-def describe(worker_id: str, pool: str) -> dict:
+def describe(worker_id: str, pool: str, kv_blocks_total: int = 0) -> WorkerInfo:
     node = ""
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - outside Ray
         pass
-    return {"worker_id": worker_id, "pool": pool, "pid": os.getpid(), "node": node, "host": socket.gethostname()}
+    return WorkerInfo(worker_id, pool, os.getpid(), node, socket.gethostname(), kv_blocks_total)
 
 
 # Pool actors are threaded: each call holds a thread while it waits (a prefill's start until its
@@ -40,8 +40,8 @@ class PoolActorBase:
     pool: str
 
     @ray.method(concurrency_group="health")
-    def ready(self) -> dict:
-        return {**describe(self.worker_id, self.pool), "kv_blocks_total": self.worker.engine.allocator.num_blocks}
+    def ready(self) -> WorkerInfo:
+        return describe(self.worker_id, self.pool, self.worker.engine.allocator.num_blocks)
 
     def abort(self, request_id):
         return self.worker.abort(request_id)

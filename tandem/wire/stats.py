@@ -30,6 +30,17 @@ class ProcessStats:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    """What a pool actor answers `ready()` with: who and where it is, once it can serve."""
+    worker_id: str
+    pool: str
+    pid: int
+    node: str = ""                     # Ray's node id
+    host: str = ""
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
     pool: str                          # "prefill" | "decode"

@@ -9,7 +9,7 @@ import dataclasses
 from tandem.cluster.config import load_config
 from tandem.cluster.members import Probe, ProbeResult
 from tandem.cluster.pools import Pools
-from tandem.wire.stats import WorkerStats
+from tandem.wire.stats import WorkerInfo, WorkerStats
 
 IDLE = WorkerStats("w", "decode", running=0, waiting=0, in_flight=0)
 BUSY = WorkerStats("w", "decode", running=3, waiting=1, in_flight=0)
@@ -32,7 +32,7 @@ class FakeMember:
 
     def __init__(self, worker_id: str, pool: str) -> None:
         self.worker_id, self.pool = worker_id, pool
-        self.ready = ProbeResult(Probe.OK, {"pid": 1, "kv_blocks_total": 64})
+        self.ready = ProbeResult(Probe.OK, WorkerInfo(worker_id, pool, pid=1, kv_blocks_total=64))
         self.health = ProbeResult(Probe.OK, BUSY)
         self.draining = self.killed = self.shut_down = False
         self.stop_deadline: float | None = None

@@ -12,7 +12,7 @@ from tandem.cluster.members import Probe, ProbeResult
 from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S
 from tandem.wire.cluster import PoolState
 from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
-from tandem.wire.stats import Percentiles
+from tandem.wire.stats import Percentiles, WorkerInfo
 from tests.unit.pool_factories import BUSY, IDLE, make_pools
 
 
@@ -26,7 +26,7 @@ def test_workers_start_to_target_and_are_ready_once_their_check_passes():
     pools.check()
     assert not pools.all_ready() and set(states(pools).values()) == {"starting"}
     for m in fleet.members.values():
-        m.ready = ProbeResult(Probe.OK, {"pid": 7, "node": "n1"})
+        m.ready = ProbeResult(Probe.OK, WorkerInfo(m.worker_id, m.pool, pid=7, node="n1"))
     pools.check()
     assert pools.all_ready()
     w = pools.state().worker("decode-1")

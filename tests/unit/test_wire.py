@@ -13,7 +13,7 @@ from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, Wor
 from tandem.wire.messages import (DecodePlan, DecodeReserve, FinishReason, FirstToken, FirstTokenReady, OutputError,
                                   PrefillReservation, PrefillReserve, PrefillResult, SamplingParams, StepOutput,
                                   Usage, WorkerLostNotice)
-from tandem.wire.stats import WorkerStats
+from tandem.wire.stats import WorkerInfo, WorkerStats
 
 FIRST = FirstToken(42, " hi", FinishReason.STOP, rng_state=b"\x01\x02")
 MESSAGES = [
@@ -29,6 +29,7 @@ MESSAGES = [
     StepOutput("r1", [5, 6], "ab", FinishReason.LENGTH, Usage(prompt_tokens=2, completion_tokens=2)),
     OutputError("r1", "KV transfer failed"),
     WorkerLostNotice("decode-0", "worker decode-0 lost"),
+    WorkerInfo("decode-0", "decode", pid=7, node="n1", host="h", kv_blocks_total=64),
     ClusterState((WorkerEntry("decode-0", "decode", "ready", "ns:decode-0", pid=7, stats=WorkerStats("decode-0", "decode")),
                   WorkerEntry("prefill-0", "prefill", "dead", error="no GPU")),
                  {"decode": PoolState(1, 1, 1, 1), "prefill": PoolState(0, 1, 1, 1)},
@@ -64,7 +65,7 @@ def test_each_failure_kind_keeps_its_type_and_message_across_the_boundary(kind):
 
 
 def test_the_engine_speaks_the_same_types():
-    from tandem.engine import engine, request
+    from tandem.engine.request import Request
 
-    assert request.SamplingParams is SamplingParams and request.FinishReason is FinishReason
-    assert request.WorkerUnavailable is errors.WorkerUnavailable and engine.Usage is Usage
+    r = Request("r1", [1, 2], SamplingParams(max_tokens=2))
+    assert type(r.sampling) is SamplingParams and Request("r2", [1]).sampling == SamplingParams()
