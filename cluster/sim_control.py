@@ -1,5 +1,5 @@
 """The autoscaler in the simulation's loop: every period, the snapshot the live controller would
-build (controller.build_snapshot) from the simulated workers, the policy's decision
+build (cluster.pools.build_snapshot) from the simulated workers, the policy's decision
 (cluster.autoscaler.decide, the live one), and the pools resized to it; new workers start after a
 delay, drained ones leave once idle."""
 
