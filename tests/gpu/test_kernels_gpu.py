@@ -60,7 +60,8 @@ def make_batch(seed, query_lens, ctx_lens, num_layers=2, layer=1):
 
 def check_attention(fn, q, k_cache, v_cache, meta, **kwargs):
     scale = HEAD_DIM ** -0.5
-    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, scale,
+                                sliding_window=kwargs.get("sliding_window"))
     out = torch.full_like(q, float("nan"))
     fn(q, k_cache, v_cache, meta, scale, out=out, **kwargs)
     torch.cuda.synchronize()
@@ -90,6 +91,18 @@ def test_speculative_verify_matches_reference(batch):
     q, k_cache, v_cache, meta = make_batch(200 + batch, query_lens, ctx)
     check_attention(paged_attention, q, k_cache, v_cache, meta)
     check_attention(paged_prefill_attention, q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("window", [4096, 1000, 64])
+def test_sliding_window_matches_reference(window):
+    """Mistral's window at 8B sizes: decode (whole and split-K), verify rows and prefill chunks over
+    contexts longer than the window, so whole tiles and partitions fall before it."""
+    q, k_cache, v_cache, meta = make_batch(window, [1] * 8, [8000, 6000, 4100, 3000, 1500, 900, 70, 5000])
+    check_attention(paged_attention, q, k_cache, v_cache, meta, sliding_window=window)
+    check_attention(paged_decode_attention, q, k_cache, v_cache, meta, partition_size=512,
+                    sliding_window=window)
+    q, k_cache, v_cache, meta = make_batch(window + 1, [1, 5, 2048, 512], [7000, 3000, 0, 6000])
+    check_attention(paged_attention, q, k_cache, v_cache, meta, sliding_window=window)
 
 
 @pytest.mark.parametrize("order", ["any", "decode-first"])
