@@ -7,7 +7,7 @@ source bench/gpu_session_common.sh
 W=/tmp/diag; mkdir -p $W
 [ -n "${SKIP_TRANSFER:-}" ] || timeout 45 python3 bench/kv_transfer_gpu.py --reps 3 --prompts 2048,8192,32768 --message-mib 32,256 --raw-total-mib 2048 --out "$W/kv_transfer.json" > $W/transfer.log 2>&1
 [ -n "${SKIP_TRANSFER:-}" ] || grep -A20 "message size sweep" $W/transfer.log | grep -v "^$"
-TAIL=4 step tests_graphs 90 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_engine_gpu.py -k "capture or warmup"
+TAIL=4 step tests_graphs 90 bash bench/gpu_tests.sh -x tests/gpu/test_engine_gpu.py -k "capture or warmup"
 timeout ${E2E_LIMIT:-260} python3 bench/disagg_vs_colocated.py --model llama3-8b-random --device cuda --gpus 2 --modes ${MODES:-disaggregated,colocated} \
   --workload agent --rates ${RATE:-0.5} --duration ${DURATION:-25} --drain 20 --out $W/e2e > $W/e2e.log 2>&1
 grep -v "^$" $W/e2e.log | grep -v "socket.cpp\|ProcessGroupNCCL" | tail -14

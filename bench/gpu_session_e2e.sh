@@ -31,5 +31,5 @@ if has e2e; then A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)   # ea
   grep -ho 'slow engine step.*' $A | cut -c1-700 | head -${SLOW_SHOWN:-0}
   grep -ho 'Triton compiled a kernel while serving.*' $A | cut -c1-1200 | sort | uniq -c | sort -rn | head -20; fi
 has e2e && tar -czf "$OUT/e2e.tgz" -C / tmp/e2e $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
-has tests && TAIL=3 step tests_gpu ${TESTS_LIMIT:-260} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+has tests && TAIL=3 step tests_gpu ${TESTS_LIMIT:-260} bash bench/gpu_tests.sh ${GPU_TESTS:-tests/gpu}
 ls -la "$OUT"
