@@ -93,17 +93,16 @@ class Router:
                             ignore_eos=sampling.ignore_eos)
         flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations)
         queue: asyncio.Queue = asyncio.Queue()
-        self.view.queues[rid] = queue
         att: Attempt | None = None
         try:
-            att = await self.placer.place(rid, ids, sp, sess, block_hashes(ids, self.block_size), flow.lost)
+            att = await self.placer.place(rid, ids, sp, sess, block_hashes(ids, self.block_size), flow.lost, queue)
             flow.placed(att.remote)
             last_t = None
             while flow.state is not FlowState.FINISHED:
                 msg = await self._next_message(flow, att, queue)
                 event = None if msg is None else flow.classify(msg, att.decode_id)
                 if event is Event.MIGRATE:
-                    att = await self._migrate(flow, att, msg)
+                    att = await self._migrate(flow, att, msg, queue)
                 if event is not Event.TOKENS:
                     continue
                 resp, last_t = self._respond(flow, att, msg, t0, last_t)
@@ -112,7 +111,6 @@ class Router:
                     await self._hand_over(flow, att)
             await self._finished(v, sess, flow, att)
         finally:
-            self.view.queues.pop(rid, None)
             await self._cleanup(flow, att, t0)
 
     async def _next_message(self, flow: RequestFlow, att: Attempt, queue: asyncio.Queue):
@@ -139,7 +137,7 @@ class Router:
             # the prefill actor failed (or died) before the KV and first token arrived
             log.warning("remote prefill of %s failed (%s); prefilling locally", flow.request_id, task.exception())
             self.hub.record_migration("prefill_failed")
-            await self.placer.prefill_locally(att, flow.request_id, *flow.continuation())
+            await self.placer.prefill_locally(att, *flow.continuation())
             flow.prefill_fell_back()
             return None
         # the prefill actor sampled the first token: stream it now (the decode actor takes it before
@@ -152,7 +150,7 @@ class Router:
             first = task.result().first
         return flow.first_from_prefill(first, att.prefill_cached)
 
-    async def _migrate(self, flow: RequestFlow, att: Attempt, msg) -> Attempt:
+    async def _migrate(self, flow: RequestFlow, att: Attempt, msg, queue: asyncio.Queue) -> Attempt:
         """The decode actor died (or the request failed on it): continue on another one from the
         prompt plus the tokens already streamed; greedy output is unchanged."""
         reason = flow.migrate(msg, att.decode_id)    # raises MigrationsExhausted past the limit
@@ -163,9 +161,11 @@ class Router:
         self.placer.release(att.local_hold)
         att.local_hold = None
         if reason != "decode_lost":
-            await self.placer.abort_everywhere(flow.request_id, att)
+            await self.placer.abort_everywhere(att)
+        self.placer.forget(att.request_id)
         cont, sp = flow.continuation()
-        att = await self.placer.place(flow.request_id, cont, sp, None, block_hashes(cont, self.block_size), flow.lost)
+        att = await self.placer.place(flow.request_id, cont, sp, None, block_hashes(cont, self.block_size), flow.lost,
+                                      queue)
         flow.placed(att.remote)
         return att
 
@@ -195,7 +195,7 @@ class Router:
         from it; a refusal moves the request on."""
         first, flow.handover = flow.handover, None
         try:
-            taken = await att.decode.first_token.remote(request_id=flow.request_id, first=first)
+            taken = await att.decode.first_token.remote(request_id=att.request_id, first=first)
         except Exception as e:  # noqa: BLE001 - its output pump reports a dead actor too
             taken, why = False, f"{type(e).__name__}: {e}"
         else:
@@ -206,7 +206,7 @@ class Router:
     async def _finished(self, v, sess, flow: RequestFlow, att: Attempt) -> None:
         rid = flow.request_id
         if flow.release_decode:
-            await att.decode.abort.remote(rid)   # its reservation: the first token ended the request
+            await att.decode.abort.remote(att.request_id)   # its reservation: the first token ended the request
         if att.prefill_task is not None:
             try:
                 await att.prefill_task
@@ -225,13 +225,14 @@ class Router:
         """However the request ended: its counts on actors go, and if it did not finish, whatever it
         holds on its actors is freed."""
         if att is not None:
+            self.placer.forget(att.request_id)
             self.placer.release(att.local_hold)
             if self.view.inflight.get(att.decode_id):
                 self.view.inflight[att.decode_id] -= 1
             if flow.state is not FlowState.FINISHED:
                 self.counters["cancelled"] += 1
                 self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
-                await self.placer.abort_everywhere(flow.request_id, att)
+                await self.placer.abort_everywhere(att)
         log.debug("request %s done in %.3f s", flow.request_id, time.perf_counter() - t0)
 
     def _log_slow_first_token(self, rid, num_tokens, t0, now, att: Attempt, migrations: int) -> None:

@@ -12,6 +12,7 @@ while awaiting it, failed after it, or not needed); the prompt tokens counted on
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -39,7 +40,10 @@ PLACEMENT_ERRORS = (WorkerUnavailable, NoWorkerReady, WorkersOverloaded, NoReser
 
 @dataclass
 class Attempt:
-    """Where a request runs now; a migration makes a new one."""
+    """Where a request runs now; a migration makes a new one. `request_id` is the id the actors
+    know this attempt by (the client's id plus an attempt number, new for every reservation on a
+    decode actor), so nothing an earlier attempt left in an outbox reaches this one."""
+    request_id: str
     decode_id: str
     decode: Any
     prefill_id: str | None = None
@@ -87,6 +91,20 @@ class Placer:
         self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
         self._background: set[asyncio.Future] = set()   # fire-and-forget cleanups, kept referenced
+        self._attempts = itertools.count(1)
+
+    # ---- attempts: the ids actors know a request by ---------------------------------------------
+    def _attempt_id(self, rid: str) -> str:
+        """A new id for `rid` on the actors: each reservation on a decode actor gets its own, and
+        only the current one's outputs reach the request's queue."""
+        return f"{rid}/{next(self._attempts)}"
+
+    def _listen(self, attempt_id: str, queue: asyncio.Queue) -> None:
+        self.view.queues[attempt_id] = queue
+
+    def forget(self, attempt_id: str) -> None:
+        """What actors still send under this attempt's id is dropped from now on."""
+        self.view.queues.pop(attempt_id, None)
 
     # ---- the policy ---------------------------------------------------------------------------
     def pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=()) -> str:
@@ -117,14 +135,24 @@ class Placer:
 
     # ---- placing ------------------------------------------------------------------------------
     async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,
-                    hashes: list[bytes], exclude: set[str]) -> Attempt:
+                    hashes: list[bytes], exclude: set[str], queue: asyncio.Queue) -> Attempt:
         """Reserve on a decode actor (the session's, else the best prefix hit, else the least
         loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill.
         The prefill actor is picked first and reserved on while the decode actor reserves (the two
         answers are independent); it is named in the decode actor's reserve, which then registers
-        the KV receive from it. Both save a sequential call per remote prefill."""
-        p = _Placement(rid, ids, sp, sess, hashes)
+        the KV receive from it. Both save a sequential call per remote prefill. The decode actor's
+        outputs for the new attempt go to `queue`."""
+        aid = self._attempt_id(rid)
+        self._listen(aid, queue)
+        try:
+            return await self._place(_Placement(aid, ids, sp, sess, hashes), exclude)
+        except BaseException:
+            self.forget(aid)
+            raise
+
+    async def _place(self, p: _Placement, exclude: set[str]) -> Attempt:
+        rid, ids, sp, sess, hashes = p.rid, p.ids, p.sp, p.sess, p.hashes
         p.prefill_hint = self.prefill_target(sess, len(ids), hashes)
         if p.prefill_hint is not None:
             p.transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}"
@@ -144,7 +172,8 @@ class Placer:
             # attempt: nobody else knows of the decode actor's reservation
             self.view.inflight[att.decode_id] -= 1
             self.release(att.local_hold)
-            self.in_background(att.decode.abort.remote(rid))
+            self.forget(att.request_id)     # a local fallback may have made it a new attempt
+            self.in_background(att.decode.abort.remote(att.request_id))
             raise
         return att
 
@@ -162,7 +191,7 @@ class Placer:
                 self.view.inflight[decode_id] -= 1
                 tried.add(decode_id)
                 continue
-            att = Attempt(decode_id, decode, transfer_id=p.transfer_id, mode=plan.mode)
+            att = Attempt(p.rid, decode_id, decode, transfer_id=p.transfer_id, mode=plan.mode)
             att.marks["decode_reserved"] = time.perf_counter()
             return att, plan
 
@@ -182,7 +211,7 @@ class Placer:
             if not isinstance(e, PLACEMENT_ERRORS):
                 raise
             log.info("remote prefill of %s unavailable (%s); prefilling locally", p.rid, e)
-            await self.prefill_locally(att, p.rid, p.ids, p.sp)
+            await self.prefill_locally(att, p.ids, p.sp)
             return
         att.marks["prefill_started"] = time.perf_counter()
         att.prefill_task.add_done_callback(lambda _: att.marks.setdefault("kv_sent", time.perf_counter()))
@@ -192,10 +221,16 @@ class Placer:
             hold = self.hold(self.prefill_queued, att.prefill_id, len(p.ids))
         att.prefill_task.add_done_callback(lambda _: self.release(hold))
 
-    async def prefill_locally(self, att: Attempt, rid: str, ids: list[int], sp: SamplingParams) -> None:
+    async def prefill_locally(self, att: Attempt, ids: list[int], sp: SamplingParams) -> None:
         """Drop a remote-prefill reservation (its half-received KV is freed) and queue the request
-        for the decode actor's own prefill instead."""
-        await att.decode.abort.remote(rid)
+        for the decode actor's own prefill instead, as a new attempt: an error the decode actor
+        sent for the remote one (its transfer aborted) must not end the local one."""
+        old, queue = att.request_id, self.view.queues.get(att.request_id)
+        await att.decode.abort.remote(old)
+        self.forget(old)
+        rid = att.request_id = self._attempt_id(old.rsplit("/", 1)[0])
+        if queue is not None:
+            self._listen(rid, queue)
         plan = await self.reservation(att.decode.reserve.remote(DecodeReserve(rid, self.view.router_id, ids, sp)),
                                       undo=lambda: att.decode.abort.remote(rid))
         if att.local_hold is None:
@@ -306,8 +341,10 @@ class Placer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def abort_everywhere(self, rid: str, att: Attempt) -> None:
-        calls = [att.decode.abort.remote(rid)]
+    async def abort_everywhere(self, att: Attempt) -> None:
+        """Free what the attempt holds on its actors; what they still send for it is dropped."""
+        self.forget(att.request_id)
+        calls = [att.decode.abort.remote(att.request_id)]
         prefill = self.view.handle(att.prefill_id) if att.prefill_id else None
         if prefill is not None:
             calls.append(prefill.abort.remote(att.transfer_id))

@@ -17,7 +17,7 @@ from tandem.router.status_codes import status_code
 from tandem.router.sessions import InMemorySessionStore, SessionState
 from tandem.router.admission import Overloaded
 from tandem.wire.errors import (InvalidRequestError, MigrationsExhausted, NoReservation, NoWorkerReady,
-                                WorkersOverloaded, WorkerUnavailable)
+                                TransferFailed, WorkersOverloaded, WorkerUnavailable)
 from tandem.wire.messages import (DecodePlan, FinishReason, FirstToken, FirstTokenReady, OutputError,
                                   PrefillReservation, PrefillResult, StepOutput, Usage)
 
@@ -103,8 +103,9 @@ class FakeDecode(FakeActor):
 
     def _soon(self, *msgs):
         def put():
-            for m in msgs:
-                self.view.queues[m.request_id].put_nowait(m)
+            for m in msgs:   # as the router's output pump does: an id nobody listens to is dropped
+                if m.request_id in self.view.queues:
+                    self.view.queues[m.request_id].put_nowait(m)
         asyncio.get_running_loop().call_soon(put)
 
 
@@ -230,6 +231,43 @@ def test_a_reservation_gone_before_its_prefix_pull_falls_back_to_local_prefill()
     assert [list(r.token_ids) for r in out] == [[11], [12]]       # served by d0's own prefill
     assert view.actor("p0").called("expect_pull") and view.actor("p0").called("abort")
     assert len(view.actor("d0").called("reserve")) == 2           # remote plan, then the local one
+
+
+class FailingPrefill(FakePrefill):
+    """Its step fails: the transfer is aborted by the sender, the first token never comes."""
+
+    def start(self, spec):
+        return TransferFailed(f"KV transfer {spec.request_id} aborted by the sender")
+
+    def first_token(self, transfer_id):
+        return TransferFailed(f"KV transfer {transfer_id} aborted by the sender")
+
+
+class LateErrorDecode(FakeDecode):
+    """Reports its failed receive ("KV transfer aborted") late: after the router fell back to its
+    local prefill, between the local prefill's tokens."""
+
+    def reserve(self, ask):
+        if ask.transfer_id:
+            self.remote_id = ask.request_id
+            return super().reserve(ask)
+        self._soon(StepOutput(ask.request_id, [11], "a"), OutputError(self.remote_id, "KV transfer aborted"),
+                   StepOutput(ask.request_id, [12], "b", FinishReason.LENGTH, Usage(completion_tokens=2)))
+        return DecodePlan(remote=False, cached_tokens=0)
+
+
+def test_an_error_for_the_remote_attempt_does_not_end_its_local_fallback():
+    """Defect: the fallback reused the request's id on the decode actor, so the aborted transfer's
+    late error moved the request again after its first local token, and the stream repeated it."""
+    view = FakeView()
+    view.add(LateErrorDecode("d0", view, remote=True), "decode")
+    view.add(FailingPrefill("p0"), "prefill")
+    router = make_router(view, local_prefill_threshold=0)
+    out = asyncio.run(run(router, request()))
+    assert [list(r.token_ids) for r in out] == [[11], [12]]
+    assert router.hub.migrations == ["prefill_failed"]
+    first, local = [c[1][0].request_id for c in view.actor("d0").called("reserve")]
+    assert first != local and first.split("/")[0] == local.split("/")[0] == out[0].request_id
 
 
 def test_an_overloaded_session_worker_is_left_for_another():
