@@ -40,6 +40,8 @@ def register(sub) -> None:
     up.add_argument("--decode", type=int, help="decode actors")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
+    up.add_argument("--http-port", type=int,
+                    help="OpenAI-compatible HTTP API port (default 8000; 0 picks one; router.http_port: null turns it off)")
     up.add_argument("--redis-url", help="share sessions between routers through Redis")
     up.add_argument("--local-prefill-threshold", type=float,
                     help="uncached prompt tokens up to which decode actors prefill locally (inf = colocated)")
@@ -166,7 +168,8 @@ def cmd_up(args) -> int:
     overrides = {"model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
                  "model.tensor_parallel_size": args.tensor_parallel, "model.quantization": args.quantization,
                  "prefill.replicas": args.prefill, "decode.replicas": args.decode,
-                 "router.host": args.host, "router.port": args.port, "router.redis_url": args.redis_url,
+                 "router.host": args.host, "router.port": args.port, "router.http_port": args.http_port,
+                 "router.redis_url": args.redis_url,
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
                  "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
@@ -200,9 +203,10 @@ def cmd_up(args) -> int:
 
 def _server_security(args, auth_enabled: bool) -> dict:
     """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
-    out: dict = {"interceptors": (), "credentials": None}
+    out: dict = {"interceptors": (), "credentials": None, "token_store": None}
     if auth_enabled:
-        out["interceptors"] = (BearerTokenInterceptor(TokenStore.from_sources(args.auth_token_file)),)
+        out["token_store"] = TokenStore.from_sources(args.auth_token_file)   # gRPC and HTTP edges alike
+        out["interceptors"] = (BearerTokenInterceptor(out["token_store"]),)
     if args.tls_cert_file:
         out["credentials"] = server_credentials(TLSConfig(
             cert_file=args.tls_cert_file, key_file=args.tls_key_file, client_ca_file=args.tls_client_ca_file,
@@ -226,6 +230,8 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
     if rc.metrics_port is not None:
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
+    if router.http_port is not None:
+        print(f"tandem: OpenAI API on http://{rc.host}:{router.http_port}/v1", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:
@@ -233,6 +239,8 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
     finally:
         await router.health.enter_graceful_shutdown()  # health says NOT_SERVING; streams finish
         await server.stop(grace=10)
+        if router.http is not None:
+            await router.http.cleanup()
         await router.view.stop()
         await router.sessions.close()
 

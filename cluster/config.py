@@ -62,6 +62,7 @@ class PoolConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API (router/openai_api.py); None: off
     redis_url: str | None = None
     session_ttl_s: float = 3600.0
     max_prompt_tokens: int | None = None  # None: the model's context
@@ -83,6 +84,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router: port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"router: http_port must be in [0, 65535] or null, got {self.http_port}")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A whole Tandem cluster inside this process, for tests and benchmarks: the controller and pool
 actors on the Ray this process is connected to, and one or more gRPC routers on 127.0.0.1 served
-from a background event loop. Tests talk gRPC to it and can also read the actors' counters."""
+from a background event loop (each with its OpenAI HTTP edge on a free port). Tests talk gRPC to it and can also read the actors' counters."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tandem.wire.stats import WorkerStats
 
 class RunningCluster:
     def __init__(self, overrides: dict, redis_url: str | None = None):
-        self.config = load_config(None, {"router.port": 0, "router.redis_url": redis_url, **overrides})
+        self.config = load_config(None, {"router.port": 0, "router.http_port": 0, "router.redis_url": redis_url, **overrides})
         self.cluster = start_cluster(self.config, namespace=f"test-{uuid.uuid4().hex[:6]}")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -34,14 +34,15 @@ class RunningCluster:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
-    def add_router(self, redis_url: str | None = None) -> str:
-        """Start another router on this cluster (optionally with its own Redis URL); its target."""
+    def add_router(self, redis_url: str | None = None, **serve_kw) -> str:
+        """Start another router on this cluster (optionally with its own Redis URL; serve_kw: auth
+        for router/server.py's `serve`); its target. Its HTTP port: `routers[-1][1].http_port`."""
         config = self.config
         if redis_url is not None:
             config = replace(config, router=replace(config.router, redis_url=redis_url))
         tok, model_cfg = load_tokenizer(config.engine.model)
         fut = asyncio.run_coroutine_threadsafe(
-            serve(self.cluster.controller, config, self.cluster.namespace, tok, model_cfg), self.loop)
+            serve(self.cluster.controller, config, self.cluster.namespace, tok, model_cfg, **serve_kw), self.loop)
         server, router, port = fut.result(60)
         self.routers.append((server, router))
         return f"127.0.0.1:{port}"
@@ -94,6 +95,8 @@ class RunningCluster:
         async def stop():
             for server, router in self.routers:
                 await server.stop(grace=1)
+                if router.http is not None:
+                    await router.http.cleanup()
                 await router.view.stop()
                 await router.sessions.close()
 

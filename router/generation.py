@@ -20,7 +20,7 @@ from typing import Any
 from tandem.engine.prefix_hash import block_hashes
 from tandem.placement import OverloadLimits
 from tandem.protos.tandem.v1 import generation_pb2
-from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
 from tandem.router.cluster_view import ClusterView
 from tandem.router.flow import Event, FlowState, RequestFlow
 from tandem.router.placing import Attempt, Placer
@@ -77,6 +77,23 @@ class Router:
         return v, ids, sampling
 
     # ---- one request ------------------------------------------------------------------------
+    async def admit_and_generate(self, request, client: str):
+        """`generate` behind admission control: the one entry point of the gRPC and HTTP edges.
+        Raises Overloaded when the request is shed; closing the generator cancels the request."""
+        adm = await self.limiter.acquire(client)
+        self.hub.record_queue_time(adm.queued_s)
+        try:
+            async for resp in self.generate(request, None):
+                yield resp
+        finally:
+            self.limiter.release(adm)
+
+    def record_error(self, e: Exception, code: str) -> None:
+        """Count a request that ended in error `e` (its status `code`, for the metrics)."""
+        self.counters["errors"] += 1
+        if isinstance(e, (InvalidRequestError, Overloaded)):   # refused before it reached the cluster
+            self.hub.record_finished(code=code, finish_reason="none", e2e_seconds=None)
+
     async def generate(self, request, context):
         t0 = time.perf_counter()
         self.counters["requests"] += 1

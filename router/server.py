@@ -20,6 +20,7 @@ from tandem.router.admission import AdmissionConfig, Overloaded, client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
+from tandem.router.openai_api import serve_http
 from tandem.router.sessions import make_session_store
 from tandem.router.status_codes import status_code
 from tandem.router.validation import RequestLimits
@@ -37,28 +38,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request, context):
-        r = self.router
         client = client_identity(context.peer(), bearer_token(context.invocation_metadata()))
         try:
-            adm = await r.limiter.acquire(client)
-        except Overloaded as e:
-            await self._abort(context, e)
-        r.hub.record_queue_time(adm.queued_s)
-        try:
-            async for resp in r.generate(request, context):
+            async for resp in self.router.admit_and_generate(request, client):
                 yield resp
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves as a status, never UNKNOWN
             await self._abort(context, e)
-        finally:
-            r.limiter.release(adm)
 
     async def _abort(self, context, e: Exception) -> None:
-        r, code = self.router, status_code(e)
-        r.counters["errors"] += 1
-        if isinstance(e, (InvalidRequestError, Overloaded)):   # refused before it reached the cluster
-            r.hub.record_finished(code=code.name, finish_reason="none", e2e_seconds=None)
+        code = status_code(e)
+        self.router.record_error(e, code.name)
         if isinstance(e, ROUTER_ERRORS):
             trailing = e.trailing_metadata() if isinstance(e, Overloaded) else ()
             await context.abort(code, str(e), trailing_metadata=trailing)
@@ -68,8 +59,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 async def serve(controller, config, namespace: str, tokenizer, model_config,
-                interceptors=(), credentials=None) -> tuple[grpc.aio.Server, Router, int]:
-    """Start the router's gRPC server; returns (server, router, bound port)."""
+                interceptors=(), credentials=None, token_store=None) -> tuple[grpc.aio.Server, Router, int]:
+    """Start the router's gRPC server, and its OpenAI HTTP edge unless `router.http_port` is None
+    (then `router.http` is its aiohttp runner and `router.http_port` its port; `token_store`: the
+    bearer tokens it accepts, None: auth off); returns (server, router, bound gRPC port)."""
     rc = config.router
     limits = RequestLimits()
     view = ClusterView(controller, f"router-{uuid.uuid4().hex[:8]}", namespace)
@@ -100,4 +93,8 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     for svc in ("", names[0], names[1]):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     router.health = health_servicer
+    router.http, router.http_port = None, None
+    if rc.http_port is not None:
+        router.http, router.http_port = await serve_http(router, config.engine.model, rc.host, rc.http_port,
+                                                         token_store)
     return server, router, port

@@ -1,5 +1,6 @@
 """The router's one table from error type to gRPC status code, used at its edge by both services
-(router/server.py's Generation, router/admin.py's Admin): each failure kind leaves as one code."""
+(router/server.py's Generation, router/admin.py's Admin): each failure kind leaves as one code. The
+OpenAI HTTP edge (router/openai_api.py) maps that code on to an HTTP status by `HTTP_STATUS`."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_code(e: BaseException) -> grpc.StatusCode:
     return next((code for kind, code in STATUS_CODES if isinstance(e, kind)), grpc.StatusCode.INTERNAL)
+
+# gRPC status -> HTTP status, for the OpenAI HTTP edge (router/openai_api.py): the same error types
+# through the table above, then this one; anything else is 500.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(e: BaseException) -> int:
+    return HTTP_STATUS.get(status_code(e), 500)

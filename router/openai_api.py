@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP edge, served with aiohttp in the router's event loop beside gRPC:
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+
+Each request is parsed by router/openai_schema.py into the gRPC `GenerateRequest` and served by
+`Router.admit_and_generate`, the gRPC edge's own path (admission, validation, sessions,
+cancellation). Errors leave through router/status_codes.py's table, then `HTTP_STATUS`, in OpenAI's
+JSON shape. A client that goes away mid-request cancels it: aiohttp cancels the handler, and the
+closed generator frees what the request holds on its actors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+
+from tandem.router.admission import client_identity
+from tandem.router.auth import bearer_token
+from tandem.router.generation import Router
+from tandem.router.openai_schema import (ApiError, ParsedRequest, chunk, error_body, full_response, models_list,
+                                         parse_chat, parse_completion, response_id, usage_chunk)
+from tandem.router.status_codes import http_status, status_code
+
+log = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+MODEL_KEY = web.AppKey("model", str)
+TOKENS_KEY = web.AppKey("tokens", object)     # a router/auth.py TokenStore, or None: auth off
+CREATED = int(time.time())   # /v1/models' `created`: when this router started
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   retry_after_s: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
+
+
+def _from_exception(router: Router, e: Exception) -> web.Response:
+    """The HTTP response for a failure of the request path, by the gRPC edge's one table."""
+    code = status_code(e)
+    router.record_error(e, code.name)
+    status = http_status(e)
+    if status >= 500 and status != 503:
+        log.exception("request failed in the cluster")
+    retry = getattr(e, "retry_after_s", 1.0) if status == 429 else None   # the workers' overload: 1 s
+    return error_response(status, str(e) or type(e).__name__, retry_after_s=retry)
+
+
+def _client(request: web.Request) -> str | None:
+    """The client's identity for admission; None when auth is on and the token is missing or wrong."""
+    token = bearer_token(request.headers.items())
+    tokens = request.app[TOKENS_KEY]
+    if tokens is not None and (token is None or not tokens.verify(token)):
+        return None
+    return client_identity(f"http:{request.remote}", token if tokens is not None else None)
+
+
+async def _parse(request: web.Request, parse) -> ParsedRequest | web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid JSON")
+    try:
+        return parse(body, request.headers, request.app[MODEL_KEY])
+    except ApiError as e:
+        return error_response(e.status, str(e), e.param, e.code)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, chat=False)
+
+
+async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamResponse:
+    client = _client(request)
+    if client is None:
+        return error_response(401, "missing or invalid credentials: send 'Authorization: Bearer <token>'",
+                              code="invalid_api_key")
+    parsed = await _parse(request, parse)
+    if isinstance(parsed, web.Response):
+        return parsed
+    router = request.app[ROUTER_KEY]
+    async with contextlib.aclosing(router.admit_and_generate(parsed.request, client)) as gen:
+        try:
+            first = await anext(gen)   # errors before the first token still get their HTTP status
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a status
+            return _from_exception(router, e)
+        rid = response_id(chat, first.request_id)
+        if parsed.stream:
+            return await _stream(request, gen, first, parsed, rid, chat)
+        text, last = first.text, first
+        try:
+            async for resp in gen:
+                text, last = text + resp.text, resp
+        except Exception as e:  # noqa: BLE001
+            return _from_exception(router, e)
+        return web.json_response(full_response(chat, rid, int(time.time()), parsed.model, text, last))
+
+
+async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: str, chat: bool):
+    """Server-sent events: one chunk per message, the usage chunk if asked, then [DONE]. A client
+    that disconnects ends the handler (aiohttp cancels it, or the write fails), which closes `gen`."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    created, resp, is_first = int(time.time()), first, True
+    try:
+        while True:
+            data = chunk(chat, rid, created, parsed.model, resp, first=is_first, include_usage=parsed.include_usage)
+            await out.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            if resp.finish_reason:
+                break
+            resp, is_first = await anext(gen), False
+        if parsed.include_usage:
+            data = usage_chunk(chat, rid, created, parsed.model, resp.usage)
+            await out.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+    except (ConnectionResetError, StopAsyncIteration):
+        return out
+    except Exception as e:  # noqa: BLE001 - the status is sent: the error goes as an event
+        request.app[ROUTER_KEY].record_error(e, status_code(e).name)
+        log.warning("stream %s failed after it began: %s", rid, e)
+        await out.write(b"data: " + json.dumps(error_body(http_status(e), str(e))).encode() + b"\n\n")
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
+
+
+async def list_models(request: web.Request) -> web.Response:
+    if _client(request) is None:
+        return error_response(401, "missing or invalid credentials: send 'Authorization: Bearer <token>'",
+                              code="invalid_api_key")
+    return web.json_response(models_list(request.app[MODEL_KEY], CREATED))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def make_app(router: Router, model: str, tokens=None) -> web.Application:
+    app = web.Application(client_max_size=router.limits.grpc_max_receive_bytes)
+    app[ROUTER_KEY], app[MODEL_KEY], app[TOKENS_KEY] = router, model, tokens
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def serve_http(router: Router, model: str, host: str, port: int, tokens=None) -> tuple[web.AppRunner, int]:
+    """Start the HTTP edge in the running event loop; returns (runner: `await runner.cleanup()` to
+    stop it, bound port)."""
+    runner = web.AppRunner(make_app(router, model, tokens), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]   # port 0: the one the OS picked
