@@ -95,13 +95,14 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         rid = response_id(chat, first.request_id)
         if parsed.stream:
             return await _stream(request, gen, first, parsed, rid, chat)
-        text, last = first.text, first
+        parts, last = [first.text], first
         try:
             async for resp in gen:
-                text, last = text + resp.text, resp
+                parts.append(resp.text)
+                last = resp
         except Exception as e:  # noqa: BLE001
             return _from_exception(router, e)
-        return web.json_response(full_response(chat, rid, int(time.time()), parsed.model, text, last))
+        return web.json_response(full_response(chat, rid, int(time.time()), parsed.model, "".join(parts), last))
 
 
 async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: str, chat: bool):

@@ -1,0 +1,78 @@
+"""router/openai_api.py's wiring without a cluster: an aiohttp test server around a fake Router,
+for what a real cluster cannot show on demand (shedding, a failure after the stream began)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.router.admission import Overloaded
+from tandem.router.openai_api import make_app
+from tandem.router.validation import RequestLimits
+from tandem.wire.errors import NoWorkerReady
+
+M = "smollm2-135m"
+BODY = {"model": M, "messages": [{"role": "user", "content": "hi"}]}
+
+
+class FakeRouter:
+    """Answers admit_and_generate with `script`: responses, or an exception to raise."""
+
+    def __init__(self, *script):
+        self.script, self.limits, self.errors, self.closed = script, RequestLimits(), [], False
+
+    async def admit_and_generate(self, request, client):
+        try:
+            for item in self.script:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self.closed = True
+
+    def record_error(self, e, code):
+        self.errors.append(code)
+
+
+def _post(router, path="/v1/chat/completions", body=BODY, tokens=None, headers=None):
+    async def go():
+        async with TestClient(TestServer(make_app(router, M, tokens))) as client:
+            r = await client.post(path, json=body, headers=headers)
+            return r.status, dict(r.headers), await r.text()
+    return asyncio.run(go())
+
+
+def test_shed_request_is_429_with_retry_after():
+    router = FakeRouter(Overloaded("queue full", 2.2))
+    status, headers, text = _post(router)
+    assert status == 429 and headers["Retry-After"] == "3" and '"rate_limit_error"' in text
+    assert router.errors == ["RESOURCE_EXHAUSTED"]
+
+
+def test_no_worker_is_503():
+    status, _, text = _post(FakeRouter(NoWorkerReady("no decode worker is ready")))
+    assert status == 503 and "no decode worker is ready" in text
+
+
+def test_a_failure_after_the_stream_began_is_an_error_event_then_done():
+    router = FakeRouter(pb.GenerateResponse(text="a", request_id="r1"), NoWorkerReady("gone"))
+    status, _, text = _post(router, body={**BODY, "stream": True})
+    events = [e for e in text.split("\n\n") if e]
+    assert status == 200 and '"chatcmpl-r1"' in events[0] and '"error"' in events[1] and events[2] == "data: [DONE]"
+    assert router.closed
+
+
+def test_token_store_guards_the_api_but_not_health():
+    store = SimpleNamespace(verify=lambda t: t == "good")
+    assert _post(FakeRouter(), tokens=store)[0] == 401
+    assert _post(FakeRouter(), tokens=store, headers={"Authorization": "Bearer bad"})[0] == 401
+    done = pb.GenerateResponse(text="x", request_id="r", finish_reason=pb.STOP)
+    assert _post(FakeRouter(done), tokens=store, headers={"Authorization": "Bearer good"})[0] == 200
+
+    async def health():
+        async with TestClient(TestServer(make_app(FakeRouter(), M, store))) as client:
+            return (await client.get("/health")).status
+    assert asyncio.run(health()) == 200
