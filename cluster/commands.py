@@ -20,7 +20,8 @@ from tandem.cluster.config import load_config
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
                                 load_client_token, resolve_auth, with_metadata)
-from tandem.router.tls import ClientTLSConfig, TLSConfig, channel_credentials, channel_options, server_credentials
+from tandem.router.tls import (ClientTLSConfig, TLSConfig, channel_credentials, channel_options, server_credentials,
+                               server_ssl_context)
 from tandem.runtime.logging_setup import setup_logging
 from tandem.runtime.metrics import start_metrics_server
 from tandem.runtime.process import after_startup
@@ -203,14 +204,15 @@ def cmd_up(args) -> int:
 
 def _server_security(args, auth_enabled: bool) -> dict:
     """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
-    out: dict = {"interceptors": (), "credentials": None, "token_store": None}
+    out: dict = {"interceptors": (), "credentials": None, "token_store": None, "ssl_context": None}
     if auth_enabled:
         out["token_store"] = TokenStore.from_sources(args.auth_token_file)   # gRPC and HTTP edges alike
         out["interceptors"] = (BearerTokenInterceptor(out["token_store"]),)
     if args.tls_cert_file:
-        out["credentials"] = server_credentials(TLSConfig(
-            cert_file=args.tls_cert_file, key_file=args.tls_key_file, client_ca_file=args.tls_client_ca_file,
-            require_client_cert=args.tls_require_client_cert))
+        tls = TLSConfig(cert_file=args.tls_cert_file, key_file=args.tls_key_file,
+                        client_ca_file=args.tls_client_ca_file, require_client_cert=args.tls_require_client_cert)
+        out["credentials"] = server_credentials(tls)
+        out["ssl_context"] = server_ssl_context(tls)   # the HTTP edge: HTTPS with the same files
     return out
 
 
@@ -231,7 +233,8 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
         mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     if router.http_port is not None:
-        print(f"tandem: OpenAI API on http://{rc.host}:{router.http_port}/v1", flush=True)
+        scheme = "https" if (security or {}).get("ssl_context") else "http"
+        print(f"tandem: OpenAI API on {scheme}://{rc.host}:{router.http_port}/v1", flush=True)
     print(f"tandem: serving on {rc.host}:{port} (Ctrl-C to stop)", flush=True)
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:

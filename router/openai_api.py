@@ -121,8 +121,10 @@ async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: 
         if parsed.include_usage:
             data = usage_chunk(chat, rid, created, parsed.model, resp.usage)
             await out.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-    except (ConnectionResetError, StopAsyncIteration):
+    except ConnectionResetError:    # the client went away: nothing more to write
         return out
+    except StopAsyncIteration:      # ended without a finish reason (not expected): still [DONE]
+        pass
     except Exception as e:  # noqa: BLE001 - the status is sent: the error goes as an event
         request.app[ROUTER_KEY].record_error(e, status_code(e).name)
         log.warning("stream %s failed after it began: %s", rid, e)
@@ -153,11 +155,12 @@ def make_app(router: Router, model: str, tokens=None) -> web.Application:
     return app
 
 
-async def serve_http(router: Router, model: str, host: str, port: int, tokens=None) -> tuple[web.AppRunner, int]:
-    """Start the HTTP edge in the running event loop; returns (runner: `await runner.cleanup()` to
-    stop it, bound port)."""
+async def serve_http(router: Router, model: str, host: str, port: int, tokens=None,
+                     ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Start the HTTP edge in the running event loop (HTTPS with `ssl_context`, router/tls.py's
+    `server_ssl_context`); returns (runner: `await runner.cleanup()` to stop it, bound port)."""
     runner = web.AppRunner(make_app(router, model, tokens), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     return runner, runner.addresses[0][1]   # port 0: the one the OS picked

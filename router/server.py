@@ -59,10 +59,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 async def serve(controller, config, namespace: str, tokenizer, model_config,
-                interceptors=(), credentials=None, token_store=None) -> tuple[grpc.aio.Server, Router, int]:
+                interceptors=(), credentials=None, token_store=None,
+                ssl_context=None) -> tuple[grpc.aio.Server, Router, int]:
     """Start the router's gRPC server, and its OpenAI HTTP edge unless `router.http_port` is None
     (then `router.http` is its aiohttp runner and `router.http_port` its port; `token_store`: the
-    bearer tokens it accepts, None: auth off); returns (server, router, bound gRPC port)."""
+    bearer tokens it accepts, None: auth off; `ssl_context`: HTTPS, as `credentials` for gRPC);
+    returns (server, router, bound gRPC port)."""
     rc = config.router
     limits = RequestLimits()
     view = ClusterView(controller, f"router-{uuid.uuid4().hex[:8]}", namespace)
@@ -96,5 +98,5 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     router.http, router.http_port = None, None
     if rc.http_port is not None:
         router.http, router.http_port = await serve_http(router, config.engine.model, rc.host, rc.http_port,
-                                                         token_store)
+                                                         token_store, ssl_context)
     return server, router, port

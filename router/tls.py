@@ -6,6 +6,7 @@ instead of at the first handshake. `server_credentials` builds gRPC credentials 
 files when they change (cert-manager and Kubernetes Secret rotation need no restart).
 With `require_client_cert`, clients must present a certificate signed by `client_ca_file` (mTLS).
 `ClientTLSConfig` + `channel_credentials` are the client side for `tandem chat` / `tandem status`.
+`server_ssl_context` is the same configuration for the OpenAI HTTP edge (read once, at start).
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def server_credentials(cfg: TLSConfig, *, reload: bool = True) -> grpc.ServerCre
     return grpc.dynamic_ssl_server_credentials(
         _certificate_configuration(cfg), fetch,
         require_client_authentication=cfg.require_client_cert)
+
+
+def server_ssl_context(cfg: TLSConfig) -> ssl.SSLContext:
+    """The TLS configuration for the HTTP edge (router/openai_api.py); its files are read once."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    if cfg.client_ca_file:
+        ctx.load_verify_locations(cfg.client_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
+    return ctx
 
 
 @dataclass(frozen=True)

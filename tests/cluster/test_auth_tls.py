@@ -7,9 +7,12 @@ import asyncio
 import datetime
 import ipaddress
 import os
+import ssl
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,8 +22,10 @@ from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, g
 from tandem.router.auth import (AuthConfigError, BearerTokenInterceptor, TokenStore, auth_metadata,
                          auth_required_by_default, call_credentials, load_client_token,
                          resolve_auth)
+from tandem.router.openai_api import serve_http
 from tandem.router.tls import (ClientTLSConfig, TLSConfig, TLSConfigError, channel_credentials,
-                        channel_options, server_credentials)
+                        channel_options, server_credentials, server_ssl_context)
+from tandem.router.validation import RequestLimits
 
 GOOD = "good-token-0123456789abcdef"
 GEN = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -311,6 +316,29 @@ def test_tls_and_mutual_tls(pki):
                 assert code == grpc.StatusCode.UNAVAILABLE, refused
         finally:
             await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_the_http_edge_serves_https_with_the_same_files(pki):
+    mtls = TLSConfig(str(pki / "server.pem"), str(pki / "server.key"),
+                     client_ca_file=str(pki / "ca.pem"), require_client_cert=True)
+
+    async def main():
+        router = SimpleNamespace(limits=RequestLimits())
+        runner, port = await serve_http(router, "m", "127.0.0.1", 0, ssl_context=server_ssl_context(mtls))
+        try:
+            trusting = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+            trusting.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"https://127.0.0.1:{port}/health", ssl=trusting) as r:
+                    assert r.status == 200
+                no_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+                with pytest.raises(aiohttp.ClientError):   # mTLS: no client certificate, no answer
+                    async with s.get(f"https://127.0.0.1:{port}/health", ssl=no_cert) as r:
+                        await r.read()
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())
 
