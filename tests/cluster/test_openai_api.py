@@ -4,6 +4,13 @@ gRPC path's."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -111,3 +118,15 @@ def test_disconnect_mid_stream_frees_every_block(cluster):
     used = cluster.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
     assert router.counters["cancelled"] == cancelled + 1   # cancelled by the disconnect, not finished
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_the_readme_curl_example_runs(cluster):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    command = re.search(r"```\n(curl [^`]*?)\n```", readme).group(1)
+    port = cluster.routers[1][1].http_port   # the router with auth on, as off loopback
+    command = command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "TANDEM_AUTH_TOKEN": TOKEN})
+    body = json.loads(out.stdout)
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0, body
