@@ -12,7 +12,7 @@ import pytest
 from tandem.kv_transfer.base import TransferSpec
 from tandem.wire.errors import NoReservation, WorkerUnavailable
 from tandem.wire.messages import DecodeReserve, FinishReason, FirstToken, OutputError, SamplingParams, StepOutput
-from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine
+from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine, until
 
 SP = SamplingParams(max_tokens=5, ignore_eos=True)
 
@@ -22,13 +22,6 @@ def decode():
     w = create_decode_worker()
     yield w
     w.shutdown()
-
-
-def until(cond, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 def drain(w, router: str, until_finished: set[str], timeout_s: float = 10.0) -> list:

@@ -9,7 +9,8 @@ import threading
 import time
 
 import pytest
-from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine, create_prefill_worker
+from tests.unit.worker_factories import (FakeClock, create_decode_worker, create_engine, create_prefill_worker,
+                                        until)
 
 from tandem.kv_transfer.base import TransferSpec
 from tandem.kv_transfer.fake import FakeNetwork
@@ -37,13 +38,6 @@ def decode(net):
     w = create_decode_worker(net)
     yield w
     w.shutdown()
-
-
-def until(cond, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 def transfer_spec(tid: str, res: PrefillReservation, plan: DecodePlan, layers: int) -> TransferSpec:
