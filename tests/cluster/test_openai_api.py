@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -120,7 +119,6 @@ def test_disconnect_mid_stream_frees_every_block(cluster):
     assert router.counters["cancelled"] == cancelled + 1   # cancelled by the disconnect, not finished
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
 def test_the_readme_curl_example_runs(cluster):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     command = re.search(r"```\n(curl [^`]*?)\n```", readme).group(1)
