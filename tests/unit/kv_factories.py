@@ -52,7 +52,8 @@ def open_pair(shareable: bool = False):
     return sender, receiver, net, src, dst, s_rel, r_rel
 
 
-def until(cond, timeout: float = 3.0) -> None:
+def until(cond, timeout: float = 10.0) -> None:
+    """Waits for `cond()`, which another thread makes true; fails after `timeout` seconds."""
     end = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < end, "condition not reached"

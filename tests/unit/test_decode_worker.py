@@ -12,7 +12,8 @@ import pytest
 from tandem.kv_transfer.base import TransferSpec
 from tandem.wire.errors import NoReservation, WorkerUnavailable
 from tandem.wire.messages import DecodeReserve, FinishReason, FirstToken, OutputError, SamplingParams, StepOutput
-from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine, until
+from tests.unit.kv_factories import until
+from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine
 
 SP = SamplingParams(max_tokens=5, ignore_eos=True)
 

@@ -15,15 +15,7 @@ from tandem.kv_transfer.fake import make_fake_pair
 from tandem.kv_transfer.testing import TensorBlockStore
 
 from tests.unit.kv_factories import (DST, LAYER_BYTES, Releases, assert_layer_copied, make_spec,
-                                     open_pair, until)
-
-
-@pytest.fixture
-def pair():
-    opened = open_pair()
-    yield opened
-    opened[0].close()
-    opened[1].close()
+                                     until)
 
 
 def test_ready_layers_beyond_the_window_wait_for_room():

@@ -22,19 +22,7 @@ from tandem.kv_transfer.testing import TensorBlockStore
 from tandem.kv_transfer.torch_dist import backend_for
 
 from tests.unit.kv_factories import (DST, FAST, LAYER_BYTES, SRC, Releases, assert_layer_copied,
-                                     assert_next_transfer_arrives, make_spec, open_pair, stream, until)
-
-
-@pytest.fixture
-def pair():
-    opened = open_pair()
-    yield opened
-    opened[0].close()
-    opened[1].close()
-
-
-
-
+                                     assert_next_transfer_arrives, make_spec, stream, until)
 
 
 def test_the_transfer_table_walks_only_unfinished_transfers():

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from tests.unit.worker_factories import (FakeClock, create_decode_worker, create_engine, create_prefill_worker,
-                                        until)
+from tests.unit.kv_factories import until
+from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine, create_prefill_worker
 
 from tandem.kv_transfer.base import TransferSpec
 from tandem.kv_transfer.fake import FakeNetwork

@@ -6,7 +6,6 @@ keyword a worker's constructor takes can be overridden."""
 from __future__ import annotations
 
 import threading
-import time
 
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import CacheConfig, EngineConfig
@@ -54,11 +53,3 @@ def create_decode_worker(network: FakeNetwork | None = None, worker_id: str = "d
     kwargs = dict(engine=create_engine(), connector=network.connector(worker_id), transfer_config=FAST,
                   local_prefill_threshold=16)
     return DecodeWorker(worker_id, **{**kwargs, **overrides})
-
-
-def until(cond, timeout_s: float = 10.0) -> None:
-    """Waits for `cond()` (a worker's loop thread acts on its own time); fails after `timeout_s`."""
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
