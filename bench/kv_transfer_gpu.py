@@ -45,7 +45,7 @@ from kv_transfer_tables import (BLOCK, CONFIG, HEAD_DIM, HEADS, LAYERS, MiB, TOK
 
 from tandem.cluster.bootstrap import init_ray  # noqa: E402
 from tandem.cluster.config import load_config  # noqa: E402
-from tandem.kv_transfer.base import TransferSpec  # noqa: E402
+from tandem.kv_transfer.spec import TransferSpec  # noqa: E402
 from tandem.kv_transfer.receiver import LayerStreamReceiver  # noqa: E402
 from tandem.kv_transfer.sender import LayerStreamSender  # noqa: E402
 from tandem.kv_transfer.testing import TensorBlockStore  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from tandem.runtime.process import DEFAULT_GIL_SWITCH_INTERVAL_S
 from tandem.cluster.local import RunningCluster
 from tandem.engine.weights import load_tokenizer
-from tandem.kv_transfer.base import TransferSpec
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 

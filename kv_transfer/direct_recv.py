@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from tandem.kv_transfer.base import KVTransferError, TransferSpec, device_index, layer_runs, machine_id
+from tandem.kv_transfer.base import KVTransferError, device_index, layer_runs, machine_id
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.frames import Hello, ReadyFrame
 from tandem.kv_transfer.link import PeerLink
 from tandem.kv_transfer.recv_items import CopiedItem, Landing

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from tandem.kv_transfer.base import (KVTransferError, KVTransferTimeout, StagingRing, TransferSpec,
-                                     machine_id)
+from tandem.kv_transfer.base import KVTransferError, KVTransferTimeout, StagingRing, machine_id
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.frames import Hello, ReadyFrame
 from tandem.kv_transfer.link import PeerLink
 from tandem.kv_transfer.send_queue import LayerItem, VerifyItem

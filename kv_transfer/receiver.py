@@ -24,8 +24,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from tandem.kv_transfer.base import (BlockStore, KVReceiver, KVTransferAborted, KVTransferError, KVTransferTimeout,
-                                     ReleaseCallback, TransferSpec, TransferState)
+from tandem.kv_transfer.base import BlockStore, KVReceiver, KVTransferAborted, KVTransferError, KVTransferTimeout, ReleaseCallback, TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.recv_loop import PeerRecvLoop

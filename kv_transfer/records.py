@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from tandem.kv_transfer.base import (KVTransferAborted, KVTransferError, KVTransferTimeout,
-                              ReleaseCallback, TransferSpec, TransferState)
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, KVTransferTimeout, ReleaseCallback, TransferState
+from tandem.kv_transfer.spec import TransferSpec
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tandem.kv_transfer.base import StagingRing, TransferSpec
+from tandem.kv_transfer.base import StagingRing
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.frames import LayersFrame
 from tandem.kv_transfer.link import Pending
 from tandem.kv_transfer.records import TransferRecord

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.kv_transfer.base import (KVTransferAborted, KVTransferError, KVTransferTimeout,
-                                     PinnedIndexRing, TransferSpec, TransferState, device_index)
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, KVTransferTimeout, PinnedIndexRing, TransferState, device_index
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.direct_recv import DirectRecvPath
 from tandem.kv_transfer.frames import EndFrame, Hello, LayersFrame, ReadyFrame, parse_frame
 from tandem.kv_transfer.link import PeerLink

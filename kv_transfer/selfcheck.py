@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tandem.kv_transfer.base import TransferSpec
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.testing import TensorBlockStore
 from tandem.kv_transfer.torch_dist import (backend_for, make_dist_receiver, make_dist_sender,

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, PinnedIndexRing, TransferSpec, TransferState
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, PinnedIndexRing, TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.direct_send import DirectSendPath
 from tandem.kv_transfer.frames import EndFrame

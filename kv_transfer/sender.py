@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.kv_transfer.base import (BlockStore, KVSender, KVTransferAborted, KVTransferError, ReleaseCallback,
-                                     TransferSpec, TransferState)
+from tandem.kv_transfer.base import BlockStore, KVSender, KVTransferAborted, KVTransferError, ReleaseCallback, TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.records import TransferTable

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.kv_transfer.base import KVTransferError, StagingRing, TransferSpec, device_index, layer_runs
+from tandem.kv_transfer.base import KVTransferError, StagingRing, device_index, layer_runs
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.frames import LayersFrame
 from tandem.kv_transfer.link import PeerLink
 from tandem.kv_transfer.recv_items import Landing, PostedItem, PostedPart

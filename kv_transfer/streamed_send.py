@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.kv_transfer.base import (KVTransferError, StagingRing, TransferSpec, TransferState, device_index,
-                                     layer_runs, plan_messages)
+from tandem.kv_transfer.base import KVTransferError, StagingRing, TransferState, device_index, layer_runs, plan_messages
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.frames import LayersFrame
 from tandem.kv_transfer.link import PeerLink, Pending

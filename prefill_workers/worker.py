@@ -29,7 +29,8 @@ from typing import Any, Callable
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kernels.compile_watch import watch as compile_watch
 from tandem.engine.serving_loop import EngineLoop
-from tandem.kv_transfer.base import TransferSpec, TransferState
+from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.receiver import LayerStreamReceiver

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.placement import (OverloadLimits, any_ready, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered)
 from tandem.router.cluster_view import ClusterView
@@ -270,9 +271,6 @@ class Placer:
                              res: PrefillReservation) -> None:
         """`plan`: the decode actor's reservation (its cached tokens, the blocks the KV lands in);
         `res`: the prefill actor's (its cached tokens, all the prompt's blocks)."""
-        # kv_transfer.base loads torch, which the router process otherwise never needs
-        from tandem.kv_transfer.base import TransferSpec  # noqa: PLC0415
-
         layers, bs, tid = list(range(self.num_layers)), self.block_size, p.transfer_id
         first, n, blocks = plan.first_block, len(plan.dst_block_ids), res.block_ids
         spec = TransferSpec(tid, prefill_id, att.decode_id, layers, blocks[first:first + n], plan.dst_block_ids,

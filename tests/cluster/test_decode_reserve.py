@@ -12,7 +12,8 @@ import pytest
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.kv_transfer.base import TransferSpec, TransferState
+from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.torch_dist import DistConnector, start_rendezvous_store
 from tandem.wire.errors import NoReservation

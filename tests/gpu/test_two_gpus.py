@@ -11,7 +11,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tandem.kv_transfer.base import TransferSpec  # noqa: E402
+from tandem.kv_transfer.spec import TransferSpec  # noqa: E402
 from tandem.kv_transfer.config import KVTransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900),

@@ -9,7 +9,8 @@ from collections import Counter
 
 import torch
 
-from tandem.kv_transfer.base import TransferSpec, TransferState
+from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import make_fake_pair
 from tandem.kv_transfer.testing import TensorBlockStore

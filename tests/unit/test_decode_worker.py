@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tandem.kv_transfer.base import TransferSpec
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.wire.errors import NoReservation, WorkerUnavailable
 from tandem.wire.messages import DecodeReserve, FinishReason, FirstToken, OutputError, SamplingParams, StepOutput
 from tests.unit.kv_factories import until

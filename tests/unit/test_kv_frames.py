@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from tandem.kv_transfer.base import TransferSpec
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.frames import EndFrame, Hello, LayersFrame, ReadyFrame, parse_frame
 from tandem.kv_transfer.link import (FRAME_BYTES, MAX_FRAME_BYTES, decode_frame, encode_frame, frame_bytes,
                                      frame_tail_bytes)

@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, KVTransferTimeout, TransferSpec, TransferState
+from tandem.kv_transfer.base import KVTransferAborted, KVTransferError, KVTransferTimeout, TransferState
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork, make_fake_pair
 from tandem.kv_transfer.receiver import LayerStreamReceiver

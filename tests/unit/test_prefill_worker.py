@@ -12,7 +12,7 @@ import pytest
 from tests.unit.kv_factories import until
 from tests.unit.worker_factories import FakeClock, create_decode_worker, create_engine, create_prefill_worker
 
-from tandem.kv_transfer.base import TransferSpec
+from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.wire.errors import NoReservation, TransferFailed
 from tandem.wire.messages import (DecodePlan, DecodeReserve, OutputError, PrefillReservation, PrefillReserve,
