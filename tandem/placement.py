@@ -70,23 +70,13 @@ class OverloadLimits:
                 or (self.max_kv_usage is not None and w.kv_usage > self.max_kv_usage))
 
 
-def overload_threshold(*, max_waiting: int | None = None, max_load: int | None = None,
-                       max_kv_usage: float | None = None) -> OverloadFn:
-    """An overload test from SRE limits; a limit left as None is not checked."""
-    return OverloadLimits(max_waiting, max_load, max_kv_usage)
-
-
-def never_overloaded(w: WorkerView) -> bool:
-    return False
-
-
 def any_ready(workers: Iterable[WorkerView]) -> bool:
     return any(w.state == READY for w in workers)
 
 
 def choose_worker(workers: Iterable[WorkerView], session_worker_id: str | None,
                   prefix_hits: Mapping[str, int] | None = None, *,
-                  overload_fn: OverloadFn = never_overloaded) -> str | None:
+                  overload_fn: OverloadFn = OverloadLimits()) -> str | None:
     """The worker to send the request to, or None if none can take it (see module docstring).
 
     `prefix_hits` (worker id -> cached prefix length, e.g. from `PrefixIndex.match`) adds to each

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tandem.router.prefix_index import PrefixIndex, block_hashes, hash_block
-from tandem.placement import (DEAD, DRAINING, WorkerView, any_ready, choose_worker, overload_threshold,
+from tandem.placement import (DEAD, DRAINING, OverloadLimits, WorkerView, any_ready, choose_worker,
                               prefill_placement)
 
 
@@ -35,7 +35,7 @@ def test_session_worker_gone_is_skipped():
 
 
 def test_session_worker_overloaded_is_skipped():
-    overloaded = overload_threshold(max_waiting=4)
+    overloaded = OverloadLimits(max_waiting=4)
     workers = make_workers(3, d0={"waiting": 5}, d1={"running": 3}, d2={"running": 1})
     assert choose_worker(workers, "d0", {}, overload_fn=overloaded) == "d2"
     assert choose_worker(workers, "d0", {}) == "d0"  # same inputs, no overload limit
@@ -70,13 +70,13 @@ def test_tie_breaks_by_id_and_ignores_input_order():
 
 
 def test_overloaded_workers_are_avoided():
-    overloaded = overload_threshold(max_kv_usage=0.9, max_load=10)
+    overloaded = OverloadLimits(max_kv_usage=0.9, max_load=10)
     workers = make_workers(3, d0={"kv_blocks_used": 95}, d1={"running": 11})
     assert choose_worker(workers, None, {"d0": 100, "d1": 100}, overload_fn=overloaded) == "d2"
 
 
 def test_none_when_no_worker_can_take_it():
-    overloaded = overload_threshold(max_waiting=0)
+    overloaded = OverloadLimits(max_waiting=0)
     busy = make_workers(2, d0={"waiting": 1}, d1={"waiting": 3})
     assert choose_worker(busy, None, {}, overload_fn=overloaded) is None
     assert any_ready(busy)  # -> RESOURCE_EXHAUSTED
