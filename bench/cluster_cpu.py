@@ -22,7 +22,8 @@ import torch
 
 from tandem.cluster.local import RunningCluster
 from tandem.cluster.profiling import fit_control_path, profile_engine
-from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_model import SLO
+from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate
 from tandem.cluster.workloads import PROFILES, coding_agent_sessions
 from tandem.protos.tandem.v1 import generation_pb2 as pb

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from tandem.cluster.sim_model import PerfModel
+from tandem.perf_model import PerfModel
 
 PREFILL = [(2048, 0.047), (8192, 0.222), (32768, 1.556)]  # (prompt tokens, s), one prompt whole
 DECODE = [(1, 1024, 5.10), (8, 1024, 5.60), (32, 1024, 7.15), (64, 1024, 8.25), (128, 1024, 11.94),

@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-from tandem.cluster.sim_model import SLO, PerfModel, SimSummary
+from tandem.cluster.sim_model import SLO, SimSummary
+from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate
 
 

@@ -19,7 +19,8 @@ from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.config import load_config
 from tandem.cluster.layouts import load_perf
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
-from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_model import SLO
+from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig

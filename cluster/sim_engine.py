@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 from tandem.cluster import sim_control
 from tandem.cluster.autoscaler import AutoscalerConfig, MetricsSnapshot, PolicyState
-from tandem.cluster.sim_model import SLO, PerfModel, PoolSample, RequestLike, RequestResult, SimResult, summarize
+from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult, SimResult, summarize
+from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
 from tandem.placement import (OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered, wants_remote_prefill)
@@ -243,7 +244,6 @@ class Simulation:
             return
         perf = self.perf
         batch = list(w.running)
-        dt = perf.decode_step_s(len(batch), sum(s.context for s in batch)) if batch else 0.0
         budget = max(perf.max_step_tokens - len(batch), perf.block_tokens)
         chunks = []
         for s in w.local:  # chunked prefill, FIFO, within the step's token budget
@@ -252,9 +252,7 @@ class Simulation:
             n = min(s.prefill_left, budget)
             budget -= n
             chunks.append((s, n))
-            dt += n * (perf.prefill_per_token_s + perf.prefill_attn_s * (s.context + n))
-        if chunks:
-            dt += perf.prefill_base_s
+        dt = perf.step_s(len(batch), sum(s.context for s in batch), [(n, s.context + n) for s, n in chunks])
         w.stepping = True
         self.push(now + dt, "step", (w, batch, chunks))
 

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 from tandem.cluster.loadgen import RampPlan, load_sessions, parse_workload, plan_ramp, sessions_needed
 from tandem.cluster.loadgen_report import plot_timeline
 from tandem.cluster.autoscaler import AutoscalerConfig
-from tandem.cluster.sim_model import SLO, PerfModel, PoolSample, SimResult, SimSummary, summarize
+from tandem.cluster.sim_model import SLO, PoolSample, SimResult, SimSummary, summarize
+from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate
 
 

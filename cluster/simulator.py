@@ -36,7 +36,8 @@ from typing import Any, Mapping, Sequence
 
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.sim_engine import Simulation
-from tandem.cluster.sim_model import SLO, PerfModel, RequestLike, SimResult, SimSummary
+from tandem.cluster.sim_model import SLO, RequestLike, SimResult, SimSummary
+from tandem.perf_model import PerfModel
 from tandem.placement import OverloadLimits
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from tandem.cluster.layout_predictions import print_predictions, simulate_beside
 from tandem.cluster.layouts import mode_configs, predict
-from tandem.cluster.sim_model import PerfModel
+from tandem.perf_model import PerfModel
 
 
 def _args(**kw):

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tandem.cluster.sim_engine import Simulation
-from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_model import SLO
+from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimSeq
 from tandem.cluster.workloads import RequestSpec
 from tandem.placement import (OverloadLimits, WorkerView, choose_worker, local_prefill_queue,

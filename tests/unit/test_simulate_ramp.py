@@ -13,7 +13,8 @@ from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.cli import main
 from tandem.cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
 from tandem.cluster.sim_engine import Simulation
-from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_model import SLO
+from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate
 
 # One prefill worker does ~5k prompt tokens/s: the small agent profile at 4 sessions/s overloads it.

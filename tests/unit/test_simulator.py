@@ -9,7 +9,8 @@ import pytest
 
 from tandem.cluster.workloads import PROFILES, RequestSpec, coding_agent_sessions, prefix_reuse_ratio, read_mooncake
 from tandem.cluster.autoscaler import AutoscalerConfig, ratio_ok
-from tandem.cluster.sim_model import SLO, PerfModel
+from tandem.cluster.sim_model import SLO
+from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import PrefixCache
 from tandem.cluster.simulator import format_table, simulate, sweep
 

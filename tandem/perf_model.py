@@ -1,0 +1,163 @@
+"""The one performance model: what a prefill, an engine step (decodes, verify tokens, prefill
+chunks, host time) and a KV transfer cost on one worker, fitted by `tandem profile` and, for the
+control path, on a running cluster. The simulator replays workloads with it, the placement policy
+(tandem.placement) predicts each option's TTFT and TPOT harm with it: one source of service times.
+Plain values; numpy only for the fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from tandem.wire.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Fitted service times. Defaults: an ASSUMED Llama-3-8B on one H200 (bf16), see docs/operations.md.
+
+    prefill s     = prefill_base_s + prefill_per_token_s * n + prefill_attn_s * n * context
+                    (n: tokens computed, context: prompt length once they are in)
+    decode step s = decode_base_s + step_host_s
+                    + decode_per_seq_s * batch * (1 + spec_verify_tokens)
+                    + decode_per_ctx_token_s * sum(context)
+                    (each running sequence computes its next token and the draft tokens it
+                    verifies; a step emits `spec_tokens_per_step` tokens per sequence on average)
+    mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base
+                    (`step_s`: what one engine step costs, whatever it carries)
+    transfer s    = transfer_base_s + transfer_per_token_s * tokens
+    control path  = request_overhead_s on every request's client-visible times (router, actor
+                    RPCs, streaming), + remote_overhead_s before a remote prefill's KV is usable
+                    (RPCs to the prefill actor, the decode step after the KV lands); both fitted
+                    on a running cluster by `tandem profile --target` (fit_control_path)
+    """
+    prefill_base_s: float = 0.005
+    prefill_per_token_s: float = 1 / 12000
+    prefill_attn_s: float = 1.3e-9
+    decode_base_s: float = 0.012
+    decode_per_seq_s: float = 1e-4
+    decode_per_ctx_token_s: float = 3e-8
+    transfer_base_s: float = 0.0005
+    transfer_per_token_s: float = 2.6e-6
+    request_overhead_s: float = 0.0
+    remote_overhead_s: float = 0.0
+    local_prefill_threshold: float = 256  # uncached tokens a decode worker prefills itself
+    # prefill.max_queued_tokens: prompt tokens queued on a prefill worker past which requests are
+    # prefilled by their decode worker instead (the router's rule); inf: always remote
+    prefill_queue_limit: float = math.inf
+    # speculative decoding: draft tokens verified per sequence per step, and tokens emitted per
+    # sequence per step (1 + the mean accepted); host time per step the GPU does not hide
+    spec_verify_tokens: float = 0.0
+    spec_tokens_per_step: float = 1.0
+    step_host_s: float = 0.0
+    max_batch: int = 256  # sequences per decode worker
+    max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
+    kv_capacity_tokens: int = 700_000  # KV per worker (decode: running + prefix cache)
+    block_tokens: int = 16  # prefix-cache granularity
+
+    def __post_init__(self) -> None:
+        coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
+                  "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
+                  "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s")
+        if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
+            raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
+        if self.spec_tokens_per_step < 1:
+            raise ConfigError("perf model: spec_tokens_per_step must be >= 1 (1: no speculation)")
+        if not self.prefill_queue_limit > 0:
+            raise ConfigError("perf model: prefill_queue_limit must be > 0 (inf: no limit)")
+        if min(self.max_batch, self.max_step_tokens, self.kv_capacity_tokens, self.block_tokens) < 1:
+            raise ConfigError("perf model: max_batch, max_step_tokens, kv_capacity_tokens and "
+                              "block_tokens must be >= 1")
+
+    def prefill_s(self, n: int, context: int) -> float:
+        if not n:
+            return 0.0
+        return self.prefill_base_s + n * (self.prefill_per_token_s + self.prefill_attn_s * context)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """One step of `batch` decoding sequences holding `context_tokens` in all (0 if batch is 0)."""
+        if not batch:
+            return 0.0
+        return (self.decode_base_s + self.step_host_s
+                + self.decode_per_seq_s * batch * (1.0 + self.spec_verify_tokens)
+                + self.decode_per_ctx_token_s * context_tokens)
+
+    def chunk_s(self, n: int, context: int) -> float:
+        """A prefill chunk of `n` tokens inside a step, `context` tokens in once it is: no base."""
+        return n * (self.prefill_per_token_s + self.prefill_attn_s * context)
+
+    def step_s(self, batch: int, context_tokens: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """One engine step: `batch` decoding sequences (`context_tokens` in all) and prefill
+        `chunks` of (tokens, context once in). The simulator's steps and the placement's cost
+        predictions both come from here."""
+        dt = self.decode_step_s(batch, context_tokens)
+        if chunks:
+            dt += self.prefill_base_s + sum(self.chunk_s(n, c) for n, c in chunks)
+            if not batch:
+                dt += self.step_host_s
+        return dt
+
+    def tpot_s(self, batch: int, context_tokens: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """Time per output token of a sequence in such a step (speculation emits more than one)."""
+        return self.step_s(batch, context_tokens, chunks) / self.spec_tokens_per_step
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.transfer_base_s + self.transfer_per_token_s * tokens if tokens else 0.0
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[str, Sequence[float] | dict[str, float], float]],
+            base: "PerfModel | None" = None, **fixed: Any) -> "PerfModel":
+        """Least squares from profiling samples `(kind, features, seconds)`:
+        ("prefill", (new_tokens, context), s), ("decode", (batch_size, total_context_tokens), s),
+        ("transfer", (tokens,), s); features may also be dicts with those names. Kinds without
+        samples keep `base`'s coefficients; negative fits are clipped to 0; `fixed` sets the rest."""
+        names = {"prefill": ("new_tokens", "context"), "decode": ("batch_size", "total_context_tokens"),
+                 "transfer": ("tokens",)}
+        rows: dict[str, list[tuple[list[float], float]]] = {k: [] for k in names}
+        for kind, feats, seconds in samples:
+            if kind not in names:
+                raise ValueError(f"unknown sample kind {kind!r}; expected one of {sorted(names)}")
+            f = [feats[n] for n in names[kind]] if isinstance(feats, dict) else list(feats)
+            x = {"prefill": lambda: [1.0, f[0], f[0] * f[1]],
+                 "decode": lambda: [1.0, f[0], f[1]],
+                 "transfer": lambda: [1.0, f[0]]}[kind]()
+            rows[kind].append((x, float(seconds)))
+        fields = {"prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s"),
+                  "decode": ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"),
+                  "transfer": ("transfer_base_s", "transfer_per_token_s")}
+        values: dict[str, Any] = {}
+        for kind, data in rows.items():
+            if not data:
+                continue
+            a = np.array([x for x, _ in data], dtype=np.float64)
+            y = np.array([s for _, s in data], dtype=np.float64)
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns span 1 .. 1e9: normalize
+            coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+            values.update({name: max(0.0, float(c)) for name, c in zip(fields[kind], coef)})
+        return dataclasses.replace(base or cls(), **values, **fixed)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in _MAYBE_INF:
+            if math.isinf(d[key]):
+                d[key] = "inf"  # JSON has no infinity
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PerfModel":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"perf model: unknown key(s) {sorted(unknown)}")
+        d = dict(d)
+        for key in _MAYBE_INF:
+            if isinstance(d.get(key), str):
+                d[key] = float(d[key])
+        return cls(**d)
+
+
+_MAYBE_INF = ("local_prefill_threshold", "prefill_queue_limit")
