@@ -36,6 +36,7 @@ from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.sender import LayerStreamSender
+from tandem.kv_transfer.shared import SharedEngine
 from tandem.placement import wants_remote_prefill
 from tandem.runtime.latency import LatencyWindow
 from tandem.runtime.metrics import TransferTimes
@@ -50,10 +51,11 @@ class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector | None = None,
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  router_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 warmup: dict[str, Any] | None = None):
+                 warmup: dict[str, Any] | None = None, shared: SharedEngine | None = None):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests;
-        None: no remote prefill). `router_timeout_s`: a router that has not asked for its outputs
+        None: no remote prefill). `shared`: the loop, sender and receiver of a worker that also
+        prefills for others over this engine (tandem.workers); it calls this part's hooks. `router_timeout_s`: a router that has not asked for its outputs
         for this long is gone (live routers ask every 0.5 s); its requests are aborted and their KV
         freed. `clock`: for that timeout and TPOT."""
         self.worker_id = worker_id
@@ -65,9 +67,11 @@ class DecodeWorker:
         self.threshold = local_prefill_threshold
         self.block_size = engine.allocator.block_size
         self.receiver = self.sender = None
-        if connector is not None:
+        if shared is not None:
+            self.receiver, self.sender = shared.receiver, shared.sender
+        elif connector is not None:
             tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
-            self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self._transfer_released,
+            self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self.kv_released,
                                                 on_transition=self._wake)
             # prefix pulls: a prefill actor asks for the session's cached prefix it lacks
             self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg)
@@ -83,7 +87,11 @@ class DecodeWorker:
         self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
         self.tpot = LatencyWindow()
         self._snapshot: WorkerStats | None = None
-        self.loop = EngineLoop(engine, on_step=self._publish, before_step=self._before_step,
+        self._owns_loop = shared is None
+        if shared is not None:
+            self.loop = shared.loop
+            return
+        self.loop = EngineLoop(engine, on_step=self.publish, before_step=self._before_step,
                                on_step_error=self._fail_engine_requests, name=f"{worker_id}-loop")
         self.loop.start()
 
@@ -121,7 +129,7 @@ class DecodeWorker:
     def stats(self) -> WorkerStats:
         """The latest snapshot, taken by the loop between steps: answers at once even while a long
         step runs (health checks must not wait for the engine)."""
-        return self._snapshot or self.loop.run(self._stats)
+        return self._snapshot or self.loop.run(self.collect_stats)
 
     def get_outputs(self, router_id: str, timeout_s: float = 1.0) -> list[Output]:
         """Everything produced for `router_id` since the last call (one list entry per step),
@@ -141,6 +149,8 @@ class DecodeWorker:
         return self.loop.run(lambda: self.engine.allocator.num_used_blocks)
 
     def shutdown(self) -> None:
+        if not self._owns_loop:   # a shared loop and transport: their owner stops them
+            return
         self.loop.stop()
         for end in (self.sender, self.receiver):
             if end is not None:
@@ -157,7 +167,8 @@ class DecodeWorker:
         self.counters["requests"] += 1
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(r.prompt_token_ids)
-        remote = (r.transfer_id is not None and self.receiver is not None
+        # a worker named as its own prefill worker (it also prefills for others) prefills locally
+        remote = (r.transfer_id is not None and self.receiver is not None and r.prefill_id != self.worker_id
                   and wants_remote_prefill(n, cached, self.threshold))
         if remote and e.allocator.admit(req, n - cached):
             return self._reserve_remote(rec, r, cached)
@@ -227,12 +238,12 @@ class DecodeWorker:
         if self.requests.get(rec.request_id) is rec:
             del self.requests[rec.request_id]
 
-    def _poll_transfers(self) -> None:
-        if self.sender is not None:
-            self.sender.reap()
-        if self.receiver is None or not self._by_transfer:
+    def kv_ended(self, reaped: list[tuple[str, TransferState]]) -> None:
+        """The receiver's ended transfers (`reap()`); those this part does not wait for are
+        ignored (a shared receiver also carries the prefill part's prefix pulls)."""
+        if not self._by_transfer:
             return
-        for tid, state in self.receiver.reap():
+        for tid, state in reaped:
             rec = self._by_transfer.get(tid)
             if rec is None:
                 continue
@@ -259,7 +270,7 @@ class DecodeWorker:
             self._admit(rec, first)
         # else: the router has not handed the first token over yet (KV_READY)
 
-    def _transfer_released(self, tid: str) -> None:
+    def kv_released(self, tid: str) -> None:
         # the receiver runs this on our thread for FAILED / ABORTED transfers once no layer is
         # being copied into their blocks (at once, or when the copy in flight ends): free them
         rec = self._by_transfer.get(tid)
@@ -278,7 +289,7 @@ class DecodeWorker:
             return self.engine.abort(rid)
         if action is AbortAction.ABORT_RECEIVE:
             # the release callback frees the blocks, now or after the layer being copied; a
-            # transfer that already arrived hands them back when it is reaped (_poll_transfers)
+            # transfer that already arrived hands them back when it is reaped (kv_ended)
             self.receiver.abort(rec.transfer_id)
         else:  # reserved, its receive never registered or already released; or its KV here
             self.engine.allocator.free(rec.request)
@@ -286,11 +297,21 @@ class DecodeWorker:
             self._sync_transfer_index(rec)
         return True
 
-    # ---- on the loop thread: between and after steps ------------------------------------------
+    # ---- on the loop thread: between and after steps (the hooks a shared loop's owner calls) ---
     def _before_step(self) -> None:
-        self._poll_transfers()
+        if self.sender is not None:
+            self.sender.reap()
+        if self.receiver is not None and self._by_transfer:
+            self.kv_ended(self.receiver.reap())
+        self.between_steps()
+
+    def between_steps(self) -> None:
+        """After the transport's ends are handled: expire silent routers, take the stats snapshot."""
         self._expire_routers()
-        self._snapshot = self._stats()
+        self._snapshot = self.collect_stats()
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def _expire_routers(self) -> None:
         """A router that stopped polling (crashed, or cut off) would leave its requests decoding
@@ -316,24 +337,27 @@ class DecodeWorker:
         for router in gone:
             self.outboxes.keep_errors_only(router)
 
-    def _fail_engine_requests(self, exc: BaseException) -> None:
-        """A step raised: every request in the engine gets an error (its router moves it to a
-        decode actor again, from the tokens already streamed) and its KV is freed. Requests still
-        waiting for their KV were not in the step and stay."""
+    def fail_own_requests(self, exc: BaseException) -> None:
+        """A step raised: every request of this part in the engine gets an error (its router moves
+        it to a decode actor again, from the tokens already streamed) and its KV is freed. Requests
+        still waiting for their KV were not in the step and stay."""
         message = f"engine step failed on {self.worker_id}: {type(exc).__name__}: {exc}"[:300]
-        for rid in list(self.engine.scheduler.requests):
-            rec = self.requests.get(rid)
-            if rec is not None:
-                self._emit_error(rec, message)
+        for rid in [r for r in self.engine.scheduler.requests if r in self.requests]:
+            self._emit_error(self.requests[rid], message)
             self._abort(rid)
         self.counters["step_failures"] = self.counters.get("step_failures", 0) + 1
+
+    def _fail_engine_requests(self, exc: BaseException) -> None:
+        self.fail_own_requests(exc)
+        for rid in [r for r in self.engine.scheduler.requests if r not in self.requests]:
+            self.engine.abort(rid)     # nobody's: nothing waits for it
 
     def _emit_error(self, rec: DecodeRequest, message: str) -> None:
         router, rec.router_id = rec.router_id, None
         if router is not None:
             self.outboxes.put(router, [OutputError(rec.request_id, message)])
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def publish(self, outputs: list[RequestOutput]) -> None:
         per_router: dict[str, list[Output]] = {}
         now = self.clock()
         for o in outputs:
@@ -350,11 +374,12 @@ class DecodeWorker:
                 continue
             per_router.setdefault(rec.router_id, []).append(StepOutput(
                 o.request_id, o.new_token_ids, o.new_text, o.finish_reason if o.finished else None,
-                o.usage if o.finished else None))
+                o.usage if o.finished else None, tuple(o.new_logprobs) if o.new_logprobs is not None else None))
         for router, msgs in per_router.items():
             self.outboxes.put(router, msgs)
 
-    def _stats(self) -> WorkerStats:
+    def collect_stats(self) -> WorkerStats:
+        """On the loop thread: the stats as of now (`stats()` answers the latest of these)."""
         e = self.engine
         a = e.allocator
         waiting_kv = sum(1 for r in self.requests.values() if r.waiting)

@@ -35,6 +35,7 @@ from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.sender import LayerStreamSender
+from tandem.kv_transfer.shared import SharedEngine
 from tandem.prefill_workers.first_tokens import FirstTokenBoard
 from tandem.prefill_workers.records import PrefillJob, PrefillState
 from tandem.runtime.latency import LatencyWindow
@@ -49,9 +50,12 @@ log = logging.getLogger(__name__)
 class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector,
                  transfer_config: KVTransferConfig | None = None, reservation_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None):
+                 clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
+                 shared: SharedEngine | None = None):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests).
+        `shared`: the loop, sender and receiver of a worker that also decodes over this engine
+        (tandem.workers); it calls this part's hooks. None: this worker makes and runs its own.
         `reservation_timeout_s`: a reservation its router has not started by then is freed (the
         router crashed or lost it between the two calls, which are milliseconds apart); a late
         `start` is refused and its router prefills locally. `clock`: for that timeout and the
@@ -69,10 +73,13 @@ class PrefillWorker:
         # runs pending releases), and ending a transfer touches the scheduler, which the running
         # step owns until its outputs are in; `_before_step` handles the ends
         self._ended: list[str] = []
-        self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg, on_release=self._ended.append,
-                                        on_transition=self._wake)
-        # prefix pulls: the decode actor's cached prefix of a session, which this actor lacks
-        self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self._let_go_of_pull)
+        # prefix pulls (the receiver): the decode actor's cached prefix of a session, which this actor lacks
+        if shared is None:
+            self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg, on_release=self.sent_released,
+                                            on_transition=self._wake)
+            self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self.pull_released)
+        else:
+            self.sender, self.receiver = shared.sender, shared.receiver
         self.jobs: dict[str, PrefillJob] = {}   # transfer id -> its request's record
         # pull transfer id -> the transfer id whose blocks it lands in, while the pull is pending
         # or may still write into them (a pull may still be copying a layer after it is aborted)
@@ -85,8 +92,12 @@ class PrefillWorker:
         self.transfer_times = TransferTimes()  # KV delivered, per transfer: the kv_transfer_seconds histogram
         self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
         self._snapshot: WorkerStats | None = None
-        self.loop = EngineLoop(engine, on_step=self._on_step, before_step=self._before_step,
-                               layer_done=self._layer_done, on_step_error=self._fail_engine_requests,
+        self._owns_loop = shared is None
+        if shared is not None:
+            self.loop = shared.loop
+            return
+        self.loop = EngineLoop(engine, on_step=self.on_step, before_step=self._before_step,
+                               layer_done=self.layer_done, on_step_error=self._fail_engine_requests,
                                name=f"{worker_id}-loop")
         self.loop.start()
 
@@ -131,7 +142,7 @@ class PrefillWorker:
     def stats(self) -> WorkerStats:
         """The latest snapshot, taken by the loop between steps: answers at once even while a long
         step runs (health checks must not wait for the engine)."""
-        return self._snapshot or self.loop.run(self._stats)
+        return self._snapshot or self.loop.run(self.collect_stats)
 
     def held(self) -> dict[str, str]:
         """Transfer id -> state of every request this worker holds anything for (tests, debugging)."""
@@ -141,9 +152,10 @@ class PrefillWorker:
         return self.loop.run(lambda: self.engine.allocator.num_used_blocks)
 
     def shutdown(self) -> None:
-        self.loop.stop()
-        self.sender.close()
-        self.receiver.close()
+        if self._owns_loop:     # (a shared loop and transport: their owner stops them)
+            self.loop.stop()
+            self.sender.close()
+            self.receiver.close()
 
     # ---- on the loop thread: reserve, pull, start ---------------------------------------------
     def _reserve(self, r: PrefillReserve) -> PrefillReservation:
@@ -205,7 +217,7 @@ class PrefillWorker:
     # ---- on the loop thread: ending a request and freeing its blocks ---------------------------
     def _end(self, job: PrefillJob) -> None:
         """Free an ended request's blocks: its pending prefix pulls are aborted first, and while one
-        may still write into them they stay PARKED until it lets go (`_let_go_of_pull`)."""
+        may still write into them they stay PARKED until it lets go (`pull_released`)."""
         for pid in job.end():
             self.receiver.abort(pid)   # releases now, or once the layer being copied lands
             self._forget_pull(pid, job)
@@ -225,7 +237,7 @@ class PrefillWorker:
         tid = self._pull_owner.get(pid)
         return self.jobs.get(tid) if tid is not None else None
 
-    def _let_go_of_pull(self, pid: str) -> None:
+    def pull_released(self, pid: str) -> None:
         """Pull `pid` writes no more into its request's blocks (failed, aborted or landed)."""
         job = self._pull_job(pid)
         if job is None:
@@ -248,13 +260,30 @@ class PrefillWorker:
             return True
         return False
 
-    # ---- on the loop thread: between steps ----------------------------------------------------
+    # ---- on the loop thread: between steps (the hooks a shared loop's owner calls) -------------
     def _before_step(self) -> None:
-        self._poll_transfers()
+        self.sender.reap()
+        self.pulls_ended(self.receiver.reap() if self._pull_owner else [])
+        self.between_steps()
+
+    def between_steps(self) -> None:
+        """After the transport's ends are handled: hand ended transfers over, expire reservations,
+        take the stats snapshot."""
         while self._ended:
             self._transfer_ended(self._ended.pop(0))
         self._expire_reservations()
-        self._snapshot = self._stats()
+        self._snapshot = self.collect_stats()
+
+    def sent_released(self, tid: str) -> None:
+        """The sender's release callback: only notes the end (`between_steps` handles it)."""
+        self._ended.append(tid)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.jobs
+
+    def sending(self) -> bool:
+        """A started prefill may be in the next step: it needs the per-layer hook."""
+        return any(j.started for j in self.jobs.values())
 
     def _expire_reservations(self) -> None:
         now = self.clock()
@@ -267,13 +296,14 @@ class PrefillWorker:
             self._abort(job.transfer_id)
             self.counters["reservations_expired"] = self.counters.get("reservations_expired", 0) + 1
 
-    def _poll_transfers(self) -> None:
-        self.sender.reap()
+    def pulls_ended(self, reaped: list[tuple[str, TransferState]]) -> None:
+        """The receiver's ended transfers (`reap()`); those that are not this part's pulls are
+        ignored (a shared receiver also carries the decode part's KV)."""
         if not self._pull_owner:
             return
-        for pid, state in self.receiver.reap():
+        for pid, state in reaped:
             if state is TransferState.DONE:
-                self._let_go_of_pull(pid)     # (failed ones did, in the release callback)
+                self.pull_released(pid)     # (failed ones did, in the release callback)
             job = self._pull_job(pid)
             if job is None:
                 continue
@@ -295,7 +325,7 @@ class PrefillWorker:
         if schedule:     # started already; a pull that lands before `start`: `_start` schedules it
             self._schedule(job)
 
-    def _layer_done(self, layer: int, sched) -> None:
+    def layer_done(self, layer: int, sched) -> None:
         for s in sched.scheduled:
             r = s.request
             if r.prefill_only and s.completes and self._sending(r.request_id):
@@ -305,7 +335,7 @@ class PrefillWorker:
         job = self.jobs.get(tid)
         return job if job is not None and job.started else None
 
-    def _on_step(self, outputs) -> None:
+    def on_step(self, outputs) -> None:
         # completions are tracked through the transfer; a step's outputs carry first tokens
         for o in outputs:
             job = self._sending(o.request_id) if o.first is not None else None
@@ -322,7 +352,7 @@ class PrefillWorker:
             self.engine.scheduler.abort(tid)        # (its pulls had all landed)
         self._end(job)
         state = self.sender.poll(tid)
-        if job.first is None:       # ended before its first token (else `_on_step` resolved it)
+        if job.first is None:       # ended before its first token (else `on_step` resolved it)
             self.first_tokens.resolve(tid, None, TransferFailed(f"KV transfer {tid} {state.value} without a "
                                                                 f"first token"))
         if state is TransferState.DONE:
@@ -342,16 +372,23 @@ class PrefillWorker:
                 why = f": {e}"
             job.done.set_exception(TransferFailed(f"KV transfer {tid} {state.value}{why}"))
 
-    def _fail_engine_requests(self, exc: BaseException) -> None:
+    def fail_own_requests(self, exc: BaseException) -> None:
         """A step raised: the prefills it was computing are aborted (their transfers end, the
         decode side frees its blocks, and each router prefills locally instead)."""
-        log.warning("failing %d prefills after a step error: %s", len(self.engine.scheduler.requests), exc)
-        for tid in list(self.engine.scheduler.requests):
+        own = [tid for tid in self.engine.scheduler.requests if tid in self.jobs]
+        log.warning("failing %d prefills after a step error: %s", len(own), exc)
+        for tid in own:
             if not self._abort(tid):
                 self.engine.abort(tid)
         self.counters["step_failures"] = self.counters.get("step_failures", 0) + 1
 
-    def _stats(self) -> WorkerStats:
+    def _fail_engine_requests(self, exc: BaseException) -> None:
+        self.fail_own_requests(exc)
+        for rid in [r for r in self.engine.scheduler.requests if r not in self.jobs]:
+            self.engine.abort(rid)     # nobody's: nothing waits for it
+
+    def collect_stats(self) -> WorkerStats:
+        """On the loop thread: the stats as of now (`stats()` answers the latest of these)."""
         e = self.engine
         a = e.allocator
         reserved = sum(1 for j in self.jobs.values() if j.state is PrefillState.RESERVED)

@@ -8,8 +8,8 @@ import grpc
 import ray
 
 from tandem.router.admission import Overloaded
-from tandem.wire.errors import (InvalidPoolBounds, InvalidRequestError, MigrationsExhausted, NoWorkerReady,
-                                UnknownPool, UnknownWorker, WorkersOverloaded, WorkerUnavailable)
+from tandem.wire.errors import (InvalidPoolBounds, InvalidRequestError, InvalidRole, MigrationsExhausted,
+                                NoWorkerReady, UnknownPool, UnknownWorker, WorkersOverloaded, WorkerUnavailable)
 
 # Error type -> status code, first match wins; anything else is INTERNAL.
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -22,6 +22,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownWorker, grpc.StatusCode.NOT_FOUND),                  # Admin: the controller's refusals
     (UnknownPool, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidPoolBounds, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRole, grpc.StatusCode.INVALID_ARGUMENT),
     (ray.exceptions.RayActorError, grpc.StatusCode.UNAVAILABLE),
 )
 

@@ -65,3 +65,7 @@ class UnknownPool(ValueError):
 
 class InvalidPoolBounds(ValueError):
     """New pool bounds that do not satisfy 0 <= min <= max: INVALID_ARGUMENT."""
+
+
+class InvalidRole(ValueError):
+    """A worker role other than "prefill", "decode" and "mixed": INVALID_ARGUMENT."""

@@ -43,7 +43,8 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
-    pool: str                          # "prefill" | "decode"
+    pool: str                          # "prefill" | "decode": the pool it started in
+    role: str = ""                     # "prefill" | "decode" | "mixed" (tandem.workers); "": its pool
     # ---- load --------------------------------------------------------------------------------
     running: int = 0                   # sequences in the engine's running batch
     waiting: int = 0                   # queued or reserved, not running yet

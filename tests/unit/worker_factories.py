@@ -13,6 +13,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.prefill_workers.worker import PrefillWorker
+from tandem.workers.worker import PoolWorker
 
 FAST = KVTransferConfig(connect_timeout_s=2.0, timeout_s=2.0, start_timeout_s=5.0)
 
@@ -53,3 +54,13 @@ def create_decode_worker(network: FakeNetwork | None = None, worker_id: str = "d
     kwargs = dict(engine=create_engine(), connector=network.connector(worker_id), transfer_config=FAST,
                   local_prefill_threshold=16)
     return DecodeWorker(worker_id, **{**kwargs, **overrides})
+
+
+def create_pool_worker(network: FakeNetwork | None = None, worker_id: str = "worker-0", pool: str = "decode",
+                       **overrides) -> PoolWorker:
+    """A worker of both parts (tandem.workers) starting in `pool`'s role; remote prefill on offer
+    for uncached parts over 16 tokens, as `create_decode_worker`."""
+    network = network or FakeNetwork()
+    kwargs = dict(engine=create_engine(), connector=network.connector(worker_id), transfer_config=FAST,
+                  local_prefill_threshold=16)
+    return PoolWorker(worker_id, pool, **{**kwargs, **overrides})

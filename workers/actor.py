@@ -1,0 +1,69 @@
+"""A pool's Ray actor: a thin shell around `PoolWorker` (no policy lives here), which serves the
+prefill actor's API and the decode actor's on one engine. It builds the real engine and transport
+endpoint and hands them to the worker; the pool it starts in gives its first role.
+
+Two calls share a name across the two APIs: `reserve` takes a PrefillReserve or a DecodeReserve
+(dispatched on the type), and `first_token` is the prefill side's (`transfer_id=`: wait for the
+token) or the decode side's (`request_id=, first=`: hand it over). `abort` takes either side's id."""
+
+from __future__ import annotations
+
+import ray
+
+from tandem.kv_transfer.config import KVTransferConfig
+from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
+from tandem.runtime.process import after_startup, setup_process
+from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, FirstTokenReady, Output, PrefillReservation, \
+    PrefillReserve, PrefillResult
+
+
+@ray.remote(**ACTOR_CONCURRENCY)
+class WorkerActor(PoolActorBase):
+    def __init__(self, worker_id: str, pool: str, engine_config, rendezvous: str, local_prefill_threshold: float,
+                 num_cpus: float = 1.0, transfer_config=None, role: str | None = None):
+        setup_process(num_cpus)
+        # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
+        from tandem.decode_workers.worker import warm_up  # noqa: PLC0415
+        from tandem.engine.engine import LLMEngine  # noqa: PLC0415
+        from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
+        from tandem.workers.worker import PoolWorker  # noqa: PLC0415
+
+        self.worker_id, self.pool = worker_id, pool
+        engine = LLMEngine(engine_config)
+        warmup = warm_up(engine, worker_id)   # the decode warm-up (graphs too): any worker may decode
+        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
+        self.worker = PoolWorker(worker_id, pool, engine, DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg),
+                                 role=role, local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg,
+                                 warmup=warmup)
+        after_startup()
+
+    @ray.method(concurrency_group="health")
+    def set_role(self, role: str) -> str:
+        """"prefill" | "decode" | "mixed", at once (no step waits); returns the role it had."""
+        return self.worker.set_role(role)
+
+    def reserve(self, req: PrefillReserve | DecodeReserve) -> PrefillReservation | DecodePlan:
+        return self.worker.reserve(req)
+
+    def first_token(self, *, transfer_id: str | None = None, request_id: str | None = None,
+                    first: FirstToken | None = None) -> FirstTokenReady | bool:
+        if transfer_id is not None:
+            return self.worker.prefill.first_token(transfer_id)
+        return self.worker.decode.first_token(request_id, first)
+
+    # ---- the prefill side ------------------------------------------------------------------------
+    def expect_pull(self, *, spec, owner: str, covers_tokens: int) -> None:
+        return self.worker.prefill.expect_pull(spec, owner, covers_tokens)
+
+    def start(self, *, spec) -> PrefillResult:
+        return self.worker.prefill.start(spec)
+
+    # ---- the decode side -------------------------------------------------------------------------
+    def expect(self, *, spec) -> None:
+        return self.worker.decode.expect(spec)
+
+    def send_prefix(self, *, spec) -> None:
+        return self.worker.decode.send_prefix(spec)
+
+    def get_outputs(self, *, router_id: str, timeout_s: float = 1.0) -> list[Output]:
+        return self.worker.decode.get_outputs(router_id, timeout_s)
