@@ -18,6 +18,7 @@ import torch
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache import KVCache, num_blocks_for
+from tandem.engine.logprobs import step_logprobs
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
@@ -26,7 +27,7 @@ from tandem.engine.speculative.speculator import build_speculator
 from tandem.engine.tokenizer import IncrementalDetokenizer
 from tandem.engine.weights import load_model
 from tandem.wire.errors import InvalidRequestError
-from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, Usage
+from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, TokenLogprob, Usage
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RequestOutput:
     usage: Usage | None = None
     # a prefill-only request's first output token, as the decode actor continues from it
     first: FirstToken | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 @dataclass
@@ -206,7 +208,8 @@ class LLMEngine:
         else:
             produced = self._verify(sched, batch, logits, drafts)
         t4 = time.perf_counter()
-        outs = [self._postprocess(req, new) for req, new in produced]
+        logprobs = step_logprobs(produced, logits, batch.logits_owner)   # {} unless a request asked
+        outs = [self._postprocess(req, new, logprobs.get(req.request_id)) for req, new in produced]
         if self.speculator is not None:
             for out in outs:
                 if out.finished:
@@ -269,9 +272,9 @@ class LLMEngine:
                 return new[:i + 1]
         return new
 
-    def _postprocess(self, req: Request, new: list[int]) -> RequestOutput:
+    def _postprocess(self, req: Request, new: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         if req.prefill_only:  # KV computed; the caller hands the blocks on, then frees them
-            first = self._first_output(req, new[0]) if new else None
+            first = self._first_output(req, new[0], logprobs[0] if logprobs else None) if new else None
             self._release(req.request_id)
             return RequestOutput(req.request_id, new, first.text if first else "", finished=True,
                                  finish_reason=req.finish_reason, usage=self.usage(req), first=first)
@@ -293,14 +296,14 @@ class LLMEngine:
                 end = max(detok.emitted, end - (max(map(len, stops)) - 1))
         text = detok.text[detok.emitted:end]
         detok.emitted = max(detok.emitted, end)
-        out = RequestOutput(req.request_id, new, text)
+        out = RequestOutput(req.request_id, new, text, new_logprobs=logprobs)
         if req.finished:
             out.finished, out.finish_reason = True, req.finish_reason
             out.usage = self.usage(req)
             self._release(req.request_id)
         return out
 
-    def _first_output(self, req: Request, tok: int) -> FirstToken:
+    def _first_output(self, req: Request, tok: int, logprob: TokenLogprob | None) -> FirstToken:
         """What the first output token of a prefill-only request gives its client, decided as the
         decode path would: its text (held back where a stop string could be starting), whether it
         ends the request (EOS, max_tokens, the context, a stop string), and the sampler's state
@@ -324,7 +327,7 @@ class LLMEngine:
             elif reason is None:
                 text = text[:max(0, len(text) - (max(map(len, sp.stop)) - 1))]
         g = self.sampler.generators.get(req.request_id)
-        return FirstToken(tok, text, reason, bytes(g.get_state().numpy()) if g is not None else None)
+        return FirstToken(tok, text, reason, bytes(g.get_state().numpy()) if g is not None else None, logprob)
 
     def accept_first_token(self, req: Request, first: FirstToken) -> None:
         """A request whose prompt KV a prefill actor computed (num_computed_tokens == prompt) takes
@@ -459,6 +462,8 @@ class LLMEngine:
                 res = results[out.request_id]
                 res["token_ids"].extend(out.new_token_ids)
                 res["text"] += out.new_text
+                if out.new_logprobs is not None:
+                    res.setdefault("logprobs", []).extend(out.new_logprobs)
                 if out.finished:
                     res["finish_reason"] = out.finish_reason.value
                     res["usage"] = vars(out.usage)

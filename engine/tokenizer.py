@@ -30,10 +30,15 @@ def _render_template(template: str, messages: list[dict[str, str]], add_generati
         raise InvalidRequestError(f"chat template: {msg}")
 
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson   # transformers' filter: jinja's own escapes <, > and & for HTML
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def check_messages(messages: list[dict[str, str]]) -> None:
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def check_messages(messages: list[dict]) -> None:
     if not messages:
         raise InvalidRequestError("messages must not be empty")
     for i, m in enumerate(messages):
@@ -90,12 +95,21 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders `tools` (a template that never reads them would drop them)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools`: functions in OpenAI's shape ({"type": "function", "function": {...}}), as
+        transformers passes them to a template."""
         check_messages(messages)
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; send `prompt` or `prompt_token_ids`")
+        extra = {"tools": tools} if tools else {}
         return _render_template(self.chat_template, messages, add_generation_prompt,
-                                bos_token=self.bos_token or "", eos_token="")
+                                bos_token=self.bos_token or "", eos_token="", **extra)
 
 
 class ByteTokenizer:

@@ -111,7 +111,8 @@ class RequestFlow:
             self.release_decode = True
         else:
             self.handover = first
-        return StepOutput(self.request_id, [first.token_id], first.text, first.finish_reason, usage)
+        logprobs = (first.logprob,) if first.logprob is not None else None
+        return StepOutput(self.request_id, [first.token_id], first.text, first.finish_reason, usage, logprobs)
 
     def take(self, msg: StepOutput) -> bool:
         """Tokens out to the client; True when they carry the request's first token (once per

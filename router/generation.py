@@ -38,6 +38,11 @@ FINISH = {FinishReason.STOP: generation_pb2.STOP, FinishReason.LENGTH: generatio
           FinishReason.ABORT: generation_pb2.ABORT}
 
 
+def _logprobs_pb(token_ids: list[int], logprobs) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(token_id=t, logprob=lp.logprob, top=[
+        generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]) for t, lp in zip(token_ids, logprobs)]
+
+
 class Router:
     """Everything a Generate call needs, independent of gRPC plumbing."""
 
@@ -65,7 +70,11 @@ class Router:
     def prepare(self, request) -> tuple[Any, list[int], Any]:
         v = validate_request(request, vocab_size=self.vocab_size, max_context=self.max_context, limits=self.limits)
         if v.messages is not None:
-            text = self.tokenizer.apply_chat_template(v.messages, add_generation_prompt=True)
+            if v.tools and not getattr(self.tokenizer, "supports_tools", False):
+                raise InvalidRequestError("this model's chat template does not support tools (it never reads "
+                                          "`tools`); send the request without tools, or serve a model whose "
+                                          "template renders them")
+            text = self.tokenizer.apply_chat_template(v.messages, add_generation_prompt=True, tools=v.tools)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif v.prompt is not None:
             ids = self.tokenizer.encode(v.prompt)
@@ -107,7 +116,7 @@ class Router:
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=sampling.seed, stop=tuple(sampling.stop),
-                            ignore_eos=sampling.ignore_eos)
+                            ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
         flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations)
         queue: asyncio.Queue = asyncio.Queue()
         att: Attempt | None = None
@@ -189,6 +198,8 @@ class Router:
     def _respond(self, flow: RequestFlow, att: Attempt, msg: StepOutput, t0: float, last_t: float | None):
         """The response for `msg`, with the latency metrics it completes; -> (response, its time)."""
         resp = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text)
+        if msg.logprobs is not None:
+            resp.logprobs.extend(_logprobs_pb(msg.token_ids, msg.logprobs))
         now = time.perf_counter()
         if flow.take(msg):
             resp.request_id = flow.request_id

@@ -8,12 +8,13 @@ INVALID_ARGUMENT. Checks that need the token count (prompt too long for the cont
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, replace
 
 from tandem.wire.errors import InvalidRequestError
-from tandem.wire.messages import SamplingParams
+from tandem.wire.messages import MAX_TOP_LOGPROBS, SamplingParams
 
 # One error type for bad input, shared with the engine (which raises it for the same reasons).
 InvalidRequest = InvalidRequestError
@@ -58,11 +59,12 @@ class ValidatedRequest:
     session_id: str | None  # None: no session affinity
     prompt: str | None
     prompt_token_ids: list[int] | None
-    messages: list[dict[str, str]] | None  # [{"role": ..., "content": ...}], roles in CHAT_ROLES
+    messages: list[dict] | None  # [{"role": ..., "content": ...}] (+ tool_calls, tool_call_id, name)
     # max_tokens is the client's value, or limits.default_max_tokens when max_tokens_given is False;
     # `sampling_for_prompt` fits it to the context once the prompt's token count is known.
     sampling: SamplingParams
     max_tokens_given: bool
+    tools: list[dict] | None = None  # as chat templates take them: [{"type": "function", "function": {...}}]
 
     def sampling_for_prompt(self, num_prompt_tokens: int, max_context: int) -> SamplingParams:
         """The sampling parameters to run with; raises InvalidRequest if the prompt does not fit."""
@@ -93,12 +95,15 @@ def validate_request(req, *, vocab_size: int, max_context: int,
         messages = _check_messages(req.messages, limits)
 
     sampling, max_tokens_given = _check_sampling(req.sampling, vocab_size, max_context, limits)
+    tools = _check_tools(req.tools) if len(req.tools) else None
+    if tools is not None and messages is None:
+        raise InvalidRequest("tools are only allowed with messages (the chat template renders them)")
     if token_ids is not None:
         check_prompt_length(len(token_ids), sampling.max_tokens, max_context,
                             explicit=max_tokens_given)
     return ValidatedRequest(request_id=request_id, session_id=session_id, prompt=prompt,
                             prompt_token_ids=token_ids, messages=messages, sampling=sampling,
-                            max_tokens_given=max_tokens_given)
+                            max_tokens_given=max_tokens_given, tools=tools)
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_context: int, *,
@@ -167,11 +172,50 @@ def _check_messages(messages, limits: RequestLimits) -> list[dict[str, str]]:
             raise InvalidRequest(f"messages[{i}].role is {_preview(m.role)}; allowed roles are "
                                  f"{', '.join(CHAT_ROLES)}")
         num_bytes += len(m.content.encode("utf-8"))
-        out.append({"role": m.role, "content": m.content})
-    if all(not m["content"] for m in out):
+        out.append(_message_dict(m, i))
+    if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise InvalidRequest("every message's content is empty; at least one must have text")
     _check_bytes("messages' content", num_bytes, limits)
     return out
+
+
+def _message_dict(m, i: int) -> dict:
+    """A chat message as chat templates read it (transformers' convention: a tool call's arguments
+    as an object, so a template's `tojson` writes them once)."""
+    d: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].tool_calls: only assistant messages make tool calls")
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _json_object(c.arguments or "{}", f"messages[{i}].tool_calls[{j}].arguments")}}
+            for j, c in enumerate(m.tool_calls)]
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name:
+        d["name"] = m.name
+    return d
+
+
+def _check_tools(tools) -> list[dict]:
+    out = []
+    for i, t in enumerate(tools):
+        if not t.name:
+            raise InvalidRequest(f"tools[{i}].name must not be empty")
+        fn: dict = {"name": t.name, "description": t.description}
+        if t.parameters:
+            fn["parameters"] = _json_object(t.parameters, f"tools[{i}].parameters")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _json_object(text: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    return value
 
 
 def _check_bytes(what: str, num_bytes: int, limits: RequestLimits) -> None:
@@ -208,10 +252,13 @@ def _check_sampling(s, vocab_size: int, max_context: int,
         if len(text) > limits.max_stop_chars:
             raise InvalidRequest(f"sampling.stop[{i}] is {len(text)} characters long; at most "
                                  f"{limits.max_stop_chars} are allowed")
+    logprobs = s.logprobs if s.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.logprobs must be at most {MAX_TOP_LOGPROBS}, got {logprobs}")
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=s.temperature, top_p=top_p,
         top_k=0 if s.top_k >= vocab_size else s.top_k,  # k >= vocab keeps every token: off
-        seed=s.seed if s.HasField("seed") else None, stop=stop, ignore_eos=s.ignore_eos)
+        seed=s.seed if s.HasField("seed") else None, stop=stop, ignore_eos=s.ignore_eos, logprobs=logprobs)
     return sampling, max_tokens_given
 
 

@@ -15,6 +15,8 @@ from typing import Union
 
 from tandem.wire.errors import InvalidRequestError
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop string
@@ -34,6 +36,9 @@ class SamplingParams:
     # speculative decoding: the most draft tokens per step for this request (None: the engine's
     # setting, 0: never speculate); the engine's length policy may use fewer
     num_speculative_tokens: int | None = None
+    # log-probabilities: None = off (costs nothing); n >= 0: each output token's logprob and the n
+    # most likely tokens of the distribution it was drawn from (`TokenLogprob`)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -49,6 +54,9 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or k < 0):
             raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +73,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the distribution it was drawn from (greedy: the
+    model's raw logits; sampled: after temperature, top-k and top-p, so an excluded token is -inf),
+    and the `top` most likely tokens of that distribution as (token id, logprob), most likely first."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class FirstToken:
     """A prefill-only request's first output token, as the decode actor continues from it: its
     text (held back where a stop string could be starting), whether it ends the request, and the
@@ -73,6 +90,7 @@ class FirstToken:
     text: str
     finish_reason: FinishReason | None = None
     rng_state: bytes | None = None
+    logprob: TokenLogprob | None = None   # when the request asked for logprobs
 
 
 # ---- router -> prefill actor ----------------------------------------------------------------------
@@ -153,6 +171,7 @@ class StepOutput:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None   # one per token id, when the request asked
 
     @property
     def finished(self) -> bool:
