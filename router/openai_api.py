@@ -11,6 +11,7 @@ closed generator frees what the request holds on its actors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -21,15 +22,18 @@ from aiohttp import web
 from tandem.router.admission import client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.generation import Router
+from tandem.router.openai_choice import ChoiceBuilder
 from tandem.router.openai_schema import (ApiError, ParsedRequest, chunk, error_body, full_response, models_list,
                                          parse_chat, parse_completion, response_id, usage_chunk)
 from tandem.router.status_codes import http_status, status_code
+from tandem.router.tool_calls import tool_format
 
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 MODEL_KEY = web.AppKey("model", str)
 TOKENS_KEY = web.AppKey("tokens", object)     # a router/auth.py TokenStore, or None: auth off
+TOKEN_TEXT_KEY = web.AppKey("token_text", object)   # token id -> its text (logprobs), cached
 CREATED = int(time.time())   # /v1/models' `created`: when this router started
 
 
@@ -93,27 +97,31 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         except Exception as e:  # noqa: BLE001 - every failure leaves as a status
             return _from_exception(router, e)
         rid = response_id(chat, first.request_id)
+        fmt = tool_format(getattr(router.tokenizer, "chat_template", None)) if parsed.tools else None
+        builder = ChoiceBuilder(chat, request.app[TOKEN_TEXT_KEY], logprobs=parsed.logprobs, tool_format=fmt)
         if parsed.stream:
-            return await _stream(request, gen, first, parsed, rid, chat)
-        parts, last = [first.text], first
+            return await _stream(request, gen, first, parsed, rid, builder)
+        last = first
         try:
-            async for resp in gen:
-                parts.append(resp.text)
-                last = resp
+            builder.add(first)
+            async for last in gen:
+                builder.add(last)
         except Exception as e:  # noqa: BLE001
             return _from_exception(router, e)
-        return web.json_response(full_response(chat, rid, int(time.time()), parsed.model, "".join(parts), last))
+        return web.json_response(full_response(chat, rid, int(time.time()), parsed.model, builder.choice(),
+                                               last.usage))
 
 
-async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: str, chat: bool):
+async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: str, builder: ChoiceBuilder):
     """Server-sent events: one chunk per message, the usage chunk if asked, then [DONE]. A client
     that disconnects ends the handler (aiohttp cancels it, or the write fails), which closes `gen`."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
-    created, resp, is_first = int(time.time()), first, True
+    created, resp, is_first, chat = int(time.time()), first, True, builder.chat
     try:
         while True:
-            data = chunk(chat, rid, created, parsed.model, resp, first=is_first, include_usage=parsed.include_usage)
+            data = chunk(chat, rid, created, parsed.model, builder.delta(resp, is_first),
+                         include_usage=parsed.include_usage)
             await out.write(b"data: " + json.dumps(data).encode() + b"\n\n")
             if resp.finish_reason:
                 break
@@ -148,6 +156,8 @@ async def health(request: web.Request) -> web.Response:
 def make_app(router: Router, model: str, tokens=None) -> web.Application:
     app = web.Application(client_max_size=router.limits.grpc_max_receive_bytes)
     app[ROUTER_KEY], app[MODEL_KEY], app[TOKENS_KEY] = router, model, tokens
+    app[TOKEN_TEXT_KEY] = functools.lru_cache(maxsize=1 << 16)(
+        lambda token_id: router.tokenizer.decode([token_id], skip_special_tokens=False))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

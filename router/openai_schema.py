@@ -3,19 +3,23 @@
 sampling are router/generation.py's), and `GenerateResponse`s become OpenAI's responses and
 stream chunks. Pure: no I/O, no event loop.
 
-A field OpenAI defines that Tandem does not implement (`n` > 1, `logprobs`, `tools`, penalties)
-and any field OpenAI does not define is refused with `ApiError` naming it (`param`), never ignored;
-fields that only label a request (`user`, `metadata`) are accepted.
+A field OpenAI defines that Tandem does not implement (`n` > 1, `tool_choice` "required" or a named
+function, penalties) and any field OpenAI does not define is refused with `ApiError` naming it
+(`param`), never ignored; fields that only label a request (`user`, `metadata`) are accepted.
+`logprobs` set the gRPC `sampling.logprobs`; `tools` become `GenerateRequest.tools`, rendered by the
+model's chat template (the router refuses them when the template has none).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.wire.messages import MAX_TOP_LOGPROBS
 
 # Fields each endpoint acts on, and those it accepts without effect (labels and defaults).
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
@@ -25,14 +29,13 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
                          "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # field -> the values that mean "off", which are accepted; any other value is refused
-_OFF: dict[str, tuple] = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+_OFF: dict[str, tuple] = {"n": (None, 1),
                           "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                          "tools": (None, []), "tool_choice": (None, "none", "auto"), "echo": (None, False),
+                          "tool_choice": (None, "none", "auto"), "echo": (None, False),
                           "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None, True, False),
                           "response_format": (None, {"type": "text"}), "store": (None, False)}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
-FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
@@ -51,6 +54,8 @@ class ParsedRequest:
     model: str
     stream: bool
     include_usage: bool
+    logprobs: bool = False   # render each token's logprob (and sampling.logprobs alternatives)
+    tools: bool = False      # parse tool calls out of the output
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -78,7 +83,19 @@ def parse_chat(body: Any, headers: Mapping[str, str], served_model: str) -> Pars
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", "messages")
     req.messages.extend(_message(m, i) for i, m in enumerate(messages))
-    return _parsed(req, body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError("logprobs must be a boolean", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not logprobs:
+            raise ApiError("top_logprobs requires logprobs=true", "top_logprobs")
+        _check_top(top, "top_logprobs")
+    if logprobs:
+        req.sampling.logprobs = top or 0
+    tools = _tools(body)
+    req.tools.extend(tools)
+    return _parsed(req, body, tools=bool(tools))
 
 
 def parse_completion(body: Any, headers: Mapping[str, str], served_model: str) -> ParsedRequest:
@@ -94,7 +111,35 @@ def parse_completion(body: Any, headers: Mapping[str, str], served_model: str) -
         req.prompt_token_ids.extend(prompt)
     else:
         raise ApiError("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    if body.get("logprobs") is not None:
+        req.sampling.logprobs = _check_top(body["logprobs"], "logprobs")
     return _parsed(req, body)
+
+
+def _check_top(value: Any, param: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"{param} must be an integer in [0, {MAX_TOP_LOGPROBS}]", param)
+    return value
+
+
+def _tools(body: dict) -> list[pb.Tool]:
+    """`tools` as the gRPC request's; none when tool_choice is "none" (the model is not to call any)."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise ApiError("tools must be a list", "tools")
+    if body.get("tool_choice") == "none":
+        return []
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{i}]")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON Schema object", f"tools[{i}]")
+        out.append(pb.Tool(name=fn["name"], description=str(fn.get("description") or ""),
+                           parameters=json.dumps(params) if params is not None else ""))
+    return out
 
 
 def _check_fields(body: Any, known: set[str], served_model: str) -> dict:
@@ -149,9 +194,10 @@ def _number(body: dict, name: str, default: float) -> float:
 def _message(m: Any, i: int) -> pb.ChatMessage:
     if not isinstance(m, dict) or m.get("role") not in _ROLES:
         raise ApiError(f"messages[{i}] must be an object with a role in {sorted(_ROLES)}", f"messages[{i}].role")
-    extra = set(m) - {"role", "content", "name"}
+    extra = set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if extra:
         raise ApiError(f"messages[{i}].{min(extra)} is not supported by this server", f"messages[{i}].{min(extra)}")
+    calls = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.get("tool_calls") or [])]
     content = m.get("content")
     if isinstance(content, list):       # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -162,17 +208,27 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
         content = ""
     if not isinstance(content, str):
         raise ApiError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-    return pb.ChatMessage(role=_ROLES[m["role"]], content=content)
+    name = m.get("name") if m["role"] == "tool" else None   # a user's or assistant's name only labels it
+    return pb.ChatMessage(role=_ROLES[m["role"]], content=content, tool_calls=calls,
+                          tool_call_id=str(m.get("tool_call_id") or ""), name=str(name or ""))
 
 
-def _parsed(req: pb.GenerateRequest, body: dict) -> ParsedRequest:
+def _tool_call(c: Any, where: str) -> pb.ToolCall:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+        raise ApiError(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+    return pb.ToolCall(id=str(c.get("id") or ""), name=fn["name"], arguments=fn.get("arguments") or "{}")
+
+
+def _parsed(req: pb.GenerateRequest, body: dict, tools: bool = False) -> ParsedRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError("stream_options may only hold include_usage", "stream_options")
     stream = bool(body.get("stream"))
     if options and not stream:
         raise ApiError("stream_options is only allowed with stream=true", "stream_options")
-    return ParsedRequest(req, body["model"], stream, bool(options.get("include_usage")))
+    return ParsedRequest(req, body["model"], stream, bool(options.get("include_usage")),
+                         logprobs=req.sampling.HasField("logprobs"), tools=tools)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -186,16 +242,9 @@ def response_id(chat: bool, request_id: str) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
-def chunk(chat: bool, rid: str, created: int, model: str, resp: pb.GenerateResponse, *,
-          first: bool = False, include_usage: bool = False) -> dict:
-    """One stream chunk for `resp`'s new text (with `usage: null` when the stream ends with a usage
-    chunk, as OpenAI's do)."""
-    finish = FINISH_REASONS.get(resp.finish_reason)
-    if chat:
-        delta = {"role": "assistant", "content": resp.text} if first else {"content": resp.text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": resp.text, "logprobs": None, "finish_reason": finish}
+def chunk(chat: bool, rid: str, created: int, model: str, choice: dict, *, include_usage: bool = False) -> dict:
+    """One stream chunk holding `choice` (router/openai_choice.py's `delta`), with `usage: null`
+    when the stream ends with a usage chunk, as OpenAI's do."""
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": model, "choices": [choice]}
     if include_usage:
@@ -209,16 +258,10 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: pb.Usage)
             "model": model, "choices": [], "usage": usage_dict(usage)}
 
 
-def full_response(chat: bool, rid: str, created: int, model: str, text: str, last: pb.GenerateResponse) -> dict:
-    """A non-streaming response from the whole text and the last message (finish reason, usage)."""
-    finish = FINISH_REASONS.get(last.finish_reason)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def full_response(chat: bool, rid: str, created: int, model: str, choice: dict, usage: pb.Usage) -> dict:
+    """A non-streaming response: the whole `choice` (router/openai_choice.py's `choice`) and usage."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage_dict(last.usage)}
+            "model": model, "choices": [choice], "usage": usage_dict(usage)}
 
 
 def models_list(model: str, created: int) -> dict:

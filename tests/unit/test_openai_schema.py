@@ -7,6 +7,7 @@ import pytest
 
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 from tandem.router.admission import Overloaded
+from tandem.router.openai_choice import ChoiceBuilder
 from tandem.router.openai_schema import (ApiError, chunk, error_body, full_response, models_list, parse_chat,
                                          parse_completion, session_id_for, usage_chunk)
 from tandem.router.status_codes import http_status
@@ -42,8 +43,11 @@ def test_max_tokens_and_text_parts_and_developer_role():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0]"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate"),
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"seed": -1}, "seed"),
     ({"stop": [1]}, "stop"), ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -59,6 +63,30 @@ def test_unsupported_or_bad_fields_are_refused_by_name(extra, param):
 
 def test_off_values_of_unimplemented_fields_are_accepted():
     parse_chat({**CHAT, "n": 1, "logprobs": False, "tools": [], "presence_penalty": 0, "user": "x"}, {}, M)
+
+
+def test_logprobs_and_tools_become_the_grpc_fields():
+    r = parse_chat({**CHAT, "logprobs": True, "top_logprobs": 3}, {}, M)
+    assert r.logprobs and r.request.sampling.logprobs == 3
+    r = parse_chat({**CHAT, "logprobs": True}, {}, M)
+    assert r.logprobs and r.request.sampling.HasField("logprobs") and r.request.sampling.logprobs == 0
+    r = parse_chat(CHAT, {}, M)
+    assert not r.logprobs and not r.request.sampling.HasField("logprobs")
+    assert parse_completion({"model": M, "prompt": "x", "logprobs": 2}, {}, M).request.sampling.logprobs == 2
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"c": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
+    r = parse_chat({"model": M, "messages": msgs, "tools": [tool], "tool_choice": "auto"}, {}, M)
+    assert r.tools and [t.name for t in r.request.tools] == ["get_weather"]
+    assert r.request.tools[0].parameters == '{"type": "object", "properties": {}}'
+    call = r.request.messages[1].tool_calls[0]
+    assert (call.id, call.name, call.arguments) == ("call_1", "get_weather", '{"c": 1}')
+    assert (r.request.messages[2].tool_call_id, r.request.messages[2].name) == ("call_1", "get_weather")
+    none = parse_chat({"model": M, "messages": msgs, "tools": [tool], "tool_choice": "none"}, {}, M)
+    assert not none.tools and not none.request.tools
 
 
 def test_unknown_model_is_404():
@@ -95,17 +123,23 @@ def _last(text="!", finish=pb.STOP):
 def test_responses_in_openai_shape():
     usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
              "prompt_tokens_details": {"cached_tokens": 8}}
-    full = full_response(True, "chatcmpl-x", 1, M, "hey!", _last())
+    b = ChoiceBuilder(True, str)
+    b.add(pb.GenerateResponse(text="hey"))
+    b.add(_last())
+    full = full_response(True, "chatcmpl-x", 1, M, b.choice(), _last().usage)
     assert full["object"] == "chat.completion" and full["usage"] == usage
     assert full["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hey!"},
                                 "logprobs": None, "finish_reason": "stop"}]
-    text = full_response(False, "cmpl-x", 1, M, "hey", _last(finish=pb.LENGTH))
+    b = ChoiceBuilder(False, str)
+    b.add(_last("hey", finish=pb.LENGTH))
+    text = full_response(False, "cmpl-x", 1, M, b.choice(), _last().usage)
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "hey"
     assert text["choices"][0]["finish_reason"] == "length"
-    first = chunk(True, "c", 1, M, pb.GenerateResponse(text="he"), first=True, include_usage=True)
+    b = ChoiceBuilder(True, str)
+    first = chunk(True, "c", 1, M, b.delta(pb.GenerateResponse(text="he"), first=True), include_usage=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "he"} and first["usage"] is None
     assert first["choices"][0]["finish_reason"] is None
-    assert chunk(True, "c", 1, M, _last())["choices"][0]["delta"] == {"content": "!"}
+    assert chunk(True, "c", 1, M, b.delta(_last()))["choices"][0]["delta"] == {"content": "!"}
     assert usage_chunk(True, "c", 1, M, _last().usage) == {
         "id": "c", "object": "chat.completion.chunk", "created": 1, "model": M, "choices": [], "usage": usage}
     assert models_list(M, 1)["data"][0]["id"] == M
