@@ -23,6 +23,7 @@ Local or remote prefill, in the order a request meets the rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -142,3 +143,179 @@ def prefill_placement(hint: str | None, prefill_ids: Iterable[str], prefill_queu
     if shortest is None or local_queued < prefill_queued.get(shortest, 0):
         return None
     return shortest
+
+
+# ---- the cost model's choice: where a prompt is prefilled, and how many workers prefill -----------
+# Every option is "compute the prompt's uncached tokens on worker X, in chunks of c tokens per step,
+# beside X's own decode batch; if X is not the decode worker, ship the KV". Its predicted TTFT and
+# the TPOT it causes (the batch X decodes while it computes, and the batch the request joins) come
+# from the one PerfModel, and the option that meets both SLOs with the most headroom wins. The
+# router asks per request; the controller (and the simulator, which runs the same controller) asks
+# `plan_roles` how many workers should only prefill.
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A worker's engine as the cost model sees it."""
+
+    decode_seqs: int = 0        # sequences in its decode batch
+    context_tokens: int = 0     # KV they hold
+    queued_prefill_tokens: int = 0   # prompt tokens it has still to compute, ahead of a new one
+
+
+@dataclass(frozen=True)
+class PrefillOption:
+    where: str          # LOCAL: the decode worker computes it; REMOTE: `worker_id` does, ships the KV
+    worker_id: str      # who computes the prompt
+    chunk_tokens: int   # prompt tokens per step
+    ttft_s: float       # predicted
+    tpot_s: float       # predicted: the worse of the batch it computes in and the batch it joins
+
+    def headroom(self, slo_ttft_s: float, slo_tpot_s: float) -> float:
+        """How far inside both SLOs (fractions of each; negative: outside)."""
+        return min(1.0 - self.ttft_s / slo_ttft_s, 1.0 - self.tpot_s / slo_tpot_s)
+
+
+LOCAL, REMOTE = "local", "remote"
+HORIZON_TOKENS = 128    # output tokens a request of a batch decodes, over which a prefill's harm spreads
+HEADROOM_STEP = 0.02    # headrooms this close are equal: then local first (no transfer, no second GPU)
+
+
+def chunk_choices(perf, decode_seqs: int, smallest: int = 256) -> list[int]:
+    """Chunk sizes to weigh: powers of two from `smallest` up to the step's token budget left
+    beside the batch, and that budget itself."""
+    top = max(perf.max_step_tokens - decode_seqs, perf.block_tokens)
+    out, c = [], min(smallest, top)
+    while c < top:
+        out.append(c)
+        c *= 2
+    return out + [top]
+
+
+def chunked_prefill_s(perf, load: EngineLoad, new_tokens: int, cached: int, chunk: int,
+                      horizon_tokens: int = HORIZON_TOKENS) -> tuple[float, float]:
+    """(seconds until `new_tokens` more prompt tokens after `cached` ones are computed on a worker
+    with `load`, in steps of `chunk` prompt tokens beside its decode batch, behind its queue; the
+    TPOT its batch sees). The queue ahead is taken as one prompt of that length. The TPOT is the
+    mean over the chunked steps (the queue's and this prompt's) and `horizon_tokens` plain steps
+    after them: what a request of the batch, which decodes that many tokens, sees on average."""
+    b, ctx = load.decode_seqs, load.context_tokens
+    q = load.queued_prefill_tokens
+
+    def steps_s(n: int, start: int) -> float:
+        if n <= 0:
+            return 0.0
+        k = math.ceil(n / chunk)
+        empty = perf.step_s(b, ctx)          # the step's decode part (0 with no batch)
+        base = perf.prefill_base_s + (perf.step_host_s if not b else 0.0)
+        # sum over chunks of n_i * (per_token + attn * context after chunk i)
+        attn = perf.prefill_attn_s * (n * start + n * (n + chunk) / 2)
+        return k * (empty + base) + n * perf.prefill_per_token_s + attn
+
+    during = 0.0
+    if b:
+        k = math.ceil((q + new_tokens) / chunk)
+        chunked = perf.tpot_s(b, ctx, [(min(chunk, q + new_tokens), cached + new_tokens)])
+        during = (k * chunked + horizon_tokens * perf.tpot_s(b, ctx)) / (k + horizon_tokens)
+    return steps_s(q, 0) + steps_s(new_tokens, cached), during
+
+
+def prefill_option(perf, where: str, worker_id: str, load: EngineLoad, decode_load: EngineLoad,
+                   prompt_tokens: int, cached: int, chunk: int) -> PrefillOption:
+    """One option's prediction. `load`: the computing worker's; `decode_load`: the decode worker
+    the request then decodes on (the same worker when LOCAL); `cached`: prompt tokens the
+    computing worker need not compute (its own cache, or the decode worker's prefix it pulls)."""
+    n = max(prompt_tokens - cached, 1)      # the last prompt token is always computed
+    compute_s, during = chunked_prefill_s(perf, load, n, prompt_tokens - n, chunk)
+    ttft = compute_s + perf.request_overhead_s
+    if where == REMOTE:
+        # the KV streams layer by layer as the last chunk computes: only a slower link shows
+        ttft += max(0.0, perf.transfer_s(prompt_tokens) - compute_s) + perf.remote_overhead_s
+    after = perf.tpot_s(decode_load.decode_seqs + 1, decode_load.context_tokens + prompt_tokens)
+    return PrefillOption(where, worker_id, chunk, ttft, max(during, after))
+
+
+def choose_prefill(options: Iterable[PrefillOption], slo_ttft_s: float, slo_tpot_s: float) -> PrefillOption:
+    """The option that meets both SLOs with the most headroom (when none meets both: the one that
+    misses by least), in steps of HEADROOM_STEP. Ties: local first, then the shorter TTFT, the
+    larger chunk, the smaller id."""
+    return min(options, key=lambda o: (-math.floor(o.headroom(slo_ttft_s, slo_tpot_s) / HEADROOM_STEP),
+                                       o.where != LOCAL, o.ttft_s, -o.chunk_tokens, o.worker_id))
+
+
+def prefill_options(perf, prompt_tokens: int, decode_id: str, decode_load: EngineLoad, decode_cached: int,
+                    prefillers: Mapping[str, tuple[EngineLoad, int]]) -> list[PrefillOption]:
+    """Every option for one request: LOCAL on `decode_id` at each chunk size; REMOTE on each of
+    `prefillers` (worker id -> (its load, its cached prefix of this prompt)): a worker without a
+    decode batch at its whole step budget, one with a batch at each chunk size. A remote worker
+    pulls the decode worker's prefix when that is longer than its own."""
+    out = [prefill_option(perf, LOCAL, decode_id, decode_load, decode_load, prompt_tokens, decode_cached, c)
+           for c in chunk_choices(perf, decode_load.decode_seqs)]
+    for wid, (load, cached) in prefillers.items():
+        if wid == decode_id:
+            continue
+        chunks = chunk_choices(perf, load.decode_seqs) if load.decode_seqs else [perf.max_step_tokens]
+        out += [prefill_option(perf, REMOTE, wid, load, decode_load, prompt_tokens, max(cached, decode_cached), c)
+                for c in chunks]
+    return out
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What the cluster is asked for, as the controller measures it over its window."""
+
+    prompt_tokens_per_s: float = 0.0   # uncached prompt tokens to compute per second
+    mean_new_tokens: float = 0.0       # uncached tokens per prompt
+    mean_prompt_tokens: float = 0.0    # prompt length (its context once in)
+    decode_seqs: float = 0.0           # sequences decoding, cluster-wide
+    context_tokens: float = 0.0        # KV they hold, cluster-wide
+
+
+@dataclass(frozen=True)
+class RoleOption:
+    prefill_workers: int    # workers that only prefill (for the others); the rest decode and prefill
+    chunk_tokens: int       # the decoding workers' prefill chunk (when they prefill themselves)
+    ttft_s: float
+    tpot_s: float
+    headroom: float
+
+
+def role_option(perf, d: Demand, workers: int, k: int, slo_ttft_s: float, slo_tpot_s: float) -> RoleOption:
+    """The predicted steady state with `k` of `workers` prefill-only. k = 0: every worker decodes
+    and prefills its own prompts in chunks, which stretch its steps by the share of time spent on
+    chunks (rho); k > 0: the prefill-only workers take every prompt, a queue at utilization rho."""
+    decoders = workers - k
+    b, ctx = d.decode_seqs / decoders, d.context_tokens / decoders
+    n, prompt = max(d.mean_new_tokens, 1.0), max(d.mean_prompt_tokens, d.mean_new_tokens, 1.0)
+    if b > perf.max_batch:
+        return RoleOption(k, perf.max_step_tokens, math.inf, math.inf, -math.inf)
+    load = EngineLoad(round(b), round(ctx))
+    best = None
+    if k == 0:
+        for c in chunk_choices(perf, round(b)):
+            per_chunk = perf.prefill_base_s + c * (perf.prefill_per_token_s + perf.prefill_attn_s * prompt)
+            rho = d.prompt_tokens_per_s / decoders / c * per_chunk
+            if rho >= 1:
+                continue
+            compute, during = chunked_prefill_s(perf, load, round(n), round(prompt - n), c)
+            mean_step = perf.step_s(round(b), round(ctx)) / (1 - rho) if b else 0.0
+            tpot = max(mean_step / perf.spec_tokens_per_step, perf.tpot_s(round(b) + 1, round(ctx + prompt)))
+            ttft = compute / (1 - rho) + perf.request_overhead_s
+            o = RoleOption(0, c, ttft, tpot, min(1 - ttft / slo_ttft_s, 1 - tpot / slo_tpot_s))
+            if best is None or o.headroom > best.headroom:
+                best = o
+        return best or RoleOption(0, perf.max_step_tokens, math.inf, math.inf, -math.inf)
+    service = perf.prefill_s(round(n), round(prompt))
+    rho = d.prompt_tokens_per_s / k * service / n
+    if rho >= 1:
+        return RoleOption(k, perf.max_step_tokens, math.inf, math.inf, -math.inf)
+    ttft = (service + max(0.0, perf.transfer_s(round(prompt)) - service) + perf.remote_overhead_s) / (1 - rho) \
+        + perf.request_overhead_s
+    tpot = perf.tpot_s(round(b) + 1, round(ctx + prompt))
+    return RoleOption(k, perf.max_step_tokens, ttft, tpot, min(1 - ttft / slo_ttft_s, 1 - tpot / slo_tpot_s))
+
+
+def plan_roles(perf, demand: Demand, workers: int, slo_ttft_s: float, slo_tpot_s: float) -> list[RoleOption]:
+    """Every split of `workers` into prefill-only and decoding workers (at least one decodes), best
+    first: the most headroom inside both SLOs, ties to fewer prefill-only workers."""
+    opts = [role_option(perf, demand, workers, k, slo_ttft_s, slo_tpot_s) for k in range(workers)]
+    return sorted(opts, key=lambda o: (-round(o.headroom, 6), o.prefill_workers))

@@ -1,0 +1,122 @@
+"""The cost model's placement (tandem.placement: prefill options, role plans) and the role policy's
+hysteresis (cluster.roles), as pure functions with a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.cluster.roles import RoleConfig, RoleState, decide_roles
+from tandem.perf_model import PerfModel
+from tandem.placement import (LOCAL, REMOTE, Demand, EngineLoad, chunk_choices, choose_prefill,
+                              chunked_prefill_s, plan_roles, prefill_options)
+
+H200 = PerfModel(prefill_base_s=0.0028, prefill_per_token_s=2e-5, prefill_attn_s=8.4e-10, decode_base_s=0.0056,
+                 decode_per_seq_s=1.2e-5, decode_per_ctx_token_s=3.4e-8, transfer_base_s=0.003,
+                 transfer_per_token_s=4e-7, request_overhead_s=0.005, remote_overhead_s=0.015,
+                 max_batch=256, max_step_tokens=8192)
+
+
+def test_chunk_choices_double_up_to_the_budget_left_beside_the_batch():
+    assert chunk_choices(H200, 0) == [256, 512, 1024, 2048, 4096, 8192]
+    assert chunk_choices(H200, 192)[-1] == 8000
+
+
+def test_chunked_prefill_adds_up_to_the_one_shot_prefill_without_a_batch():
+    one_chunk, during = chunked_prefill_s(H200, EngineLoad(), 4096, 0, 8192)
+    # one step: prefill base + tokens + attention over the chunk's own context (n * n/2 on average)
+    assert one_chunk == pytest.approx(H200.prefill_base_s + 4096 * H200.prefill_per_token_s
+                                      + H200.prefill_attn_s * 4096 * (4096 + 8192) / 2)
+    assert during == 0.0                                  # no batch to slow down
+    small, _ = chunked_prefill_s(H200, EngineLoad(), 4096, 0, 256)
+    assert small > one_chunk                               # 16 steps pay 16 bases
+
+
+def test_a_short_prompt_stays_local_when_both_slos_hold():
+    opts = prefill_options(H200, 300, "d0", EngineLoad(8, 8 * 4000), 0, {"p0": (EngineLoad(), 0)})
+    best = choose_prefill(opts, 1.0, 0.040)
+    assert best.where == LOCAL and best.worker_id == "d0"
+
+
+def test_a_tight_tpot_slo_sends_a_long_prompt_to_the_prefill_worker():
+    # 16 sequences at 8k context each (10 ms steps): chunks small enough to keep 15 ms take
+    # the chunks that keep 15 ms take 60+ steps for a 16k prompt
+    busy = EngineLoad(16, 16 * 8000)
+    opts = prefill_options(H200, 16_000, "d0", busy, 0, {"p0": (EngineLoad(), 0)})
+    best = choose_prefill(opts, 1.0, 0.015)
+    assert best.where == REMOTE and best.worker_id == "p0"
+    local = [o for o in opts if o.where == LOCAL]
+    assert all(o.headroom(1.0, 0.015) < best.headroom(1.0, 0.015) for o in local)
+    assert best.tpot_s <= 0.015 and best.ttft_s <= 1.0
+
+
+def test_a_backlogged_prefill_worker_loses_to_local_chunks():
+    backlog = EngineLoad(queued_prefill_tokens=400_000)
+    opts = prefill_options(H200, 8000, "d0", EngineLoad(4, 4 * 2000), 0, {"p0": (backlog, 0)})
+    best = choose_prefill(opts, 1.0, 0.040)
+    assert best.where == LOCAL
+
+
+def test_a_queue_of_local_prefills_raises_the_predicted_tpot_and_ttft():
+    load = EngineLoad(16, 16 * 8000)
+    alone = choose_prefill(prefill_options(H200, 6000, "d0", load, 0, {}), 2.0, 0.040)
+    queued = choose_prefill(prefill_options(H200, 6000, "d0", EngineLoad(16, 16 * 8000, 60_000), 0, {}),
+                            2.0, 0.040)
+    assert queued.tpot_s > alone.tpot_s and queued.ttft_s > alone.ttft_s + 0.5
+
+
+def test_a_remote_worker_pulls_the_decode_workers_longer_prefix():
+    opts = prefill_options(H200, 20_000, "d0", EngineLoad(), 19_000, {"p0": (EngineLoad(), 0)})
+    remote = [o for o in opts if o.where == REMOTE][0]
+    cold = [o for o in prefill_options(H200, 20_000, "d0", EngineLoad(), 0, {"p0": (EngineLoad(), 0)})
+            if o.where == REMOTE][0]
+    assert remote.ttft_s < cold.ttft_s / 5
+
+
+# 70k prompt tokens/s of 2k-token prompts at 4k context beside 64 sequences of 4k on 4 workers
+PREFILL_HEAVY = Demand(prompt_tokens_per_s=70_000, mean_new_tokens=2000, mean_prompt_tokens=4000,
+                       decode_seqs=64, context_tokens=64 * 4000)
+
+
+def test_role_plan_lends_workers_to_prefill_only_when_it_pays():
+    decode_heavy = Demand(prompt_tokens_per_s=2000, mean_new_tokens=500, mean_prompt_tokens=20_000,
+                          decode_seqs=120, context_tokens=120 * 20_000)
+    assert plan_roles(H200, decode_heavy, 4, 1.0, 0.040)[0].prefill_workers == 0
+    # colocated, the chunks take 40% of each worker's time: 8 ms steps stretch to 13 ms
+    plans = {o.prefill_workers: o for o in plan_roles(H200, PREFILL_HEAVY, 4, 1.0, 0.012)}
+    assert plans[0].headroom < 0 < plans[2].headroom
+    assert plans[1].headroom == -math.inf                  # one worker cannot prefill 70k tokens/s
+    assert plan_roles(H200, PREFILL_HEAVY, 4, 1.0, 0.012)[0].prefill_workers == 2
+
+
+def test_a_split_past_the_prefill_capacity_is_infeasible():
+    flood = Demand(prompt_tokens_per_s=10_000_000, mean_new_tokens=4000, mean_prompt_tokens=4000)
+    for o in plan_roles(H200, flood, 2, 1.0, 0.040):
+        assert o.headroom == -math.inf
+
+
+def test_roles_move_one_worker_at_a_time_and_hold():
+    cfg = RoleConfig(min_hold_s=10.0, margin=0.05)
+    d, st = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 100.0, 1.0, 0.012, cfg)
+    assert d.changed and d.prefill_workers == 1 and "lend" in d.reason     # one step toward 2
+    assert st.changed_at_s == 100.0
+    d2, st2 = decide_roles(H200, PREFILL_HEAVY, 4, st, 105.0, 1.0, 0.012, cfg)
+    assert not d2.changed and d2.reason.startswith("held")
+    d3, st3 = decide_roles(H200, PREFILL_HEAVY, 4, st2, 110.0, 1.0, 0.012, cfg)
+    assert d3.prefill_workers == 2 and st3.changed_at_s == 110.0
+    # the demand vanishes: back to decode, but only once the hold has passed
+    idle = Demand(decode_seqs=400, context_tokens=400 * 8000)
+    d5, _ = decide_roles(H200, idle, 4, RoleState(1, 100.0), 104.0, 2.0, 0.040, cfg)
+    assert not d5.changed and d5.reason.startswith("held")
+    d4, st4 = decide_roles(H200, idle, 4, RoleState(1, 100.0), 111.0, 2.0, 0.040, cfg)
+    assert d4.changed and d4.prefill_workers == 0 and st4.changed_at_s == 111.0
+
+
+def test_a_small_gain_does_not_flip_a_role():
+    cfg = RoleConfig(min_hold_s=0.0, margin=10.0)          # no gain is ever enough ...
+    d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 0.0, 1.0, 0.016, cfg)
+    assert d.best.prefill_workers > 0 and d.current.headroom > 0
+    assert not d.changed and "below margin" in d.reason
+    d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 0.0, 1.0, 0.012, cfg)
+    assert d.current.headroom < 0 <= d.best.headroom and d.changed      # ... but a rescue is
