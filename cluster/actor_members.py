@@ -14,8 +14,9 @@ import ray
 
 from tandem.cluster.config import ClusterConfig, PoolConfig
 from tandem.cluster.members import Probe, ProbeResult
-from tandem.decode_workers.actor import DecodeActor
-from tandem.prefill_workers.actor import PrefillActor
+from tandem.workers.actor import WorkerActor
+
+SET_ROLE_TIMEOUT_S = 5.0   # the actor answers set_role on its health threads, at once
 
 
 class ActorMember:
@@ -68,6 +69,9 @@ class ActorMember:
         except Exception:  # noqa: BLE001 - a dead actor's checks will say so
             pass
 
+    def set_role(self, role: str) -> None:
+        ray.get(self.handle.set_role.remote(role), timeout=SET_ROLE_TIMEOUT_S)
+
     def begin_stop(self, now: float, timeout_s: float) -> None:
         if self._stop_ref is None:
             self._stop_ref, self._stop_deadline = self.handle.shutdown.remote(), now + timeout_s
@@ -107,10 +111,8 @@ class ActorStarter:
         engine_cfg = self.config.engine
         if pcfg.num_gpus > 0 and engine_cfg.device == "cpu":
             engine_cfg = replace(engine_cfg, device="cuda")
-        if pool == "decode":
-            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, pcfg.local_prefill_threshold,
-                                                        self.rendezvous, pcfg.num_cpus, self.config.kv_transfer)
-        else:
-            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, self.rendezvous, pcfg.num_cpus,
-                                                         self.config.kv_transfer)
+        # every worker can prefill for others and decode (tandem.workers); its pool gives its first role
+        handle = WorkerActor.options(**opts).remote(worker_id, pool, engine_cfg, self.rendezvous,
+                                                    self.config.decode.local_prefill_threshold, pcfg.num_cpus,
+                                                    self.config.kv_transfer)
         return ActorMember(worker_id, pool, handle, self.health_timeout_s)

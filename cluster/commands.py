@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 
 import grpc
@@ -328,15 +329,23 @@ def cmd_status(args) -> int:
     for p in state.pools:
         print(f"{p.name:8} {p.size:>4} {p.target:>6} {p.min:>4} {p.max:>4} {p.draining:>8}")
     print()
-    print(f"{'worker':12} {'pool':8} {'pid':>7} {'state':9} {'running':>7} {'waiting':>7} {'KV blocks':>14}  node")
+    print(f"{'worker':12} {'pool':8} {'role':8} {'pid':>7} {'state':9} {'running':>7} {'waiting':>7} "
+          f"{'KV blocks':>14}  node")
     for p in state.pools:
         for w in p.workers:
             st = admin_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
-            print(f"{w.id:12} {w.pool:8} {w.pid:>7} {st:9} {w.running_requests:>7} {w.waiting_requests:>7} "
-                  f"{w.kv_blocks_used:>6}/{w.kv_blocks_total:<7}  {w.node[:12]}")
+            print(f"{w.id:12} {w.pool:8} {w.role or w.pool:8} {w.pid:>7} {st:9} {w.running_requests:>7} "
+                  f"{w.waiting_requests:>7} {w.kv_blocks_used:>6}/{w.kv_blocks_total:<7}  {w.node[:12]}")
     t = state.totals
     print(f"\ntotal: {t.workers} workers, {t.running_requests} running, {t.waiting_requests} waiting, "
           f"KV {t.kv_blocks_used}/{t.kv_blocks_total} blocks")
     if state.last_decision.reasons:
         print("last autoscaler decision:", *state.last_decision.reasons, sep="\n  ")
+    if state.role_changes:
+        print("role changes:", *(_role_change_line(c) for c in state.role_changes), sep="\n  ")
     return 0
+
+
+def _role_change_line(c) -> str:
+    at = time.strftime("%H:%M:%S", time.localtime(c.at_unix_s))
+    return f"{at} {c.worker_id} ({c.pool} pool) {c.from_role} -> {c.to_role} in {1e3 * c.took_s:.0f} ms: {c.reason or '-'}"

@@ -20,7 +20,7 @@ from tandem.cluster.config import ClusterConfig
 from tandem.cluster.actor_members import ActorStarter
 from tandem.cluster.pools import Pools
 from tandem.kv_transfer.torch_dist import start_rendezvous_store
-from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
+from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, RoleChange, WorkerEntry
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,15 @@ class Controller:
 
     def decision_log(self) -> list[AutoscalerDecision]:
         return list(self.pools.decisions)
+
+    def set_role(self, worker_id: str, role: str, reason: str = "") -> WorkerEntry:
+        """Lend a worker to the other role, or back ("prefill" | "decode" | "mixed"), in place: it
+        applies at once (new work of a dropped role goes elsewhere, work in flight finishes there);
+        the change and `reason` go to the role-change log."""
+        return replace(self.pools.set_role(worker_id, role, reason), actor_name=self._actor_name(worker_id))
+
+    def role_log(self) -> list[RoleChange]:
+        return list(self.pools.role_changes)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop checking, ask every worker to shut down, and kill each once it did (or after

@@ -10,6 +10,10 @@ and forgotten and, if its pool is below target, replaced. A draining worker that
 running, waiting or in flight, in stats asked for after it was told to drain (an earlier answer
 may predate the requests it still holds), is stopped (asked to shut down, killed once it did or its stop
 timed out: DRAINED_STOP_TIMEOUT_S) and leaves the membership at once.
+
+A worker's role (what it serves: "prefill", "decode" or "mixed") starts as its pool's; `set_role`
+changes it in place (tandem.workers: no new actor, its KV cache kept) and logs the change with its
+reason. Pools, targets and bounds stay by the pool a worker started in.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from typing import Callable
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
-from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, WorkerEntry
-from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
+from tandem.wire.cluster import AutoscalerDecision, ClusterState, PoolState, RoleChange, WorkerEntry
+from tandem.wire.errors import InvalidPoolBounds, InvalidRole, UnknownPool, UnknownWorker, WorkerUnavailable
 from tandem.wire.stats import Percentiles, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")
+ROLE_CHANGES_SHOWN = 50   # the latest role changes in cluster_state (role_log() keeps 500)
 DRAINED_STOP_TIMEOUT_S = 10.0  # a drained worker's shutdown() may take this long before it is killed
 
 
@@ -44,6 +50,7 @@ class WorkerRecord:
     stats_sent_at: float = float("-inf")  # when the call that brought `stats` went out
     drained_at: float | None = None  # when it was told to drain
     failures: int = 0
+    role: str = ""                   # what it serves now ("": its pool's, until set_role)
 
     @property
     def worker_id(self) -> str:
@@ -137,6 +144,7 @@ class Pools:
         self._rates: PrefillCounters | None = None
         self._next_decision = 0.0
         self.decisions: list[AutoscalerDecision] = []  # recent decisions, for status and tests
+        self.role_changes: list[RoleChange] = []       # recent role changes, oldest first
         self.last_decision: AutoscalerDecision | None = None
         self._ids = {p: itertools.count() for p in POOLS}
         self._lock = threading.RLock()
@@ -262,12 +270,13 @@ class Pools:
         bounds, draining, pinned)."""
         with self._lock:
             workers = tuple(_entry(w) for w in self.workers.values())
+            changes = tuple(self.role_changes[-ROLE_CHANGES_SHOWN:])
         pools = {p: PoolState(size=sum(1 for w in workers if w.pool == p and w.state == "ready"),
                               target=self.targets[p], min=self.bounds[p][0], max=self.bounds[p][1],
                               draining=sum(1 for w in workers if w.pool == p and w.state == "draining"),
                               target_pinned=p in self.pinned)
                  for p in POOLS}
-        return ClusterState(workers, pools, self.last_decision)
+        return ClusterState(workers, pools, self.last_decision, role_changes=changes)
 
     def all_ready(self) -> bool:
         """Every pool has its target of ready workers; raises if a worker failed to start."""
@@ -289,6 +298,28 @@ class Pools:
             if w.state in ("starting", "ready"):
                 self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
                 self._drain(w)
+            return _entry(w)
+
+    def set_role(self, worker_id: str, role: str, reason: str = "") -> WorkerEntry:
+        """Change a ready worker's role in place and log it with `reason`. Blocks until the worker
+        says it applied the change (milliseconds: it runs on the actor's health threads); raises
+        UnknownWorker, InvalidRole, or WorkerUnavailable for a worker that is not ready."""
+        if role not in ROLES:
+            raise InvalidRole(f"unknown role {role!r}; roles are {list(ROLES)}")
+        with self._lock:
+            w = self.workers.get(worker_id)
+            if w is None:
+                raise UnknownWorker(f"unknown worker {worker_id!r}")
+            if w.state != "ready":
+                raise WorkerUnavailable(f"{worker_id} is {w.state}: only a ready worker changes role")
+        t0 = self.clock()
+        w.member.set_role(role)          # outside the lock: the health loop goes on meanwhile
+        took = self.clock() - t0
+        with self._lock:
+            before, w.role = w.role or w.pool, role
+            self.role_changes.append(RoleChange(self.wall_clock(), worker_id, w.pool, before, role, reason, took))
+            del self.role_changes[:-500]
+            log.info("%s: role %s -> %s in %.1f ms (%s)", worker_id, before, role, 1e3 * took, reason or "no reason")
             return _entry(w)
 
     def set_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> PoolState:
@@ -313,4 +344,4 @@ class Pools:
 def _entry(w: WorkerRecord) -> WorkerEntry:
     i = w.info
     return WorkerEntry(w.worker_id, w.pool, w.state, pid=i.pid if i else 0, node=i.node if i else "",
-                       host=i.host if i else "", error=w.error, stats=w.stats)
+                       host=i.host if i else "", error=w.error, stats=w.stats, role=w.role or w.pool)

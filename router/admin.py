@@ -1,5 +1,5 @@
 """`tandem.v1.Admin` and the cluster's state for operators: the Admin service (cluster state, pool
-bounds, draining a worker) in protobuf terms, and the workers' stats published to the metrics hub
+bounds, draining a worker, a worker's role) in protobuf terms, and the workers' stats published to the metrics hub
 each time the router refreshes its view of the cluster."""
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def DrainWorker(self, request, context):
         r = await self._ask(context, self.controller.drain_worker.remote(request.worker_id))
-        return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state])
+        return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state], role=r.role)
+
+    async def SetWorkerRole(self, request, context):
+        r = await self._ask(context, self.controller.set_role.remote(request.worker_id, request.role, request.reason))
+        return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state], role=r.role)
 
     @staticmethod
     async def _ask(context, call):
@@ -57,7 +61,7 @@ def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
             pool.workers.add(id=w.worker_id, pool=name, pid=w.pid, node=w.node,
                              state=_WORKER_STATE[w.state], running_requests=s.running,
                              waiting_requests=s.waiting, kv_blocks_used=s.kv_blocks_used,
-                             kv_blocks_total=s.kv_blocks_total)
+                             kv_blocks_total=s.kv_blocks_total, role=w.role or w.pool)
             totals.workers += 1
             totals.running_requests += s.running
             totals.waiting_requests += s.waiting
@@ -68,6 +72,9 @@ def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
         out.last_decision.CopyFrom(admin_pb2.AutoscalerDecision(
             at_unix_s=d.at_unix_s, prefill_target=d.prefill_target, decode_target=d.decode_target,
             reasons=list(d.reasons)))
+    for c in state.role_changes:
+        out.role_changes.add(at_unix_s=c.at_unix_s, worker_id=c.worker_id, pool=c.pool, from_role=c.from_role,
+                             to_role=c.to_role, reason=c.reason, took_s=c.took_s)
     return out
 
 

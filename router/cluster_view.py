@@ -1,7 +1,11 @@
 """The router's view of the cluster: membership and load from the controller (refreshed in the
-background), actor handles looked up by name, and one output pump per decode actor that long-polls
-its batched step outputs (tandem.wire.messages.StepOutput, OutputError) and hands each request's
-share to that request's queue; when the actor dies, every queue gets a WorkerLostNotice."""
+background), actor handles looked up by name, and one output pump per worker (any worker may
+decode: its role can change in place) that long-polls its batched step outputs
+(tandem.wire.messages.StepOutput, OutputError) and hands each request's share to that request's
+queue; when the actor dies, every queue gets a WorkerLostNotice. Placement sees a worker in the
+choice of each part ("prefill", "decode") it serves now (`WorkerEntry.serves`, by its role), and
+as draining in the other, so new work of a dropped role goes elsewhere while its work in flight
+goes on."""
 
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class ClusterView:
                     self.handles[wid] = ray.get_actor(w.actor_name, namespace=self.namespace)
                 except ValueError:
                     continue
-            if w.pool == "decode" and wid in self.handles and wid not in self._pumps:
+            if wid in self.handles and wid not in self._pumps:
                 self._pumps[wid] = asyncio.create_task(self._pump(wid))
         for wid in list(self.handles):
             if wid not in live:
@@ -93,13 +97,16 @@ class ClusterView:
 
     # ---- views for routing -------------------------------------------------------------------
     def views(self, pool: str) -> list[WorkerView]:
+        """The workers for `pool`'s choice ("prefill" | "decode"): every worker, as draining where
+        it does not serve that part now."""
         out = []
         for w in self.state.workers:
-            if w.pool != pool or w.worker_id not in self.handles:
+            if w.worker_id not in self.handles:
                 continue
             s = w.load()
             mine = self.inflight.get(w.worker_id, 0)
-            out.append(WorkerView(w.worker_id, pool, w.state, running=max(s.running, mine), waiting=s.waiting,
+            state = w.state if w.serves(pool) or w.state == "dead" else "draining"
+            out.append(WorkerView(w.worker_id, pool, state, running=max(s.running, mine), waiting=s.waiting,
                                   kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total))
         return out
 

@@ -120,7 +120,8 @@ class Placer:
 
     def prefill_target(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> str | None:
         """The prefill actor to reserve on alongside the decode actor; None: prefill locally."""
-        prefill_ids = [w.worker_id for w in self.view.views("prefill")]
+        # the workers that take new prefills now (not draining, not lent to decode)
+        prefill_ids = [w.worker_id for w in self.view.views("prefill") if w.state == "ready"]
         if not remote_prefill_offered(self.threshold, len(prefill_ids)):
             return None
         try:
@@ -255,6 +256,7 @@ class Placer:
                 # receive is pointed at it by `expect`), as when none was reserved early
                 log.info("prefill actor %s unavailable for %s (%s); trying another", prefill_id, p.rid, e)
                 tried.add(prefill_id)
+        tried.add(att.decode_id)     # a worker that also prefills: its own prefill is the local one
         while res is None:
             prefill_id = self.pick("prefill", p.sess.prefill_worker if p.sess else None, p.hashes, exclude=tried)
             try:

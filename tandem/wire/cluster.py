@@ -1,7 +1,8 @@
 """What the controller answers its callers (the routers' cluster views, the Admin service, the CLI,
 tests) across Ray: the cluster's state (each pool's size, target and bounds; each worker's
-membership state and latest stats; the autoscaler's last decision), one worker after a drain, one
-pool after new bounds, and the autoscaler's decision log. Frozen dataclasses, read by attribute."""
+membership state, role and latest stats; the autoscaler's last decision; the latest role
+changes), one worker after a drain or a role change, one pool after new bounds, and the decision
+and role-change logs. Frozen dataclasses, read by attribute."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ class WorkerEntry:
     host: str = ""
     error: str | None = None           # why it failed to start
     stats: WorkerStats | None = None   # its latest stats; None until the first answer
+    # what it serves now: "prefill" (prefills for other workers), "decode" (decodes, prefilling its
+    # own short prompts), "mixed" (both). It starts as its pool's; the controller may lend it to the
+    # other role (`set_role`) without a restart. "": its pool's.
+    role: str = ""
+
+    def serves(self, part: str) -> bool:
+        """Whether new work of `part` ("prefill" | "decode") may go to it (its state aside)."""
+        role = self.role or self.pool
+        return role == part or role == "mixed"
 
     def load(self) -> WorkerStats:
         """Its latest stats, or all zeros while it has none."""
@@ -49,6 +59,18 @@ class AutoscalerDecision:
 
 
 @dataclass(frozen=True)
+class RoleChange:
+    """One role change of one worker (`Controller.set_role`), for the role-change log."""
+    at_unix_s: float
+    worker_id: str
+    pool: str
+    from_role: str
+    to_role: str
+    reason: str = ""
+    took_s: float = 0.0                # until the worker answered that it applied it
+
+
+@dataclass(frozen=True)
 class ClusterState:
     workers: tuple[WorkerEntry, ...] = ()
     pools: dict[str, PoolState] = field(default_factory=dict)
@@ -56,6 +78,7 @@ class ClusterState:
     rendezvous: str = ""               # host:port of the KV-transfer groups' store
     namespace: str = ""
     local_prefill_threshold: int = 0
+    role_changes: tuple[RoleChange, ...] = ()   # the latest role changes, oldest first
 
     def worker(self, worker_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.worker_id == worker_id), None)

@@ -37,6 +37,7 @@ class FakeMember:
         self.draining = self.killed = self.shut_down = False
         self.stop_deadline: float | None = None
         self.answer_lag_s = 0.0
+        self.role = pool
 
     def check_ready(self) -> ProbeResult:
         return self.ready
@@ -48,6 +49,9 @@ class FakeMember:
 
     def drain(self) -> None:
         self.draining = True
+
+    def set_role(self, role: str) -> None:
+        self.role = role
 
     def begin_stop(self, now: float, timeout_s: float) -> None:
         self.stop_deadline = now + timeout_s

@@ -42,6 +42,7 @@ class FakeController:
         self.cluster_state = _Method(pools.state)
         self.drain_worker = _Method(pools.drain_worker)
         self.set_pool_bounds = _Method(pools.set_bounds)
+        self.set_role = _Method(pools.set_role)
 
 
 def call_admin(method: str, request):
@@ -84,7 +85,9 @@ def test_each_controller_refusal_has_one_status_code_in_the_routers_table(error,
      "unknown pool 'embed'"),
     ("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="decode", min=3, max=1), grpc.StatusCode.INVALID_ARGUMENT,
      "bounds must satisfy 0 <= min <= max, got min=3 max=1"),
-], ids=["unknown-worker", "unknown-pool", "bad-bounds"])
+    ("SetWorkerRole", admin_pb2.SetWorkerRoleRequest(worker_id="decode-0", role="both"),
+     grpc.StatusCode.INVALID_ARGUMENT, "unknown role 'both'"),
+], ids=["unknown-worker", "unknown-pool", "bad-bounds", "bad-role"])
 def test_each_controller_refusal_reaches_an_admin_client_as_its_status_code(method, request_, code, needle):
     err = call_admin(method, request_)
     assert isinstance(err, grpc.aio.AioRpcError), err
@@ -101,3 +104,17 @@ def test_admin_answers_read_the_controllers_typed_state():
     assert (w.id, w.pool, w.state) == ("decode-1", "decode", admin_pb2.WORKER_STATE_DRAINING)
     p = call_admin("SetPoolBounds", admin_pb2.SetPoolBoundsRequest(pool="decode", min=1, max=4, target=3))
     assert (p.name, p.target, p.min, p.max, p.target_pinned) == ("decode", 3, 1, 4, True)
+
+
+def test_a_role_change_through_admin_shows_in_the_workers_role_and_the_role_change_log():
+    pools, _, _ = make_pools()
+    pools.check()
+    pools.set_role("prefill-0", "decode", "lent to decode")
+    state = asyncio.run(AdminService(FakeController(pools)).GetClusterState(admin_pb2.GetClusterStateRequest(), None))
+    roles = {w.id: w.role for p in state.pools for w in p.workers}
+    assert roles == {"prefill-0": "decode", "decode-0": "decode", "decode-1": "decode"}
+    [c] = state.role_changes
+    assert (c.worker_id, c.pool, c.from_role, c.to_role, c.reason) == ("prefill-0", "prefill", "prefill", "decode",
+                                                                        "lent to decode")
+    w = call_admin("SetWorkerRole", admin_pb2.SetWorkerRoleRequest(worker_id="decode-1", role="mixed", reason="r"))
+    assert (w.id, w.pool, w.role, w.state) == ("decode-1", "decode", "mixed", admin_pb2.WORKER_STATE_READY)

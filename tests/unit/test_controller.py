@@ -1,6 +1,6 @@
 """The controller's pools (cluster.pools) without Ray: workers are fake members whose readiness and
 health the test sets, time is a fake clock, and every assertion goes through the public methods
-(`check`, `state`, `drain_worker`, `set_bounds`, `maybe_autoscale`, `stop_all`)."""
+(`check`, `state`, `drain_worker`, `set_bounds`, `set_role`, `maybe_autoscale`, `stop_all`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tandem.cluster.members import Probe, ProbeResult
 from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S
 from tandem.wire.cluster import PoolState
-from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
+from tandem.wire.errors import InvalidPoolBounds, InvalidRole, UnknownPool, UnknownWorker, WorkerUnavailable
 from tandem.wire.stats import Percentiles, WorkerInfo
 from tests.unit.pool_factories import BUSY, IDLE, make_pools
 
@@ -174,3 +174,30 @@ def test_stop_all_asks_every_worker_and_kills_each_once_stopped_or_timed_out():
     assert not pools.all_stopped() and fleet.members["decode-0"].killed
     clock.advance(5.0)
     assert pools.all_stopped() and all(m.killed for m in fleet.members.values())
+
+
+def test_a_role_change_reaches_the_worker_shows_in_its_entry_and_is_logged_with_its_reason():
+    pools, fleet, clock = make_pools()
+    pools.check()
+    assert {w.worker_id: w.role for w in pools.state().workers} == {
+        "prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    entry = pools.set_role("prefill-0", "decode", reason="decode-heavy load")
+    assert fleet.members["prefill-0"].role == "decode"
+    assert entry.role == "decode" and entry.pool == "prefill" and entry.serves("decode") and not entry.serves("prefill")
+    pools.set_role("decode-1", "mixed")
+    state = pools.state()
+    assert state.worker("decode-1").serves("prefill") and state.worker("decode-1").serves("decode")
+    assert [(c.worker_id, c.from_role, c.to_role, c.reason) for c in state.role_changes] == [
+        ("prefill-0", "prefill", "decode", "decode-heavy load"), ("decode-1", "decode", "mixed", "")]
+    assert state.role_changes[0].at_unix_s == 1.7e9 + clock.t
+    assert state.pools["prefill"].size == 1 and state.pools["decode"].size == 2   # pools stay by where they started
+    pools.check()
+    assert pools.state().worker("prefill-0").role == "decode"   # a health round keeps it
+    with pytest.raises(InvalidRole):
+        pools.set_role("decode-0", "both")
+    with pytest.raises(UnknownWorker):
+        pools.set_role("decode-9", "prefill")
+    pools.drain_worker("decode-0")
+    with pytest.raises(WorkerUnavailable):
+        pools.set_role("decode-0", "prefill")
+    assert len(pools.role_changes) == 2

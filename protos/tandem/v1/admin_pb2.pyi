@@ -26,7 +26,7 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total")
+    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "role")
     ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class Worker(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     id: str
     pool: str
     pid: int
@@ -45,7 +46,8 @@ class Worker(_message.Message):
     waiting_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
-    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("name", "size", "target", "min", "max", "draining", "workers", "target_pinned")
@@ -93,15 +95,35 @@ class AutoscalerDecision(_message.Message):
     reasons: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, at_unix_s: _Optional[float] = ..., prefill_target: _Optional[int] = ..., decode_target: _Optional[int] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class RoleChange(_message.Message):
+    __slots__ = ("at_unix_s", "worker_id", "pool", "from_role", "to_role", "reason", "took_s")
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TOOK_S_FIELD_NUMBER: _ClassVar[int]
+    at_unix_s: float
+    worker_id: str
+    pool: str
+    from_role: str
+    to_role: str
+    reason: str
+    took_s: float
+    def __init__(self, at_unix_s: _Optional[float] = ..., worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., took_s: _Optional[float] = ...) -> None: ...
+
 class ClusterState(_message.Message):
-    __slots__ = ("pools", "totals", "last_decision")
+    __slots__ = ("pools", "totals", "last_decision", "role_changes")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     totals: ClusterTotals
     last_decision: AutoscalerDecision
-    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., totals: _Optional[_Union[ClusterTotals, _Mapping]] = ..., last_decision: _Optional[_Union[AutoscalerDecision, _Mapping]] = ...) -> None: ...
+    role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., totals: _Optional[_Union[ClusterTotals, _Mapping]] = ..., last_decision: _Optional[_Union[AutoscalerDecision, _Mapping]] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ...) -> None: ...
 
 class SetPoolBoundsRequest(_message.Message):
     __slots__ = ("pool", "min", "max", "target")
@@ -120,3 +142,13 @@ class DrainWorkerRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SetWorkerRoleRequest(_message.Message):
+    __slots__ = ("worker_id", "role", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

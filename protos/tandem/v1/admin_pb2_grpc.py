@@ -51,6 +51,11 @@ class AdminStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
                 _registered_method=True)
+        self.SetWorkerRole = channel.unary_unary(
+                '/tandem.v1.Admin/SetWorkerRole',
+                request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -80,6 +85,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetWorkerRole(self, request, context):
+        """Changes what a ready worker serves ("prefill", "decode" or "mixed") in place: no restart, its
+        KV cache kept; new work of a dropped role goes elsewhere, its work in flight finishes. Logged
+        with the reason. NOT_FOUND for an unknown worker, INVALID_ARGUMENT for an unknown role,
+        UNAVAILABLE for a worker that is not ready. Returns the worker after the change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +111,11 @@ def add_AdminServicer_to_server(servicer, server):
             'DrainWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainWorker,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.SerializeToString,
+            ),
+            'SetWorkerRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetWorkerRole,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.SerializeToString,
             ),
     }
@@ -180,6 +200,33 @@ class Admin:
             target,
             '/tandem.v1.Admin/DrainWorker',
             protos_dot_tandem_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetWorkerRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/SetWorkerRole',
+            protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
             options,
             channel_credentials,
