@@ -18,12 +18,13 @@ import grpc
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.config import load_config
 from tandem.cluster.layouts import load_perf
+from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
-from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
 from tandem.wire.messages import SamplingParams
 
@@ -37,51 +38,104 @@ def _timed(fn, repeats: int = 2) -> float:
     return best
 
 
+# what `profile` times: a CPU model at CPU scale, a GPU model at the contexts and batches it serves
+SIZES = {
+    "small": {"prefill_lengths": (64, 256, 1024), "contexts": (0, 512), "batches": (1, 4, 16),
+              "decode_contexts": (128, 512), "step_batches": (1, 4, 16)},
+    "large": {"prefill_lengths": (512, 2048, 8192), "contexts": (0, 8192), "batches": (1, 8, 32, 64),
+              "decode_contexts": (1024, 8192), "step_batches": (1, 8, 32, 64)},
+}
+
+
+def _make_engine(model: str, device: str, dtype: str, speculative: str, num_blocks: int = 4096):
+    # torch and the engine load only to profile, never for the rest of the CLI
+    from tandem.engine.engine import LLMEngine  # noqa: PLC0415
+
+    return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, cache=CacheConfig(num_blocks=num_blocks),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=1 << 16),
+                                  speculative=SpeculativeConfig(method=speculative)))
+
+
 def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
                    prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
-                   decode_contexts=(128, 512), quick: bool = False) -> list[tuple[str, tuple, float]]:
-    """Samples in `PerfModel.fit`'s format, measured on this machine."""
-    # torch and the engine load only to profile, never for the rest of the CLI
-    import torch  # noqa: PLC0415
+                   decode_contexts=(128, 512), quick: bool = False, draft_tokens=(2, 5)
+                   ) -> list[tuple[str, tuple, float]]:
+    """Samples in `PerfModel.fit`'s format, measured on this machine (`profile` also times whole
+    engine steps)."""
+    return profile(model, device, dtype, prefill_lengths, contexts, batches, decode_contexts, quick,
+                   draft_tokens, step_batches=())[0]
 
-    from tandem.engine.engine import LLMEngine  # noqa: PLC0415
-    from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest  # noqa: PLC0415
 
+def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
+            prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
+            decode_contexts=(128, 512), quick: bool = False, draft_tokens=(2, 5), step_batches=(1, 4, 16),
+            speculative: str = "ngram", threads: int | None = None):
+    """-> (samples in `PerfModel.fit`'s format: the model's forward passes alone, decode steps
+    that verify `draft_tokens` drafts per sequence among them; whole engine steps (batch, total
+    context, drafts verified per sequence, wall s) of `step_batches` sequences decoding, with
+    `speculative` proposing: scheduling, drafting, sampling and outputs included, for
+    `fit_step_host`). `threads`: torch's CPU threads (a pool actor has its `num_cpus`)."""
+    if threads:
+        import torch  # noqa: PLC0415 - only to profile
+
+        torch.set_num_threads(threads)
     if quick:
         prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
-    e = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, cache=CacheConfig(num_blocks=4096),
-                               scheduler=SchedulerConfig(max_num_batched_tokens=1 << 16)))
+        draft_tokens, step_batches = draft_tokens[-1:], step_batches[:1] + step_batches[-1:]
+    longest = max(max(batches) * (max(decode_contexts) + 8), max(contexts) + max(prefill_lengths),
+                  max(step_batches, default=0) * (min(decode_contexts) + 128))
+    e = _make_engine(model, device, dtype, speculative, num_blocks=max(4096, longest // 16 + 256))
+    if e.wants_warmup:     # on CUDA: every kernel compiled and decode graphs captured, as an actor's are
+        e.warmup()
     rng = random.Random(0)
     vocab = e.model_config.vocab_size
-    samples: list[tuple[str, tuple, float]] = []
 
     def tokens(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    def run(reqs_and_new):
-        out = SchedulerOutput([ScheduledRequest(r, n) for r, n in reqs_and_new])
-        batch = e.runner.prepare(out)
+    samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens)
+    steps = [s for b in step_batches for s in _time_steps(e, tokens, b, decode_contexts[0])]
+    return samples, steps
+
+
+def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens):
+    import torch  # noqa: PLC0415 - only to profile
+
+    from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest  # noqa: PLC0415
+
+    cuda = e.kv_cache.device.type == "cuda"
+    samples: list[tuple[str, tuple, float]] = []
+
+    def run(reqs_and_new, drafts=None):
+        out = SchedulerOutput([ScheduledRequest(r, n, k) for r, n, k in reqs_and_new])
+        batch = e.runner.prepare(out, drafts)
         e.runner.execute(batch)
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
 
-    def request(ids, computed):
+    def request(ids, computed, extra=0):
         req = e.make_request(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
-        assert e.allocator.grow(req, len(ids))
+        assert e.allocator.grow(req, len(ids) + extra)
         req.num_computed_tokens = computed
         return req
 
+    warm = request(tokens(64), 0)          # first calls pay one-time costs: untimed
+    run([(warm, 64, 0)])
+    e.allocator.free(warm)
     for ctx in contexts:
         for n in prefill_lengths:
             req = request(tokens(ctx + n), ctx)
-            samples.append(("prefill", (n, ctx + n), _timed(lambda: run([(req, n)]))))
+            samples.append(("prefill", (n, ctx + n), _timed(lambda: run([(req, n, 0)]))))
             e.allocator.free(req)
     for ctx in decode_contexts:
         for b in batches:
-            reqs = [request(tokens(ctx), ctx - 1) for _ in range(b)]
-            samples.append(("decode", (b, b * ctx), _timed(lambda: run([(r, 1) for r in reqs]), repeats=3)))
-            for r in reqs:
-                e.allocator.free(r)
+            for k in (0, *draft_tokens):   # k drafts: the verify forward speculation runs
+                reqs = [request(tokens(ctx), ctx - 1, k) for _ in range(b)]
+                drafts = {r.request_id: tokens(k) for r in reqs}
+                t = _timed(lambda: run([(r, 1 + k, k) for r in reqs], drafts), repeats=3)
+                samples.append(("verify", (b, b * ctx, k), t) if k else ("decode", (b, b * ctx), t))
+                for r in reqs:
+                    e.allocator.free(r)
     # a transfer's local cost: gather a layer's blocks and scatter them elsewhere (the wire adds to it)
     bs = e.allocator.block_size
     for n in (256, 2048):
@@ -93,6 +147,54 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
                 e.kv_cache.scatter_blocks(layer, dst, e.kv_cache.gather_blocks(layer, blocks))
         samples.append(("transfer", (n,), _timed(move)))
     return samples
+
+
+def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 12) -> list[tuple[int, int, float, float]]:
+    """Whole `LLMEngine.step`s of `batch` sequences decoding at about `ctx` tokens of context each.
+    Prompts repeat a 32-token phrase, so n-gram speculation finds drafts to propose."""
+    phrase = tokens(32)
+    reqs = [e.add_request(prompt_token_ids=(phrase * (ctx // 32 + 1))[:ctx - 8] + tokens(8),
+                          sampling=SamplingParams(max_tokens=steps * 8 + 16, ignore_eos=True)) for _ in range(batch)]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        e.step()
+    e.step()                      # the first decode step of the batch (a new graph shape) untimed
+    out = []
+    for _ in range(steps):
+        running = [r for r in reqs if r.request_id in e.scheduler.requests]
+        if len(running) < batch:
+            break
+        drafts0 = e.stats.draft_tokens
+        context = sum(r.num_tokens for r in running)
+        t0 = time.perf_counter()
+        e.step()
+        out.append((batch, context, (e.stats.draft_tokens - drafts0) / batch, time.perf_counter() - t0))
+    for r in reqs:
+        e.abort(r.request_id)
+    return out
+
+
+def fit_step_host(perf: PerfModel, steps) -> PerfModel:
+    """`perf` with `step_host_s` set: the median of what whole engine steps `(batch, total
+    context, drafts per sequence, wall s)` took beyond the forward passes `perf` was fitted to
+    (scheduling, drafting, sampling, outputs; on a GPU the host's part the device does not hide)."""
+    if not steps:
+        return perf
+    extra = [wall - dataclasses.replace(perf, step_host_s=0.0, spec_verify_tokens=k).decode_step_s(b, ctx)
+             for b, ctx, k, wall in steps]
+    return dataclasses.replace(perf, step_host_s=max(0.0, statistics.median(extra)))
+
+
+def speculation_from_requests(requests) -> dict[str, float]:
+    """`spec_verify_tokens` and `spec_tokens_per_step` as a `tandem bench` run measured them, from
+    each OK request's usage (`completion_tokens`, `draft_tokens`, `accepted_draft_tokens`): the
+    tokens after the first come from decode steps that emit 1 + the drafts accepted, so a request
+    took (completion - 1 - accepted) steps. {} when nothing was drafted."""
+    ok = [r for r in requests if r.get("status", "OK") == "OK" and r["completion_tokens"] > 1]
+    steps = sum(r["completion_tokens"] - 1 - r["accepted_draft_tokens"] for r in ok)
+    if not steps or not sum(r["draft_tokens"] for r in ok):
+        return {}
+    return {"spec_verify_tokens": sum(r["draft_tokens"] for r in ok) / steps,
+            "spec_tokens_per_step": sum(r["completion_tokens"] - 1 for r in ok) / steps}
 
 
 def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: int = 5,
@@ -127,14 +229,24 @@ def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: i
 
 
 def cmd_profile(args) -> int:
-    samples = profile_engine(args.model, args.device, args.dtype, quick=args.quick)
-    perf = PerfModel.fit(samples, block_tokens=16)
+    if args.from_profile:     # refit from an earlier profile's timings (and measure the rest)
+        prev = json.loads(open(args.from_profile).read())
+        samples = [(k, tuple(f), t) for k, f, t in prev["samples"]]
+        steps = [tuple(x) for x in prev.get("steps", [])]
+    else:
+        sizes = SIZES[args.sizes or ("large" if args.device.startswith("cuda") else "small")]
+        samples, steps = profile(args.model, args.device, args.dtype, quick=args.quick,
+                                 speculative=args.speculative, threads=args.threads, **sizes)
+    perf = fit_step_host(PerfModel.fit(samples, block_tokens=16), steps)
+    if args.bench_json:   # speculation as a `tandem bench` run measured it
+        runs = json.loads(open(args.bench_json).read())["runs"]
+        perf = dataclasses.replace(perf, **speculation_from_requests([r for run in runs for r in run["requests"]]))
     if args.target:       # the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:
             perf = fit_control_path(generation_pb2_grpc.GenerationStub(channel), perf,
                                     vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
     out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
-           "samples": [[k, list(f), s] for k, f, s in samples]}
+           "samples": [[k, list(f), s] for k, f, s in samples], "steps": [list(x) for x in steps]}
     text = json.dumps(out, indent=2)
     if args.output:
         with open(args.output, "w") as f:
@@ -160,6 +272,8 @@ def perf_for_cluster(perf, cluster):
 
 def cmd_simulate(args) -> int:
     perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
+    if args.compare:
+        return run_compare(args, perf)
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
         cluster = load_config(args.config)
         perf, sizes = perf_for_cluster(perf, cluster), (cluster.prefill.replicas, cluster.decode.replicas)
@@ -218,6 +332,16 @@ def register(sub) -> None:
     pr.add_argument("--dtype", default="float32")
     pr.add_argument("--output", "-o", help="write the samples and fitted model as JSON")
     pr.add_argument("--quick", action="store_true", help="fewer samples")
+    pr.add_argument("--speculative", default="ngram", help="the proposer of the timed engine steps "
+                    "(off, ngram): what the served engine runs")
+    pr.add_argument("--sizes", choices=sorted(SIZES), help="prompt lengths, contexts and batches timed "
+                    "(default: large on cuda, small on cpu)")
+    pr.add_argument("--threads", type=int, help="torch CPU threads while timing (a CPU pool actor has its "
+                                                "pool's num_cpus, 1 by default)")
+    pr.add_argument("--from", dest="from_profile", metavar="FILE",
+                    help="refit an earlier profile's timings (its JSON) instead of timing the engine again")
+    pr.add_argument("--bench-json", help="set the speculation terms (drafts verified and tokens emitted per "
+                                         "step) from this `tandem bench` run's usage")
     pr.add_argument("--target", help="also fit the control-path terms on this running, idle cluster (HOST:PORT)")
     pr.add_argument("--vocab-size", type=int, default=49152, help="the served model's (for --target probes)")
     pr.add_argument("--local-prefill-threshold", type=float, default=256,
@@ -255,4 +379,5 @@ def register(sub) -> None:
     sm.add_argument("--out", help="with --ramp: write sim-LABEL.json (tandem bench's shape) and, autoscaled, "
                                   "sim-LABEL-timeline.png here")
     sm.add_argument("--label", help="names the --out files (default: ramp-<P>p<D>d[-autoscaled])")
+    add_compare_args(sm)
     sm.set_defaults(func=cmd_simulate)

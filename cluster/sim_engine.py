@@ -15,8 +15,9 @@ import heapq
 from collections import deque
 from typing import Any, Mapping, Sequence
 
-from tandem.cluster import sim_control
+from tandem.cluster import sim_adaptive, sim_control
 from tandem.cluster.autoscaler import AutoscalerConfig, MetricsSnapshot, PolicyState
+from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult, SimResult, summarize
 from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
@@ -29,8 +30,12 @@ class Simulation:
                  slo: SLO, autoscaler: AutoscalerConfig | None, seed: int, colocated: bool,
                  worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
                  send_until_s: float | Mapping[str, float] | None = None,
-                 max_workers: int | None = None, overload: OverloadLimits = OverloadLimits()):
+                 max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
+                 adaptive: RoleConfig | None = None):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
+        # adaptive: every worker decodes and prefills; the role policy lends some to prefill only
+        self.role_config = adaptive
+        self.role_state, self.recent_admits, self.role_log = sim_adaptive.new_state()
         self.seed = seed   # placement is deterministic: kept so callers' seeds still name a run
         self.send_until_s = send_until_s
         self.max_workers = max_workers
@@ -44,6 +49,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.counter = 0
         self.seqs = [SimSeq(r, i) for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
+        self.start_s = self.seqs[0].arrival_s if self.seqs else 0.0
         # closed loop: a session's next turn is sent `think_s` after its previous turn finished
         self.next_turns: dict[str, deque[SimSeq]] | None = None
         if closed_loop:
@@ -79,6 +85,8 @@ class Simulation:
             self.push(s.arrival_s, "arrive", s)
         if self.cfg is not None and self.seqs:
             self.push(self.seqs[0].spec.arrival_s, "control")
+        if self.role_config is not None and self.seqs:
+            self.push(self.seqs[0].spec.arrival_s, "roles")
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             getattr(self, "_on_" + kind)(now, payload)
@@ -116,6 +124,9 @@ class Simulation:
     def _on_control(self, now: float, _: Any) -> None:
         sim_control.control(self, now)
 
+    def _on_roles(self, now: float, _: Any) -> None:
+        sim_adaptive.roles(self, now)
+
     def _snapshot(self, now: float) -> MetricsSnapshot:
         return sim_control.snapshot(self, now)
 
@@ -125,7 +136,8 @@ class Simulation:
         else the most cached, the least loaded, the lowest KV use, the smallest id. None: no worker
         can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
         perf = self.perf
-        live = {w.name: w for w in self.decodes if w.up and not w.gone}
+        live = {w.name: w for w in self.decodes if w.up and not w.gone
+                and (self.role_config is None or w.role == sim_adaptive.DECODE)}
         own = self.session_decode.get(r.session_id)
         views = [w.view(r, perf.block_tokens, perf.kv_capacity_tokens) for w in live.values()]
         wid = choose_worker(views, own.name if own else None, overload_fn=self.overload)
@@ -185,6 +197,9 @@ class Simulation:
             s.reserved = need
             # the decode worker's rule, then the router's prefill choice (side-effect free, so the
             # order the router asks them in does not matter)
+            if self.role_config is not None:
+                sim_adaptive.place(self, w, s, hit, now)
+                continue
             p = self.pick_prefill(s, now) if wants_remote_prefill(r.input_tokens, hit, self.threshold) else None
             if p is not None:
                 self._send_to_prefill(s, p, hit, now)
@@ -244,12 +259,13 @@ class Simulation:
             return
         perf = self.perf
         batch = list(w.running)
-        budget = max(perf.max_step_tokens - len(batch), perf.block_tokens)
+        # each decoding sequence takes 1 + its drafts of the step's token budget
+        budget = max(perf.max_step_tokens - int(len(batch) * (1 + perf.spec_verify_tokens)), perf.block_tokens)
         chunks = []
         for s in w.local:  # chunked prefill, FIFO, within the step's token budget
             if budget <= 0:
                 break
-            n = min(s.prefill_left, budget)
+            n = min(s.prefill_left, budget, s.chunk)
             budget -= n
             chunks.append((s, n))
         dt = perf.step_s(len(batch), sum(s.context for s in batch), [(n, s.context + n) for s, n in chunks])
@@ -260,8 +276,9 @@ class Simulation:
         w, batch, chunks = payload
         w.stepping = False
         for s in batch:
-            s.generated += 1
-            s.context += 1
+            n = s.emit(self.perf.spec_tokens_per_step)
+            s.generated += n
+            s.context += n
             if s.generated >= s.spec.output_tokens:
                 self._finish(s, now)
         if any(s.finish_s is not None for s in batch):
@@ -271,7 +288,10 @@ class Simulation:
             s.context += n
             if s.prefill_left <= 0:
                 w.local.remove(s)
-                self._first_token(s, now)
+                if s.decode is w:
+                    self._first_token(s, now)
+                else:               # prefilled for another worker (adaptive)
+                    sim_adaptive.prefilled_for(self, w, s, now)
         self._admit(w, now)
         self._step_if_idle(w, now)
 

@@ -80,7 +80,8 @@ class PrefixCache:
 
 class SimSeq:
     __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
-                 "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode")
+                 "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode",
+                 "credit", "chunk", "prefill_start_s")
 
     def __init__(self, spec: RequestLike, idx: int):
         self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
@@ -91,6 +92,18 @@ class SimSeq:
         self.kind = "rejected"
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
+        self.credit = 0.0  # tokens owed by decode steps, not yet emitted (speculation's fractions)
+        self.chunk = 1 << 30  # prompt tokens per step when it prefills in chunks (adaptive: chosen)
+        self.prefill_start_s = 0.0  # adaptive: when another worker began prefilling it
+
+    def emit(self, tokens_per_step: float) -> int:
+        """Tokens one decode step emits for this sequence: `tokens_per_step` on average (1 + the
+        drafts speculation accepts), whole tokens, deterministically (an accumulator), never past
+        its output length."""
+        self.credit += tokens_per_step
+        n = min(int(self.credit + 1e-9), self.spec.output_tokens - self.generated)
+        self.credit -= n
+        return n
 
 
 class SimWorker:
@@ -149,6 +162,7 @@ class SimDecodeWorker(SimWorker):
         self.reserved = 0  # KV tokens reserved by admitted sequences, beyond their cached prefix
         self.held = 0  # KV tokens admitted sequences use, cached prefix included (what "used" means)
         self.stepping = False
+        self.role = "decode"  # adaptive layout: "prefill" takes no new decode requests
 
     def slots_used(self) -> int:
         return len(self.running) + len(self.local) + self.awaiting_kv

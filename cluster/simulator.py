@@ -35,6 +35,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_engine import Simulation
 from tandem.cluster.sim_model import SLO, RequestLike, SimResult, SimSummary
 from tandem.perf_model import PerfModel
@@ -46,7 +47,8 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
              colocated: bool = False, closed_loop: bool = False, pull_prefix: bool = False,
              worker_startup_s: float = 60.0, label: str | None = None,
              send_until_s: float | Mapping[str, float] | None = None,
-             max_workers: int | None = None, overload: OverloadLimits = OverloadLimits()) -> SimResult:
+             max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
+             adaptive: RoleConfig | None = None, role_log: list | None = None) -> SimResult:
     """Replay `workload_requests` against `prefill` + `decode` workers. `colocated`: no prefill
     pool, every decode worker prefills everything itself (chunked). `closed_loop`: a session's turn
     k+1 is sent `think_s` after turn k finishes (an agent waits for its answer) instead of at its
@@ -58,15 +60,23 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     A mapping gives each session id its own cut-off (a ramp of runs). `max_workers` (GPUs in all):
     a new worker past it waits for a drained worker's slot, then starts. `overload`: the router's
     worker overload limits (RouterConfig.worker_max_*); a request no worker can take is rejected.
+    `adaptive`: the adaptive layout with this role policy: `decode` workers that all decode and
+    prefill, each prompt placed by the cost model (cluster/sim_adaptive.py), some workers lent to
+    prefill only by the policy; `prefill` must be 0. `role_log`: gets its role changes.
     `seed` is kept for callers: placement breaks ties deterministically."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
+    if adaptive is not None and (prefill or colocated):
+        raise ValueError("the adaptive layout has no prefill pool: every worker may prefill")
     if max_workers is not None and (0 if colocated else prefill) + decode > max_workers:
         raise ValueError(f"{prefill} prefill + {decode} decode workers exceed max_workers={max_workers}")
     sim = Simulation(workload_requests, prefill, decode, perf, slo, autoscaler, seed, colocated,
-                     worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers, overload)
+                     worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers, overload, adaptive)
     sim.run()
-    label = label or ((f"colocated x{decode}" if colocated else f"{prefill}P:{decode}D")
+    if role_log is not None:
+        role_log.extend(sim.role_log)
+    label = label or ((f"adaptive x{decode}" if adaptive else f"colocated x{decode}" if colocated
+                       else f"{prefill}P:{decode}D")
                       + (" autoscaled" if autoscaler else ""))
     return sim.result(label, 0 if colocated else prefill, decode)
 

@@ -1,0 +1,76 @@
+"""The grid that matters to coding agents, simulated: adaptive against colocated and every static
+split of N GPUs, over sessions whose contexts grow to 32k / 64k / 128k tokens and SLOs TPOT p90 in
+{15, 25, 40} ms x TTFT p90 in {0.5, 1, 2} s, at several session rates. Prints one row per grid
+point: each layout's goodput (requests/s meeting both SLOs), adaptive / best other layout, and
+adaptive / colocated; then the worst ratio and the 15 ms points.
+
+    python bench/adaptive_grid.py --perf bench/perf/h200-llama3-8b.json --gpus 2 4 --rates 0.5,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+from tandem.cluster.layouts import load_perf
+from tandem.cluster.sim_model import SLO
+from tandem.cluster.simulate_compare import compare
+
+
+def layouts_for(gpus: int) -> list[str]:
+    return ["adaptive", "colocated"] + [f"{p}:{gpus - p}" for p in range(1, gpus)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--perf", default="bench/perf/h200-llama3-8b.json")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", default="0.5,1,2", help="new sessions per second per 2 GPUs (scaled by gpus/2)")
+    ap.add_argument("--contexts", default="32768,65536,131072")
+    ap.add_argument("--tpot-ms", default="15,25,40")
+    ap.add_argument("--ttft-ms", default="500,1000,2000")
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--json", help="also write every row here")
+    args = ap.parse_args(argv)
+    perf = load_perf(args.perf)
+    rows, worst, at15 = [], [], []
+    head = f"{'gpus':>4} {'ctx':>6} {'tpot':>4} {'ttft':>5} {'rate':>5}  goodput per layout (r/s)"
+    print(head)
+    for gpus, ctx, tpot, ttft in itertools.product(args.gpus, [int(x) for x in args.contexts.split(",")],
+                                                   [float(x) for x in args.tpot_ms.split(",")],
+                                                   [float(x) for x in args.ttft_ms.split(",")]):
+        rates = [float(r) * gpus / 2 for r in args.rates.split(",")]
+        res = compare(perf, layouts_for(gpus), gpus, rates, SLO(ttft / 1e3, tpot / 1e3), duration_s=args.duration,
+                      max_context=ctx)
+        for rate in rates:
+            point = {r["layout"]: r for r, _ in res if r["rate"] == rate}
+            ada = point["adaptive"]["goodput"]
+            best_other = max(v["goodput"] for k, v in point.items() if k != "adaptive")
+            colo = point["colocated"]["goodput"]
+            ratio = ada / best_other if best_other else float("inf")
+            vs_colo = ada / colo if colo else float("inf")
+            rows.append({"gpus": gpus, "context": ctx, "tpot_ms": tpot, "ttft_ms": ttft, "rate": rate,
+                         "goodput": {k: v["goodput"] for k, v in point.items()},
+                         "role_changes": point["adaptive"]["role_changes"],
+                         "vs_best": ratio, "vs_colocated": vs_colo})
+            worst.append((ratio, rows[-1]))
+            if tpot == 15:
+                at15.append((vs_colo, rows[-1]))
+            cells = "  ".join(f"{k}={v['goodput']:.2f}" for k, v in point.items())
+            print(f"{gpus:>4} {ctx // 1024:>5}k {tpot:>4.0f} {ttft:>5.0f} {rate:>5g}  {cells}  "
+                  f"ada/best={ratio:.2f} ada/colo={vs_colo:.2f} roles={point['adaptive']['role_changes']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    r, at = min(worst, key=lambda x: x[0])
+    print(f"worst adaptive / best other: {r:.3f} at {at['gpus']} GPUs, {at['context'] // 1024}k, "
+          f"TPOT {at['tpot_ms']:g} ms, TTFT {at['ttft_ms']:g} ms, rate {at['rate']:g}")
+    if at15:
+        lo = min(at15, key=lambda x: x[0])
+        print(f"TPOT 15 ms: adaptive / colocated from {lo[0]:.2f} (min) to {max(x[0] for x in at15):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

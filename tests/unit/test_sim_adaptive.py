@@ -1,0 +1,93 @@
+"""The adaptive layout in the simulator (cluster/sim_adaptive.py): prompts placed by the cost
+model, workers lent to prefill only by the role policy, and `tandem simulate --compare`."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+from tandem.cluster.cli import main
+from tandem.cluster.roles import RoleConfig
+from tandem.cluster.sim_engine import Simulation
+from tandem.cluster.sim_model import SLO
+from tandem.cluster.simulate_compare import compare
+from tandem.cluster.simulator import simulate
+from tandem.cluster.workloads import PROFILES, RequestSpec, coding_agent_sessions
+from tandem.perf_model import PerfModel
+
+H200 = PerfModel(prefill_base_s=0.0028, prefill_per_token_s=2e-5, prefill_attn_s=8.4e-10, decode_base_s=0.0056,
+                 decode_per_seq_s=1.2e-5, decode_per_ctx_token_s=3.4e-8, transfer_base_s=0.003,
+                 transfer_per_token_s=4e-7, request_overhead_s=0.005, remote_overhead_s=0.015,
+                 max_batch=256, max_step_tokens=8192, kv_capacity_tokens=800_000)
+
+
+def agents(rate: float, n: int, seed: int = 0) -> list[RequestSpec]:
+    return coding_agent_sessions(random.Random(seed), n, rate, PROFILES["coding-agent"])
+
+
+def test_adaptive_is_never_much_worse_than_colocated_on_agent_sessions():
+    specs = agents(0.5, 30)
+    slo = SLO(1.0, 0.040)
+    colo = simulate(specs, 0, 2, H200, slo, colocated=True, closed_loop=True, send_until_s=60).summary
+    ada = simulate(specs, 0, 2, H200, slo, adaptive=RoleConfig(), closed_loop=True, send_until_s=60).summary
+    assert ada.rejected == colo.rejected == 0
+    assert ada.goodput_rps >= 0.97 * colo.goodput_rps
+    assert ada.label == "adaptive x2"
+
+
+def prompt_flood_then_decodes() -> list[RequestSpec]:
+    """Long decodes beside a flood of long prompts (a prefill-heavy phase), on 4 workers."""
+    decodes = [RequestSpec(f"d{i}", 0, 0.01 * i, 2000, 6000) for i in range(64)]
+    prompts = [RequestSpec(f"p{i}", 0, 1.0 + 0.03 * i, 2000, 4) for i in range(1000)]
+    return decodes + prompts
+
+
+def test_a_prefill_heavy_phase_lends_workers_to_prefill_and_every_request_is_served():
+    slo = SLO(1.0, 0.012)
+    sim = Simulation(prompt_flood_then_decodes(), 0, 4, H200, slo, None, 0, False, 60.0, False, False,
+                     adaptive=RoleConfig(min_hold_s=2.0, period_s=0.5))
+    sim.run()
+    res = sim.result("adaptive", 0, 4)
+    assert res.summary.rejected == 0 and all(r.ttft_s is not None for r in res.requests)
+    lent = [d for d in sim.role_log if d.prefill_workers > d.previous]
+    assert lent, "no worker was lent to prefill"
+    assert all(b.time_s - a.time_s >= 2.0 for a, b in zip(sim.role_log, sim.role_log[1:]))   # held
+    assert any(r.prefill == "remote" for r in res.requests)
+    # the flood over, the decodes alone: the workers come back to decode
+    assert sim.role_log[-1].prefill_workers < max(d.prefill_workers for d in sim.role_log)
+
+
+def test_a_remote_prefill_on_another_worker_delivers_its_kv_to_the_decode_worker():
+    # one worker decodes 32 long sequences; the other is idle: a long prompt's best place is the
+    # idle worker, which ships the KV back
+    decodes = [RequestSpec("busy", 0, 0.0, 30_000, 500)] + [RequestSpec(f"b{i}", 0, 0.0, 8000, 800) for i in range(31)]
+    res = simulate(decodes + [RequestSpec("long", 0, 0.5, 16_000, 8)], 0, 2, H200, SLO(1.0, 0.015),
+                   adaptive=RoleConfig())
+    long = next(r for r in res.requests if r.session_id == "long")
+    assert long.ttft_s is not None and long.tpot_s is not None
+    assert res.summary.rejected == 0
+
+
+def test_compare_runs_each_layout_on_the_same_sessions():
+    rows = compare(replace(H200, max_batch=64), ["adaptive", "colocated", "1:1"], 2, [0.5], SLO(1.0, 0.04),
+                   duration_s=20)
+    assert [r["layout"] for r, _ in rows] == ["adaptive", "colocated", "1:1"]
+    assert len({r["requests"] for r, _ in rows}) >= 1
+    assert {"goodput", "ttft_p90_ms", "tpot_p90_ms", "rate"} <= set(rows[0][0])
+    assert rows[0][0]["role_changes"] >= 0 and "role_changes" not in rows[1][0]
+
+
+def test_simulate_compare_prints_one_json_object_per_layout_and_rate(capsys):
+    rc = main(["simulate", "--compare", "adaptive,colocated,1:1", "--gpus", "2", "--rates", "0.5,1",
+               "--duration", "10", "--ttft-slo-ms", "1000", "--tpot-slo-ms", "40", "--json"])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["layout"], x["rate"]) for x in lines] == [(lay, r) for r in (0.5, 1.0)
+                                                         for lay in ("adaptive", "colocated", "1:1")]
+    assert all(x["tpot_slo_ms"] == 40 and x["ttft_slo_ms"] == 1000 for x in lines)
+
+
+def test_simulate_compare_refuses_a_layout_it_does_not_know(capsys):
+    assert main(["simulate", "--compare", "adaptive,3:3", "--gpus", "2", "--json"]) == 2
+    assert "3:3" in capsys.readouterr().err
