@@ -11,14 +11,14 @@ import os
 import signal
 import sys
 import time
-import uuid
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from tandem.client import Client, TandemError
 from tandem.cluster import loadgen_client, profiling
 from tandem.cluster.config import load_config
-from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
 from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
                                 load_client_token, resolve_auth, with_metadata)
 from tandem.router.tls import (ClientTLSConfig, TLSConfig, channel_credentials, channel_options, server_credentials,
@@ -286,10 +286,11 @@ def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_toke
 
 
 def cmd_chat(args) -> int:
-    stub = generation_pb2_grpc.GenerationStub(_channel(args.target, args))
-    session = args.session or uuid.uuid4().hex[:12]
-    messages: list[dict[str, str]] = []
-    print(f"session {session}; an empty line or Ctrl-D ends it", file=sys.stderr)
+    """An interactive session through tandem.client: each turn streams, the history stays in the
+    session, and its KV on the workers that served the last turn."""
+    client = Client(channel=_channel(args.target, args))
+    session = client.session(args.session)
+    print(f"session {session.session_id}; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
@@ -297,20 +298,18 @@ def cmd_chat(args) -> int:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
         sys.stdout.write("assistant> ")
         try:
-            text, _, last = stream_generate(stub, messages=messages, session_id=session, max_tokens=args.max_tokens,
-                                            temperature=args.temperature,
-                                            on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        except grpc.RpcError as e:
-            print(f"\ntandem: {e.code().name}: {e.details()}", file=sys.stderr)
-            messages.pop()
+            for chunk in session.stream(line, max_tokens=args.max_tokens, temperature=args.temperature):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except TandemError as e:
+            print(f"\ntandem: {e.code.name}: {e.details}", file=sys.stderr)
             continue
-        u = last.usage
+        u = chunk.usage
         print(f"\n[{u.prompt_tokens} prompt tokens, {u.cached_prompt_tokens} cached, {u.completion_tokens} generated]",
               file=sys.stderr)
-        messages.append({"role": "assistant", "content": text})
+    client.close()
     return 0
 
 

@@ -34,13 +34,15 @@ class RunningCluster:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
-    def add_router(self, redis_url: str | None = None, **serve_kw) -> str:
-        """Start another router on this cluster (optionally with its own Redis URL; serve_kw: auth
-        for router/server.py's `serve`); its target. Its HTTP port: `routers[-1][1].http_port`."""
+    def add_router(self, redis_url: str | None = None, tokenizer=None, **serve_kw) -> str:
+        """Start another router on this cluster (optionally with its own Redis URL, or a tokenizer of
+        the same vocabulary with another chat template; serve_kw: auth for router/server.py's
+        `serve`); its target. Its HTTP port: `routers[-1][1].http_port`."""
         config = self.config
         if redis_url is not None:
             config = replace(config, router=replace(config.router, redis_url=redis_url))
         tok, model_cfg = load_tokenizer(config.engine.model)
+        tok = tokenizer or tok
         fut = asyncio.run_coroutine_threadsafe(
             serve(self.cluster.controller, config, self.cluster.namespace, tok, model_cfg, **serve_kw), self.loop)
         server, router, port = fut.result(60)

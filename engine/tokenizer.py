@@ -133,7 +133,9 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    supports_tools = False
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         check_messages(messages)
         return _render_template(self.TEMPLATE, messages, add_generation_prompt)
 

@@ -18,6 +18,7 @@ import math
 import time
 
 from aiohttp import web
+from grpc_health.v1 import health_pb2
 
 from tandem.router.admission import client_identity
 from tandem.router.auth import bearer_token
@@ -150,6 +151,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """The router's gRPC health ("" service): 200 while SERVING, else 503 (draining: `tandem down`
+    entered graceful shutdown), so one probe serves both edges."""
+    servicer = getattr(request.app[ROUTER_KEY], "health", None)   # set by router/server.py's serve
+    if servicer is not None:
+        status = (await servicer.Check(health_pb2.HealthCheckRequest(service=""), None)).status
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status).lower()
+            return web.json_response({"status": name}, status=503)
     return web.json_response({"status": "ok"})
 
 

@@ -48,11 +48,12 @@ class ChoiceBuilder:
         self.parts.append(text)
         if self.logprobs:
             for key, values in self._logprobs(resp).items():
-                self.lp.setdefault(key, []).extend(values)
+                if isinstance(values, list):      # not chat's "refusal": None
+                    self.lp.setdefault(key, []).extend(values)
 
     def choice(self) -> dict[str, Any]:
         text = "".join(self.parts)
-        lp = (self.lp or _empty_logprobs(self.chat)) if self.logprobs else None
+        lp = {**_empty_logprobs(self.chat), **self.lp} if self.logprobs else None
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish}
         message: dict[str, Any] = {"role": "assistant", "content": text}

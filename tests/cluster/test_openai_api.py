@@ -128,3 +128,175 @@ def test_the_readme_curl_example_runs(cluster):
                          env={**os.environ, "TANDEM_AUTH_TOKEN": TOKEN})
     body = json.loads(out.stdout)
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0, body
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+def test_logprobs_chat_streamed_and_not(cluster):
+    client = _client(cluster)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 8 and "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:   # greedy: the chosen token is the most likely one
+        assert c.logprob <= 0 and len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and bytes(c.bytes).decode() == c.token
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_completions_shape(cluster):
+    r = _client(cluster).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                            temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(x) for top, x in zip(lp.top_logprobs,
+                                                                                        lp.token_logprobs))
+
+
+def test_the_prefill_actors_first_token_logprob_is_the_decode_actors(cluster):
+    """The first token comes from the prefill actor (remote prefill: local_prefill_threshold 0), the
+    later ones from the decode actor: token 2 of one request is token 1 of its extension."""
+    client = _client(cluster)
+    ids = cluster.generate(prompt="Once upon a time", max_tokens=1)[0]
+    prompt = _prompt_ids(cluster, "Once upon a time")
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=4)
+    b = client.completions.create(model=MODEL, prompt=prompt + ids, max_tokens=2, temperature=0, logprobs=4)
+    la, lb = a.choices[0].logprobs, b.choices[0].logprobs
+    assert la.tokens[1] == lb.tokens[0]
+    assert lb.token_logprobs[0] == pytest.approx(la.token_logprobs[1], abs=1e-3)
+    assert list(lb.top_logprobs[0]) == list(la.top_logprobs[1])
+
+
+def _prompt_ids(cluster, text: str) -> list[int]:
+    return cluster.routers[0][1].tokenizer.encode(text)
+
+
+# ---- tools ----------------------------------------------------------------------------------------
+# Qwen2.5's chat template, shortened: the system prompt lists the tools, calls are <tool_call> JSON,
+# tool results come back as <tool_response> in a user turn.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% else %}You are a helpful assistant.{% endif %}\n\n# Tools\n\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return a json object within "
+    "<tool_call></tool_call> XML tags.<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'system' and tools %}{%- elif m.role == 'assistant' %}"
+    "<|im_start|>assistant\n{{ m.content }}{%- for tc in m.tool_calls or [] %}{% set f = tc.function %}"
+    "\n<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": {{ f.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+
+
+@pytest.fixture(scope="module")
+def tools_router(cluster, tmp_path_factory):
+    """A router over the same workers whose tokenizer has a tools template (the same vocabulary)."""
+    from tandem.engine.tokenizer import HFTokenizer
+    from tandem.engine.weights import resolve_model_dir
+
+    src = resolve_model_dir(MODEL)
+    d = tmp_path_factory.mktemp("tools-model")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (d / name).symlink_to(src / name)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": HERMES_TEMPLATE}))
+    cluster.add_router(tokenizer=HFTokenizer.from_dir(d))
+    return len(cluster.routers) - 1, d
+
+
+def test_tool_call_round_trip_renders_like_transformers(cluster, tools_router):
+    from transformers import PreTrainedTokenizerFast
+
+    index, path = tools_router
+    r = _client(cluster, index).chat.completions.create(model=MODEL, messages=TOOL_TURNS, tools=TOOLS,
+                                                        tool_choice="auto", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=HERMES_TEMPLATE)
+    turns = [dict(TOOL_TURNS[1], tool_calls=[{**TOOL_TURNS[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]) if i == 1 else m for i, m in enumerate(TOOL_TURNS)]
+    expected = hf.apply_chat_template(turns, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in expected and "<tool_response>\nsunny, 21 C" in expected
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in expected
+    assert r.usage.prompt_tokens == len(hf.encode(expected, add_special_tokens=False))
+    # tool_choice "none": the tools are not rendered, so the prompt is shorter
+    r2 = _client(cluster, index).chat.completions.create(model=MODEL, messages=TOOL_TURNS, tools=TOOLS,
+                                                         tool_choice="none", max_tokens=1)
+    assert r2.usage.prompt_tokens < r.usage.prompt_tokens
+
+
+def test_tools_with_a_template_that_has_none_is_a_400(cluster):
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(cluster).chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=2)
+    assert "does not support tools" in e.value.response.json()["error"]["message"]
+
+
+# ---- overload and health --------------------------------------------------------------------------
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a plain HTTP call."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_overload_is_a_429_with_retry_after(cluster):
+    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+
+    target = cluster.add_router()
+    router = cluster.routers[-1][1]
+    router.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
+    client = _client(cluster, len(cluster.routers) - 1)
+    stream = client.completions.create(model=MODEL, prompt="count: 1 2 3", max_tokens=300, stream=True,
+                                       temperature=0)
+    next(iter(stream))     # the one running slot is taken
+    try:
+        status, headers, body = _http("POST", f"http://127.0.0.1:{router.http_port}/v1/completions",
+                                      {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert body["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        stream.close()
+    assert target and cluster.wait_idle()
+
+
+def test_health_follows_the_grpc_health(cluster):
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    router = cluster.routers[0][1]
+    url = f"http://127.0.0.1:{router.http_port}/health"
+    assert _http("GET", url)[0] == 200
+
+    def set_status(status):
+        asyncio.run_coroutine_threadsafe(router.health.set("", status), cluster.loop).result(10)
+
+    set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        status, _, body = _http("GET", url)
+        assert status == 503 and body == {"status": "not_serving"}
+    finally:
+        set_status(health_pb2.HealthCheckResponse.SERVING)
+    assert _http("GET", url)[0] == 200

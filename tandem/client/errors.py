@@ -1,0 +1,81 @@
+"""One exception class per gRPC status the router answers with (docs/api.md lists when each
+happens), all under `TandemError`; `error_from_rpc` maps a `grpc.RpcError` to its class once."""
+
+from __future__ import annotations
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"   # router/admission.py's trailing metadata on RESOURCE_EXHAUSTED
+
+
+class TandemError(Exception):
+    """A call the router refused or that failed; `code` is the gRPC status, `details` its message."""
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None):
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(TandemError):
+    """INVALID_ARGUMENT: the request is wrong (the message says what is allowed); do not retry."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Unauthenticated(TandemError):
+    """UNAUTHENTICATED: no bearer token, or not one the router accepts."""
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(TandemError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(TandemError):
+    """NOT_FOUND: an unknown worker or pool (Admin)."""
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Overloaded(TandemError):
+    """RESOURCE_EXHAUSTED: the router is shedding load; retry after `retry_after_s`."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, details: str, retry_after_s: float | None = None):
+        super().__init__(details)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(TandemError):
+    """UNAVAILABLE: no worker can take the request now, or the router cannot be reached; retry."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(TandemError):
+    """DEADLINE_EXCEEDED: the call's timeout passed; the request was freed on every worker."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(TandemError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class InternalError(TandemError):
+    """INTERNAL / UNKNOWN: a failure in the cluster; the message names it."""
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
+    c.code: c for c in (InvalidRequest, Unauthenticated, PermissionDenied, NotFound, Overloaded, Unavailable,
+                        DeadlineExceeded, Cancelled, InternalError)}
+
+
+def error_from_rpc(e: grpc.RpcError) -> TandemError:
+    """The TandemError for a failed call (sync or asyncio)."""
+    code, details = e.code(), e.details() or ""
+    cls = _BY_CODE.get(code, InternalError)
+    if cls is Overloaded:
+        ms = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+        return Overloaded(details, int(ms) / 1000 if ms else None)
+    return cls(details, code)

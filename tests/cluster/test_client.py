@@ -1,0 +1,136 @@
+"""tandem.client (sync and asyncio) against a real local cluster: generate and stream, sessions that
+hit the cache, logprobs, health and admin, one exception class per status, an early-closed stream
+that frees its KV, and `tandem chat` driving a session through it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tandem.client import (AsyncClient, Client, FinishReason, InvalidRequest, NotFound, Overloaded, TandemError,
+                           Unauthenticated)
+from tandem.router.auth import BearerTokenInterceptor, TokenStore
+
+TOKEN = "client-test-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    from tandem.cluster.local import RunningCluster
+
+    c = RunningCluster({"model.name": "tiny-random", "cache.num_blocks": 256, "prefill.replicas": 1,
+                        "decode.replicas": 1, "decode.local_prefill_threshold": 0})
+    store = TokenStore(None, TOKEN)
+    c.auth_target = c.add_router(interceptors=(BearerTokenInterceptor(store),), token_store=store)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster.target, timeout=120) as c:
+        yield c
+
+
+def test_generate_and_stream_agree_with_the_raw_stub(cluster, client):
+    ids, text, last = cluster.generate(prompt="hello world", max_tokens=12, ignore_eos=True)
+    done = client.generate(prompt="hello world", max_tokens=12, ignore_eos=True)
+    assert (done.text, done.token_ids, done.finish_reason) == (text, ids, FinishReason.LENGTH)
+    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == last.usage.prompt_tokens
+    assert done.request_id
+    chunks = list(client.stream(prompt="hello world", max_tokens=12, ignore_eos=True))
+    assert "".join(c.text for c in chunks) == text and chunks[-1].finish_reason is FinishReason.LENGTH
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[0].request_id
+
+
+def test_logprobs_come_typed(client):
+    done = client.generate(prompt="abc", max_tokens=5, ignore_eos=True, logprobs=2)
+    assert len(done.logprobs) == 5
+    for tok, lp in zip(done.token_ids, done.logprobs):   # greedy: each token is its distribution's top
+        assert lp.token_id == tok and lp.top[0][0] == tok and lp.logprob == pytest.approx(lp.top[0][1])
+    assert client.generate(prompt="abc", max_tokens=2).logprobs == []
+
+
+def test_a_session_reuses_its_cache(client):
+    chat = client.session()
+    first = chat.send("Tell me a story about a robot.", max_tokens=8, ignore_eos=True)
+    second = chat.send("And then?", max_tokens=8, ignore_eos=True)
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+    assert chat.messages[1]["content"] == first.text
+    assert second.usage.cached_prompt_tokens > 0
+
+
+def test_each_status_has_its_exception(cluster, client):
+    with pytest.raises(InvalidRequest) as e:
+        client.generate(prompt="x", max_tokens=10**6)
+    assert "max_tokens" in e.value.details
+    with pytest.raises(Unauthenticated):
+        Client(cluster.auth_target).generate(prompt="x", max_tokens=1)
+    ok = Client(cluster.auth_target, token=TOKEN).generate(prompt="x", max_tokens=1)
+    assert ok.usage.completion_tokens == 1
+    with pytest.raises(NotFound):
+        client.drain_worker("no-such-worker")
+    assert issubclass(NotFound, TandemError)
+
+
+def test_overload_carries_retry_after(cluster):
+    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+
+    target = cluster.add_router()
+    cluster.routers[-1][1].limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
+    with Client(target, timeout=120) as c:
+        running = c.stream(prompt="long", max_tokens=200, ignore_eos=True)
+        next(running)
+        with pytest.raises(Overloaded) as e:
+            c.generate(prompt="x", max_tokens=1)
+        assert e.value.retry_after_s is not None and e.value.retry_after_s > 0
+        running.close()     # leaving early cancels the request: its KV is freed
+    used = cluster.wait_idle()
+    assert used and all(v == 0 for v in used.values())
+
+
+def test_health_and_admin(client):
+    assert client.health() == "SERVING"
+    state = client.cluster_state()
+    assert {p.name for p in state.pools} == {"prefill", "decode"}
+    decode = state.pool("decode")
+    assert decode.size == 1 and decode.workers[0].state == "ready" and decode.workers[0].kv_blocks_total > 0
+    pool = client.set_pool_bounds("decode", 1, 2)
+    assert (pool.name, pool.min, pool.max) == ("decode", 1, 2)
+    client.set_pool_bounds("decode", 1, 1)
+
+
+def test_async_client(cluster):
+    async def run():
+        async with AsyncClient(cluster.target, timeout=120) as c:
+            done = await c.generate(prompt="hello world", max_tokens=6, ignore_eos=True)
+            streamed = [ch async for ch in c.stream(prompt="hello world", max_tokens=6, ignore_eos=True)]
+            chat = c.session()
+            await chat.send("hi there, robot", max_tokens=4, ignore_eos=True)
+            second = await chat.send("again", max_tokens=4, ignore_eos=True)
+            with pytest.raises(InvalidRequest):
+                await c.generate(prompt="x", max_tokens=10**6)
+            gen = c.stream(prompt="stop me", max_tokens=300, ignore_eos=True)
+            await anext(gen)
+            await gen.aclose()
+            return done, streamed, second, await c.health()
+
+    done, streamed, second, health = asyncio.run(run())
+    assert done.text == "".join(c.text for c in streamed) and done.usage.completion_tokens == 6
+    assert second.usage.cached_prompt_tokens > 0 and health == "SERVING"
+    used = cluster.wait_idle()
+    assert used and all(v == 0 for v in used.values())
+
+
+def test_tandem_chat_runs_a_session_through_the_client(cluster):
+    out = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "chat", "--target", cluster.target,
+                          "--max-tokens", "4", "--session", "cli-chat-1"], input="hello\nagain\n\n",
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TANDEM_AUTH_TOKEN": ""})
+    assert out.returncode == 0, out.stderr
+    assert "session cli-chat-1" in out.stderr and out.stdout.count("assistant> ") == 2
+    usage = [line for line in out.stderr.splitlines() if "prompt tokens" in line]
+    assert len(usage) == 2 and " 0 cached" not in usage[1]     # the second turn hit the session's cache
