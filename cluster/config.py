@@ -80,8 +80,20 @@ class RouterConfig:
     worker_max_waiting: int | None = None
     worker_max_load: int | None = None
     worker_max_kv_usage: float | None = None
+    # where prompts are prefilled: "rules" (decode.local_prefill_threshold and
+    # prefill.max_queued_tokens) or "cost" (tandem.placement's cost model: each prompt where the
+    # predicted TTFT and TPOT harm leave the most headroom inside the SLOs below), with service
+    # times from `perf_model` (`tandem profile`'s JSON; None: the assumed 8B-on-H200 model)
+    placement: str = "rules"
+    perf_model: str | None = None
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 40.0
 
     def __post_init__(self) -> None:
+        if self.placement not in ("rules", "cost"):
+            raise ConfigError(f"router: placement must be 'rules' or 'cost', got {self.placement!r}")
+        if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
+            raise ConfigError("router: slo_ttft_ms and slo_tpot_ms must be > 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router: port must be in [0, 65535], got {self.port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -11,7 +11,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from tandem.cluster.roles import RoleDecision, RoleState, decide_roles
-from tandem.placement import LOCAL, Demand, EngineLoad, choose_prefill, prefill_options
+from tandem.placement import LOCAL, Demand, EngineLoad, choose_prefill, has_slack, prefill_options
 
 if TYPE_CHECKING:
     from tandem.cluster.sim_engine import Simulation
@@ -25,17 +25,11 @@ def load_of(w: SimDecodeWorker) -> EngineLoad:
     return EngineLoad(len(w.running), sum(s.context for s in w.running), w.local_queued())
 
 
-def has_slack(x: SimDecodeWorker, w: SimDecodeWorker) -> bool:
-    """`x` may prefill for `w`: it is lent to prefill, or decodes at most half of `w`'s batch (a
-    busy decode worker's steps and prefix cache are not spent on another worker's prompts)."""
-    return x.role == PREFILL or 2 * len(x.running) <= len(w.running)
-
-
 def place(sim: Simulation, w: SimDecodeWorker, s: SimSeq, hit: int, now: float) -> None:
     """An admitted request's prefill: local chunks on `w`, or another worker's, by the cost model."""
     r, perf = s.spec, sim.perf
     others = {x.name: (load_of(x), x.cache.hit(r)) for x in sim.decodes
-              if x is not w and x.up and not x.gone and has_slack(x, w)}
+              if x is not w and x.up and not x.gone and has_slack(load_of(x), x.role == PREFILL, load_of(w))}
     best = choose_prefill(prefill_options(perf, r.input_tokens, w.name, load_of(w), hit, others),
                           sim.slo.ttft_s, sim.slo.tpot_s)
     sim.recent_admits.append((now, r.input_tokens - hit, r.input_tokens))

@@ -23,7 +23,7 @@ from tandem.protos.tandem.v1 import generation_pb2
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
 from tandem.router.cluster_view import ClusterView
 from tandem.router.flow import Event, FlowState, RequestFlow
-from tandem.router.placing import Attempt, Placer
+from tandem.router.placing import Attempt, CostPlacement, Placer
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
 from tandem.router.validation import RequestLimits, validate_request
@@ -49,7 +49,7 @@ class Router:
     def __init__(self, view: ClusterView, tokenizer, model_config, block_size: int, sessions,
                  limits: RequestLimits = RequestLimits(), local_prefill_threshold: float = 256,
                  admission: AdmissionConfig = AdmissionConfig(), max_prefill_queued_tokens: float = math.inf,
-                 overload: OverloadLimits = OverloadLimits()):
+                 overload: OverloadLimits = OverloadLimits(), cost: CostPlacement | None = None):
         self.view = view
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
@@ -60,7 +60,8 @@ class Router:
         self.counters = {"requests": 0, "ok": 0, "errors": 0, "cancelled": 0}
         self.placer = Placer(view, block_size, model_config.num_layers, self.counters,
                              local_prefill_threshold=local_prefill_threshold,
-                             max_prefill_queued_tokens=max_prefill_queued_tokens, overload=overload)
+                             max_prefill_queued_tokens=max_prefill_queued_tokens, overload=overload,
+                             cost=cost)
         self.max_migrations = 2  # per request, then UNAVAILABLE
         self.slow_ttft_s: float | None = 1.0  # log where the time went for first tokens slower than this
         self.hub = get_hub()

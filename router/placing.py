@@ -23,7 +23,9 @@ from typing import Any
 import ray
 
 from tandem.kv_transfer.spec import TransferSpec
-from tandem.placement import (OverloadLimits, any_ready, choose_worker, local_prefill_queue, prefill_placement,
+from tandem.perf_model import PerfModel
+from tandem.placement import (LOCAL, READY, EngineLoad, OverloadLimits, WorkerView, any_ready, choose_prefill, has_slack,
+                              choose_worker, prefill_options, local_prefill_queue, prefill_placement,
                               remote_prefill_offered)
 from tandem.router.cluster_view import ClusterView
 from tandem.router.prefix_index import PrefixIndex
@@ -75,10 +77,19 @@ class _Placement:
     early: Any = None          # that actor's reservation, made alongside the decode actor's
 
 
+@dataclass(frozen=True)
+class CostPlacement:
+    """The router's cost model: service times and the SLOs placement keeps inside."""
+
+    perf: PerfModel
+    slo_ttft_s: float
+    slo_tpot_s: float
+
+
 class Placer:
     def __init__(self, view: ClusterView, block_size: int, num_layers: int, counters: dict[str, int], *,
                  local_prefill_threshold: float = 256, max_prefill_queued_tokens: float = math.inf,
-                 overload: OverloadLimits = OverloadLimits()):
+                 overload: OverloadLimits = OverloadLimits(), cost: CostPlacement | None = None):
         self.view = view
         self.block_size = block_size
         self.num_layers = num_layers
@@ -88,6 +99,9 @@ class Placer:
         # no more while a decode actor's own queue of local prefills is shorter (prefill_placement)
         self.max_prefill_queued = max_prefill_queued_tokens
         self.overload = overload
+        # placement by the cost model (router.placement "cost"): where each prompt is prefilled is
+        # tandem.placement.choose_prefill's answer, not the threshold and queue-cap rules
+        self.cost = cost
         self.prefill_queued: dict[str, int] = {}   # prompt tokens placed on each prefill actor, not yet delivered
         self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet
         self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
@@ -124,6 +138,8 @@ class Placer:
         prefill_ids = [w.worker_id for w in self.view.views("prefill") if w.state == "ready"]
         if not remote_prefill_offered(self.threshold, len(prefill_ids)):
             return None
+        if self.cost is not None:
+            return self.cost_target(sess, num_tokens, hashes)
         try:
             hint = self.pick("prefill", sess.prefill_worker if sess else None, hashes)
         except (NoWorkerReady, WorkersOverloaded):
@@ -134,6 +150,37 @@ class Placer:
         if placed is None:      # every prefill actor is backlogged: prefill locally
             self.counters["prefill_backlogged"] = self.counters.get("prefill_backlogged", 0) + 1
         return placed
+
+    def engine_load(self, w: WorkerView) -> EngineLoad:
+        """A worker's engine for the cost model: its batch and KV from its stats, and the prompt
+        tokens this router has queued on it (remote prefills to their KV, local ones to their first
+        token)."""
+        return EngineLoad(w.running, w.kv_blocks_used * self.block_size,
+                          self.prefill_queued.get(w.worker_id, 0) + self.local_queued.get(w.worker_id, 0))
+
+    def cost_target(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> str | None:
+        """The cost model's choice (tandem.placement.choose_prefill) among the decode worker's own
+        prefill and every ready worker that serves prefill: the prefill worker, or None (local)."""
+        decode_views = self.view.views("decode")
+        hits = {pool: {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
+                for pool in ("decode", "prefill")}
+        decode_id = choose_worker(decode_views, sess.decode_worker if sess else None, hits["decode"],
+                                  overload_fn=self.overload)
+        if decode_id is None:
+            return None
+        dview = next(w for w in decode_views if w.worker_id == decode_id)
+        dload = self.engine_load(dview)
+        decoding = {w.worker_id for w in decode_views if w.state == READY}
+        others = {w.worker_id: (self.engine_load(w), hits["prefill"].get(w.worker_id, 0))
+                  for w in self.view.views("prefill")
+                  if w.state == READY and not self.overload(w) and w.worker_id != decode_id
+                  and has_slack(self.engine_load(w), w.worker_id not in decoding, dload)}
+        c = self.cost
+        best = choose_prefill(prefill_options(c.perf, num_tokens, decode_id, dload,
+                                              hits["decode"].get(decode_id, 0), others),
+                              c.slo_ttft_s, c.slo_tpot_s)
+        self.counters[f"cost_{best.where}"] = self.counters.get(f"cost_{best.where}", 0) + 1
+        return None if best.where == LOCAL else best.worker_id
 
     # ---- placing ------------------------------------------------------------------------------
     async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,

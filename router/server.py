@@ -6,13 +6,16 @@ router/status_codes.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.perf_model import PerfModel
 from tandem.placement import OverloadLimits
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tandem.router.admin import AdminService, publish_cluster_metrics
@@ -20,6 +23,7 @@ from tandem.router.admission import AdmissionConfig, Overloaded, client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
+from tandem.router.placing import CostPlacement
 from tandem.router.openai_api import serve_http
 from tandem.router.sessions import make_session_store
 from tandem.router.status_codes import status_code
@@ -58,6 +62,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                   "it is safe to retry")
 
 
+def cost_placement(rc) -> CostPlacement | None:
+    """The router's cost model when `router.placement` is "cost"."""
+    if rc.placement != "cost":
+        return None
+    perf = PerfModel()
+    if rc.perf_model:
+        d = json.loads(Path(rc.perf_model).read_text())
+        perf = PerfModel.from_dict(d.get("perf_model", d))
+    return CostPlacement(perf, rc.slo_ttft_ms / 1e3, rc.slo_tpot_ms / 1e3)
+
+
 async def serve(controller, config, namespace: str, tokenizer, model_config,
                 interceptors=(), credentials=None, token_store=None,
                 ssl_context=None) -> tuple[grpc.aio.Server, Router, int]:
@@ -75,7 +90,8 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
                     AdmissionConfig(max_in_flight=rc.max_in_flight, max_queue=rc.max_queue,
                                     max_streams_per_client=rc.max_streams_per_client),
                     config.prefill.max_queued_tokens,
-                    OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage))
+                    OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage),
+                    cost_placement(rc))
     router.slow_ttft_s = rc.slow_ttft_log_s
     view.on_refresh = lambda state: publish_cluster_metrics(router.hub, state)
     server = grpc.aio.server(interceptors=list(interceptors), options=[

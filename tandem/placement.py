@@ -195,20 +195,21 @@ def chunked_prefill_s(perf, load: EngineLoad, new_tokens: int, cached: int, chun
                       horizon_tokens: int = HORIZON_TOKENS) -> tuple[float, float]:
     """(seconds until `new_tokens` more prompt tokens after `cached` ones are computed on a worker
     with `load`, in steps of `chunk` prompt tokens beside its decode batch, behind its queue; the
-    TPOT its batch sees). The queue ahead is taken as one prompt of that length. The TPOT is the
+    TPOT its batch sees). The queue ahead is taken as prompts like this one. The TPOT is the
     mean over the chunked steps (the queue's and this prompt's) and `horizon_tokens` plain steps
     after them: what a request of the batch, which decodes that many tokens, sees on average."""
     b, ctx = load.decode_seqs, load.context_tokens
     q = load.queued_prefill_tokens
 
-    def steps_s(n: int, start: int) -> float:
+    def steps_s(n: int, start: int, span: int) -> float:
         if n <= 0:
             return 0.0
         k = math.ceil(n / chunk)
         empty = perf.step_s(b, ctx)          # the step's decode part (0 with no batch)
         base = perf.prefill_base_s + (perf.step_host_s if not b else 0.0)
-        # sum over chunks of n_i * (per_token + attn * context after chunk i)
-        attn = perf.prefill_attn_s * (n * start + n * (n + chunk) / 2)
+        # sum over chunks of n_i * (per_token + attn * context after chunk i), over prompts of
+        # `span` new tokens each
+        attn = perf.prefill_attn_s * (n * start + n * (min(n, span) + chunk) / 2)
         return k * (empty + base) + n * perf.prefill_per_token_s + attn
 
     during = 0.0
@@ -216,7 +217,8 @@ def chunked_prefill_s(perf, load: EngineLoad, new_tokens: int, cached: int, chun
         k = math.ceil((q + new_tokens) / chunk)
         chunked = perf.tpot_s(b, ctx, [(min(chunk, q + new_tokens), cached + new_tokens)])
         during = (k * chunked + horizon_tokens * perf.tpot_s(b, ctx)) / (k + horizon_tokens)
-    return steps_s(q, 0) + steps_s(new_tokens, cached), during
+    # the queue: prompts like this one (their own cached prefixes unknown, taken as this one's)
+    return steps_s(q, cached, new_tokens) + steps_s(new_tokens, cached, new_tokens), during
 
 
 def prefill_option(perf, where: str, worker_id: str, load: EngineLoad, decode_load: EngineLoad,
@@ -240,6 +242,13 @@ def choose_prefill(options: Iterable[PrefillOption], slo_ttft_s: float, slo_tpot
     larger chunk, the smaller id."""
     return min(options, key=lambda o: (-math.floor(o.headroom(slo_ttft_s, slo_tpot_s) / HEADROOM_STEP),
                                        o.where != LOCAL, o.ttft_s, -o.chunk_tokens, o.worker_id))
+
+
+def has_slack(candidate: EngineLoad, prefill_only: bool, decode: EngineLoad) -> bool:
+    """A worker may prefill for another worker's request when it only prefills, or decodes at most
+    half the batch of the request's decode worker: a busy decode worker's steps and prefix cache are
+    not spent on other workers' prompts."""
+    return prefill_only or 2 * candidate.decode_seqs <= decode.decode_seqs
 
 
 def prefill_options(perf, prompt_tokens: int, decode_id: str, decode_load: EngineLoad, decode_cached: int,

@@ -9,7 +9,9 @@ import pytest
 
 from tandem.cluster.roles import RoleConfig, RoleState, decide_roles
 from tandem.perf_model import PerfModel
-from tandem.placement import (LOCAL, REMOTE, Demand, EngineLoad, chunk_choices, choose_prefill,
+from tandem.router.placing import CostPlacement, Placer
+from tandem.router.sessions import SessionState
+from tandem.placement import (LOCAL, REMOTE, Demand, EngineLoad, WorkerView, chunk_choices, choose_prefill,
                               chunked_prefill_s, plan_roles, prefill_options)
 
 H200 = PerfModel(prefill_base_s=0.0028, prefill_per_token_s=2e-5, prefill_attn_s=8.4e-10, decode_base_s=0.0056,
@@ -120,3 +122,38 @@ def test_a_small_gain_does_not_flip_a_role():
     assert not d.changed and "below margin" in d.reason
     d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 0.0, 1.0, 0.012, cfg)
     assert d.current.headroom < 0 <= d.best.headroom and d.changed      # ... but a rescue is
+
+
+class _Views:
+    """A router's cluster view: d0 decodes a big batch, d1 a small one, p0 only prefills."""
+    router_id = "r"
+
+    def __init__(self, p0_state="ready"):
+        self.decode = [WorkerView("d0", "decode", running=40, kv_blocks_used=40 * 8000 // 16),
+                       WorkerView("d1", "decode", running=2, kv_blocks_used=2 * 500 // 16),
+                       WorkerView("p0", "decode", state="draining")]
+        self.prefill = [WorkerView("p0", "prefill", state=p0_state),
+                        WorkerView("d0", "prefill", running=40), WorkerView("d1", "prefill", running=2)]
+        self.inflight, self.queues = {}, {}
+
+    def views(self, pool):
+        return list(self.decode if pool == "decode" else self.prefill)
+
+
+def test_the_router_places_by_the_cost_model_when_configured():
+    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    busy = SessionState(decode_worker="d0", prefill_worker=None, num_tokens=0)
+    # a long prompt for the busy d0: the prefill-only p0 computes it
+    assert placer.cost_target(busy, 16_000, []) == "p0"
+    # a short one stays on its decode worker
+    assert placer.cost_target(busy, 200, []) is None
+    # p0 gone from the prefill choice: d1 (a twentieth of d0's batch) has slack; d0 never prefills for itself
+    placer = Placer(_Views("draining"), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    assert placer.cost_target(busy, 16_000, []) == "d1"
+    assert placer.counters["cost_remote"] == 1
+
+
+def test_the_router_without_a_cost_model_keeps_the_rules():
+    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=256)
+    assert placer.cost is None and placer.prefill_target(None, 16_000, []) in {"p0", "d0", "d1"}
+    assert "cost_remote" not in placer.counters and "cost_local" not in placer.counters
