@@ -101,7 +101,8 @@ def _register_bench(sub) -> None:
     b = sub.add_parser(
         "bench", help="load-test a running cluster: TTFT/TPOT/E2E percentiles, goodput, cache and draft hits",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=(
-            "Open-loop load through the gRPC API; prints a table per rate and writes bench-LABEL.json\n"
+            "Open-loop load through the gRPC API (or the OpenAI HTTP edge: --api openai); prints a table\n"
+            "per rate and writes bench-LABEL.json\n"
             "and PNG plots (latency CDFs; goodput vs rate for a sweep) under --out.\n\n"
             "--rate R means:\n"
             "  agent, agent-small          R new sessions per second, Poisson arrivals; within a\n"
@@ -111,7 +112,10 @@ def _register_bench(sub) -> None:
             "                              scaled to it (without --rate: the trace's own timing)\n"
             "Requests due past --duration are not sent; those in flight get --drain-timeout more seconds.\n"
             "Every request: prompt token ids, greedy, ignore_eos, max_tokens = the workload's output length."))
-    b.add_argument("--target", default=DEFAULT_TARGET, help="router address HOST:PORT")
+    b.add_argument("--target", default=DEFAULT_TARGET,
+                   help="router address HOST:PORT (--api openai: the HTTP edge's HOST:PORT or URL)")
+    b.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                   help="grpc: tandem.v1.Generation; openai: POST /v1/completions, streamed (default grpc)")
     b.add_argument("--workload", required=True,
                    help="agent (contexts up to 32k: GPU), agent-small (CPU), mooncake:PATH.jsonl, azure:PATH.csv")
     rate = b.add_mutually_exclusive_group()

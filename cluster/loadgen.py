@@ -174,6 +174,7 @@ class BenchConfig:
     label: str | None = None
     progress: bool = False
     watch_pools_s: float = 0.0  # > 0: sample the Admin API's pool sizes this often (pool_timeline)
+    api: str = "grpc"  # "openai": drive the OpenAI HTTP edge (target: its HOST:PORT or URL) instead
 
 
 def token_seed(seed: int, rate: float | None, repeat: int = 0, session_id: str | None = None) -> str:

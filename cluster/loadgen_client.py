@@ -1,5 +1,6 @@
-"""`tandem bench`'s client side: the asyncio driver that sends a rate's plan through the gRPC API
-(one task per session, each turn streamed to its end and recorded), the probe of the served
+"""`tandem bench`'s client side: the asyncio driver that sends a rate's plan through the gRPC API or
+the OpenAI HTTP edge (`--api openai`; cluster/loadgen_transport.py sends each request) (one task
+per session, each turn streamed to its end and recorded), the probe of the served
 model's limits, the Admin API's pool sizes sampled alongside, and the command that runs every rate
 and writes the report. The plans it sends are made in cluster/loadgen.py; the records, summaries
 and output files are cluster/loadgen_report.py's."""
@@ -7,7 +8,9 @@ and output files are cluster/loadgen_report.py's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import ssl
 import re
 import sys
 import time
@@ -16,14 +19,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
+import aiohttp
 import grpc
 
 from tandem.cluster.loadgen import (RATE_MEANING, RATE_UNIT, BenchConfig, Session, load_sessions, parse_workload,
                                     plan_sessions, sessions_needed, splice_prompt, token_seed, trace_prompts)
+from tandem.cluster.loadgen_transport import GrpcTransport, OpenAITransport, SendFailed, Transport, Update
 from tandem.cluster.loadgen_report import (SLO, RequestRecord, summarize, table_header, table_notes, table_row,
                                            write_outputs)
 from tandem.cluster.workloads import TokenizedRequest, iter_token_ids
-from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 from tandem.router.auth import auth_metadata, load_client_token
 from tandem.router.tls import ClientTLSConfig, channel_credentials, channel_options
 
@@ -52,14 +57,21 @@ class _Progress:
 
 
 
-class RateRun:
-    """One rate's plan, sent over `stub`: a task per session (in start order), each turn sent when
-    due and streamed to its end; its RequestRecords fill `records`. Times are seconds since the
-    run started."""
+def as_transport(stub_or_transport, metadata=()) -> Transport:
+    """A Generation stub (grpc.aio) is sent to over gRPC; a Transport as it is."""
+    if hasattr(stub_or_transport, "Generate"):
+        return GrpcTransport(stub_or_transport, metadata)
+    return stub_or_transport
 
-    def __init__(self, stub, cfg: BenchConfig, *, rate: float | None, run_tag: str, metadata=(),
+
+class RateRun:
+    """One rate's plan, sent over `transport` (or a Generation stub): a task per session (in start
+    order), each turn sent when due and streamed to its end; its RequestRecords fill `records`.
+    Times are seconds since the run started."""
+
+    def __init__(self, transport, cfg: BenchConfig, *, rate: float | None, run_tag: str, metadata=(),
                  progress: _Progress | None = None):
-        self.stub, self.cfg, self.run_tag, self.metadata = stub, cfg, run_tag, metadata
+        self.transport, self.cfg, self.run_tag = as_transport(transport, metadata), cfg, run_tag
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
         self.deadline = cfg.duration_s + cfg.drain_timeout_s
@@ -71,19 +83,16 @@ class RateRun:
 
     async def send(self, rec: RequestRecord, sid: str, prompt: list[int]) -> list[int]:
         """Stream one request; fills `rec` (token times, usage, status); -> the answer's token ids."""
-        req = pb.GenerateRequest(request_id=f"{sid}-t{rec.turn}", session_id=sid, prompt_token_ids=prompt,
-                                 sampling=pb.SamplingParams(max_tokens=rec.max_tokens, temperature=0.0,
-                                                            ignore_eos=True))
         out: list[int] = []
         self.prog.in_flight += 1
         try:
-            async for resp in self.stub.Generate(req, timeout=max(0.01, self.deadline - self.now()),
-                                                 metadata=self.metadata):
-                self._take(rec, resp, out)
+            async for update in self.transport.stream(f"{sid}-t{rec.turn}", sid, prompt, rec.max_tokens,
+                                                      max(0.01, self.deadline - self.now())):
+                self._take(rec, update, out)
             rec.e2e_s = self.now() - rec.arrival_s
             rec.status = "ABORTED" if rec.finish_reason == "ABORT" else "OK"
-        except grpc.aio.AioRpcError as e:
-            rec.status, rec.error = e.code().name, e.details() or ""
+        except SendFailed as e:
+            rec.status, rec.error = e.status, e.details
         except asyncio.CancelledError:
             rec.status = "CLIENT_CANCELLED"
             raise
@@ -95,13 +104,14 @@ class RateRun:
             self.prog.failed += rec.status != "OK"
         return out
 
-    def _take(self, rec: RequestRecord, resp, out: list[int]) -> None:
-        if resp.token_ids:
-            out.extend(resp.token_ids)
-            rec.token_times_s.extend([self.now() - rec.arrival_s] * len(resp.token_ids))
-        if resp.finish_reason:
-            rec.finish_reason = pb.FinishReason.Name(resp.finish_reason)
-            u = resp.usage
+    def _take(self, rec: RequestRecord, update: Update, out: list[int]) -> None:
+        if update.token_ids:
+            out.extend(update.token_ids)
+            rec.token_times_s.extend([self.now() - rec.arrival_s] * len(update.token_ids))
+        if update.finish_reason:
+            rec.finish_reason = update.finish_reason
+        if update.usage is not None:
+            u = update.usage
             rec.usage_prompt_tokens, rec.cached_prompt_tokens = u.prompt_tokens, u.cached_prompt_tokens
             rec.completion_tokens, rec.draft_tokens = u.completion_tokens, u.draft_tokens
             rec.accepted_draft_tokens = u.accepted_draft_tokens
@@ -186,20 +196,20 @@ _CONTEXT = re.compile(r"context length (\d+)")
 
 async def probe_model_limits(stub, metadata=()) -> tuple[int, int]:
     """(vocab size, context length) of the served model, read from the INVALID_ARGUMENT answers to
-    two requests the router rejects before doing any work. Raises ProbeFailed when it cannot."""
-    found = []
+    two requests the router rejects before doing any work (over either API). Raises ProbeFailed
+    when it cannot."""
+    transport, found = as_transport(stub, metadata), []
     for ids, max_tokens, pattern in (([2**32 - 1], 1, _VOCAB), ([3], 2**31 - 1, _CONTEXT)):
-        req = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=max_tokens))
         try:
-            async for _ in stub.Generate(req, timeout=30, metadata=metadata):
-                pass
-        except grpc.aio.AioRpcError as e:
-            m = pattern.search(e.details() or "") if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None
-            if m is None:
-                raise ProbeFailed(f"{e.code().name}: {e.details()}") from None
-            found.append(int(m.group(1)))
-            continue
-        raise ProbeFailed("the server accepted a probe it should reject; pass --vocab-size and --max-context")
+            message = await transport.rejection(ids, max_tokens)
+        except (SendFailed, aiohttp.ClientError) as e:
+            raise ProbeFailed(str(e)) from None
+        if message is None:
+            raise ProbeFailed("the server accepted a probe it should reject; pass --vocab-size and --max-context")
+        m = pattern.search(message)
+        if m is None:
+            raise ProbeFailed(f"INVALID_ARGUMENT: {message}")
+        found.append(int(m.group(1)))
     return found[0], found[1]
 
 
@@ -215,19 +225,37 @@ def _aio_channel(target: str, args):
     return channel, auth_metadata(token)
 
 
+@contextlib.asynccontextmanager
+async def open_transport(cfg: BenchConfig, args=None):
+    """-> (transport for cfg.api, the grpc.aio channel for the Admin API or None over HTTP, metadata)."""
+    if cfg.api != "openai":
+        channel, metadata = _aio_channel(cfg.target, args)
+        async with channel:
+            yield GrpcTransport(generation_pb2_grpc.GenerationStub(channel), metadata), channel, metadata
+        return
+    token = load_client_token(token_file=getattr(args, "auth_token_file", None))
+    ca = getattr(args, "tls_ca_file", None)
+    base = cfg.target if "://" in cfg.target else f"{'https' if ca else 'http'}://{cfg.target}"
+    ssl_ctx = ssl.create_default_context(cafile=ca) if ca else None
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=ssl_ctx or True)) as http:
+        try:
+            transport = await OpenAITransport.connect(http, base, token)
+        except (SendFailed, aiohttp.ClientError) as e:
+            raise ProbeFailed(str(e)) from None
+        yield transport, None, ()
+
+
 async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
     """Every rate in turn against one channel; prints the table as rates finish; -> the report."""
     kind, path = parse_workload(cfg.workload)
     session_workload = kind.startswith("agent")
     if session_workload and not all(cfg.rates):
         raise ValueError("agent workloads need --rate or --rates (new sessions per second)")
-    channel, metadata = _aio_channel(cfg.target, args)
-    async with channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with open_transport(cfg, args) as (transport, channel, metadata):
         if cfg.vocab_size and cfg.max_context:
             vocab, context = cfg.vocab_size, cfg.max_context
         else:
-            vocab, context = await probe_model_limits(stub, metadata)
+            vocab, context = await probe_model_limits(transport)
             vocab = cfg.vocab_size or vocab
         max_context = min(cfg.max_context or context, context)
         n = cfg.max_sessions or 0
@@ -236,7 +264,7 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
         sessions = load_sessions(kind, path, random.Random(cfg.seed), num_sessions=n, max_context=max_context)
         mode = "sessions" if session_workload else "trace" if cfg.rates[0] else "trace-unscaled"
         meaning = RATE_MEANING[mode]
-        print(f"tandem bench: {cfg.workload} against {cfg.target}, {cfg.duration_s:g} s per rate "
+        print(f"tandem bench: {cfg.workload} against {cfg.target} ({cfg.api}), {cfg.duration_s:g} s per rate "
               f"(+ up to {cfg.drain_timeout_s:g} s for requests in flight, "
               f"which then end DEADLINE_EXCEEDED); {meaning}", file=out)
         print(table_header(cfg.slo), file=out, flush=True)
@@ -244,7 +272,7 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
         t_bench = time.monotonic()
         timeline: list[dict] = []
         watcher = (asyncio.ensure_future(watch_pools(channel, metadata, cfg.watch_pools_s, t_bench, timeline))
-                   if cfg.watch_pools_s > 0 else None)
+                   if cfg.watch_pools_s > 0 and channel is not None else None)
         for i, rate in enumerate(cfg.rates):
             started_s = time.monotonic() - t_bench
             plan = plan_sessions(sessions, session_workload=session_workload, rate=rate,
@@ -252,7 +280,7 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
             prog = _Progress(cfg.progress, rate, cfg.duration_s)
             tag = f"bench-{uuid.uuid4().hex[:8]}-{i}"  # fresh sessions: no cache hits from an earlier run
             records, not_started, elapsed = await run_rate(
-                stub, plan, cfg, session_workload=session_workload, rate=rate, vocab_size=vocab, run_tag=tag,
+                transport, plan, cfg, session_workload=session_workload, rate=rate, vocab_size=vocab, run_tag=tag,
                 metadata=metadata, progress=prog, repeat=list(cfg.rates[:i]).count(rate))
             summary = summarize(records, rate=rate, elapsed_s=elapsed, slo=cfg.slo, not_started=not_started)
             summary["sessions"] = len(plan)
@@ -310,7 +338,7 @@ def config_from_args(args) -> BenchConfig:
                        slo=SLO(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3), max_context=args.max_context,
                        vocab_size=args.vocab_size, out_dir=args.out, label=label,
                        progress=sys.stderr.isatty() and not args.no_progress,
-                       watch_pools_s=getattr(args, "watch_pools", 0) or 0.0)
+                       watch_pools_s=getattr(args, "watch_pools", 0) or 0.0, api=getattr(args, "api", "grpc"))
 
 
 def cmd_bench(args) -> int:

@@ -99,7 +99,8 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
             return _from_exception(router, e)
         rid = response_id(chat, first.request_id)
         fmt = tool_format(getattr(router.tokenizer, "chat_template", None)) if parsed.tools else None
-        builder = ChoiceBuilder(chat, request.app[TOKEN_TEXT_KEY], logprobs=parsed.logprobs, tool_format=fmt)
+        builder = ChoiceBuilder(chat, request.app[TOKEN_TEXT_KEY], logprobs=parsed.logprobs, tool_format=fmt,
+                                token_ids=parsed.token_ids)
         if parsed.stream:
             return await _stream(request, gen, first, parsed, rid, builder)
         last = first

@@ -19,8 +19,9 @@ NO_PROBABILITY = -9999.0   # OpenAI's logprob for a token the distribution exclu
 
 class ChoiceBuilder:
     def __init__(self, chat: bool, token_text: Callable[[int], str], *, logprobs: bool = False,
-                 tool_format: str | None = None):
+                 tool_format: str | None = None, token_ids: bool = False):
         self.chat = chat
+        self.token_ids: list[int] | None = [] if token_ids else None   # return_token_ids
         self.token_text = token_text
         self.logprobs = logprobs
         self.tools = ToolCallStream(tool_format) if tool_format else None
@@ -34,18 +35,21 @@ class ChoiceBuilder:
     def delta(self, resp: pb.GenerateResponse, first: bool = False) -> dict[str, Any]:
         text, calls = self._text_and_calls(resp)
         lp = self._logprobs(resp) if self.logprobs else None
+        ids = {"token_ids": list(resp.token_ids)} if self.token_ids is not None else {}
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish}
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish, **ids}
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if calls:
             base = len(self.calls) - len(calls)
             delta["tool_calls"] = [{"index": base + i, **_call_dict(c)} for i, c in enumerate(calls)]
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": self.finish}
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": self.finish, **ids}
 
     # ---- whole response -------------------------------------------------------------------------
     def add(self, resp: pb.GenerateResponse) -> None:
         text, _ = self._text_and_calls(resp)
         self.parts.append(text)
+        if self.token_ids is not None:
+            self.token_ids.extend(resp.token_ids)
         if self.logprobs:
             for key, values in self._logprobs(resp).items():
                 if isinstance(values, list):      # not chat's "refusal": None
@@ -54,12 +58,13 @@ class ChoiceBuilder:
     def choice(self) -> dict[str, Any]:
         text = "".join(self.parts)
         lp = {**_empty_logprobs(self.chat), **self.lp} if self.logprobs else None
+        ids = {"token_ids": self.token_ids} if self.token_ids is not None else {}
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish}
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish, **ids}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.calls:
             message = {"role": "assistant", "content": text or None, "tool_calls": [_call_dict(c) for c in self.calls]}
-        return {"index": 0, "message": message, "logprobs": lp, "finish_reason": self.finish}
+        return {"index": 0, "message": message, "logprobs": lp, "finish_reason": self.finish, **ids}
 
     # ---- parts ----------------------------------------------------------------------------------
     def _text_and_calls(self, resp: pb.GenerateResponse) -> tuple[str, list[ToolCall]]:

@@ -7,7 +7,8 @@ A field OpenAI defines that Tandem does not implement (`n` > 1, `tool_choice` "r
 function, penalties) and any field OpenAI does not define is refused with `ApiError` naming it
 (`param`), never ignored; fields that only label a request (`user`, `metadata`) are accepted.
 `logprobs` set the gRPC `sampling.logprobs`; `tools` become `GenerateRequest.tools`, rendered by the
-model's chat template (the router refuses them when the template has none).
+model's chat template (the router refuses them when the template has none). Two vLLM extensions
+are accepted: `ignore_eos`, and `return_token_ids` (each choice carries its new `token_ids`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tandem.wire.messages import MAX_TOP_LOGPROBS
 # Fields each endpoint acts on, and those it accepts without effect (labels and defaults).
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
            "user", "prompt_cache_key", "n", "logprobs", "presence_penalty", "frequency_penalty",
-           "logit_bias", "metadata", "safety_identifier", "store", "service_tier"}
+           "logit_bias", "metadata", "safety_identifier", "store", "service_tier",
+           "ignore_eos", "return_token_ids"}   # vLLM's extensions: exact output lengths, token ids out
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -56,6 +58,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: bool = False   # render each token's logprob (and sampling.logprobs alternatives)
     tools: bool = False      # parse tool calls out of the output
+    token_ids: bool = False  # return_token_ids: each choice carries its new token ids
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -179,6 +182,10 @@ def _sampling(body: dict) -> pb.SamplingParams:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError("stop must be a string or a list of strings", "stop")
     sp.stop.extend(stops)
+    for flag in ("ignore_eos", "return_token_ids"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise ApiError(f"{flag} must be a boolean", flag)
+    sp.ignore_eos = bool(body.get("ignore_eos"))
     return sp
 
 
@@ -228,7 +235,8 @@ def _parsed(req: pb.GenerateRequest, body: dict, tools: bool = False) -> ParsedR
     if options and not stream:
         raise ApiError("stream_options is only allowed with stream=true", "stream_options")
     return ParsedRequest(req, body["model"], stream, bool(options.get("include_usage")),
-                         logprobs=req.sampling.HasField("logprobs"), tools=tools)
+                         logprobs=req.sampling.HasField("logprobs"), tools=tools,
+                         token_ids=bool(body.get("return_token_ids")))
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import grpc
+from aiohttp.test_utils import TestServer
 
 from tandem.cluster.loadgen import BenchConfig, Session
 from tandem.cluster.loadgen_client import run_rate
+from tandem.cluster.loadgen_transport import OpenAITransport
 from tandem.cluster.workloads import RequestSpec
 from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.router.admission import Overloaded
+from tandem.router.openai_api import make_app
+from tandem.router.validation import RequestLimits
 
 
 class FakeError(grpc.aio.AioRpcError):
@@ -77,3 +83,46 @@ def test_a_turn_due_past_the_duration_is_not_sent():
     assert len(stub.requests) == 1
 
 
+
+
+class FakeRouter:
+    """The OpenAI edge's Router: answers like FakeStub, sheds sessions named in `fail` (429)."""
+
+    def __init__(self, fail=()):
+        self.stub, self.limits = FakeStub(), RequestLimits()
+        self.fail = set(fail)
+
+    async def admit_and_generate(self, request, client):
+        if any(request.session_id.endswith(s) for s in self.fail):
+            raise Overloaded("queue full", 1.0)
+        self.stub.requests.append(request)
+        async for resp in self.stub._answer(request):
+            yield resp
+
+    def record_error(self, e, code):
+        pass
+
+
+def test_the_openai_api_runs_the_same_plan_with_the_same_records():
+    """`tandem bench --api openai`: the same sessions over POST /v1/completions (token ids in and
+    out through return_token_ids), statuses mapped back to gRPC names."""
+    router = FakeRouter(fail={"s-b"})
+    cfg = BenchConfig(target="fake", workload="agent", rates=(1.0,), duration_s=5.0, drain_timeout_s=1.0)
+    sessions = [session("s-a", 2), session("s-b", 1, start_s=0.01)]
+
+    async def go():
+        async with TestServer(make_app(router, "m")) as server, aiohttp.ClientSession() as http:
+            transport = await OpenAITransport.connect(http, str(server.make_url("")))
+            assert transport.model == "m"
+            return await run_rate(transport, sessions, cfg, session_workload=True, rate=1.0, vocab_size=1000,
+                                  run_tag="t")
+
+    records, not_started, _ = asyncio.run(go())
+    by = {(r.session_id, r.turn): r for r in records}
+    first = by[("s-a", 0)]
+    assert first.status == "OK" and first.finish_reason == "LENGTH" and by[("s-a", 1)].status == "OK"
+    assert len(first.token_times_s) == 4 and first.completion_tokens == 4 and first.usage_prompt_tokens == 16
+    sent = [r for r in router.stub.requests if r.session_id == "t-s-a"]
+    assert list(sent[1].prompt_token_ids[:20]) == list(sent[0].prompt_token_ids) + [7, 8, 9, 10]
+    assert sent[0].sampling.ignore_eos and sent[0].sampling.temperature == 0
+    assert by[("s-b", 0)].status == "RESOURCE_EXHAUSTED" and "queue full" in by[("s-b", 0)].error
