@@ -14,11 +14,11 @@ has() { [[ "$STEPS" == *" $1 "* ]]; }
 has transfer && TAIL=${TRANSFER_TAIL:-30} step bench_transfer ${TRANSFER_LIMIT:-240} python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer.json" ${TRANSFER_ARGS:---profile /tmp/prof}
 has transfer && tar -czf "$OUT/kv_profile.tgz" -C /tmp prof 2>/dev/null
 has ttft && TAIL=6 step bench_ttft ${TTFT_LIMIT:-160} python3 bench/kv_transfer_gpu.py --ttft --no-transfer ${TTFT_ARGS:---reps 3} --out "$OUT/kv_transfer_ttft.json"
-# PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first prefill and
-# decode actors for that long, from PYSPY_AT seconds after they start, into $OUT/pyspy-*.txt
+# PYSPY=SECONDS: py-spy (carried as .devbundle/py-spy) records every thread of the first two pool
+# actors for that long, from PYSPY_AT seconds after they start, into $OUT/pyspy-*.txt
 if has e2e && [ -n "${PYSPY:-}" ] && [ -x .devbundle/py-spy ]; then
-  for a in PrefillActor DecodeActor; do (
-    until pid=$(pgrep -f "ray::$a" | head -1) && [ -n "$pid" ]; do sleep 1; done; sleep "${PYSPY_AT:-40}"
+  for a in 1 2; do (   # every pool actor is a WorkerActor: the first two started
+    until pid=$(pgrep -f "ray::WorkerActor" | sed -n "${a}p") && [ -n "$pid" ]; do sleep 1; done; sleep "${PYSPY_AT:-40}"
     .devbundle/py-spy record -d "$PYSPY" -r 50 --idle --threads --nonblocking --native -f raw -o "$OUT/pyspy-$a.txt" -p "$pid" \
       > "$OUT/pyspy-$a.log" 2>&1 || .devbundle/py-spy record -d "$PYSPY" -r 50 --idle --threads --nonblocking -f raw \
       -o "$OUT/pyspy-$a.txt" -p "$pid" >> "$OUT/pyspy-$a.log" 2>&1 ) & done; fi

@@ -112,7 +112,7 @@ class PrefillReservation:
 
 @dataclass(frozen=True)
 class FirstTokenReady:
-    """`PrefillActor.first_token`: the first output token as soon as it is sampled, with where the
+    """A prefill worker's `first_token`: the first output token as soon as it is sampled, with where the
     time went on the prefill actor (`timings`: stage -> seconds; empty when unknown)."""
     first: FirstToken
     timings: dict[str, float] = field(default_factory=dict)
@@ -120,7 +120,7 @@ class FirstTokenReady:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """`PrefillActor.start`, once the KV has arrived: the first output token again, with the
+    """A prefill worker's `start`, once the KV has arrived: the first output token again, with the
     prompt's split between cached and computed tokens."""
     cached_tokens: int
     computed_tokens: int

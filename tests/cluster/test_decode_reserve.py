@@ -12,7 +12,7 @@ import pytest
 from tandem.decode_workers.worker import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.base import KVTransferError, TransferState
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.torch_dist import DistConnector, start_rendezvous_store
@@ -79,8 +79,12 @@ def test_expect_from_another_prefill_actor_redirects_the_registered_receive(work
 
 def test_a_receive_that_cannot_be_registered_fails_the_reserve_and_keeps_nothing(worker):
     w = worker
-    with pytest.raises(ValueError, match="distinct"):     # the sender cannot be the receiver itself
-        reserve(w, "req-3", list(range(100, 200)), "t-3", "decode-r")
+    plan = reserve(w, "req-self", list(range(100, 200)), "t-self", "decode-r")
+    assert not plan.remote                               # named as its own prefill actor: prefills locally
+    assert w.abort("req-self") and used_blocks(w) == 0
+    w.receiver.close()                                   # a receiver that takes no transfer
+    with pytest.raises(KVTransferError, match="closed"):
+        reserve(w, "req-3", list(range(300, 400)), "t-3", "prefill-7")
     assert used_blocks(w) == 0
     assert w.held() == {}
     with pytest.raises(NoReservation):                     # and nothing to `expect` into
