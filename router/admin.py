@@ -81,5 +81,9 @@ def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
 def publish_cluster_metrics(hub, state: ClusterState) -> None:
     hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(w) for w in state.workers if w.stats is not None])
     for name, p in state.pools.items():
-        hub.set_pool(name, p.size, p.target)
+        roles: dict[str, int] = {}
+        for w in state.workers:
+            if w.pool == name and w.state in ("ready", "draining"):
+                roles[w.role or w.pool] = roles.get(w.role or w.pool, 0) + 1
+        hub.set_pool(name, p.size, p.target, roles)
 

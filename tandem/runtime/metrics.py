@@ -53,7 +53,7 @@ METRIC_NAMES = (
     "tandem:prefix_cache_queries", "tandem:prefix_cache_hits", "tandem:kv_transfer_seconds",
     "tandem:kv_transfer_bytes", "tandem:spec_decode_draft_tokens",
     "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
-    "tandem:request_migrations", "tandem:requests",
+    "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
 )
 
 
@@ -260,6 +260,9 @@ class MetricsHub:
                                ["pool"], registry=r)
         self.pool_target = Gauge("tandem:pool_target", "The autoscaler's target, by pool.",
                                  ["pool"], registry=r)
+        self.workers_by_role = Gauge("tandem:pool_workers_by_role",
+                                     "Live workers of a pool by what they serve now (prefill, decode, mixed).",
+                                     ["pool", "role"], registry=r)
         self.migrations = Counter("tandem:request_migrations",
                                   "Requests moved to another worker mid-flight, by reason.",
                                   ["reason"], registry=r)
@@ -298,9 +301,12 @@ class MetricsHub:
         self.running.labels(pool="router").set(running)
         self.waiting.labels(pool="router").set(waiting)
 
-    def set_pool(self, pool: str, size: int, target: int) -> None:
+    def set_pool(self, pool: str, size: int, target: int, roles: dict[str, int] | None = None) -> None:
+        """`roles`: the pool's workers by role (a worker lent to the other role counts in its pool)."""
         self.pool_size.labels(pool=pool).set(size)
         self.pool_target.labels(pool=pool).set(target)
+        for role in ("prefill", "decode", "mixed"):
+            self.workers_by_role.labels(pool=pool, role=role).set((roles or {}).get(role, 0))
 
     # --- workers' reports ---------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def test_endpoint_serves_router_and_worker_metrics():
     hub.record_finished(code="OK", finish_reason="STOP", e2e_seconds=1.5)
     hub.record_finished(code="RESOURCE_EXHAUSTED", finish_reason="none", e2e_seconds=None)
     hub.record_migration("worker_lost")
-    hub.set_pool("decode", size=3, target=4)
+    hub.set_pool("decode", size=3, target=4, roles={"decode": 2, "mixed": 1})
     hub.set_router_queue(running=5, waiting=2)
 
     d0 = WorkerCounters("d0", "decode", incarnation="pid1")
@@ -84,6 +84,8 @@ def test_endpoint_serves_router_and_worker_metrics():
     assert m[("tandem:request_migrations_total", (("reason", "worker_lost"),))] == 1
     assert m[("tandem:pool_size", (("pool", "decode"),))] == 3
     assert m[("tandem:pool_target", (("pool", "decode"),))] == 4
+    assert m[("tandem:pool_workers_by_role", (("pool", "decode"), ("role", "mixed")))] == 1
+    assert m[("tandem:pool_workers_by_role", (("pool", "decode"), ("role", "prefill")))] == 0
     assert m[("tandem:num_requests_running", (("pool", "decode"),))] == 6
     assert m[("tandem:num_requests_waiting", (("pool", "prefill"),))] == 3
     assert m[("tandem:num_requests_waiting", (("pool", "router"),))] == 2
