@@ -95,6 +95,13 @@ def _register_scale(sub) -> None:
     sc.add_argument("--size", type=int, help="pin the pool at this size (the autoscaler leaves it alone)")
     _client_flags(sc)
     sc.set_defaults(func=cmd_scale)
+    r = sub.add_parser("set-role", help="change what a worker serves (prefill, decode or mixed) in place")
+    r.add_argument("--target", default=DEFAULT_TARGET, help="router address")
+    r.add_argument("worker", help="worker id, as `tandem status` lists it")
+    r.add_argument("role", choices=["prefill", "decode", "mixed"])
+    r.add_argument("--reason", default="operator", help="recorded in the role-change log")
+    _client_flags(r)
+    r.set_defaults(func=cmd_set_role)
 
 
 def _register_bench(sub) -> None:
@@ -143,6 +150,18 @@ def _register_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     return loadgen_client.cmd_bench(args)
+
+
+def cmd_set_role(args) -> int:
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
+    try:
+        w = stub.SetWorkerRole(admin_pb2.SetWorkerRoleRequest(worker_id=args.worker, role=args.role,
+                                                              reason=args.reason), timeout=15)
+    except grpc.RpcError as e:
+        print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"{w.id} ({w.pool} pool): now {w.role}")
+    return 0
 
 
 def cmd_scale(args) -> int:

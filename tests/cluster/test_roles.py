@@ -11,6 +11,7 @@ import time
 
 import ray
 
+from tandem.cluster.cli import main
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.protos.tandem.v1 import admin_pb2
@@ -63,7 +64,7 @@ def _set_role(c, worker_id: str, role: str, reason: str) -> float:
     return took
 
 
-def test_roles_change_under_traffic_with_no_request_lost_and_outputs_token_exact(make_cluster):
+def test_roles_change_under_traffic_with_no_request_lost_and_outputs_token_exact(make_cluster, capsys):
     c = make_cluster(CLUSTER)
     n = 16
     ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=512))).generate(
@@ -99,5 +100,12 @@ def test_roles_change_under_traffic_with_no_request_lost_and_outputs_token_exact
     assert len(state.role_changes) == 4
     used = c.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
-    print(f"set_role round trips (s): {[round(t, 4) for t in took]}; on the actor: "
-          f"{[round(x.took_s, 4) for x in log]}")
+    with capsys.disabled():
+        print(f"\nset_role round trips (s): {[round(t, 4) for t in took]}; on the actor: "
+              f"{[round(x.took_s, 4) for x in log]}")
+    # the operator's way: `tandem set-role`, then `tandem status` shows the role and the log
+    assert main(["set-role", "--target", c.target, "decode-0", "mixed", "--reason", "from the CLI"]) == 0
+    assert "decode-0 (decode pool): now mixed" in capsys.readouterr().out
+    assert main(["status", "--target", c.target]) == 0
+    out = capsys.readouterr().out
+    assert "decode-0     decode   mixed" in out and "decode -> mixed" in out and "from the CLI" in out
