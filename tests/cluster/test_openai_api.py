@@ -119,15 +119,21 @@ def test_disconnect_mid_stream_frees_every_block(cluster):
     assert router.counters["cancelled"] == cancelled + 1   # cancelled by the disconnect, not finished
 
 
-def test_the_readme_curl_example_runs(cluster):
+def test_the_readme_curl_examples_run(cluster):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    command = re.search(r"```\n(curl [^`]*?)\n```", readme).group(1)
+    commands = re.findall(r"```\n(curl [^`]*?)\n```", readme)
+    assert len(commands) == 2
     port = cluster.routers[1][1].http_port   # the router with auth on, as off loopback
-    command = command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "TANDEM_AUTH_TOKEN": TOKEN})
-    body = json.loads(out.stdout)
-    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0, body
+    bodies = []
+    for command in commands:
+        command = command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, check=True,
+                             env={**os.environ, "TANDEM_AUTH_TOKEN": TOKEN})
+        bodies.append(json.loads(out.stdout))
+    chat, completion = bodies
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] > 0, chat
+    lp = completion["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4 and all(len(t) == 2 for t in lp["top_logprobs"])
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
