@@ -158,7 +158,7 @@ class DecodeWorker:
 
     # ---- on the loop thread: placing a request ------------------------------------------------
     def _reserve(self, r: DecodeReserve) -> DecodePlan:
-        if self.draining:
+        if self.draining and r.replaces is None:     # (a request it held continues here)
             raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
         req = e.make_request(r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)

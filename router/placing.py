@@ -280,8 +280,8 @@ class Placer:
         rid = att.request_id = self._attempt_id(old.rsplit("/", 1)[0])
         if queue is not None:
             self._listen(rid, queue)
-        plan = await self.reservation(att.decode.reserve.remote(DecodeReserve(rid, self.view.router_id, ids, sp)),
-                                      undo=lambda: att.decode.abort.remote(rid))
+        ask = DecodeReserve(rid, self.view.router_id, ids, sp, replaces=old)   # taken even while draining
+        plan = await self.reservation(att.decode.reserve.remote(ask), undo=lambda: att.decode.abort.remote(rid))
         if att.local_hold is None:
             att.local_hold = self.hold(self.local_queued, att.decode_id, len(ids) - plan.cached_tokens)
         if att.first_task is not None:

@@ -133,13 +133,16 @@ class PrefillResult:
 class DecodeReserve:
     """Place a request on a decode actor. `transfer_id` set: remote prefill is on offer under that
     id; `prefill_id`: the prefill actor the router asks first (the decode actor then registers the
-    receive from it at once)."""
+    receive from it at once). `replaces`: the attempt this one continues on the same actor (its
+    remote prefill failed, so it prefills locally): work in flight, taken even by an actor that
+    takes no new requests (draining, or its decode role dropped)."""
     request_id: str
     router_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     transfer_id: str | None = None
     prefill_id: str | None = None
+    replaces: str | None = None
 
 
 @dataclass(frozen=True)

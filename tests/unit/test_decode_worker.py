@@ -70,10 +70,13 @@ def test_a_first_token_for_a_request_that_is_gone_is_refused(decode):
     assert not decode.first_token("r3", FirstToken(5, "x"))
 
 
-def test_a_draining_worker_takes_no_new_requests(decode):
+def test_a_draining_worker_takes_no_new_requests_but_continues_one_it_held(decode):
     decode.draining = True
     with pytest.raises(WorkerUnavailable):
         decode.reserve(DecodeReserve("r4", "router-a", list(range(10, 20)), SP))
+    # a request whose remote prefill failed continues here as a local prefill: work in flight
+    assert not decode.reserve(DecodeReserve("r4/2", "router-a", list(range(10, 20)), SP, replaces="r4/1")).remote
+    assert drain(decode, "router-a", {"r4/2"})[-1].finished
 
 
 def test_a_silent_router_loses_its_requests_and_their_kv_and_finds_errors_when_back():
