@@ -189,3 +189,41 @@ def test_a_failing_step_fails_each_parts_requests_once_and_frees_their_kv(a, b):
     assert [m.request_id for m in out if isinstance(m, OutputError)] == ["r-dec"]
     assert_clean(a)
     assert a.stats().step_failures == 1
+
+
+def test_roles_flipping_all_the_time_lose_no_accepted_request_and_leak_no_block(a, b):
+    """Two workers whose roles change every few milliseconds while requests go both ways: every
+    request either is refused at its reservation (WorkerUnavailable, as a router sees it) or
+    finishes with the one-engine output; at the end neither holds anything."""
+    stop = threading.Event()
+
+    def flip():
+        roles = ("prefill", "decode", "mixed")
+        i = 0
+        while not stop.is_set():
+            a.set_role(roles[i % 3])
+            b.set_role(roles[(i + 1) % 3])
+            i += 1
+            time.sleep(0.003)
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    done, refused = 0, 0
+    try:
+        for i in range(12):
+            src, dst = (a, b) if i % 2 else (b, a)
+            ids = list(range(20 + 7 * i, 100 + 7 * i))
+            try:
+                rp = RemotePrefill(src, dst, f"r-flip-{i}", ids).reserve()
+            except WorkerUnavailable:
+                refused += 1
+                for w, rid in ((dst, f"r-flip-{i}"), (src, f"r-flip-{i}#t")):
+                    w.abort(rid)                      # the router drops the half it got
+                continue
+            assert rp.start().finish() == one_engine(ids)
+            done += 1
+    finally:
+        stop.set()
+        flipper.join()
+    assert done + refused == 12 and done > 0, (done, refused)
+    assert_clean(a, b)
