@@ -76,3 +76,50 @@ def test_token_store_guards_the_api_but_not_health():
         async with TestClient(TestServer(make_app(FakeRouter(), M, store))) as client:
             return (await client.get("/health")).status
     assert asyncio.run(health()) == 200
+
+
+class ToolTokenizer:
+    chat_template = "{% for t in tools %}{{ t | tojson }}{% endfor %} answer in <tool_call></tool_call>"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids)
+
+
+def _tool_router():
+    parts = ['Sure.<tool', '_call>\n{"name": "get_weather", "arg', 'uments": {"city": "Paris"}}\n</tool_call>']
+    router = FakeRouter(*[pb.GenerateResponse(text=t, token_ids=[i + 1], request_id="r1" if i == 0 else "",
+                                              finish_reason=pb.STOP if i == 2 else 0,
+                                              logprobs=[pb.TokenLogprob(token_id=i + 1, logprob=-0.5)])
+                          for i, t in enumerate(parts)])
+    router.tokenizer = ToolTokenizer()
+    return router
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tool_calls_reach_the_openai_client_streamed_and_whole():
+    """The edge's wiring of router/tool_calls.py with the openai SDK as the client: the call comes
+    back as tool_calls (whole) or as a tool_calls delta (streamed), with finish_reason tool_calls."""
+    import openai
+
+    async def go():
+        async with TestServer(make_app(_tool_router(), M)) as server:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+            whole = await client.chat.completions.create(model=M, messages=BODY["messages"], tools=TOOLS)
+        async with TestServer(make_app(_tool_router(), M)) as server:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+            stream = await client.chat.completions.create(model=M, messages=BODY["messages"], tools=TOOLS,
+                                                          stream=True, logprobs=True)
+            chunks = [c async for c in stream]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(go())
+    msg = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [lp.token for c in chunks for lp in c.choices[0].logprobs.content] == ["a", "b", "c"]
