@@ -95,7 +95,7 @@ def validate_request(req, *, vocab_size: int, max_context: int,
         messages = _check_messages(req.messages, limits)
 
     sampling, max_tokens_given = _check_sampling(req.sampling, vocab_size, max_context, limits)
-    tools = _check_tools(req.tools) if len(req.tools) else None
+    tools = _check_tools(req.tools, limits) if len(req.tools) else None
     if tools is not None and messages is None:
         raise InvalidRequest("tools are only allowed with messages (the chat template renders them)")
     if token_ids is not None:
@@ -171,7 +171,7 @@ def _check_messages(messages, limits: RequestLimits) -> list[dict[str, str]]:
         if m.role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role is {_preview(m.role)}; allowed roles are "
                                  f"{', '.join(CHAT_ROLES)}")
-        num_bytes += len(m.content.encode("utf-8"))
+        num_bytes += len(m.content.encode("utf-8")) + sum(len(c.arguments.encode("utf-8")) for c in m.tool_calls)
         out.append(_message_dict(m, i))
     if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise InvalidRequest("every message's content is empty; at least one must have text")
@@ -196,7 +196,9 @@ def _message_dict(m, i: int) -> dict:
     return d
 
 
-def _check_tools(tools) -> list[dict]:
+def _check_tools(tools, limits: RequestLimits) -> list[dict]:
+    _check_bytes("tools", sum(len(t.parameters.encode("utf-8")) + len(t.description.encode("utf-8"))
+                              for t in tools), limits)
     out = []
     for i, t in enumerate(tools):
         if not t.name:

@@ -261,3 +261,24 @@ def test_prompt_empty_after_tokenization():
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="max_stop_strings must be an integer >= 1"):
         RequestLimits(max_stop_strings=0)
+
+
+def test_logprobs_and_tools_as_the_template_and_engine_take_them():
+    v = validate(make_request(sampling={"logprobs": 3}))
+    assert v.sampling.logprobs == 3 and validate(make_request()).sampling.logprobs is None
+    rejects(make_request(sampling={"logprobs": 21}), "logprobs", "20")
+    call = pb.ToolCall(id="c1", name="f", arguments='{"x": 1}')
+    msgs = [pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="assistant", tool_calls=[call]),
+            pb.ChatMessage(role="tool", content="42", tool_call_id="c1", name="f")]
+    v = validate(make_request(messages=msgs, tools=[pb.Tool(name="f", parameters='{"type": "object"}')]))
+    assert v.tools == [{"type": "function", "function": {"name": "f", "description": "",
+                                                          "parameters": {"type": "object"}}}]
+    assert v.messages[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "f",
+                                                                                        "arguments": {"x": 1}}}]
+    assert v.messages[2] == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}
+    rejects(make_request(tools=[pb.Tool(name="f")]), "only allowed with messages")
+    rejects(make_request(messages=msgs[:1], tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0].parameters")
+    bad = [pb.ChatMessage(role="user", content="x", tool_calls=[call])]
+    rejects(make_request(messages=bad), "only assistant messages")
+    rejects(make_request(messages=[msgs[0], pb.ChatMessage(role="assistant", tool_calls=[
+        pb.ToolCall(name="f", arguments="{oops")])]), "not valid JSON")
