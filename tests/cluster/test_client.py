@@ -134,3 +134,23 @@ def test_tandem_chat_runs_a_session_through_the_client(cluster):
     assert "session cli-chat-1" in out.stderr and out.stdout.count("assistant> ") == 2
     usage = [line for line in out.stderr.splitlines() if "prompt tokens" in line]
     assert len(usage) == 2 and " 0 cached" not in usage[1]     # the second turn hit the session's cache
+
+
+def test_tandem_bench_drives_the_openai_edge(cluster, tmp_path):
+    """`tandem bench --api openai`: the agent-small sessions over POST /v1/completions, recorded as
+    over gRPC (the model's limits probed through the HTTP edge; token counts, cache hits)."""
+    import json
+
+    port = cluster.routers[0][1].http_port
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", "bench", "--api", "openai", "--target", f"127.0.0.1:{port}",
+           "--workload", "agent-small", "--rate", "2", "--duration", "3", "--sessions", "2", "--max-context", "400",
+           "--out", str(tmp_path), "--label", "http"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "TANDEM_AUTH_TOKEN": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "(openai)" in proc.stdout
+    report = json.loads((tmp_path / "bench-http.json").read_text())
+    assert report["config"]["vocab_size"] == 512 and report["config"]["api"] == "openai"
+    reqs = report["runs"][0]["requests"]
+    assert reqs and all(r["status"] == "OK" and r["finish_reason"] == "LENGTH" for r in reqs)
+    assert all(r["completion_tokens"] == r["max_tokens"] == len(r["token_times_s"]) for r in reqs)
+    assert any(r["turn"] > 0 for r in reqs) and all(r["cached_prompt_tokens"] > 0 for r in reqs if r["turn"] > 0)
