@@ -388,6 +388,7 @@ class DecodeWorker:
             waiting=len(e.scheduler.waiting) + len(e.scheduler.ready) + waiting_kv,
             kv_blocks_used=a.num_used_blocks, kv_blocks_total=a.num_blocks,
             prefix_queries=a.prefix_queries, prefix_hits=a.prefix_hits, tokens_computed=e.stats.tokens_computed,
+            **e.stats.prompt_counters(),
             steps=e.stats.steps, busy_s=self.loop.busy_s, draining=self.draining,
             tpot=Percentiles(**self.tpot.percentiles(self.clock())),
             kv_blocks_waiting=sum(a.blocks_needed(r.num_tokens) for r in e.scheduler.waiting),

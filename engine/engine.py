@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tandem.engine.stats import EngineStats
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache import KVCache, num_blocks_for
@@ -41,19 +42,6 @@ class RequestOutput:
     # a prefill-only request's first output token, as the decode actor continues from it
     first: FirstToken | None = None
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    tokens_computed: int = 0  # positions run through the model (prompt chunks, decode, drafts)
-    preemptions: int = 0
-    per_request_computed: dict[str, int] = field(default_factory=dict)
-    # speculative decoding: drafts verified and accepted, and (sequence, step) pairs that verified
-    # at least one draft; accepted drafts / draft_seq_steps + 1 = tokens per verify step
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    draft_seq_steps: int = 0
 
 
 class LLMEngine:
@@ -184,8 +172,7 @@ class LLMEngine:
         graphs = self.runner.graphs
         captures = graphs.captures if graphs is not None else 0
         # prefill positions counted now, before the scheduler advances the requests
-        prefill = sum(x.num_new_tokens for x in sched.scheduled
-                      if x.request.num_computed_tokens < x.request.num_prompt_tokens)
+        prefill = self.stats.count_prompts(sched.scheduled)
         t2 = time.perf_counter()
         logits = self.runner.execute(batch, hook)
         t3 = time.perf_counter()

@@ -400,6 +400,7 @@ class PrefillWorker:
                                      for r in list(e.scheduler.running) + list(e.scheduler.ready)),
             in_flight=started + reserved, kv_blocks_used=a.num_used_blocks, kv_blocks_total=a.num_blocks,
             prefix_queries=a.prefix_queries, prefix_hits=a.prefix_hits, tokens_computed=e.stats.tokens_computed,
+            **e.stats.prompt_counters(),
             steps=e.stats.steps, busy_s=self.loop.busy_s, draining=self.draining,
             prefill_latency=Percentiles(**self.latency.percentiles(self.clock())),
             loop_error=repr(self.loop.error) if self.loop.error else None,

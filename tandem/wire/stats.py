@@ -58,6 +58,9 @@ class WorkerStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     tokens_computed: int = 0
+    prompt_tokens_computed: int = 0    # engine: prompt positions computed (not cached, not received)
+    prompts_completed: int = 0         # engine: prompts whose last position it computed
+    prompt_tokens_completed: int = 0   # ... and their lengths
     steps: int = 0
     busy_s: float = 0.0
     requests: int = 0                  # decode: reserves taken

@@ -68,6 +68,11 @@ def test_shared_prefix_computes_only_new_tokens(smollm2, make_engine):
     assert cached == (shared // bs) * bs and cached >= 64
     # prompt positions computed for b = prompt - cached, plus one per decode step after the first token
     assert e.stats.per_request_computed["b"] == n_prompt - cached + len(second["token_ids"]) - 1
+    # the prompt counters the controller reads the demand from: positions computed (not cached),
+    # prompts completed and their lengths
+    n_first = len(first["prompt_token_ids"])
+    assert e.stats.prompt_tokens_computed == n_first + n_prompt - cached
+    assert e.stats.prompts_completed == 2 and e.stats.prompt_tokens_completed == n_first + n_prompt
     fresh = make_engine(model, tok, prefix_caching=False)
     alone = fresh.generate([{"prompt": prefix + " Review: y = 2", "max_tokens": 8}])[0]
     assert alone["token_ids"] == second["token_ids"]

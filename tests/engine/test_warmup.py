@@ -12,7 +12,8 @@ import pytest
 from tandem.cluster.config import load_config
 from tandem.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.wire.errors import ConfigError
-from tandem.engine.engine import EngineStats, LLMEngine
+from tandem.engine.engine import LLMEngine
+from tandem.engine.stats import EngineStats
 
 
 def _config() -> EngineConfig:
