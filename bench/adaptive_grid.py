@@ -9,11 +9,12 @@ adaptive / colocated; then the worst ratio and the 15 ms points.
 
 from __future__ import annotations
 
+from tandem.perf_model import PerfModel
+
 import argparse
 import itertools
 import json
 
-from tandem.cluster.layouts import load_perf
 from tandem.cluster.sim_model import SLO
 from tandem.cluster.simulate_compare import compare
 
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--json", help="also write every row here")
     args = ap.parse_args(argv)
-    perf = load_perf(args.perf)
+    perf = PerfModel.load(args.perf)
     rows, worst, at15 = [], [], []
     head = f"{'gpus':>4} {'ctx':>6} {'tpot':>4} {'ttft':>5} {'rate':>5}  goodput per layout (r/s)"
     print(head)

@@ -114,5 +114,5 @@ class ActorStarter:
         # every worker can prefill for others and decode (tandem.workers); its pool gives its first role
         handle = WorkerActor.options(**opts).remote(worker_id, pool, engine_cfg, self.rendezvous,
                                                     self.config.decode.local_prefill_threshold, pcfg.num_cpus,
-                                                    self.config.kv_transfer)
+                                                    self.config.kv_transfer, role=pcfg.role or None)
         return ActorMember(worker_id, pool, handle, self.health_timeout_s)

@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 from tandem.client import Client, TandemError
 from tandem.cluster import loadgen_client, profiling
-from tandem.cluster.config import load_config
+from tandem.cluster.config import ADAPTIVE, load_config
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
 from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
                                 load_client_token, resolve_auth, with_metadata)
@@ -53,6 +53,10 @@ def register(sub) -> None:
                          "(prefill.max_queued_tokens; default inf)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
     up.add_argument("--autoscale", action="store_true", help="size each pool from its own load (bounds in config)")
+    up.add_argument("--layout", choices=["static", "adaptive"], default="static",
+                    help="adaptive: decode workers decode and prefill, the router places each prompt by the "
+                         "cost model (router.perf_model, router.slo_*_ms) and the controller lends workers "
+                         "to prefill only under prompt load (roles: section); static: the pools as configured")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
     sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
@@ -199,6 +203,8 @@ def cmd_up(args) -> int:
                  "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
                  "autoscaler.enabled": True if args.autoscale else None}
+    if args.layout == "adaptive":
+        overrides = {**ADAPTIVE, **{k: v for k, v in overrides.items() if v is not None}}
     config = load_config(args.config, overrides)
     setup_logging(level=args.log_level)
     # refuse an unsafe security setup before starting anything

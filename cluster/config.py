@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from tandem.cluster.roles import RoleConfig
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.wire.errors import ConfigError
@@ -46,8 +47,13 @@ class PoolConfig:
     # the request itself instead. A backlogged prefill pool costs a request more TTFT than a local
     # prefill costs the decode batch in TPOT (conditional disaggregation). inf: always remote.
     max_queued_tokens: float = math.inf
+    # the role its workers start in: "prefill" | "decode" | "mixed" (both); "": the pool's name.
+    # The adaptive layout starts decode workers "mixed" and the role policy lends some to prefill.
+    role: str = ""
 
     def __post_init__(self) -> None:
+        if self.role not in ("", "prefill", "decode", "mixed"):
+            raise ConfigError(f"pool: role must be prefill, decode or mixed, got {self.role!r}")
         if self.replicas < 0:
             raise ConfigError(f"pool: replicas must be >= 0, got {self.replicas}")
         if self.num_gpus < 0 or self.num_cpus < 0:
@@ -111,6 +117,20 @@ class ClusterConfig:
     # between prefill and decode actors (docs/architecture.md "KV transfer"); a prefill may queue
     # for minutes before its first layer, hence the long start timeout
     kv_transfer: KVTransferConfig = field(default_factory=lambda: KVTransferConfig(start_timeout_s=600.0))
+    # the adaptive layout's role policy (cluster/roles.py); it places prompts by the cost model
+    roles: RoleConfig = field(default_factory=RoleConfig)
+
+    def __post_init__(self) -> None:
+        if self.roles.enabled and self.router.placement != "cost":
+            raise ConfigError("roles.enabled needs router.placement: cost (the role policy and the router "
+                              "decide from the same cost model); `tandem up --layout adaptive` sets both")
+
+
+# what `tandem up --layout adaptive` sets: every decode worker decodes and prefills ("mixed"), the
+# router places each prompt by the cost model (its own prefill or another worker's: the decode
+# worker follows, threshold 0), and the role policy lends workers to prefill only
+ADAPTIVE = {"roles.enabled": True, "router.placement": "cost", "decode.role": "mixed",
+            "decode.local_prefill_threshold": 0}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -148,6 +168,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "router": dataclasses.asdict(cfg.router),
         "autoscaler": {"enabled": cfg.autoscale, **cfg.autoscaler.to_dict()},
         "kv_transfer": dataclasses.asdict(cfg.kv_transfer),
+        "roles": dataclasses.asdict(cfg.roles),
     }
 
 
@@ -186,4 +207,4 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(str(e)) from None
     return ClusterConfig(engine=engine, router=_build(RouterConfig, data["router"], "router"),
                          autoscale=enabled, autoscaler=AutoscalerConfig.from_dict(auto),
-                         kv_transfer=transfer, **pools)
+                         kv_transfer=transfer, roles=_build(RoleConfig, data["roles"], "roles"), **pools)

@@ -48,6 +48,7 @@ class Controller:
                 self.pools.check()
                 if self.pools.autoscale:
                     self.pools.maybe_autoscale()
+                self.pools.maybe_roles()
             except Exception:  # noqa: BLE001 - keep checking
                 log.exception("health check round failed")
 

@@ -4,13 +4,15 @@ written as JSON (and a plot, when matplotlib is installed)."""
 
 from __future__ import annotations
 
+from tandem.perf_model import PerfModel
+
 import json
 import re
 from pathlib import Path
 
 import yaml
 
-from tandem.cluster.layouts import load_perf, predict
+from tandem.cluster.layouts import predict
 from tandem.engine.config import PRESETS
 
 
@@ -27,7 +29,7 @@ def simulate_beside(reports: dict[str, dict], out: Path, perf_path: str | None) 
     requests the bench sent (each layout's config is `out/config-<layout>.yaml`). The perf model is
     `tandem profile`'s JSON (`perf_path`) or the simulator's assumed 8B-on-H200 default. Prints and
     returns rows of measured / predicted goodput, TTFT p90 and TPOT p90 (simulated.json too)."""
-    perf = load_perf(perf_path)
+    perf = PerfModel.load(perf_path)
     print(f"\nsimulator beside measurement (perf model: {perf_path or 'assumed 8B on H200'}): "
           "measured / predicted")
     print(f"{'layout':>14} {'rate':>5} {'goodput':>13} {'TTFT p90 ms':>15} {'TPOT p90 ms':>15}")
@@ -66,7 +68,7 @@ def print_predictions(configs: dict[str, dict], args) -> list[dict]:
     would send, with no cluster started. Prints goodput and TTFT / TPOT p50, p90, p99
     (predicted.json and, with matplotlib, predicted.png under args.out too)."""
     bench = bench_config(args)
-    perf = load_perf(args.perf)
+    perf = PerfModel.load(args.perf)
     print(f"predicted (perf model: {args.perf or 'assumed 8B on H200'}; {args.workload}, {args.duration:g} s per "
           f"rate, seed {args.seed}); SLOs TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.tpot_slo_ms:g} ms")
     print(f"{'layout':>14} {'rate':>5} {'sent':>5} {'goodput':>8} {'TTFT ms p50/p90/p99':>22} "

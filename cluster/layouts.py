@@ -4,11 +4,9 @@ requests `tandem bench` sends it (`predict`). Pure but for the simulator's seede
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import replace
-from pathlib import Path
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
 from tandem.cluster.sim_model import SLO, SimSummary
@@ -63,15 +61,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--layouts: {item!r} is not P:D with P >= 0 and D >= 1")
         out.append((n_prefill, n_decode))
     return out
-
-
-def load_perf(path: str | None) -> PerfModel:
-    """`tandem profile`'s JSON (its "perf_model", or the model alone), or the simulator's assumed
-    8B-on-H200 model when `path` is None."""
-    if path is None:
-        return PerfModel()
-    d = json.loads(Path(path).read_text())
-    return PerfModel.from_dict(d.get("perf_model", d))
 
 
 def layout_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool]:

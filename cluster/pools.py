@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from tandem.cluster.roles import PromptCounters, RoleDecision, RoleState, decide_roles, demand_from_stats, role_move
+from tandem.perf_model import PerfModel
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.members import Member, Probe
@@ -148,6 +150,12 @@ class Pools:
         self.last_decision: AutoscalerDecision | None = None
         self._ids = {p: itertools.count() for p in POOLS}
         self._lock = threading.RLock()
+        # the adaptive layout's role policy (cluster.roles), on the router's cost model and SLOs
+        self.perf = PerfModel.load(config.router.perf_model) if config.roles.enabled else None
+        self.role_state = RoleState()
+        self.role_decision: RoleDecision | None = None   # the latest, changed or not
+        self._prompts: PromptCounters | None = None
+        self._next_roles = 0.0
 
     # ---- membership -------------------------------------------------------------------------
     def reconcile(self) -> None:
@@ -158,7 +166,8 @@ class Pools:
                 live = [w for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready")]
                 for _ in range(self.targets[pool] - len(live)):
                     wid = f"{pool}-{next(self._ids[pool])}"
-                    self.workers[wid] = WorkerRecord(self.start_member(pool, wid), self.clock())
+                    self.workers[wid] = WorkerRecord(self.start_member(pool, wid), self.clock(),
+                                                     role=getattr(self.config, pool).role)
                     log.info("starting %s", wid)
                 extra = len(live) - self.targets[pool]
                 if extra > 0:
@@ -263,6 +272,28 @@ class Pools:
             del self.decisions[:-500]
         if changed:
             self.reconcile()
+
+    # ---- roles ------------------------------------------------------------------------------
+    def maybe_roles(self) -> None:
+        """Once per `roles.period_s` (adaptive layout): the role policy on the measured demand;
+        when it moves, one worker changes role in place, with the policy's reason in the log."""
+        cfg = self.config.roles
+        now = self.clock()
+        if not cfg.enabled or now < self._next_roles:
+            return
+        self._next_roles = now + cfg.period_s
+        live = [w for w in self.state().workers if w.state == "ready" and w.stats is not None]
+        demand, self._prompts = demand_from_stats(live, self._prompts, now, self.config.engine.cache.block_size)
+        if len(live) < 2:
+            return
+        rc = self.config.router
+        state = replace(self.role_state, prefill_workers=sum(w.role == "prefill" for w in live))
+        d, self.role_state = decide_roles(self.perf, demand, len(live), state, now, rc.slo_ttft_ms / 1e3,
+                                          rc.slo_tpot_ms / 1e3, cfg)
+        self.role_decision = d
+        if d.changed:
+            wid, role = role_move(live, d)
+            self.set_role(wid, role, d.reason)
 
     # ---- what the API answers ---------------------------------------------------------------
     def state(self) -> ClusterState:

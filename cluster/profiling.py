@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 from tandem.cluster.autoscaler import AutoscalerConfig
+from tandem.cluster.calibration import calibrate_on_cluster
 from tandem.cluster.config import load_config
-from tandem.cluster.layouts import load_perf
 from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
@@ -25,7 +25,7 @@ from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
+from tandem.protos.tandem.v1 import generation_pb2_grpc
 from tandem.wire.messages import SamplingParams
 
 
@@ -42,7 +42,7 @@ def _timed(fn, repeats: int = 2) -> float:
 SIZES = {
     "small": {"prefill_lengths": (64, 256, 1024), "contexts": (0, 512), "batches": (1, 4, 16),
               "decode_contexts": (128, 512), "step_batches": (1, 4, 16)},
-    "large": {"prefill_lengths": (512, 2048, 8192), "contexts": (0, 8192), "batches": (1, 8, 32, 64),
+    "large": {"prefill_lengths": (128, 512, 2048, 8192), "contexts": (0, 8192), "batches": (1, 8, 32, 64),
               "decode_contexts": (1024, 8192), "step_batches": (1, 8, 32, 64)},
 }
 
@@ -83,7 +83,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
         prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
         draft_tokens, step_batches = draft_tokens[-1:], step_batches[:1] + step_batches[-1:]
     longest = max(max(batches) * (max(decode_contexts) + 8), max(contexts) + max(prefill_lengths),
-                  max(step_batches, default=0) * (min(decode_contexts) + 128))
+                  max(step_batches, default=0) * (max(decode_contexts) + 160))
     e = _make_engine(model, device, dtype, speculative, num_blocks=max(4096, longest // 16 + 256))
     if e.wants_warmup:     # on CUDA: every kernel compiled and decode graphs captured, as an actor's are
         e.warmup()
@@ -94,7 +94,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
         return [rng.randrange(3, vocab) for _ in range(n)]
 
     samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens)
-    steps = [s for b in step_batches for s in _time_steps(e, tokens, b, decode_contexts[0])]
+    steps = [s for b in step_batches for s in _time_steps(e, tokens, b, decode_contexts[-1])]
     return samples, steps
 
 
@@ -149,7 +149,7 @@ def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_context
     return samples
 
 
-def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 12) -> list[tuple[int, int, float, float]]:
+def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 16) -> list[tuple[int, int, float, float]]:
     """Whole `LLMEngine.step`s of `batch` sequences decoding at about `ctx` tokens of context each.
     Prompts repeat a 32-token phrase, so n-gram speculation finds drafts to propose."""
     phrase = tokens(32)
@@ -163,14 +163,21 @@ def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 12) -> list[tuple[
         running = [r for r in reqs if r.request_id in e.scheduler.requests]
         if len(running) < batch:
             break
-        drafts0 = e.stats.draft_tokens
+        drafts0, captures0 = e.stats.draft_tokens, _captures(e)
         context = sum(r.num_tokens for r in running)
         t0 = time.perf_counter()
         e.step()
-        out.append((batch, context, (e.stats.draft_tokens - drafts0) / batch, time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        if _captures(e) == captures0:    # a CUDA graph's capture is a one-time cost, like a compile
+            out.append((batch, context, (e.stats.draft_tokens - drafts0) / batch, dt))
     for r in reqs:
         e.abort(r.request_id)
     return out
+
+
+def _captures(e) -> int:
+    graphs = e.runner.graphs
+    return graphs.captures if graphs is not None else 0
 
 
 def fit_step_host(perf: PerfModel, steps) -> PerfModel:
@@ -197,37 +204,6 @@ def speculation_from_requests(requests) -> dict[str, float]:
             "spec_tokens_per_step": sum(r["completion_tokens"] - 1 for r in ok) / steps}
 
 
-def fit_control_path(stub, perf, *, vocab_size: int, threshold: float, probes: int = 5,
-                     remote_tokens: int = 0, metadata=(), seed: int = 0):
-    """The simulator's control-path terms, from a running, idle cluster: TTFT of short prompts
-    (prefilled by the decode actor itself) and of longer ones (prefilled remotely when the cluster
-    has a prefill pool) through the gRPC API, minus what `perf` predicts the engine spends on them.
-    Fresh random prompts, so nothing is cached; medians of `probes` each. -> `perf` with
-    request_overhead_s and remote_overhead_s set (both >= 0)."""
-    rng = random.Random(seed)
-
-    def ttft(n: int) -> float:
-        req = pb.GenerateRequest(prompt_token_ids=[rng.randrange(3, vocab_size) for _ in range(n)],
-                                 sampling=pb.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        t0 = time.perf_counter()
-        for r in stub.Generate(req, timeout=120, metadata=metadata):
-            if r.token_ids:
-                return time.perf_counter() - t0
-        raise RuntimeError("probe request returned no token")
-
-    local_n = max(1, min(16, int(threshold) if math.isfinite(threshold) else 16))
-    local_engine = perf.prefill_s(local_n, local_n)
-    ttft(local_n)                                                       # warm-up
-    request = max(0.0, statistics.median(ttft(local_n) for _ in range(probes)) - local_engine)
-    remote = 0.0
-    if math.isfinite(threshold):
-        n = remote_tokens or max(4 * int(threshold), 128)
-        engine = max(perf.prefill_s(n, n), perf.transfer_s(n))
-        ttft(n)
-        remote = max(0.0, statistics.median(ttft(n) for _ in range(probes)) - engine - request)
-    return dataclasses.replace(perf, request_overhead_s=request, remote_overhead_s=remote)
-
-
 def cmd_profile(args) -> int:
     if args.from_profile:     # refit from an earlier profile's timings (and measure the rest)
         prev = json.loads(open(args.from_profile).read())
@@ -241,12 +217,14 @@ def cmd_profile(args) -> int:
     if args.bench_json:   # speculation as a `tandem bench` run measured it
         runs = json.loads(open(args.bench_json).read())["runs"]
         perf = dataclasses.replace(perf, **speculation_from_requests([r for run in runs for r in run["requests"]]))
-    if args.target:       # the control path, measured on the running cluster
+    served: list = []
+    if args.target:       # the served step and the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:
-            perf = fit_control_path(generation_pb2_grpc.GenerationStub(channel), perf,
-                                    vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
+            perf, served = calibrate_on_cluster(generation_pb2_grpc.GenerationStub(channel), perf,
+                                                vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
     out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
-           "samples": [[k, list(f), s] for k, f, s in samples], "steps": [list(x) for x in steps]}
+           "samples": [[k, list(f), s] for k, f, s in samples], "steps": [list(x) for x in steps],
+           "served_steps": [list(x) for x in served]}
     text = json.dumps(out, indent=2)
     if args.output:
         with open(args.output, "w") as f:
@@ -271,7 +249,7 @@ def perf_for_cluster(perf, cluster):
 
 
 def cmd_simulate(args) -> int:
-    perf, sizes, autoscaler = load_perf(args.perf), (1, 1), None
+    perf, sizes, autoscaler = PerfModel.load(args.perf), (1, 1), None
     if args.compare:
         return run_compare(args, perf)
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
@@ -342,7 +320,8 @@ def register(sub) -> None:
                     help="refit an earlier profile's timings (its JSON) instead of timing the engine again")
     pr.add_argument("--bench-json", help="set the speculation terms (drafts verified and tokens emitted per "
                                          "step) from this `tandem bench` run's usage")
-    pr.add_argument("--target", help="also fit the control-path terms on this running, idle cluster (HOST:PORT)")
+    pr.add_argument("--target", help="also fit the served step's host time and the control path on this "
+                                     "running, idle cluster (HOST:PORT)")
     pr.add_argument("--vocab-size", type=int, default=49152, help="the served model's (for --target probes)")
     pr.add_argument("--local-prefill-threshold", type=float, default=256,
                     help="the cluster's decode.local_prefill_threshold (for --target probes)")

@@ -16,13 +16,22 @@ import math
 from dataclasses import dataclass
 
 from tandem.placement import Demand, RoleOption, plan_roles
+from tandem.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class RoleConfig:
+    """The `roles:` section of a cluster config. `enabled`: the adaptive layout's role policy runs
+    (`tandem up --layout adaptive` turns it on with the router's cost placement)."""
+
+    enabled: bool = False
     min_hold_s: float = 20.0     # a role change holds at least this long
     margin: float = 0.1          # headroom gain (fraction of an SLO) a change must bring
     period_s: float = 2.0        # how often the controller decides
+
+    def __post_init__(self) -> None:
+        if self.min_hold_s < 0 or self.margin < 0 or not self.period_s > 0:
+            raise ConfigError("roles: min_hold_s and margin must be >= 0, period_s > 0")
 
 
 @dataclass(frozen=True)
@@ -69,3 +78,46 @@ def decide_roles(perf, demand: Demand, workers: int, state: RoleState, now: floa
            f"predicted headroom {current.headroom:.2f} -> {best.headroom:.2f} with {best.prefill_workers} "
            f"prefill-only (TTFT {best.ttft_s * 1e3:.0f} ms, TPOT {best.tpot_s * 1e3:.1f} ms)")
     return RoleDecision(now, k, cur_k, why, best, current), RoleState(k, now)
+
+
+# ---- the live controller's inputs and moves -----------------------------------------------------
+@dataclass(frozen=True)
+class PromptCounters:
+    """The cluster's prompt counters at one moment (for rates between two of them)."""
+
+    at: float = 0.0
+    computed: int = 0
+    completed: int = 0
+    completed_tokens: int = 0
+
+
+def demand_from_stats(workers, prev: PromptCounters | None, now: float,
+                      block_size: int) -> tuple[Demand, PromptCounters]:
+    """The demand the role policy plans for, from the ready workers' latest stats (WorkerEntry):
+    the prompt tokens computed per second since `prev` and their mean size, the sequences decoding
+    and the KV they hold."""
+    stats = [w.stats for w in workers if w.stats is not None]
+    cur = PromptCounters(now, sum(s.prompt_tokens_computed for s in stats), sum(s.prompts_completed for s in stats),
+                         sum(s.prompt_tokens_completed for s in stats))
+    rate = new = prompt = 0.0
+    if prev is not None and now > prev.at:
+        computed = max(0, cur.computed - prev.computed)
+        done = max(0, cur.completed - prev.completed)
+        rate = computed / (now - prev.at)
+        if done:
+            new, prompt = computed / done, max(0, cur.completed_tokens - prev.completed_tokens) / done
+    return Demand(rate, new, prompt, decode_seqs=sum(s.running for s in stats),
+                  context_tokens=sum(s.kv_blocks_used for s in stats) * block_size), cur
+
+
+def role_move(workers, d: RoleDecision) -> tuple[str, str]:
+    """(worker id, new role) that carries out `d` among the ready workers (WorkerEntry): lend the
+    worker that decodes the fewest sequences to prefill, or give the prefill-only worker with the
+    fewest queued prompt tokens back to decoding ("mixed": it prefills for others with slack too).
+    Ties: the smallest id."""
+    if d.prefill_workers > d.previous:
+        pick = min((w for w in workers if w.role != "prefill"), key=lambda w: (w.stats.running, w.worker_id))
+        return pick.worker_id, "prefill"
+    pick = min((w for w in workers if w.role == "prefill"),
+               key=lambda w: (w.stats.queued_prompt_tokens, w.worker_id))
+    return pick.worker_id, "mixed"

@@ -6,10 +6,8 @@ router/status_codes.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -66,11 +64,7 @@ def cost_placement(rc) -> CostPlacement | None:
     """The router's cost model when `router.placement` is "cost"."""
     if rc.placement != "cost":
         return None
-    perf = PerfModel()
-    if rc.perf_model:
-        d = json.loads(Path(rc.perf_model).read_text())
-        perf = PerfModel.from_dict(d.get("perf_model", d))
-    return CostPlacement(perf, rc.slo_ttft_ms / 1e3, rc.slo_tpot_ms / 1e3)
+    return CostPlacement(PerfModel.load(rc.perf_model), rc.slo_ttft_ms / 1e3, rc.slo_tpot_ms / 1e3)
 
 
 async def serve(controller, config, namespace: str, tokenizer, model_config,

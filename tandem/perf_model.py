@@ -7,6 +7,7 @@ Plain values; numpy only for the fit."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -113,10 +114,14 @@ class PerfModel:
             base: "PerfModel | None" = None, **fixed: Any) -> "PerfModel":
         """Least squares from profiling samples `(kind, features, seconds)`:
         ("prefill", (new_tokens, context), s), ("decode", (batch_size, total_context_tokens), s),
-        ("transfer", (tokens,), s); features may also be dicts with those names. Kinds without
-        samples keep `base`'s coefficients; negative fits are clipped to 0; `fixed` sets the rest."""
+        ("transfer", (tokens,), s), ("verify", (batch_size, total_context_tokens,
+        draft_tokens_per_seq), s) (a decode step whose sequences also verify drafts: fitted with the
+        decode samples, each draft costing what a sequence's token does); features may also be
+        dicts with those names. Kinds without samples keep `base`'s coefficients; negative fits are
+        clipped to 0; `fixed` sets the rest."""
         names = {"prefill": ("new_tokens", "context"), "decode": ("batch_size", "total_context_tokens"),
-                 "transfer": ("tokens",)}
+                 "transfer": ("tokens",),
+                 "verify": ("batch_size", "total_context_tokens", "draft_tokens_per_seq")}
         rows: dict[str, list[tuple[list[float], float]]] = {k: [] for k in names}
         for kind, feats, seconds in samples:
             if kind not in names:
@@ -124,8 +129,9 @@ class PerfModel:
             f = [feats[n] for n in names[kind]] if isinstance(feats, dict) else list(feats)
             x = {"prefill": lambda: [1.0, f[0], f[0] * f[1]],
                  "decode": lambda: [1.0, f[0], f[1]],
+                 "verify": lambda: [1.0, f[0] * (1.0 + f[2]), f[1]],
                  "transfer": lambda: [1.0, f[0]]}[kind]()
-            rows[kind].append((x, float(seconds)))
+            rows["decode" if kind == "verify" else kind].append((x, float(seconds)))
         fields = {"prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s"),
                   "decode": ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"),
                   "transfer": ("transfer_base_s", "transfer_per_token_s")}
@@ -146,6 +152,16 @@ class PerfModel:
             if math.isinf(d[key]):
                 d[key] = "inf"  # JSON has no infinity
         return d
+
+    @classmethod
+    def load(cls, path: str | None) -> "PerfModel":
+        """`tandem profile`'s JSON (its "perf_model", or the model alone), or the assumed
+        8B-on-H200 model when `path` is None."""
+        if path is None:
+            return cls()
+        with open(path) as f:
+            d = json.load(f)
+        return cls.from_dict(d.get("perf_model", d))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PerfModel":

@@ -47,3 +47,18 @@ def test_the_config_and_the_cli_s_help_load_neither_torch_nor_ray():
             "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_adaptive_layout_config_and_its_refusals():
+    from tandem.cluster.config import ADAPTIVE
+    cfg = load_config(None, {**ADAPTIVE, "decode.replicas": 3, "prefill.replicas": 0})
+    assert cfg.roles.enabled and cfg.router.placement == "cost" and cfg.decode.role == "mixed"
+    assert cfg.decode.local_prefill_threshold == 0
+    with pytest.raises(ConfigError, match="router.placement: cost"):
+        load_config(None, {"roles.enabled": True})
+    with pytest.raises(ConfigError, match="role must be"):
+        load_config(None, {"decode.role": "both"})
+    with pytest.raises(ConfigError, match="placement must be"):
+        load_config(None, {"router.placement": "magic"})
+    with pytest.raises(ConfigError, match="period_s"):
+        load_config(None, {"roles.period_s": 0})
