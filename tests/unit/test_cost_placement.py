@@ -116,12 +116,16 @@ def test_roles_move_one_worker_at_a_time_and_hold():
 
 
 def test_a_small_gain_does_not_flip_a_role():
-    cfg = RoleConfig(min_hold_s=0.0, margin=10.0)          # no gain is ever enough ...
+    cfg = RoleConfig(min_hold_s=0.0, margin=10.0)          # no finite gain is ever enough ...
     d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 0.0, 1.0, 0.016, cfg)
     assert d.best.prefill_workers > 0 and d.current.headroom > 0
     assert not d.changed and "below margin" in d.reason
+    # ... not even one that crosses the SLO (the model's error, the cost of moving a batch) ...
     d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(0), 0.0, 1.0, 0.012, cfg)
-    assert d.current.headroom < 0 <= d.best.headroom and d.changed      # ... but a rescue is
+    assert d.current.headroom < 0 <= d.best.headroom and not d.changed
+    # ... but leaving a split that cannot keep up at all is
+    d, _ = decide_roles(H200, PREFILL_HEAVY, 4, RoleState(1), 0.0, 1.0, 0.012, cfg)
+    assert d.current.headroom == -math.inf and d.changed
 
 
 class _Views:
