@@ -162,6 +162,7 @@ class DecodeWorker:
             raise WorkerUnavailable(f"{self.worker_id} is draining")
         e = self.engine
         req = e.make_request(r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
+        req.max_chunk_tokens = r.prefill_chunk_tokens
         rec = self.requests[r.request_id] = DecodeRequest(req, r.router_id)
         self.outboxes.seen(r.router_id)   # a reserve proves the router alive
         self.counters["requests"] += 1

@@ -47,6 +47,9 @@ class Request:
     # speculative decoding accounting
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # the most prompt tokens it computes per step (None: the step's budget); the router's cost
+    # model picks it when a decode worker prefills beside its batch (tandem.placement)
+    max_chunk_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

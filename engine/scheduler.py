@@ -123,7 +123,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             k = drafts.get(req.request_id, 0)
-            num_new = req.num_tokens + k - req.num_computed_tokens
+            num_new = _chunk_cap(req, req.num_tokens + k - req.num_computed_tokens)
             if num_new > budget:  # chunk a long prefill; drafts are all-or-nothing
                 if k:
                     k, num_new = 0, req.num_tokens - req.num_computed_tokens
@@ -148,6 +148,8 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.allocator.num_admit_tokens(req)
             num_new = req.num_tokens - cached
+            if req.max_chunk_tokens and cached < req.num_prompt_tokens:
+                num_new = min(num_new, req.max_chunk_tokens)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill and self.running:
                     break
@@ -245,3 +247,10 @@ class Scheduler:
         if req.finished and len(kept) < len(new):
             pass  # tokens past a stop are dropped; their KV is freed with the request
         return kept
+
+
+def _chunk_cap(req, num_new: int) -> int:
+    """A prefilling request's share of a step, under its own chunk limit when it has one."""
+    if req.max_chunk_tokens and req.num_computed_tokens < req.num_prompt_tokens:
+        return min(num_new, req.max_chunk_tokens)
+    return num_new

@@ -24,7 +24,7 @@ import ray
 
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.perf_model import PerfModel
-from tandem.placement import (LOCAL, READY, EngineLoad, OverloadLimits, WorkerView, any_ready, choose_prefill, has_slack,
+from tandem.placement import (LOCAL, READY, EngineLoad, OverloadLimits, PrefillOption, WorkerView, any_ready, choose_prefill, has_slack,
                               choose_worker, prefill_options, local_prefill_queue, prefill_placement,
                               remote_prefill_offered)
 from tandem.router.cluster_view import ClusterView
@@ -73,6 +73,7 @@ class _Placement:
     hashes: list[bytes]
     transfer_id: str | None = None
     prefill_hint: str | None = None
+    chunk: int | None = None   # a local prefill's tokens per step (the cost model's pick)
     hold: Hold | None = None   # the prompt counted on the prefill actor picked first
     early: Any = None          # that actor's reservation, made alongside the decode actor's
 
@@ -132,14 +133,26 @@ class Placer:
             raise NoWorkerReady(f"no {pool} worker is ready")
         return wid
 
+    def prefill_plan(self, sess: SessionState | None, num_tokens: int,
+                     hashes: list[bytes]) -> tuple[str | None, int | None]:
+        """(the prefill actor to reserve on alongside the decode actor, None: prefill locally; the
+        local prefill's tokens per step, None: the step budget). By the cost model when the router
+        has one (router.placement "cost"), else by the rules (`prefill_target`)."""
+        if self.cost is None:
+            return self.prefill_target(sess, num_tokens, hashes), None
+        if not remote_prefill_offered(self.threshold, 1):
+            return None, None
+        best = self.cost_choice(sess, num_tokens, hashes)
+        if best is None or best.where == LOCAL:
+            return None, best.chunk_tokens if best is not None else None
+        return best.worker_id, None
+
     def prefill_target(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> str | None:
-        """The prefill actor to reserve on alongside the decode actor; None: prefill locally."""
+        """The rules' prefill actor to reserve on alongside the decode actor; None: prefill locally."""
         # the workers that take new prefills now (not draining, not lent to decode)
         prefill_ids = [w.worker_id for w in self.view.views("prefill") if w.state == "ready"]
         if not remote_prefill_offered(self.threshold, len(prefill_ids)):
             return None
-        if self.cost is not None:
-            return self.cost_target(sess, num_tokens, hashes)
         try:
             hint = self.pick("prefill", sess.prefill_worker if sess else None, hashes)
         except (NoWorkerReady, WorkersOverloaded):
@@ -158,9 +171,10 @@ class Placer:
         return EngineLoad(w.running, w.kv_blocks_used * self.block_size,
                           self.prefill_queued.get(w.worker_id, 0) + self.local_queued.get(w.worker_id, 0))
 
-    def cost_target(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> str | None:
+    def cost_choice(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> PrefillOption | None:
         """The cost model's choice (tandem.placement.choose_prefill) among the decode worker's own
-        prefill and every ready worker that serves prefill: the prefill worker, or None (local)."""
+        prefill (at each chunk size) and every ready worker that serves prefill and has slack; None
+        when no decode worker can take the request."""
         decode_views = self.view.views("decode")
         hits = {pool: {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
                 for pool in ("decode", "prefill")}
@@ -180,7 +194,7 @@ class Placer:
                                               hits["decode"].get(decode_id, 0), others),
                               c.slo_ttft_s, c.slo_tpot_s)
         self.counters[f"cost_{best.where}"] = self.counters.get(f"cost_{best.where}", 0) + 1
-        return None if best.where == LOCAL else best.worker_id
+        return best
 
     # ---- placing ------------------------------------------------------------------------------
     async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,
@@ -202,7 +216,7 @@ class Placer:
 
     async def _place(self, p: _Placement, exclude: set[str]) -> Attempt:
         rid, ids, sp, sess, hashes = p.rid, p.ids, p.sp, p.sess, p.hashes
-        p.prefill_hint = self.prefill_target(sess, len(ids), hashes)
+        p.prefill_hint, p.chunk = self.prefill_plan(sess, len(ids), hashes)
         if p.prefill_hint is not None:
             p.transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}"
             # counted on the prefill actor at once, so concurrent arrivals see it
@@ -233,7 +247,8 @@ class Placer:
             decode = self.view.handle(decode_id)
             # count it at once, so concurrent arrivals see this load before the worker reports it
             self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
-            ask = DecodeReserve(p.rid, self.view.router_id, p.ids, p.sp, p.transfer_id, p.prefill_hint)
+            ask = DecodeReserve(p.rid, self.view.router_id, p.ids, p.sp, p.transfer_id, p.prefill_hint,
+                                prefill_chunk_tokens=p.chunk)
             try:
                 plan = await self.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(p.rid))
             except (WorkerUnavailable, ray.exceptions.RayActorError):

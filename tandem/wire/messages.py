@@ -143,6 +143,8 @@ class DecodeReserve:
     transfer_id: str | None = None
     prefill_id: str | None = None
     replaces: str | None = None
+    # prompt tokens per step when it prefills locally (the cost model's pick; None: the step budget)
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -148,16 +148,18 @@ def test_the_router_places_by_the_cost_model_when_configured():
     placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
     busy = SessionState(decode_worker="d0", prefill_worker=None, num_tokens=0)
     # a long prompt for the busy d0: the prefill-only p0 computes it
-    assert placer.cost_target(busy, 16_000, []) == "p0"
-    # a short one stays on its decode worker
-    assert placer.cost_target(busy, 200, []) is None
+    assert placer.prefill_plan(busy, 16_000, []) == ("p0", None)
+    # a short one stays on its decode worker, in one chunk
+    hint, chunk = placer.prefill_plan(busy, 200, [])
+    assert hint is None and chunk >= 200
     # p0 gone from the prefill choice: d1 (a twentieth of d0's batch) has slack; d0 never prefills for itself
     placer = Placer(_Views("draining"), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
-    assert placer.cost_target(busy, 16_000, []) == "d1"
+    assert placer.prefill_plan(busy, 16_000, [])[0] == "d1"
     assert placer.counters["cost_remote"] == 1
 
 
 def test_the_router_without_a_cost_model_keeps_the_rules():
     placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=256)
-    assert placer.cost is None and placer.prefill_target(None, 16_000, []) in {"p0", "d0", "d1"}
+    hint, chunk = placer.prefill_plan(None, 16_000, [])
+    assert placer.cost is None and hint in {"p0", "d0", "d1"} and chunk is None
     assert "cost_remote" not in placer.counters and "cost_local" not in placer.counters

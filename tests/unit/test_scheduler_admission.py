@@ -79,3 +79,22 @@ def test_ready_requests_keep_arrival_order_whatever_order_their_kv_lands_in():
     delivered(s, first)
     s.schedule()
     assert running_ids(s) == ["first"]
+
+
+def test_a_request_with_its_own_chunk_limit_prefills_that_many_tokens_per_step():
+    """The cost model's pick for a local prefill beside a batch (Request.max_chunk_tokens): the
+    prompt goes in steps of at most that many tokens, even under a larger step budget; decoding
+    is not capped."""
+    s = make(budget=64)
+    capped, free = request("capped", 40), request("free", 40)
+    capped.max_chunk_tokens = 16
+    s.add(capped)
+    s.add(free)
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append({x.request.request_id: x.num_new_tokens for x in out.scheduled})
+        for x in out.scheduled:
+            x.request.num_computed_tokens += x.num_new_tokens
+    assert steps[0] == {"capped": 16, "free": 40}   # the other one takes the budget's rest at once
+    assert [st["capped"] for st in steps] == [16, 16, 8]   # 8: the rest of its prompt
