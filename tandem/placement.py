@@ -172,7 +172,11 @@ class PrefillOption:
 
     def headroom(self, slo_ttft_s: float, slo_tpot_s: float) -> float:
         """How far inside both SLOs (fractions of each; negative: outside)."""
-        return min(1.0 - self.ttft_s / slo_ttft_s, 1.0 - self.tpot_s / slo_tpot_s)
+        return min(self.headrooms(slo_ttft_s, slo_tpot_s))
+
+    def headrooms(self, slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, float]:
+        """(TTFT headroom, TPOT headroom), each a fraction of its SLO."""
+        return 1.0 - self.ttft_s / slo_ttft_s, 1.0 - self.tpot_s / slo_tpot_s
 
 
 LOCAL, REMOTE = "local", "remote"
@@ -238,10 +242,18 @@ def prefill_option(perf, where: str, worker_id: str, load: EngineLoad, decode_lo
 
 def choose_prefill(options: Iterable[PrefillOption], slo_ttft_s: float, slo_tpot_s: float) -> PrefillOption:
     """The option that meets both SLOs with the most headroom (when none meets both: the one that
-    misses by least), in steps of HEADROOM_STEP. Ties: local first, then the shorter TTFT, the
-    larger chunk, the smaller id."""
-    return min(options, key=lambda o: (-math.floor(o.headroom(slo_ttft_s, slo_tpot_s) / HEADROOM_STEP),
-                                       o.where != LOCAL, o.ttft_s, -o.chunk_tokens, o.worker_id))
+    misses by least), in steps of HEADROOM_STEP; among those, the most headroom on the other SLO.
+    Ties: local first, then the shorter TTFT, the larger chunk, the smaller id.
+
+    The second rule matters whenever TPOT binds: every option joins the same decode batch, so
+    they share their TPOT headroom, and without it a remote prefill that cuts the TTFT lost the tie
+    to local; a worker lent to prefill then got no prompts at all (live, tests/cluster/test_adaptive.py)."""
+    def rank(o: PrefillOption) -> tuple:
+        worse, better = sorted(o.headrooms(slo_ttft_s, slo_tpot_s))
+        return (-math.floor(worse / HEADROOM_STEP), -math.floor(better / HEADROOM_STEP), o.where != LOCAL,
+                o.ttft_s, -o.chunk_tokens, o.worker_id)
+
+    return min(options, key=rank)
 
 
 def has_slack(candidate: EngineLoad, prefill_only: bool, decode: EngineLoad) -> bool:

@@ -68,6 +68,23 @@ def test_a_queue_of_local_prefills_raises_the_predicted_tpot_and_ttft():
     assert queued.tpot_s > alone.tpot_s and queued.ttft_s > alone.ttft_s + 0.5
 
 
+def test_when_tpot_binds_alike_the_shorter_ttft_breaks_the_tie():
+    """Every option joins the same decode batch, so when TPOT is the binding SLO they share its
+    headroom; a prefill-only worker that cuts the TTFT by more than a headroom step then takes the
+    prompt (before: local won every such tie, and a worker lent to prefill stayed idle)."""
+    cpu = PerfModel(prefill_base_s=0.002, prefill_per_token_s=1e-4, prefill_attn_s=0.0, decode_base_s=0.04,
+                    decode_per_seq_s=0.004, decode_per_ctx_token_s=0.0, transfer_base_s=0.001,
+                    transfer_per_token_s=0.0, request_overhead_s=0.01, remote_overhead_s=0.01, max_step_tokens=2048)
+    opts = prefill_options(cpu, 600, "d0", EngineLoad(2, 400), 0, {"p0": (EngineLoad(), 0)})
+    local = min((o for o in opts if o.where == LOCAL), key=lambda o: o.ttft_s)
+    remote = next(o for o in opts if o.where == REMOTE)
+    assert local.headroom(0.5, 0.06) == pytest.approx(remote.headroom(0.5, 0.06))    # TPOT binds, alike
+    assert remote.ttft_s < local.ttft_s - 0.02 * 0.5
+    assert choose_prefill(opts, 0.5, 0.06).worker_id == "p0"
+    # a TTFT gain within a headroom step (a generous TTFT SLO) still leaves the prompt local
+    assert choose_prefill(opts, 30.0, 0.06).where == LOCAL
+
+
 def test_a_remote_worker_pulls_the_decode_workers_longer_prefix():
     opts = prefill_options(H200, 20_000, "d0", EngineLoad(), 19_000, {"p0": (EngineLoad(), 0)})
     remote = [o for o in opts if o.where == REMOTE][0]
