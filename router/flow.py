@@ -48,6 +48,9 @@ class RequestFlow:
     prompt: list[int]
     sampling: SamplingParams
     max_migrations: int = 2
+    # the id its actors know it by (router/request_ids.py): unique in the cluster, whatever the
+    # client sent as `request_id` (which is only echoed back); "": the request id
+    cluster_id: str = ""
     state: FlowState = FlowState.PLACING
     out_ids: list[int] = field(default_factory=list)  # every token streamed so far
     migrations: int = 0
@@ -57,6 +60,9 @@ class RequestFlow:
     handover: FirstToken | None = None
     release_decode: bool = False  # that token ended the request: free the decode reservation
     injected: OutputError | None = None  # a failure the router saw itself (a refused handover)
+
+    def __post_init__(self) -> None:
+        self.cluster_id = self.cluster_id or self.request_id
 
     # ---- placing ----------------------------------------------------------------------------
     def placed(self, remote: bool) -> None:

@@ -24,6 +24,7 @@ from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloade
 from tandem.router.cluster_view import ClusterView
 from tandem.router.flow import Event, FlowState, RequestFlow
 from tandem.router.placing import Attempt, CostPlacement, Placer
+from tandem.router.request_ids import ActiveRequests, DuplicateRequest
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
 from tandem.router.validation import RequestLimits, validate_request
@@ -66,6 +67,7 @@ class Router:
         self.slow_ttft_s: float | None = 1.0  # log where the time went for first tokens slower than this
         self.hub = get_hub()
         self.limiter = AdmissionLimiter(admission, on_change=self.hub.set_router_queue)
+        self.active = ActiveRequests(view.router_id)
 
     # ---- input ------------------------------------------------------------------------------
     def prepare(self, request) -> tuple[Any, list[int], Any]:
@@ -94,7 +96,7 @@ class Router:
         adm = await self.limiter.acquire(client)
         self.hub.record_queue_time(adm.queued_s)
         try:
-            async for resp in self.generate(request, None):
+            async for resp in self.generate(request, client):
                 yield resp
         finally:
             self.limiter.release(adm)
@@ -102,28 +104,33 @@ class Router:
     def record_error(self, e: Exception, code: str) -> None:
         """Count a request that ended in error `e` (its status `code`, for the metrics)."""
         self.counters["errors"] += 1
-        if isinstance(e, (InvalidRequestError, Overloaded)):   # refused before it reached the cluster
+        if isinstance(e, (InvalidRequestError, Overloaded, DuplicateRequest)):   # refused before the cluster
             self.hub.record_finished(code=code, finish_reason="none", e2e_seconds=None)
 
-    async def generate(self, request, context):
+    async def generate(self, request, client: str = ""):
+        """One request from `client` (for its request ids: router/request_ids.py)."""
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         v, ids, sampling = self.prepare(request)
         rid = v.request_id or uuid.uuid4().hex
-        with bind_request(rid):
-            async for resp in self._generate(v, ids, sampling, rid, t0):
-                yield resp
+        cluster_id = self.active.claim(client, rid)
+        try:
+            with bind_request(rid):
+                async for resp in self._generate(v, ids, sampling, rid, cluster_id, t0):
+                    yield resp
+        finally:
+            self.active.release(client, rid)
 
-    async def _generate(self, v, ids, sampling, rid, t0):
+    async def _generate(self, v, ids, sampling, rid, cluster_id, t0):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=sampling.seed, stop=tuple(sampling.stop),
                             ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
-        flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations)
+        flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations, cluster_id=cluster_id)
         queue: asyncio.Queue = asyncio.Queue()
         att: Attempt | None = None
         try:
-            att = await self.placer.place(rid, ids, sp, sess, block_hashes(ids, self.block_size), flow.lost, queue)
+            att = await self.placer.place(cluster_id, ids, sp, sess, block_hashes(ids, self.block_size), flow.lost, queue)
             flow.placed(att.remote)
             last_t = None
             while flow.state is not FlowState.FINISHED:
@@ -192,7 +199,7 @@ class Router:
             await self.placer.abort_everywhere(att)
         self.placer.forget(att.request_id)
         cont, sp = flow.continuation()
-        att = await self.placer.place(flow.request_id, cont, sp, None, block_hashes(cont, self.block_size), flow.lost,
+        att = await self.placer.place(flow.cluster_id, cont, sp, None, block_hashes(cont, self.block_size), flow.lost,
                                       queue)
         flow.placed(att.remote)
         return att

@@ -22,6 +22,7 @@ from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
 from tandem.router.placing import CostPlacement
+from tandem.router.request_ids import DuplicateRequest
 from tandem.router.openai_api import serve_http
 from tandem.router.sessions import make_session_store
 from tandem.router.status_codes import status_code
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # The router's own errors carry a message for the client; anything else failed in the cluster (an
 # actor's error, a dead actor) and is logged.
-ROUTER_ERRORS = (InvalidRequestError, Overloaded, WorkersOverloaded, NoWorkerReady, MigrationsExhausted)
+ROUTER_ERRORS = (InvalidRequestError, Overloaded, DuplicateRequest, WorkersOverloaded, NoWorkerReady,
+                 MigrationsExhausted)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

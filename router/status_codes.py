@@ -8,12 +8,14 @@ import grpc
 import ray
 
 from tandem.router.admission import Overloaded
+from tandem.router.request_ids import DuplicateRequest
 from tandem.wire.errors import (InvalidPoolBounds, InvalidRequestError, InvalidRole, MigrationsExhausted,
                                 NoWorkerReady, UnknownPool, UnknownWorker, WorkersOverloaded, WorkerUnavailable)
 
 # Error type -> status code, first match wins; anything else is INTERNAL.
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),           # the caller's own live request id
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),          # admission: with retry-after-ms
     (WorkersOverloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoWorkerReady, grpc.StatusCode.UNAVAILABLE),
@@ -37,6 +39,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,

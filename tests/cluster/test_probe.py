@@ -1,0 +1,78 @@
+"""What the outside probe of issue 27 found, each on real Ray and real gRPC on 127.0.0.1: a reused
+request_id, and what a client may see of the cluster's internals."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
+
+MODEL = {"model.name": "smollm2-135m", "cache.num_blocks": 512}
+PROMPT = "The three laws of thermodynamics are"
+
+
+@pytest.fixture(scope="module")
+def two_routers(ray_session):
+    """One decode worker that prefills locally, behind two routers."""
+    from tandem.cluster.local import RunningCluster
+
+    c = RunningCluster({**MODEL, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 0,
+                        "decode.replicas": 1})
+    second = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(c.add_router()))
+    yield c, second
+    c.close()
+
+
+def _stream(stub, rid: str, max_tokens: int, out: dict, key: str, started: threading.Event | None = None):
+    req = pb.GenerateRequest(request_id=rid, prompt=PROMPT,
+                             sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    ids = []
+    try:
+        for r in stub.Generate(req, timeout=120):
+            ids.extend(r.token_ids)
+            if started is not None and len(ids) >= 3:
+                started.set()
+        out[key] = ids
+    except grpc.RpcError as e:
+        out[key] = e
+    finally:
+        if started is not None:
+            started.set()
+
+
+def test_a_request_id_reused_on_another_router_gets_its_own_stream(two_routers):
+    c, second = two_routers
+    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=150, ignore_eos=True)
+    # each router numbers its attempts from 1: one request on each brings both to the same number
+    assert c.generate(stub=second, prompt=PROMPT, max_tokens=150, ignore_eos=True)[0] == ref
+    out: dict = {}
+    started = threading.Event()
+    first = threading.Thread(target=_stream, args=(c.stub, "probe-dup", 150, out, "first", started))
+    first.start()
+    assert started.wait(60)
+    _stream(second, "probe-dup", 150, out, "second")
+    first.join(120)
+    assert out["second"] == ref, out["second"]
+    assert out["first"] == ref, out["first"]
+    assert all(v == 0 for v in c.wait_idle().values())
+
+
+def test_a_duplicate_from_the_same_caller_gets_already_exists(two_routers):
+    c, _ = two_routers
+    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=120, ignore_eos=True)
+    out: dict = {}
+    started = threading.Event()
+    first = threading.Thread(target=_stream, args=(c.stub, "probe-same", 120, out, "first", started))
+    first.start()
+    assert started.wait(60)
+    _stream(c.stub, "probe-same", 5, out, "again")
+    first.join(120)
+    assert isinstance(out["again"], grpc.RpcError) and out["again"].code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "probe-same" in out["again"].details()
+    assert out["first"] == ref
+    # once it ended, the id is free again
+    _stream(c.stub, "probe-same", 4, out, "later")
+    assert out["later"] == ref[:4]
