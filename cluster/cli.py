@@ -8,7 +8,7 @@ import json
 import sys
 
 from tandem.cluster import commands
-from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tandem.engine.config import SPECULATIVE_METHODS, CacheConfig, EngineConfig, SpeculativeConfig
 from tandem.wire.errors import InvalidRequestError
 from tandem.wire.messages import SamplingParams
 
@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="ranks per model (only 1 so far)")
     g.add_argument("--quantization", help="weight quantization (none so far)")
     g.add_argument("--num-blocks", type=int, help="KV cache size in blocks (default: from memory)")
-    g.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"],
-                   help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model or "
-                        "--draft-layers); output is the same as without")
+    g.add_argument("--speculative", default="off", choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: n-gram prompt lookup, suffix drafts (the request's own tokens "
+                        "and recent outputs), or a draft model (--draft-model or --draft-layers); output is "
+                        "the same as without")
     g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="the most draft tokens per sequence per step (default 5)")
     g.add_argument("--draft-model", help="with --speculative draft: a model with the same vocabulary")

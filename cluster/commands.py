@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from tandem.client import Client, TandemError
 from tandem.cluster import loadgen_client, profiling
 from tandem.cluster.config import ADAPTIVE, load_config
+from tandem.engine.config import SPECULATIVE_METHODS
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
 from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
                                 load_client_token, resolve_auth, with_metadata)
@@ -52,6 +53,7 @@ def register(sub) -> None:
                          "prefill locally while their own prefill queue is the shorter "
                          "(prefill.max_queued_tokens; default inf)")
     up.add_argument("--num-blocks", type=int, help="KV cache blocks per actor")
+    _speculative_flags(up)
     up.add_argument("--autoscale", action="store_true", help="size each pool from its own load (bounds in config)")
     up.add_argument("--layout", choices=["static", "adaptive"], default="static",
                     help="adaptive: decode workers decode and prefill, the router places each prompt by the "
@@ -88,6 +90,13 @@ def register(sub) -> None:
     _register_scale(sub)
     _register_bench(sub)
     profiling.register(sub)
+
+
+def _speculative_flags(up) -> None:
+    up.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                    help="speculative decoding on decode workers (speculative.method; default off)")
+    up.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                    help="the most draft tokens per sequence per step (speculative.num_tokens)")
 
 
 def _register_scale(sub) -> None:
@@ -202,7 +211,8 @@ def cmd_up(args) -> int:
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
                  "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
-                 "autoscaler.enabled": True if args.autoscale else None}
+                 "autoscaler.enabled": True if args.autoscale else None,
+                 "speculative.method": args.speculative, "speculative.num_tokens": args.num_speculative_tokens}
     if args.layout == "adaptive":
         overrides = {**ADAPTIVE, **{k: v for k, v in overrides.items() if v is not None}}
     config = load_config(args.config, overrides)

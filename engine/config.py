@@ -127,6 +127,9 @@ class SchedulerConfig:
             raise ConfigError("scheduler: max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "draft", "suffix")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, how many, and when to stop bothering.
@@ -134,14 +137,21 @@ class SpeculativeConfig:
     `method`: "off"; "ngram" (prompt lookup: the tokens that followed the most recent earlier
     occurrence of the sequence's last `max_n`..`min_n` tokens); "draft" (a smaller model with the
     same vocabulary: `draft_model` names one, or, with `draft_model` None, the target's own first
-    `draft_num_layers` layers + final norm + LM head, weights shared)."""
-    method: str = "off"  # off | ngram | draft
+    `draft_num_layers` layers + final norm + LM head, weights shared); "suffix" (suffix drafting:
+    the most frequent continuation of the sequence's longest earlier match, `min_n` to
+    `suffix_max_match` tokens, in its own tokens or in recent requests' outputs on this engine;
+    engine.speculative.suffix)."""
+    method: str = "off"  # off | ngram | draft | suffix
     num_tokens: int = 5  # k: the most drafts per sequence per step
     min_n: int = 2
     max_n: int = 5
     draft_model: str | None = None
     draft_num_layers: int | None = None
     draft_num_blocks: int | None = None  # the draft's own KV cache; None: as many blocks as the target's
+    suffix_max_match: int = 32  # the longest suffix matched
+    suffix_min_token_prob: float = 0.1  # a draft stops where its path's frequency falls below this
+    suffix_max_spec_factor: float = 2.0  # drafts at most this many times the match length
+    suffix_max_global_tokens: int = 1 << 18  # finished requests' outputs kept for drafting (LRU)
     # length policy (engine.speculative.policy). The knee: up to this many tokens (1 + k per
     # sequence, plus prefill chunks) a forward costs about one decode step; past it, about
     # tokens / max_verify_tokens steps. None: 256 on GPUs, 8 on CPUs (bench/speculative.py).
@@ -153,8 +163,8 @@ class SpeculativeConfig:
     probe_interval: int = 16  # steps a sequence stays off before it is probed again
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram", "draft"):
-            raise ConfigError(f"speculative: method must be off, ngram or draft, got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative: method must be off, ngram, draft or suffix, got {self.method!r}")
         if not 1 <= self.num_tokens <= 64:
             raise ConfigError(f"speculative: num_tokens must be in [1, 64], got {self.num_tokens}")
         if not 1 <= self.min_n <= self.max_n:
@@ -167,7 +177,10 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative: draft_num_blocks must be >= 2, got {self.draft_num_blocks}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 1:
             raise ConfigError(f"speculative: max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
-        for name in ("initial_acceptance", "min_acceptance", "min_draft_gain"):
+        if self.suffix_max_match < self.min_n or self.suffix_max_global_tokens < 0 or self.suffix_max_spec_factor <= 0:
+            raise ConfigError("speculative: need suffix_max_match >= min_n, suffix_max_global_tokens >= 0 "
+                              "and suffix_max_spec_factor > 0")
+        for name in ("initial_acceptance", "min_acceptance", "min_draft_gain", "suffix_min_token_prob"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"speculative: {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.ema_decay < 1:

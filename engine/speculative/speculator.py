@@ -21,6 +21,7 @@ from tandem.engine.speculative.draft_model import DraftModelProposer, early_exit
 from tandem.engine.speculative.ngram import NgramProposer
 from tandem.engine.speculative.policy import SpeculationLengthPolicy
 from tandem.engine.speculative.proposer import Draft, Proposer
+from tandem.engine.speculative.suffix import SuffixProposer
 from tandem.engine.speculative.verify import accept_greedy, accept_sampled
 from tandem.engine.weights import load_model
 
@@ -110,6 +111,11 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
     if proposer is None:
         if cfg.method == "ngram":
             proposer = NgramProposer(cfg.min_n, cfg.max_n)
+        elif cfg.method == "suffix":
+            proposer = SuffixProposer(min_match=cfg.min_n, max_match=cfg.suffix_max_match,
+                                      min_token_prob=cfg.suffix_min_token_prob,
+                                      max_spec_factor=cfg.suffix_max_spec_factor,
+                                      max_global_tokens=cfg.suffix_max_global_tokens)
         elif cfg.method == "draft":
             if draft_model is None:
                 if cfg.draft_model is not None:

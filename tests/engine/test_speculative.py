@@ -177,6 +177,45 @@ def test_greedy_ngram_matches_plain_on_code_edits(smollm2, make_engine, spec_eng
     assert all(r["usage"]["completion_tokens"] == len(r["token_ids"]) for r in spec)
 
 
+def test_greedy_suffix_matches_plain_on_multi_turn_edits(smollm2, make_engine, spec_engine):
+    """Sessions whose later turns carry the earlier answers (own-token drafts) and one request
+    repeating another's answer after it finished (drafts from the shared corpus)."""
+    model, tok = smollm2
+    first = [{"messages": [{"role": "user", "content": c}], "max_tokens": 32, "request_id": f"t1-{i}"}
+             for i, c in enumerate(EDITS[:2])]
+    plain1 = make_engine(model, tok).generate(first)
+    second = [{"messages": [*r["messages"], {"role": "assistant", "content": p["text"]},
+                            {"role": "user", "content": "Now rename `item` to `entry` as well. Full function."}],
+               "max_tokens": 32, "request_id": f"t2-{i}"} for i, (r, p) in enumerate(zip(first, plain1))]
+    second += [{"prompt": "Say it again:" + plain1[0]["text"][:20], "max_tokens": 24, "request_id": "again"}]
+    plain2 = make_engine(model, tok).generate(second)
+    e = spec_engine(model, tok, "suffix", num_tokens=8, max_verify_tokens=4096)
+    spec1 = run_checked(e, first)
+    assert e.speculator.proposer.shared.num_tokens > 0, "finished outputs join the shared corpus"
+    spec2 = run_checked(e, second)
+    assert [r["token_ids"] for r in spec1 + spec2] == [r["token_ids"] for r in plain1 + plain2]
+    assert [r["text"] for r in spec1 + spec2] == [r["text"] for r in plain1 + plain2]
+    assert spec2[-1]["usage"]["accepted_draft_tokens"] > 0, "the repeated answer was meant to hit"
+    assert e.stats.accepted_draft_tokens > e.stats.draft_tokens / 2
+    assert sum(r["usage"]["draft_tokens"] for r in spec1 + spec2) == e.stats.draft_tokens
+    assert not e.speculator.proposer.local, "per-request state is dropped when requests finish"
+
+
+def test_seeded_sampling_with_suffix_drafts_is_reproducible(tiny, spec_engine):
+    """The same seeded requests give the same tokens on a fresh engine and on one whose shared
+    corpus is full of other requests' outputs (seeded samples draft from their own tokens)."""
+    model, tok, _ = tiny
+    reqs = [{"prompt": p, "max_tokens": 24, "temperature": 0.8, "seed": 7 + i, "request_id": f"s{i}"}
+            for i, p in enumerate(TINY_PROMPTS[:4])]
+    fresh = spec_engine(model, tok, "suffix", num_tokens=4, max_verify_tokens=4096).generate(reqs)
+    e = spec_engine(model, tok, "suffix", num_tokens=4, max_verify_tokens=4096)
+    e.generate([{"prompt": p, "max_tokens": 40, "request_id": f"o{i}"} for i, p in enumerate(TINY_PROMPTS)])
+    assert e.speculator.proposer.shared.num_tokens > 0
+    again = run_checked(e, reqs)
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in fresh]
+    assert e.stats.draft_tokens > 0
+
+
 TINY_PROMPTS = ["abcabcabcabc", "hello hello hello", "x = 1\ny = 2\nx = 1\n", "The quick brown fox",
                 "zzzz", "0123456789" * 3, "speculative", "a"]
 
@@ -331,23 +370,32 @@ def test_acceptance_rule_keeps_the_target_distribution(one_hot):
         assert stat < chi2_threshold(df), f"position {pos}: chi2 {stat:.1f} on {df} df"
 
 
-def test_sampled_through_engine_keeps_the_target_distribution(make_engine, spec_engine):
-    """2000 seeded requests, temperature 1, through the engine with a draft model whose
-    distribution differs (the target's own first layer): the joint distribution of the first two
-    tokens matches the target's exact one (chi-square, false-alarm rate 1e-3). The second token
-    comes from a verify step with one draft."""
+@pytest.mark.parametrize("method", ["draft", "suffix"])
+def test_sampled_through_engine_keeps_the_target_distribution(make_engine, spec_engine, method):
+    """2000 requests, temperature 1, through the engine with a draft model whose
+    distribution differs (the target's own first layer), or with suffix drafts (deterministic:
+    the most frequent token that followed the first output token in the outputs of the requests
+    finished before): the joint distribution of the first two tokens matches the target's exact
+    one (chi-square, false-alarm rate 1e-3). The second token comes from a verify step with one
+    draft (for every draft-model request; for suffix requests, wherever it found one)."""
     target, tok, _ = load_model("tiny-random", seed=1234)
     with torch.no_grad():
         target.lm_head.weight.mul_(30)  # peaky next-token distributions: few outcomes carry the mass
     prompt = tok.encode("The quick brown fox")
     n = 2000
-    e = spec_engine(target, tok, "draft", draft_num_layers=1, num_tokens=1, max_verify_tokens=1 << 16,
-                    num_blocks=1100, max_num_seqs=256, max_num_batched_tokens=4096)
-    res = e.generate([{"prompt_token_ids": prompt, "max_tokens": 3, "temperature": 1.0, "seed": s,
+    knobs = dict(draft_num_layers=1) if method == "draft" else dict(min_n=1, suffix_max_match=1)
+    e = spec_engine(target, tok, method, num_tokens=1, max_verify_tokens=1 << 16, num_blocks=1100,
+                    max_num_seqs=256, max_num_batched_tokens=4096, **knobs)
+    # suffix drafts from other requests' outputs only for unseeded requests (seeded ones stay
+    # reproducible): those draw their generators' seeds from torch's, seeded here
+    torch.manual_seed(1234)
+    seed = (lambda s: s) if method == "draft" else (lambda s: None)  # noqa: E731
+    res = e.generate([{"prompt_token_ids": prompt, "max_tokens": 3, "temperature": 1.0, "seed": seed(s),
                        "ignore_eos": True} for s in range(n)])
     drafted = sum(r["usage"]["draft_tokens"] for r in res)
     accepted = sum(r["usage"]["accepted_draft_tokens"] for r in res)
-    assert drafted == n and 0.1 * n < accepted < 0.9 * n, (drafted, accepted)
+    assert (drafted == n) if method == "draft" else (drafted > n / 2), drafted
+    assert 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted)
     # exact target: p(x1) at the prompt, p(x2 | x1) for every x1, from one forward each
     V = target.config.vocab_size
     ref = make_engine(target, tok, num_blocks=256)

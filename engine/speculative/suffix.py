@@ -1,0 +1,216 @@
+"""Suffix drafting (SuffixDecoding, arXiv 2411.04975): drafts from what this session and other
+requests on this engine have already said. No model, pure Python, no torch.
+
+Two corpora are searched for the sequence's longest suffix that occurred before:
+- the request's own tokens (prompt and output so far: agents re-emit files they read, code they
+  wrote in an earlier turn, tool output);
+- a global corpus of recent requests' outputs on this engine, capped at `max_global_tokens`
+  tokens, the least recently used (added or drafted from) evicted first.
+
+Each corpus indexes every `min_match`-gram to the positions where it ends (extended as tokens
+are appended). A lookup extends each occurrence of the sequence's last `min_match` tokens
+backwards to its match length (up to `max_match`); the occurrences sharing the longest match are
+the node a suffix tree would reach, and their continuations, counted as a trie, give each next
+token a frequency: count(child) / count(node). The draft follows the most frequent child while
+the path's probability (the product of those frequencies) stays at least `min_token_prob`, for at
+most `max_spec_factor` x the match length tokens and the k the length policy granted. Between the
+two corpora the draft with the higher score (expected accepted tokens: the sum of the path's
+probabilities; then the longer match) wins. Seeded sampled requests draft from their own tokens
+only: their output then depends on nothing but their input and seed (greedy output never depends
+on the drafts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tandem.engine.request import Request
+from tandem.engine.speculative.proposer import Draft
+
+MAX_CANDIDATES = 64  # most recent occurrences examined per lookup (bounds the cost on repetitive text)
+
+
+@dataclass
+class Candidate:
+    """A draft from one corpus: its tokens, the probability of each prefix, the match length."""
+    token_ids: list[int]
+    probs: list[float]
+    match_len: int
+
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    indexed: int = 0  # grams ending before this position are in the index
+
+
+@dataclass
+class SuffixCorpus:
+    """Token sequences (by key) and the index of their `min_match`-grams: {gram: [(key, end)]}."""
+    min_match: int
+    seqs: "OrderedDict[object, _Seq]" = field(default_factory=OrderedDict)  # least recently used first
+    ends: dict[tuple[int, ...], list[tuple[object, int]]] = field(default_factory=dict)
+    num_tokens: int = 0
+    stale: int = 0  # index entries of removed sequences (dropped when they outnumber the live ones)
+
+    def extend(self, key, tokens: list[int]) -> None:
+        """Sequence `key` is now `tokens` (it only ever grows: the new tail is indexed)."""
+        s = self.seqs.get(key)
+        if s is None:
+            s = self.seqs[key] = _Seq([], self.min_match)
+        self.num_tokens += len(tokens) - len(s.tokens)
+        s.tokens = tokens
+        n = self.min_match
+        for e in range(s.indexed, len(tokens) + 1):
+            self.ends.setdefault(tuple(tokens[e - n:e]), []).append((key, e))
+        s.indexed = max(s.indexed, len(tokens) + 1)
+
+    def remove(self, key) -> None:
+        s = self.seqs.pop(key, None)
+        if s is None:
+            return
+        self.num_tokens -= len(s.tokens)
+        self.stale += max(0, len(s.tokens) - self.min_match + 1)
+        if self.stale > self.num_tokens:
+            self._reindex()
+
+    def touch(self, key) -> None:
+        if key in self.seqs:
+            self.seqs.move_to_end(key)
+
+    def _reindex(self) -> None:
+        self.ends = {gram: live for gram, occ in self.ends.items()
+                     if (live := [(k, e) for k, e in occ if k in self.seqs])}
+        self.stale = 0
+
+    def lookup(self, context: list[int], k: int, max_match: int, min_token_prob: float,
+               max_spec_factor: float) -> tuple[Candidate | None, object]:
+        """The draft following the longest earlier match of `context`'s suffix (see module doc),
+        and the key of the most recent sequence it matched in. An occurrence at the end of its
+        sequence (`context` itself, when it is in the corpus) has nothing after it and is skipped."""
+        n = self.min_match
+        if k <= 0 or len(context) < n:
+            return None, None
+        occ = self.ends.get(tuple(context[-n:]))
+        if not occ:
+            return None, None
+        best, matches = 0, []
+        for key, e in reversed(occ[-MAX_CANDIDATES:]):
+            s = self.seqs.get(key)
+            if s is None or e >= len(s.tokens):
+                continue
+            m = _match_len(s.tokens, e, context, n, max_match)
+            if m > best:
+                best, matches = m, [(s.tokens, e, key)]
+            elif m == best:
+                matches.append((s.tokens, e, key))
+        if not matches:
+            return None, None
+        length = min(k, max(1, int(max_spec_factor * best)))
+        ids, probs = _frequent_path([toks[e:e + length] for toks, e, _ in matches], min_token_prob)
+        if not ids:
+            return None, None
+        return Candidate(ids, probs, best), matches[0][2]
+
+
+def _match_len(tokens: list[int], e: int, context: list[int], n: int, max_match: int) -> int:
+    """How many tokens before position e of `tokens` equal the end of `context` (>= n, <= max_match)."""
+    m, L = n, len(context)
+    while m < max_match and m < e and m < L and tokens[e - m - 1] == context[L - m - 1]:
+        m += 1
+    return m
+
+
+def _frequent_path(continuations: list[list[int]], min_token_prob: float) -> tuple[list[int], list[float]]:
+    """Follow the most frequent next token through the continuations (a trie walk without
+    building the trie): -> (tokens, probability of each prefix), cut where it drops below min_token_prob."""
+    ids: list[int] = []
+    probs: list[float] = []
+    alive = continuations
+    p = 1.0
+    depth = 0
+    while alive:
+        counts: dict[int, int] = {}
+        for c in alive:
+            if len(c) > depth:
+                counts[c[depth]] = counts.get(c[depth], 0) + 1
+        if not counts:
+            break
+        tok, cnt = max(counts.items(), key=lambda kv: kv[1])  # ties: the most recent (first seen)
+        p *= cnt / len(alive)  # continuations ending here count in the node, not in any child
+        if p < min_token_prob:
+            break
+        ids.append(tok)
+        probs.append(p)
+        alive = [c for c in alive if len(c) > depth and c[depth] == tok]
+        depth += 1
+    return ids, probs
+
+
+class SuffixProposer:
+    def __init__(self, *, min_match: int = 2, max_match: int = 32, min_token_prob: float = 0.1,
+                 max_spec_factor: float = 2.0, max_global_tokens: int = 1 << 18):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.max_match = max_match
+        self.min_token_prob = min_token_prob
+        self.max_spec_factor = max_spec_factor
+        self.max_global_tokens = max_global_tokens
+        self.min_match = min_match
+        self.local: dict[str, SuffixCorpus] = {}  # per request in flight: its own tokens
+        self.requests: dict[str, Request] = {}
+        self.shared = SuffixCorpus(min_match)  # finished requests' outputs, LRU-capped
+        self._finished = 0
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, Draft]:
+        out: dict[str, Draft] = {}
+        for req, k in wanted:
+            if k <= 0:
+                continue
+            c = self.candidate(req, k)
+            if c is not None:
+                out[req.request_id] = Draft(c.token_ids)
+        return out
+
+    def candidate(self, req: Request, k: int) -> Candidate | None:
+        """The better of the request's own and the shared corpus' drafts for `req`, up to k tokens."""
+        rid = req.request_id
+        local = self.local.get(rid)
+        if local is None:
+            local = self.local[rid] = SuffixCorpus(self.min_match)
+            self.requests[rid] = req
+        tokens = req.all_token_ids
+        local.extend(rid, tokens)
+        args = (k, self.max_match, self.min_token_prob, self.max_spec_factor)
+        mine, _ = local.lookup(tokens, *args)
+        if req.sampling.seed is not None and not req.sampling.greedy:
+            # a seeded sample's draws depend on its drafts: only its own tokens may shape them,
+            # so the same seed gives the same output whatever else this engine served
+            return mine
+        theirs, key = self.shared.lookup(tokens, *args)
+        if theirs is not None and (mine is None or (theirs.score, theirs.match_len) > (mine.score, mine.match_len)):
+            self.shared.touch(key)
+            return theirs
+        return mine
+
+    def clear(self) -> None:
+        """Forget the finished requests' outputs (benchmarks: each run starts from none)."""
+        self.shared = SuffixCorpus(self.min_match)
+
+    def release(self, request_id: str) -> None:
+        """The request is done: its output joins the shared corpus (the oldest outputs leave it)."""
+        self.local.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        output = list(req.output_token_ids)
+        if len(output) > self.min_match:
+            self._finished += 1
+            self.shared.extend(self._finished, output[-self.max_global_tokens:])
+            while self.shared.num_tokens > self.max_global_tokens:
+                self.shared.remove(next(iter(self.shared.seqs)))
