@@ -125,7 +125,8 @@ class Router:
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=sampling.seed, stop=tuple(sampling.stop),
-                            ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
+                            ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                            num_speculative_tokens=sampling.num_speculative_tokens)
         flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations, cluster_id=cluster_id)
         queue: asyncio.Queue = asyncio.Queue()
         att: Attempt | None = None

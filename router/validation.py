@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from tandem.wire.errors import InvalidRequestError
-from tandem.wire.messages import MAX_TOP_LOGPROBS, SamplingParams
+from tandem.wire.messages import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
 # One error type for bad input, shared with the engine (which raises it for the same reasons).
 InvalidRequest = InvalidRequestError
@@ -257,10 +257,15 @@ def _check_sampling(s, vocab_size: int, max_context: int,
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"sampling.logprobs must be at most {MAX_TOP_LOGPROBS}, got {logprobs}")
+    spec_k = s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None
+    if spec_k is not None and spec_k > MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequest(f"sampling.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS} "
+                             f"(0 = off for this request), got {spec_k}")
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=s.temperature, top_p=top_p,
         top_k=0 if s.top_k >= vocab_size else s.top_k,  # k >= vocab keeps every token: off
-        seed=s.seed if s.HasField("seed") else None, stop=stop, ignore_eos=s.ignore_eos, logprobs=logprobs)
+        seed=s.seed if s.HasField("seed") else None, stop=stop, ignore_eos=s.ignore_eos, logprobs=logprobs,
+        num_speculative_tokens=spec_k)
     return sampling, max_tokens_given
 
 

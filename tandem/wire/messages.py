@@ -16,6 +16,7 @@ from typing import Union
 from tandem.wire.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_SPECULATIVE_TOKENS = 64  # draft tokens one request may ask to verify per step
 
 
 class FinishReason(enum.Enum):
@@ -52,8 +53,9 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
         k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or k < 0):
-            raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] "
+                                      f"(0 = off), got {k!r}")
         n = self.logprobs
         if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")

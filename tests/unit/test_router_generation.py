@@ -305,6 +305,18 @@ def test_without_limits_the_session_keeps_its_worker():
     assert view.actor("d0").called("reserve") and not view.actor("d1").called("reserve")
 
 
+def test_per_request_speculation_reaches_the_decode_worker():
+    view = FakeView()
+    view.add(FakeDecode("d0", view), "decode")
+    router = make_router(view)
+    req = request()
+    req.sampling.num_speculative_tokens = 0  # off for this request
+    asyncio.run(run(router, req))
+    assert view.actor("d0").ask.sampling.num_speculative_tokens == 0
+    asyncio.run(run(router, request()))
+    assert view.actor("d0").ask.sampling.num_speculative_tokens is None  # the worker's setting
+
+
 @pytest.mark.parametrize("error, code", [
     (InvalidRequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded("full", 100), grpc.StatusCode.RESOURCE_EXHAUSTED),

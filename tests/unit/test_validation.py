@@ -282,3 +282,11 @@ def test_logprobs_and_tools_as_the_template_and_engine_take_them():
     rejects(make_request(messages=bad), "only assistant messages")
     rejects(make_request(messages=[msgs[0], pb.ChatMessage(role="assistant", tool_calls=[
         pb.ToolCall(name="f", arguments="{oops")])]), "not valid JSON")
+
+
+def test_num_speculative_tokens_per_request():
+    v = validate(make_request(sampling={"num_speculative_tokens": 0}))
+    assert v.sampling.num_speculative_tokens == 0  # speculation off for this request
+    assert validate(make_request(sampling={"num_speculative_tokens": 12})).sampling.num_speculative_tokens == 12
+    assert validate(make_request()).sampling.num_speculative_tokens is None  # the server's setting
+    rejects(make_request(sampling={"num_speculative_tokens": 65}), "num_speculative_tokens", "64")
