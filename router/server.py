@@ -10,7 +10,7 @@ import logging
 import uuid
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.perf_model import PerfModel
@@ -21,6 +21,7 @@ from tandem.router.admission import AdmissionConfig, Overloaded, client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
+from tandem.router.health import SERVING, HealthFollower
 from tandem.router.placing import CostPlacement
 from tandem.router.request_ids import DuplicateRequest
 from tandem.router.openai_api import serve_http
@@ -89,7 +90,6 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
                     OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage),
                     cost_placement(rc))
     router.slow_ttft_s = rc.slow_ttft_log_s
-    view.on_refresh = lambda state: publish_cluster_metrics(router.hub, state)
     server = grpc.aio.server(interceptors=list(interceptors), options=[
         ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),
         ("grpc.max_send_message_length", 64 << 20)])
@@ -104,8 +104,16 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     addr = f"{rc.host}:{rc.port}"
     port = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)
     await server.start()
-    for svc in ("", names[0], names[1]):
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(names[1], SERVING)   # Admin works without workers
+    # Generation (and "") follow whether a request can be served end to end (router/health.py)
+    follower = HealthFollower(health_servicer, ("", names[0]), reachable=lambda wid: wid in view.handles)
+    follower.follow(view.state.workers)
+
+    def on_refresh(state) -> None:
+        publish_cluster_metrics(router.hub, state)
+        follower.follow(state.workers)
+
+    view.on_refresh = on_refresh
     router.health = health_servicer
     router.http, router.http_port = None, None
     if rc.http_port is not None:
