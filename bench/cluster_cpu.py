@@ -21,7 +21,8 @@ import ray
 import torch
 
 from tandem.cluster.local import RunningCluster
-from tandem.cluster.profiling import fit_control_path, profile_engine
+from tandem.cluster.calibration import fit_control_path
+from tandem.cluster.profiling import profile_engine
 from tandem.cluster.sim_model import SLO
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate

@@ -64,7 +64,9 @@ def _wait_serving(target: str, proc: subprocess.Popen, timeout_s: float) -> None
     raise TimeoutError(f"cluster at {target} not SERVING after {timeout_s}s")
 
 
-def run_mode(name: str, config: dict, args, out: Path) -> dict:
+def run_mode(name: str, config: dict, args, out: Path, before_bench=None) -> dict:
+    """`tandem up` with `config`, `tandem bench` against it, stop it; -> the bench's report.
+    `before_bench(target)` runs once the cluster is SERVING (e.g. a control-path probe)."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", name)   # file names (tandem bench does the same to labels)
     port = _free_port()
     config = {**config, "router": {**config["router"], "port": port}}
@@ -79,6 +81,8 @@ def run_mode(name: str, config: dict, args, out: Path) -> dict:
         t0 = time.monotonic()
         _wait_serving(f"127.0.0.1:{port}", up, args.start_timeout)
         print(f"{name}: SERVING after {time.monotonic() - t0:.0f}s", flush=True)
+        if before_bench is not None:
+            before_bench(f"127.0.0.1:{port}")
         bench = [*CLI, "bench", "--target", f"127.0.0.1:{port}", "--workload", args.workload,
                  "--rates", args.rates, "--duration", str(args.duration), "--drain-timeout", str(args.drain),
                  "--seed", str(args.seed), "--out", str(out), "--label", name, "--no-progress",

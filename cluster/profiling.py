@@ -71,10 +71,11 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
             decode_contexts=(128, 512), quick: bool = False, draft_tokens=(2, 5), step_batches=(1, 4, 16),
             speculative: str = "ngram", threads: int | None = None):
     """-> (samples in `PerfModel.fit`'s format: the model's forward passes alone, decode steps
-    that verify `draft_tokens` drafts per sequence among them; whole engine steps (batch, total
-    context, drafts verified per sequence, wall s) of `step_batches` sequences decoding, with
-    `speculative` proposing: scheduling, drafting, sampling and outputs included, for
-    `fit_step_host`). `threads`: torch's CPU threads (a pool actor has its `num_cpus`)."""
+    that verify `draft_tokens` drafts per sequence among them; whole engine steps of
+    `step_batches` sequences decoding, with `speculative` proposing (scheduling, drafting,
+    sampling and outputs included), for `fit_step_host`; and whole steps that also prefill a
+    session's next turn, for `fit_mixed_step`: see `_time_steps`). `threads`: torch's CPU threads
+    (a pool actor has its `num_cpus`)."""
     if threads:
         import torch  # noqa: PLC0415 - only to profile
 
@@ -94,8 +95,11 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
         return [rng.randrange(3, vocab) for _ in range(n)]
 
     samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens)
-    steps = [s for b in step_batches for s in _time_steps(e, tokens, b, decode_contexts[-1])]
-    return samples, steps
+    steps, mixed = [], []
+    for b in step_batches:
+        st, mx = _time_steps(e, tokens, b, decode_contexts[-1])
+        steps, mixed = steps + st, mixed + mx
+    return samples, steps, mixed
 
 
 def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens):
@@ -149,16 +153,20 @@ def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_context
     return samples
 
 
-def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 16) -> list[tuple[int, int, float, float]]:
-    """Whole `LLMEngine.step`s of `batch` sequences decoding at about `ctx` tokens of context each.
-    Prompts repeat a 32-token phrase, so n-gram speculation finds drafts to propose."""
+def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 16, new_lengths=(128, 512, 2048)):
+    """Whole `LLMEngine.step`s of `batch` sequences decoding at about `ctx` tokens of context each
+    -> (decode steps [(batch, total context, drafts verified per sequence, wall s)], mixed steps
+    [(batch, total context, new tokens, prompt tokens, wall s)]: a step that also prefills a
+    prompt whose first `ctx` tokens are cached, as a session's next turn is, with the engine's
+    per-request work in it: prefix lookup, blocks, drafting index, first token). Prompts repeat a
+    32-token phrase, so n-gram speculation finds drafts to propose."""
     phrase = tokens(32)
     reqs = [e.add_request(prompt_token_ids=(phrase * (ctx // 32 + 1))[:ctx - 8] + tokens(8),
-                          sampling=SamplingParams(max_tokens=steps * 8 + 16, ignore_eos=True)) for _ in range(batch)]
+                          sampling=SamplingParams(max_tokens=steps * 8 + 64, ignore_eos=True)) for _ in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         e.step()
     e.step()                      # the first decode step of the batch (a new graph shape) untimed
-    out = []
+    out, mixed = [], []
     for _ in range(steps):
         running = [r for r in reqs if r.request_id in e.scheduler.requests]
         if len(running) < batch:
@@ -170,9 +178,34 @@ def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 16) -> list[tuple[
         dt = time.perf_counter() - t0
         if _captures(e) == captures0:    # a CUDA graph's capture is a one-time cost, like a compile
             out.append((batch, context, (e.stats.draft_tokens - drafts0) / batch, dt))
+    for n in (new_lengths[0], *new_lengths):          # the first one untimed (first use)
+        n = min(n, e.max_model_len - ctx - 2)
+        prefix = tokens(ctx)
+        for prompt in (prefix, prefix + tokens(n)):   # the prefix, cached; then the next turn
+            running = [r for r in reqs if r.request_id in e.scheduler.requests]
+            context = sum(r.num_tokens for r in running)
+            # 2 tokens: a request that ends in its prefill step leaves nothing in the prefix cache
+            req = e.add_request(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+            t0 = time.perf_counter()
+            e.step()
+            dt = time.perf_counter() - t0
+            while req.request_id in e.scheduler.requests:
+                e.step()
+        if len(running) == batch and len(mixed) < len(new_lengths) + 1:   # (first: untimed, below)
+            mixed.append((batch, context, len(prompt) - req.num_cached_prompt_tokens, len(prompt), dt))
     for r in reqs:
         e.abort(r.request_id)
-    return out
+    return out, mixed[1:]
+
+
+def fit_mixed_step(perf: PerfModel, mixed) -> PerfModel:
+    """`perf` with `prefill_base_s` raised (never lowered) to what engine steps that decode and
+    prefill a session's next turn (`_time_steps`' mixed steps) took beyond `perf.step_s`'s other
+    terms: the fixed cost of a step that prefills, the engine's per-request work included."""
+    if not mixed:
+        return perf
+    extra = statistics.median(wall - perf.step_s(b, ctx, [(n, prompt)]) for b, ctx, n, prompt, wall in mixed)
+    return dataclasses.replace(perf, prefill_base_s=perf.prefill_base_s + max(0.0, extra))
 
 
 def _captures(e) -> int:
@@ -208,22 +241,24 @@ def cmd_profile(args) -> int:
     if args.from_profile:     # refit from an earlier profile's timings (and measure the rest)
         prev = json.loads(open(args.from_profile).read())
         samples = [(k, tuple(f), t) for k, f, t in prev["samples"]]
-        steps = [tuple(x) for x in prev.get("steps", [])]
+        steps, mixed = [tuple(x) for x in prev.get("steps", [])], [tuple(x) for x in prev.get("mixed_steps", [])]
     else:
         sizes = SIZES[args.sizes or ("large" if args.device.startswith("cuda") else "small")]
-        samples, steps = profile(args.model, args.device, args.dtype, quick=args.quick,
-                                 speculative=args.speculative, threads=args.threads, **sizes)
-    perf = fit_step_host(PerfModel.fit(samples, block_tokens=16), steps)
+        samples, steps, mixed = profile(args.model, args.device, args.dtype, quick=args.quick,
+                                        speculative=args.speculative, threads=args.threads, **sizes)
+    perf = fit_mixed_step(fit_step_host(PerfModel.fit(samples, block_tokens=16), steps), mixed)
     if args.bench_json:   # speculation as a `tandem bench` run measured it
         runs = json.loads(open(args.bench_json).read())["runs"]
         perf = dataclasses.replace(perf, **speculation_from_requests([r for run in runs for r in run["requests"]]))
     served: list = []
     if args.target:       # the served step and the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:
-            perf, served = calibrate_on_cluster(generation_pb2_grpc.GenerationStub(channel), perf,
-                                                vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
+            perf, measured = calibrate_on_cluster(generation_pb2_grpc.GenerationStub(channel), perf,
+                                                  vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
+            served = measured["served_steps"]
     out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
            "samples": [[k, list(f), s] for k, f, s in samples], "steps": [list(x) for x in steps],
+           "mixed_steps": [list(x) for x in mixed],
            "served_steps": [list(x) for x in served]}
     text = json.dumps(out, indent=2)
     if args.output:

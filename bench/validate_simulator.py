@@ -1,0 +1,146 @@
+"""Replay recorded `tandem bench` runs through the simulator and print, per rate, simulated against
+measured TTFT p50/p90, TPOT p50/p90 and goodput with the relative error; last, `max error N%`.
+
+    python -m bench.validate_simulator bench/results/cpu-colocated bench/results/h200-colocated ...
+
+Each run directory (written by bench/record_run.py) holds the requests as sent (open loop at their recorded send
+times, their lengths, sessions and turns), the cluster's config (its layout, local-prefill threshold,
+decode slots, step budget, KV blocks) and the perf model `tandem profile` calibrated for that
+machine and model, with the served step and the control path calibrated on the running cluster
+by probe requests (cluster/calibration.py) and speculation's drafts
+and tokens per step from the run's usage. Nothing is fitted to the latencies being validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from tandem.cluster.layouts import layout_perf
+from tandem.cluster.sim_model import SLO, RequestResult
+from tandem.cluster.simulator import simulate
+from tandem.cluster.workloads import RequestSpec
+from tandem.perf_model import PerfModel
+
+
+FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput")
+
+
+def load_run(run_dir: str | Path) -> tuple[dict, PerfModel, dict]:
+    """-> (run.json, the perf model of perf.json, perf.json's provenance notes)."""
+    d = Path(run_dir)
+    run = json.loads((d / "run.json").read_text())
+    perf = json.loads((d / "perf.json").read_text())
+    return run, PerfModel.from_dict(perf["perf_model"]), perf.get("notes", {})
+
+
+def requests_of(run: dict, rate_run: dict) -> list[dict]:
+    return [dict(zip(run["columns"], row)) for row in rate_run["requests"]]
+
+
+def replay_specs(requests: list[dict]) -> list[RequestSpec]:
+    """The requests as the simulator replays them, open loop: each at its recorded send time, with
+    its recorded lengths, session and turn."""
+    return [RequestSpec(r["session_id"], r["turn"], r["arrival_s"], r["prompt_tokens"], r["max_tokens"],
+                        r["shared_prefix_tokens"]) for r in requests]
+
+
+def cluster_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int, int]:
+    """The perf model as this layout ran it (threshold, queue cap, decode slots, step token budget,
+    KV per worker) -> (model, colocated, prefill workers, decode workers)."""
+    model, colocated = layout_perf(cluster, perf)
+    sched, cache = cluster.get("scheduler") or {}, cluster.get("cache") or {}
+    over = {}
+    if sched.get("max_num_batched_tokens"):
+        over["max_step_tokens"] = int(sched["max_num_batched_tokens"])
+    if cache.get("num_blocks"):
+        over["kv_capacity_tokens"] = int(cache["num_blocks"]) * int(cache.get("block_size", 16))
+    n_prefill = 0 if colocated else int(cluster["prefill"]["replicas"])
+    return dataclasses.replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, as `tandem bench` computes its percentiles."""
+    xs = sorted(xs)
+    if not xs:
+        return math.nan
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def figures(rows: list[tuple[float, float | None, float | None, float | None]], slo: SLO) -> dict[str, float]:
+    """(arrival, ttft, tpot, e2e) of each request (ttft None: failed) -> the five figures, computed
+    the same way for the measurement and the simulation: percentiles over the requests that ended,
+    goodput = requests meeting both SLOs per second from the rate's start to its last answer."""
+    ok = [r for r in rows if r[1] is not None]
+    good = sum(t <= slo.ttft_s and (p is None or p <= slo.tpot_s) for _, t, p, _ in ok)
+    end = max((a + e for a, _, _, e in ok), default=1.0)
+    return {"ttft_p50": _pct([r[1] for r in ok], 50), "ttft_p90": _pct([r[1] for r in ok], 90),
+            "tpot_p50": _pct([r[2] for r in ok if r[2] is not None], 50),
+            "tpot_p90": _pct([r[2] for r in ok if r[2] is not None], 90), "goodput": good / end}
+
+
+def measured_rows(requests: list[dict]) -> list[tuple]:
+    return [(r["arrival_s"], r["ttft_s"], r["tpot_s"], r["e2e_s"]) if r["status"] == "OK" else (r["arrival_s"],
+            None, None, None) for r in requests]
+
+
+def simulated_rows(results: list[RequestResult]) -> list[tuple]:
+    return [(r.arrival_s, r.ttft_s, r.tpot_s, r.e2e_s) for r in results]
+
+
+def validate_run(run_dir: str | Path) -> list[dict]:
+    """-> one row per rate: {run, rate, requests, measured: figures, simulated: figures, error: {figure: rel}}."""
+    run, perf, _ = load_run(run_dir)
+    model, colocated, n_prefill, n_decode = cluster_perf(run["cluster"], perf)
+    slo = SLO(run["bench"]["slo"]["ttft_ms"] / 1e3, run["bench"]["slo"]["tpot_ms"] / 1e3)
+    out = []
+    for rate_run in run["runs"]:
+        reqs = requests_of(run, rate_run)
+        sim = simulate(replay_specs(reqs), n_prefill, n_decode, model, slo, colocated=colocated, pull_prefix=True)
+        m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
+        err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}
+        out.append({"run": Path(run_dir).name, "rate": rate_run["rate"], "requests": len(reqs),
+                    "measured": m, "simulated": s, "error": err})
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'run':<22} {'rate':>5} {'reqs':>5}  {'TTFT p50 ms':>18} {'TTFT p90 ms':>18} {'TPOT p50 ms':>18} "
+            f"{'TPOT p90 ms':>18} {'goodput r/s':>18}")
+    lines = [head, "(each figure: simulated / measured, relative error)"]
+    for r in rows:
+        cells = []
+        for k in FIGURES:
+            scale, fmt = (1.0, "{:.2f}") if k == "goodput" else (1e3, "{:.0f}" if k.startswith("ttft") else "{:.1f}")
+            sim, meas = (fmt.format(r[side][k] * scale) for side in ("simulated", "measured"))
+            cells.append(f"{sim}/{meas} {r['error'][k]:4.0%}".rjust(18))
+        lines.append(f"{r['run']:<22} {r['rate']:>5g} {r['requests']:>5}  " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def max_error(rows: list[dict]) -> float:
+    return max((e for r in rows for e in r["error"].values()), default=0.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (bench/results/<run>)")
+    args = ap.parse_args(argv)
+    rows = [row for d in args.runs for row in validate_run(d)]
+    print(format_rows(rows))
+    for d in args.runs:
+        mine = [r for r in rows if r["run"] == Path(d).name]
+        print(f"{Path(d).name}: max error {max_error(mine):.0%}")
+    print(f"max error {max_error(rows) * 100:.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The simulator's service times beyond plain decoding: speculative verify tokens, tokens emitted per
+step (fractions carried deterministically), per-step host time, and the control path."""
+
+from dataclasses import replace
+
+import pytest
+
+from tandem.cluster.sim_model import SLO
+from tandem.cluster.sim_workers import SimSeq
+from tandem.cluster.simulator import simulate
+from tandem.cluster.workloads import RequestSpec
+from tandem.perf_model import PerfModel
+
+# one decode step of one sequence: 10 ms; a prefill of 10 tokens: 1 ms
+PERF = PerfModel(prefill_base_s=0.0, prefill_per_token_s=1e-4, prefill_attn_s=0.0, decode_base_s=0.008,
+                 decode_per_seq_s=0.002, decode_per_ctx_token_s=0.0, transfer_base_s=0.0,
+                 transfer_per_token_s=0.0, max_batch=8, max_step_tokens=512, kv_capacity_tokens=100_000)
+
+
+def one(perf: PerfModel, output_tokens: int = 41, prompt: int = 10):
+    r = simulate([RequestSpec("s", 0, 0.0, prompt, output_tokens)], 0, 1, perf, SLO(), colocated=True)
+    return r.requests[0]
+
+
+def test_emit_carries_fractions_and_never_passes_the_output():
+    s = SimSeq(RequestSpec("s", 0, 0.0, 10, 12), 0)
+    s.generated = 1
+    got = []
+    while s.generated < 12:
+        n = s.emit(1.25)
+        s.generated += n
+        got.append(n)
+    assert got[:8] == [1, 1, 1, 2, 1, 1, 1, 2]       # 1.25 a step: a second token every fourth
+    assert sum(got) == 11 and s.generated == 12      # the last step stops at the output length
+
+
+def test_plain_decoding_is_one_step_per_token():
+    r = one(PERF)
+    assert r.tpot_s == pytest.approx(0.010)
+    assert r.ttft_s == pytest.approx(0.001)
+
+
+def test_speculation_divides_tpot_by_tokens_per_step_and_verify_tokens_cost_like_tokens():
+    spec = replace(PERF, spec_verify_tokens=3.0, spec_tokens_per_step=2.0)
+    # a step verifies 1 + 3 tokens of the sequence: 8 + 2 * 4 = 16 ms, and emits 2 tokens
+    assert one(spec).tpot_s == pytest.approx(0.016 / 2)
+    # fractional acceptance: 1.25 tokens a step, 40 tokens after the first in 32 steps
+    frac = replace(PERF, spec_verify_tokens=1.0, spec_tokens_per_step=1.25)
+    assert one(frac).tpot_s == pytest.approx(32 * 0.012 / 40)
+
+
+def test_step_host_time_is_paid_by_every_step_prefill_included():
+    host = replace(PERF, step_host_s=0.003)
+    r = one(host)
+    assert r.tpot_s == pytest.approx(0.013)
+    assert r.ttft_s == pytest.approx(0.001 + 0.003)   # the prefill step alone pays it too
+
+
+def test_the_control_path_delays_what_the_client_sees_not_the_engine():
+    r = one(replace(PERF, request_overhead_s=0.02))
+    assert r.ttft_s == pytest.approx(0.021)
+    assert r.tpot_s == pytest.approx(0.010)          # both ends shift alike
+
+
+def test_verify_tokens_use_the_step_token_budget():
+    """A step's budget holds each decoding sequence's 1 + drafts, then prefill chunks: with 8
+    sequences verifying 3 drafts each, a 64-token budget leaves 32 tokens for a prompt."""
+    tight = replace(PERF, max_step_tokens=64, spec_verify_tokens=3.0, block_tokens=16)
+    reqs = [RequestSpec(f"d{i}", 0, 0.0, 4, 200) for i in range(8)] + [RequestSpec("p", 0, 0.5, 320, 2)]
+    plain = simulate(reqs, 0, 1, replace(tight, spec_verify_tokens=0.0), SLO(), colocated=True)
+    spec = simulate(reqs, 0, 1, tight, SLO(), colocated=True)
+    ttft = {r.session_id: r.ttft_s for r in spec.requests}["p"]
+    assert ttft > {r.session_id: r.ttft_s for r in plain.requests}["p"]
+    assert ttft >= 10 * 0.016                        # 320 tokens, 32 a step: at least 10 steps
