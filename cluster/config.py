@@ -77,6 +77,9 @@ class RouterConfig:
     max_in_flight: int = 256
     max_queue: int = 1024
     max_streams_per_client: int = 0  # 0: no per-client limit
+    # refuse a request (RESOURCE_EXHAUSTED, retry-after-ms) when the requests ahead of it would take
+    # longer than this to get their first token at the recent rate (router/admission.py); null: never
+    max_expected_wait_s: float | None = 15.0
     metrics_port: int | None = 8080  # Prometheus /metrics; None: off
     metrics_host: str = "127.0.0.1"
     # a request whose first token takes longer is logged with where the time went (None: never)
@@ -100,6 +103,8 @@ class RouterConfig:
             raise ConfigError(f"router: placement must be 'rules' or 'cost', got {self.placement!r}")
         if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
             raise ConfigError("router: slo_ttft_ms and slo_tpot_ms must be > 0")
+        if self.max_expected_wait_s is not None and not self.max_expected_wait_s > 0:
+            raise ConfigError(f"router: max_expected_wait_s must be > 0 or null, got {self.max_expected_wait_s}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router: port must be in [0, 65535], got {self.port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -2,11 +2,17 @@
 
 `AdmissionLimiter` lets at most `max_in_flight` requests run and `max_queue` wait (FIFO); a request
 past that, or one from a client that already has `max_streams_per_client` streams open, or one whose
-expected wait is over `max_expected_wait_s`, is refused at once with `Overloaded`. The server maps
-`Overloaded`, once, to RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms` (from
-`Overloaded.trailing_metadata()`). The hint comes from `ServiceRate`: how fast slots have freed
-over the last `rate_window_s`. No gRPC here; time comes from the `clock` argument, so tests drive
-it by hand. The limiter belongs to one event loop and is not thread-safe.
+predicted wait is over `max_expected_wait_s` (on by default), is refused at once with `Overloaded`.
+The server maps `Overloaded`, once, to RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`
+(from `Overloaded.trailing_metadata()`).
+
+The predicted wait is the time until the requests ahead of a newcomer have started (their first
+token out), at the rate requests have started while some were waiting (`StartRate`: starts per
+second of backlogged time, so an idle spell does not read as a slow cluster). The requests ahead
+are every admitted or queued request without its first token; a request whose cluster is past
+capacity piles them up, however large `max_in_flight` is. Queue-limit hints come from
+`ServiceRate`: how fast slots have freed over the last `rate_window_s`. No gRPC here; time comes
+from the `clock` argument, so tests drive it by hand. One event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ class AdmissionConfig:
     max_in_flight: int = 256  # requests running past admission (routed to workers)
     max_queue: int = 1024  # requests waiting for a running slot; 0: refuse instead of queueing
     max_streams_per_client: int = 0  # running + waiting per client identity; 0: no limit
-    # Refuse at arrival when the queue ahead would take longer than this to clear at the recent
-    # service rate. None: no such check (the client's deadline still bounds the wait).
-    max_expected_wait_s: float | None = None
+    # Refuse at arrival when the requests ahead (without their first token yet) would take longer
+    # than this to start at the rate requests have started lately (`StartRate`). None: no such
+    # check (the client's deadline still bounds the wait).
+    max_expected_wait_s: float | None = 15.0
+    min_start_samples: int = 8  # starts seen (in the window) before the rate is trusted
     rate_window_s: float = 30.0  # how far back the service rate looks
     default_retry_after_s: float = 1.0  # the hint before any request has finished
     min_retry_after_s: float = 0.05
@@ -64,6 +72,35 @@ class AdmissionConfig:
             raise ValueError(f"admission: rate_window_s must be > 0, got {self.rate_window_s}")
         if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
             raise ValueError("admission: need 0 < min_retry_after_s <= max_retry_after_s")
+
+
+class StartRate:
+    """Requests started per second of backlogged time (some request waiting for its first token),
+    over the last `rate_window_s`; None until `min_start_samples` starts were seen."""
+
+    def __init__(self, config: AdmissionConfig, clock: Clock) -> None:
+        self._config, self._clock = config, clock
+        self._starts: collections.deque[tuple[float, float]] = collections.deque()  # (when, busy gap)
+
+    def record(self, busy_gap_s: float) -> None:
+        self._starts.append((self._clock(), max(0.0, busy_gap_s)))
+        self._trim()
+
+    def per_second(self) -> float | None:
+        self._trim()
+        busy = sum(gap for _, gap in self._starts)
+        if len(self._starts) < self._config.min_start_samples or busy <= 0:
+            return None
+        return len(self._starts) / busy
+
+    def wait_for(self, num_ahead: int) -> float | None:
+        rate = self.per_second()
+        return None if rate is None else num_ahead / rate
+
+    def _trim(self) -> None:
+        horizon = self._clock() - self._config.rate_window_s
+        while self._starts and self._starts[0][0] < horizon:
+            self._starts.popleft()
 
 
 class ServiceRate:
@@ -111,6 +148,7 @@ class Admission:
     client: str
     queued_s: float  # how long it waited (tandem:request_queue_time_seconds)
     released: bool = False
+    started: bool = False  # its first token is out (`AdmissionLimiter.started`)
 
 
 class AdmissionLimiter:
@@ -120,6 +158,10 @@ class AdmissionLimiter:
         self.config = config
         self._clock = clock
         self.rate = ServiceRate(config, clock)
+        self.starts = StartRate(config, clock)
+        self._unstarted = 0          # admitted or queued, no first token yet: the requests ahead
+        self._busy_since: float | None = None   # since when some request has waited to start
+        self._last_start = 0.0
         self._on_change = on_change
         self._running = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
@@ -139,6 +181,7 @@ class AdmissionLimiter:
     def check(self, client: str) -> None:
         """Raise Overloaded if a request from `client` would be refused now; changes nothing."""
         c = self.config
+        self._check_predicted_wait()
         if c.max_streams_per_client and self._per_client[client] >= c.max_streams_per_client:
             # Little's law: a running request takes about running / rate seconds.
             raise Overloaded(f"this client already has {self._per_client[client]} streams open, "
@@ -151,12 +194,31 @@ class AdmissionLimiter:
                              f"{len(self._queue)} queued (the queue limit)",
                              # by then half the queue has cleared: retries do not all collide
                              self.rate.retry_after(c.max_queue // 2 + 1))
-        if c.max_expected_wait_s is not None:
-            expected = self.rate.wait_for(len(self._queue) + 1)
-            if expected is not None and expected > c.max_expected_wait_s:
-                raise Overloaded(f"server overloaded: the queue would take about {expected:.1f} s, "
-                                 f"over the {c.max_expected_wait_s:g} s limit",
-                                 self.rate.retry_after(len(self._queue) + 1))
+
+    def _check_predicted_wait(self) -> None:
+        limit = self.config.max_expected_wait_s
+        expected = None if limit is None else self.starts.wait_for(self._unstarted)
+        if expected is not None and expected > limit:
+            c = self.config
+            raise Overloaded(f"server overloaded: {self._unstarted} requests are waiting for their first token, "
+                             f"about {expected:.1f} s of work at the recent rate, over the {limit:g} s limit",
+                             # by then the backlog is back under the limit
+                             min(c.max_retry_after_s, max(c.min_retry_after_s, expected - limit)))
+
+    def started(self, admission: Admission) -> None:
+        """`admission`'s request has its first token out: one fewer ahead, one start at the rate."""
+        if admission.started:
+            return
+        admission.started = True
+        now = self._clock()
+        self.starts.record(now - max(self._last_start, self._busy_since if self._busy_since is not None else now))
+        self._last_start = now
+        self._not_waiting()
+
+    def _not_waiting(self) -> None:
+        self._unstarted -= 1
+        if self._unstarted <= 0:
+            self._unstarted, self._busy_since = 0, None
 
     async def acquire(self, client: str) -> Admission:
         """Wait for a running slot (FIFO) or raise Overloaded at once. Cancelling the waiting
@@ -164,6 +226,9 @@ class AdmissionLimiter:
         self.check(client)
         arrived = self._clock()
         self._per_client[client] += 1
+        self._unstarted += 1
+        if self._busy_since is None:
+            self._busy_since = arrived
         if self._running < self.config.max_in_flight and not self._queue:
             self._running += 1
             self._changed()
@@ -181,6 +246,7 @@ class AdmissionLimiter:
                 with contextlib.suppress(ValueError):
                     self._queue.remove(slot)
             self._forget(client)
+            self._not_waiting()
             self._changed()
             raise
         return Admission(client, self._clock() - arrived)
@@ -189,6 +255,9 @@ class AdmissionLimiter:
         if admission.released:
             return
         admission.released = True
+        if not admission.started:   # failed or cancelled before its first token
+            admission.started = True
+            self._not_waiting()
         self._forget(admission.client)
         self.rate.record_release()
         self._hand_over()

@@ -97,6 +97,7 @@ class Router:
         self.hub.record_queue_time(adm.queued_s)
         try:
             async for resp in self.generate(request, client):
+                self.limiter.started(adm)      # its first token: no longer ahead of newcomers
                 yield resp
         finally:
             self.limiter.release(adm)

@@ -123,25 +123,70 @@ def test_retry_hint_follows_the_recent_service_rate():
 def test_expected_wait_limit_and_overloaded_metadata():
     async def main():
         clock = FakeClock(0.0)
-        lim = make_limiter(clock, max_in_flight=1, max_queue=100, max_expected_wait_s=3.0)
-        for _ in range(4):  # 1 slot freed per second
+        lim = make_limiter(clock, max_in_flight=100, max_queue=100, max_expected_wait_s=3.0, min_start_samples=4)
+        for _ in range(4):  # one request started per second while others waited
+            adm = await lim.acquire("x")
             clock.now += 1.0
-            lim.release(await lim.acquire("x"))
-        held = await lim.acquire("x")
-        queued = [asyncio.create_task(lim.acquire("x")) for _ in range(2)]
-        await settle()
-        assert lim.waiting == 2  # expected waits 1 s and 2 s: fine
-        lim.check("x")  # a third would wait 3 s: still at the limit
-        queued.append(asyncio.create_task(lim.acquire("x")))
-        await settle()
-        with pytest.raises(Overloaded, match="about 4.0 s, over the 3 s limit") as refused:
+            lim.started(adm)
+            lim.release(adm)
+        assert lim.starts.per_second() == pytest.approx(1.0)
+        held = [await lim.acquire("x") for _ in range(3)]   # 3 ahead: 3 s, at the limit
+        lim.check("x")
+        held.append(await lim.acquire("x"))
+        with pytest.raises(Overloaded, match="4 requests are waiting for their first token, about 4.0 s of work at the "
+                                             "recent rate, over the 3 s limit") as refused:
             await lim.acquire("x")
-        assert refused.value.trailing_metadata() == ((RETRY_AFTER_KEY, "4000"),)
-        for t in queued:
-            t.cancel()
-        lim.release(held)
+        assert refused.value.trailing_metadata() == ((RETRY_AFTER_KEY, "1000"),)
+        lim.release(held.pop())        # failed before its first token: no longer ahead, no start counted
+        lim.check("x")
+        assert lim.starts.per_second() == pytest.approx(1.0)
 
     asyncio.run(main())
+
+
+def test_an_idle_spell_does_not_read_as_a_slow_cluster():
+    async def main():
+        clock = FakeClock(0.0)
+        lim = make_limiter(clock, max_in_flight=100, max_queue=100, max_expected_wait_s=3.0, min_start_samples=4)
+        for _ in range(6):  # requests 60 s apart, each started 0.5 s after it came
+            clock.now += 60.0
+            adm = await lim.acquire("x")
+            clock.now += 0.5
+            lim.started(adm)
+            lim.release(adm)
+        assert lim.starts.per_second() is None or lim.starts.per_second() == pytest.approx(2.0)
+        burst = [await lim.acquire("x") for _ in range(5)]    # 5 ahead at 2/s: 2.5 s
+        assert len(burst) == 5
+
+    asyncio.run(main())
+
+
+def test_default_admission_sheds_an_overload_by_predicted_wait():
+    """Defect (issue 27): at 2.4x capacity for 60 s the default limits shed nothing, and every
+    request waited longer and longer. Capacity here: a cluster that starts 4 requests a second, in
+    order; 10 arrive each second."""
+    async def main():
+        clock = FakeClock(0.0)
+        lim = AdmissionLimiter(AdmissionConfig(), clock)
+        backlog, waits, shed = [], [], []
+        for tick in range(600):                    # 60 s in steps of 0.1 s
+            clock.now = tick / 10
+            try:
+                backlog.append((clock.now, await lim.acquire(f"c{tick}")))
+            except Overloaded as e:
+                shed.append(e.retry_after_ms)
+            if tick % 10 >= 4 or not backlog:      # 4 starts per second (a start finishes the request here)
+                continue
+            arrived, adm = backlog.pop(0)
+            waits.append(clock.now - arrived)
+            lim.started(adm)
+            lim.release(adm)
+        return waits, shed
+
+    waits, shed = asyncio.run(main())
+    assert len(shed) > 200, "2.4x capacity must be shed"
+    assert all(ms >= 50 for ms in shed)
+    assert max(waits) < AdmissionConfig().max_expected_wait_s + 2, max(waits)
 
 
 def test_config_and_identity():

@@ -62,3 +62,14 @@ def test_the_adaptive_layout_config_and_its_refusals():
         load_config(None, {"router.placement": "magic"})
     with pytest.raises(ConfigError, match="period_s"):
         load_config(None, {"roles.period_s": 0})
+
+
+def test_max_expected_wait_s_is_a_router_key():
+    """Defect (issue 27): the documented key was refused by the loader."""
+    from tandem.cluster.config import load_config
+    from tandem.wire.errors import ConfigError
+
+    assert load_config(None, {"router.max_expected_wait_s": 4.5}).router.max_expected_wait_s == 4.5
+    assert load_config(None, {}).router.max_expected_wait_s == 15.0
+    with pytest.raises(ConfigError, match="max_expected_wait_s"):
+        load_config(None, {"router.max_expected_wait_s": -1})
