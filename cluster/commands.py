@@ -20,8 +20,8 @@ from tandem.cluster import loadgen_client, profiling
 from tandem.cluster.config import ADAPTIVE, load_config
 from tandem.engine.config import SPECULATIVE_METHODS
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
-from tandem.router.auth import (BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
-                                load_client_token, resolve_auth, with_metadata)
+from tandem.router.auth import (ADMIN_TOKEN_ENV, BearerTokenInterceptor, TokenStore, auth_metadata, call_credentials,
+                                load_admin_token, load_client_token, resolve_auth, with_metadata)
 from tandem.router.tls import (ClientTLSConfig, TLSConfig, channel_credentials, channel_options, server_credentials,
                                server_ssl_context)
 from tandem.runtime.logging_setup import setup_logging
@@ -63,6 +63,9 @@ def register(sub) -> None:
     sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
     sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
                                                "$TANDEM_AUTH_TOKEN also works")
+    sec.add_argument("--admin-token-file", help="admin tokens (file or Secret directory; $TANDEM_ADMIN_TOKEN "
+                                                "also works): the only tokens the Admin API takes")
+    sec.add_argument("--metrics-auth", action="store_true", help="/metrics only with an admin token")
     sec.add_argument("--no-auth", action="store_true", help="no bearer-token check")
     sec.add_argument("--insecure-no-auth", action="store_true",
                      help="allow --no-auth on a non-loopback address")
@@ -166,7 +169,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_set_role(args) -> int:
-    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args, admin=True))
     try:
         w = stub.SetWorkerRole(admin_pb2.SetWorkerRoleRequest(worker_id=args.worker, role=args.role,
                                                               reason=args.reason), timeout=15)
@@ -178,7 +181,7 @@ def cmd_set_role(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args, admin=True))
     req = admin_pb2.SetPoolBoundsRequest(pool=args.pool, min=args.min, max=args.max)
     if args.size is not None:
         req.target = args.size
@@ -194,6 +197,8 @@ def cmd_scale(args) -> int:
 
 def _client_flags(p) -> None:
     p.add_argument("--auth-token-file", help="bearer token file (default: $TANDEM_AUTH_TOKEN)")
+    p.add_argument("--admin-token-file", help="admin token file, for status/scale/set-role "
+                                              "(default: $TANDEM_ADMIN_TOKEN, else the client token)")
     p.add_argument("--tls-ca-file", help="CA that signed the router's certificate (turns TLS on)")
     p.add_argument("--tls-cert-file", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key-file")
@@ -211,6 +216,7 @@ def cmd_up(args) -> int:
                  "decode.local_prefill_threshold": args.local_prefill_threshold, "cache.num_blocks": args.num_blocks,
                  "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
+                 "router.metrics_auth": True if args.metrics_auth else None,
                  "autoscaler.enabled": True if args.autoscale else None,
                  "speculative.method": args.speculative, "speculative.num_tokens": args.num_speculative_tokens}
     if args.layout == "adaptive":
@@ -245,9 +251,15 @@ def cmd_up(args) -> int:
 def _server_security(args, auth_enabled: bool) -> dict:
     """gRPC interceptors (bearer tokens) and credentials (TLS / mTLS) for the router."""
     out: dict = {"interceptors": (), "credentials": None, "token_store": None, "ssl_context": None}
+    admin = TokenStore.admin_from_sources(getattr(args, "admin_token_file", None))
     if auth_enabled:
         out["token_store"] = TokenStore.from_sources(args.auth_token_file)   # gRPC and HTTP edges alike
-        out["interceptors"] = (BearerTokenInterceptor(out["token_store"]),)
+        if admin is None:
+            logging.getLogger("tandem").warning("auth is on and no admin token is configured: the Admin API "
+                                                "refuses every call (--admin-token-file or $TANDEM_ADMIN_TOKEN)")
+    if auth_enabled or admin is not None:
+        out["interceptors"] = (BearerTokenInterceptor(out["token_store"], admin=admin),)
+    out["admin_store"] = admin
     if args.tls_cert_file:
         tls = TLSConfig(cert_file=args.tls_cert_file, key_file=args.tls_key_file,
                         client_ca_file=args.tls_client_ca_file, require_client_cert=args.tls_require_client_cert)
@@ -266,11 +278,15 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tokenizer, model_config = load_tokenizer(config.engine.model)
-    server, router, port = await serve(cluster.controller, config, cluster.namespace, tokenizer, model_config,
-                                       **(security or {}))
+    security = dict(security or {})
+    admin = security.pop("admin_store", None)
     rc = config.router
+    if rc.metrics_auth and admin is None:
+        raise SystemExit("tandem: router.metrics_auth needs an admin token (--admin-token-file or $TANDEM_ADMIN_TOKEN)")
+    server, router, port = await serve(cluster.controller, config, cluster.namespace, tokenizer, model_config,
+                                       **security)
     if rc.metrics_port is not None:
-        mport = start_metrics_server(rc.metrics_port, rc.metrics_host)
+        mport = start_metrics_server(rc.metrics_port, rc.metrics_host, verify=admin.verify if rc.metrics_auth else None)
         print(f"tandem: metrics on http://{rc.metrics_host}:{mport}/metrics", flush=True)
     if router.http_port is not None:
         scheme = "https" if (security or {}).get("ssl_context") else "http"
@@ -289,9 +305,14 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
 
 
 # ---- clients ------------------------------------------------------------------------------------
-def _channel(target: str, args=None):
-    """A channel to the router, with TLS and the bearer token when the flags or env ask for them."""
-    token = load_client_token(token_file=getattr(args, "auth_token_file", None))
+def _channel(target: str, args=None, admin: bool = False):
+    """A channel to the router, with TLS and the bearer token when the flags or env ask for them
+    (`admin`: the admin token, for the Admin API)."""
+    admin_file = getattr(args, "admin_token_file", None)
+    if admin and (admin_file or os.environ.get(ADMIN_TOKEN_ENV)):
+        token = load_admin_token(admin_file)
+    else:
+        token = load_client_token(token_file=getattr(args, "auth_token_file", None))
     if getattr(args, "tls_ca_file", None):
         tls = ClientTLSConfig(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
                               server_name=args.tls_server_name)
@@ -353,7 +374,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_status(args) -> int:
-    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args))
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args, admin=True))
     try:
         state = stub.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)
     except grpc.RpcError as e:

@@ -82,6 +82,7 @@ class RouterConfig:
     max_expected_wait_s: float | None = 15.0
     metrics_port: int | None = 8080  # Prometheus /metrics; None: off
     metrics_host: str = "127.0.0.1"
+    metrics_auth: bool = False  # /metrics only with an admin token (Authorization: Bearer)
     # a request whose first token takes longer is logged with where the time went (None: never)
     slow_ttft_log_s: float | None = 1.0
     # a worker past any of these is overloaded: a session leaves it, and when every worker of a

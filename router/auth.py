@@ -8,6 +8,11 @@ valid `authorization: Bearer <token>` with UNAUTHENTICATED, never echoing what w
 checks and reflection stay open. Tokens are compared as SHA-256 digests with `hmac.compare_digest`,
 against every accepted token, so timing reveals neither a token nor which one matched.
 
+Admin tokens are distinct: `tandem.v1.Admin` (status, draining, pool bounds, roles) takes only a
+token of the admin store (`--admin-token-file`, `TANDEM_ADMIN_TOKEN`); a client token gets
+PERMISSION_DENIED there, and so does every token when auth is on and no admin token is configured
+(fail closed). An admin token is accepted on Generation too.
+
 Policy: `resolve_auth` decides from the listen host and the flags whether auth is on, and refuses
 to serve without auth on a non-loopback address unless the operator says so twice.
 
@@ -35,6 +40,10 @@ log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 TOKEN_ENV = "TANDEM_AUTH_TOKEN"
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+ADMIN_METHOD_PREFIX = "/tandem.v1.Admin/"
+NO_ADMIN = ("the Admin API takes an admin token, not a client token: send one of the router's admin tokens "
+            f"(--admin-token-file or ${ADMIN_TOKEN_ENV} on the router)")
 EXPECTED = "send gRPC metadata 'authorization: Bearer <token>'"
 # Methods anyone may call: load balancers probe health, and tools (grpcurl) need reflection.
 OPEN_METHOD_PREFIXES = (
@@ -175,6 +184,13 @@ class TokenStore:
                      environ: Mapping[str, str] = os.environ, **kw) -> "TokenStore":
         return cls(token_file, environ.get(TOKEN_ENV), **kw)
 
+    @classmethod
+    def admin_from_sources(cls, token_file: str | None = None,
+                           environ: Mapping[str, str] = os.environ, **kw) -> "TokenStore | None":
+        """The admin tokens (`--admin-token-file`, $TANDEM_ADMIN_TOKEN); None when neither is given."""
+        env = environ.get(ADMIN_TOKEN_ENV, "").strip()
+        return cls(token_file, env or None, **kw) if token_file or env else None
+
     def __len__(self) -> int:
         self._refresh()
         return len(self._digests)
@@ -229,9 +245,10 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
     return None
 
 
-def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _denied(handler: grpc.RpcMethodHandler, message: str,
+            code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
     async def deny(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     # No deserializer: the rejected request stays bytes, never parsed.
     if handler.request_streaming and handler.response_streaming:
@@ -244,23 +261,36 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Lets a call through only with a token `store` accepts (open methods excepted)."""
+    """Lets a call through only with a token `store` accepts (open methods excepted); Admin calls
+    only with one `admin` accepts. `store` None: Generation is open (auth off on loopback)."""
 
-    def __init__(self, store: TokenStore, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES):
+    def __init__(self, store: TokenStore | None, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES,
+                 admin: TokenStore | None = None):
         self._store = store
         self._open = open_prefixes
+        self._admin = admin
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self._open):
+        method = handler_call_details.method
+        if handler is None or method.startswith(self._open):
             return handler
+        is_admin = method.startswith(ADMIN_METHOD_PREFIX)
+        if self._store is None and (not is_admin or self._admin is None):
+            return handler    # auth off (and, for Admin, no admin tokens either)
         token = bearer_token(handler_call_details.invocation_metadata)
         if token is None:
             return _denied(handler, f"missing credentials: {EXPECTED}")
-        if not self._store.verify(token):
-            log.info("auth: rejected a token for %s", handler_call_details.method)
-            return _denied(handler, f"invalid token: {EXPECTED} with a token this server accepts")
-        return handler
+        if self._admin is not None and self._admin.verify(token):
+            return handler    # an admin token may call anything
+        client_ok = self._store is not None and self._store.verify(token)
+        if is_admin and client_ok:
+            log.info("auth: refused a client token on %s", method)
+            return _denied(handler, NO_ADMIN, grpc.StatusCode.PERMISSION_DENIED)
+        if client_ok:
+            return handler
+        log.info("auth: rejected a token for %s", method)
+        return _denied(handler, f"invalid token: {EXPECTED} with a token this server accepts")
 
 
 # --- clients -----------------------------------------------------------------------------------
@@ -293,6 +323,15 @@ def load_client_token(token: str | None = None, token_file: str | None = None,
         return tokens[0]
     env = [t.strip() for t in environ.get(TOKEN_ENV, "").split(",") if t.strip()]
     return env[0] if env else None
+
+
+def load_admin_token(token_file: str | None = None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The token an admin command (`tandem status`, `scale`, `set-role`) sends: the first in
+    `token_file`, else in $TANDEM_ADMIN_TOKEN, else the client token (`load_client_token`)."""
+    if token_file:
+        return load_client_token(token_file=token_file)
+    env = [t.strip() for t in environ.get(ADMIN_TOKEN_ENV, "").split(",") if t.strip()]
+    return env[0] if env else load_client_token(environ=environ)
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",

@@ -24,7 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.core import HistogramMetricFamily
 
 from tandem.wire.cluster import WorkerEntry
@@ -383,12 +386,30 @@ def get_hub() -> MetricsHub:
 
 
 def start_metrics_server(port: int = 0, host: str = "127.0.0.1",
-                         registry: CollectorRegistry | None = None) -> int:
+                         registry: CollectorRegistry | None = None,
+                         verify: Callable[[str], bool] | None = None) -> int:
     """Serve `registry` (default: `get_hub()`'s) as Prometheus text on http://host:port/metrics
     from a daemon thread. Port 0 picks a free port; returns the port actually bound. In a pod,
-    pass host="0.0.0.0" so Prometheus can reach it."""
+    pass host="0.0.0.0" so Prometheus can reach it. `verify`: /metrics only for a request whose
+    `Authorization: Bearer <token>` it accepts (401 otherwise; Prometheus: `authorization:
+    {credentials_file: ...}` in the scrape config)."""
     if not 0 <= port < 65536:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
     registry = registry if registry is not None else get_hub().registry
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server.server_address[1]
+    if verify is None:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+        return server.server_address[1]
+    httpd = make_server(host, port, _behind_token(make_wsgi_app(registry), verify), ThreadingWSGIServer,
+                        handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics").start()
+    return httpd.server_address[1]
+
+
+def _behind_token(app, verify: Callable[[str], bool]):
+    def guarded(environ, start_response):
+        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip() or not verify(token.strip()):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"/metrics needs 'Authorization: Bearer <admin token>'\n"]
+        return app(environ, start_response)
+    return guarded

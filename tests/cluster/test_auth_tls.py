@@ -71,6 +71,53 @@ async def status_of(coro) -> tuple[grpc.StatusCode, str]:
 
 # --- bearer tokens ----------------------------------------------------------------------------
 
+ADMIN = "admin-token-fedcba9876543210"
+
+
+def test_the_admin_api_refuses_client_tokens_and_takes_admin_tokens():
+    """Issue 27 item 5: any client token could drain workers and set pool bounds."""
+    async def main():
+        icp = BearerTokenInterceptor(TokenStore(None, GOOD), admin=TokenStore(None, ADMIN))
+        server, port = await start_server([icp])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                admin = admin_pb2_grpc.AdminStub(ch)
+                code, details = await status_of(admin.GetClusterState(admin_pb2.GetClusterStateRequest(),
+                                                                      metadata=auth_metadata(GOOD)))
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "admin token" in details
+                assert GOOD not in details
+                code, _ = await status_of(admin.GetClusterState(admin_pb2.GetClusterStateRequest(),
+                                                                metadata=auth_metadata("wrong-token-xxxxxxxxxx")))
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+                await admin.GetClusterState(admin_pb2.GetClusterStateRequest(), metadata=auth_metadata(ADMIN))
+                assert await generate(ch, auth_metadata(GOOD)) == ["0", "1", "2"]
+                assert await generate(ch, auth_metadata(ADMIN)) == ["0", "1", "2"]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_metrics_behind_the_admin_token():
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from tandem.runtime.metrics import start_metrics_server
+
+    reg = CollectorRegistry()
+    Counter("probe_total", "a probe", registry=reg).inc()
+    port = start_metrics_server(0, "127.0.0.1", registry=reg, verify=TokenStore(None, ADMIN).verify)
+    url = f"http://127.0.0.1:{port}/metrics"
+    for headers in ({}, {"Authorization": f"Bearer {GOOD}"}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+        assert err.value.code == 401
+    body = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"}),
+                                  timeout=5).read().decode()
+    assert "probe_total 1.0" in body
+
 
 def test_tokens_gate_generation_but_not_health_or_reflection():
     async def main():
@@ -94,8 +141,10 @@ def test_tokens_gate_generation_but_not_health_or_reflection():
                 admin = admin_pb2_grpc.AdminStub(ch)  # unary: the Admin service is gated too
                 code, _ = await status_of(admin.GetClusterState(admin_pb2.GetClusterStateRequest()))
                 assert code == grpc.StatusCode.UNAUTHENTICATED
-                await admin.GetClusterState(admin_pb2.GetClusterStateRequest(),
-                                            metadata=auth_metadata(GOOD))
+                # no admin token configured: Admin refuses every token (fail closed)
+                code, details = await status_of(admin.GetClusterState(admin_pb2.GetClusterStateRequest(),
+                                                                      metadata=auth_metadata(GOOD)))
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "admin token" in details
 
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
