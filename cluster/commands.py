@@ -60,19 +60,7 @@ def register(sub) -> None:
                          "cost model (router.perf_model, router.slo_*_ms) and the controller lends workers "
                          "to prefill only under prompt load (roles: section); static: the pools as configured")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
-    sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
-    sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
-                                               "$TANDEM_AUTH_TOKEN also works")
-    sec.add_argument("--admin-token-file", help="admin tokens (file or Secret directory; $TANDEM_ADMIN_TOKEN "
-                                                "also works): the only tokens the Admin API takes")
-    sec.add_argument("--metrics-auth", action="store_true", help="/metrics only with an admin token")
-    sec.add_argument("--no-auth", action="store_true", help="no bearer-token check")
-    sec.add_argument("--insecure-no-auth", action="store_true",
-                     help="allow --no-auth on a non-loopback address")
-    sec.add_argument("--tls-cert-file")
-    sec.add_argument("--tls-key-file")
-    sec.add_argument("--tls-client-ca-file", help="CA for client certificates (mutual TLS)")
-    sec.add_argument("--tls-require-client-cert", action="store_true")
+    _security_flags(up)
     up.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 picks one)")
     up.add_argument("--metrics-host", help="default 127.0.0.1; 0.0.0.0 in a pod")
     up.set_defaults(func=cmd_up)
@@ -100,6 +88,22 @@ def _speculative_flags(up) -> None:
                     help="speculative decoding on decode workers (speculative.method; default off)")
     up.add_argument("--num-speculative-tokens", type=int, metavar="K",
                     help="the most draft tokens per sequence per step (speculative.num_tokens)")
+
+
+def _security_flags(up) -> None:
+    sec = up.add_argument_group("security (auth is on by default when --host is not loopback)")
+    sec.add_argument("--auth-token-file", help="bearer tokens, one per line, or a mounted Secret directory; "
+                                               "$TANDEM_AUTH_TOKEN also works")
+    sec.add_argument("--admin-token-file", help="admin tokens (file or Secret directory; $TANDEM_ADMIN_TOKEN "
+                                                "also works): the only tokens the Admin API takes")
+    sec.add_argument("--metrics-auth", action="store_true", help="/metrics only with an admin token")
+    sec.add_argument("--no-auth", action="store_true", help="no bearer-token check")
+    sec.add_argument("--insecure-no-auth", action="store_true",
+                     help="allow --no-auth on a non-loopback address")
+    sec.add_argument("--tls-cert-file")
+    sec.add_argument("--tls-key-file")
+    sec.add_argument("--tls-client-ca-file", help="CA for client certificates (mutual TLS)")
+    sec.add_argument("--tls-require-client-cert", action="store_true")
 
 
 def _register_scale(sub) -> None:
