@@ -4,12 +4,16 @@ each time the router refreshes its view of the cluster."""
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-from tandem.router.status_codes import status_code
+from tandem.router.status_codes import OWN_MESSAGES, client_message, status_code
 from tandem.runtime.metrics import WorkerMetricsSnapshot
 from tandem.wire.cluster import ClusterState
+
+log = logging.getLogger(__name__)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -40,8 +44,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         try:
             return await call
         except Exception as e:  # noqa: BLE001 - every failure leaves as a status, never UNKNOWN
-            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
-            await context.abort(status_code(e), str(cause))
+            if not isinstance(e.cause if isinstance(e, ray.exceptions.RayTaskError) else e, OWN_MESSAGES):
+                log.warning("admin call failed: %s", e)
+            await context.abort(status_code(e), client_message(e))
 
 
 _WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,

@@ -27,6 +27,7 @@ from tandem.router.placing import Attempt, CostPlacement, Placer
 from tandem.router.request_ids import ActiveRequests, DuplicateRequest
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
+from tandem.router.status_codes import OWN_MESSAGES
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
@@ -117,8 +118,14 @@ class Router:
         cluster_id = self.active.claim(client, rid)
         try:
             with bind_request(rid):
-                async for resp in self._generate(v, ids, sampling, rid, cluster_id, t0):
-                    yield resp
+                try:
+                    async for resp in self._generate(v, ids, sampling, rid, cluster_id, t0):
+                        yield resp
+                except Exception as e:
+                    if not isinstance(e, OWN_MESSAGES):   # the client gets one line; the detail is here
+                        log.exception("request %s failed in the cluster", rid)
+                    e.tandem_request_id = rid     # quoted to the client (router/status_codes.py)
+                    raise
         finally:
             self.active.release(client, rid)
 

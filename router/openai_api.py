@@ -26,7 +26,7 @@ from tandem.router.generation import Router
 from tandem.router.openai_choice import ChoiceBuilder
 from tandem.router.openai_schema import (ApiError, ParsedRequest, chunk, error_body, full_response, models_list,
                                          parse_chat, parse_completion, response_id, usage_chunk)
-from tandem.router.status_codes import http_status, status_code
+from tandem.router.status_codes import client_message, http_status, status_code
 from tandem.router.tool_calls import tool_format
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _from_exception(router: Router, e: Exception) -> web.Response:
     if status >= 500 and status != 503:
         log.exception("request failed in the cluster")
     retry = getattr(e, "retry_after_s", 1.0) if status == 429 else None   # the workers' overload: 1 s
-    return error_response(status, str(e) or type(e).__name__, retry_after_s=retry)
+    return error_response(status, client_message(e, getattr(e, "tandem_request_id", None)), retry_after_s=retry)
 
 
 def _client(request: web.Request) -> str | None:
@@ -138,7 +138,7 @@ async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: 
     except Exception as e:  # noqa: BLE001 - the status is sent: the error goes as an event
         request.app[ROUTER_KEY].record_error(e, status_code(e).name)
         log.warning("stream %s failed after it began: %s", rid, e)
-        await out.write(b"data: " + json.dumps(error_body(http_status(e), str(e))).encode() + b"\n\n")
+        await out.write(b"data: " + json.dumps(error_body(http_status(e), client_message(e, rid))).encode() + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

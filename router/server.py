@@ -23,20 +23,12 @@ from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
 from tandem.router.health import SERVING, HealthFollower
 from tandem.router.placing import CostPlacement
-from tandem.router.request_ids import DuplicateRequest
 from tandem.router.openai_api import serve_http
 from tandem.router.sessions import make_session_store
-from tandem.router.status_codes import status_code
+from tandem.router.status_codes import client_message, status_code
 from tandem.router.validation import RequestLimits
-from tandem.wire.errors import InvalidRequestError, MigrationsExhausted, NoWorkerReady, WorkersOverloaded
 
 log = logging.getLogger(__name__)
-
-# The router's own errors carry a message for the client; anything else failed in the cluster (an
-# actor's error, a dead actor) and is logged.
-ROUTER_ERRORS = (InvalidRequestError, Overloaded, DuplicateRequest, WorkersOverloaded, NoWorkerReady,
-                 MigrationsExhausted)
-
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router):
@@ -53,14 +45,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await self._abort(context, e)
 
     async def _abort(self, context, e: Exception) -> None:
+        """`e` as its status code, with one line for the client (router/status_codes.py); the
+        detail of a failure in the cluster was logged under the request's id (Router.generate)."""
         code = status_code(e)
         self.router.record_error(e, code.name)
-        if isinstance(e, ROUTER_ERRORS):
-            trailing = e.trailing_metadata() if isinstance(e, Overloaded) else ()
-            await context.abort(code, str(e), trailing_metadata=trailing)
-        log.exception("request failed in the cluster")
-        await context.abort(code, f"request failed in the cluster ({type(e).__name__}: {str(e)[:200]}); "
-                                  "it is safe to retry")
+        trailing = e.trailing_metadata() if isinstance(e, Overloaded) else ()
+        await context.abort(code, client_message(e, getattr(e, "tandem_request_id", None)),
+                            trailing_metadata=trailing)
 
 
 def cost_placement(rc) -> CostPlacement | None:
