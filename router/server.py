@@ -23,6 +23,7 @@ from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
 from tandem.router.health import SERVING, HealthFollower
 from tandem.router.placing import CostPlacement
+from tandem.router.malformed import MalformedRequestInterceptor
 from tandem.router.openai_api import serve_http
 from tandem.router.sessions import make_session_store
 from tandem.router.status_codes import client_message, status_code
@@ -82,7 +83,7 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
                     OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage),
                     cost_placement(rc))
     router.slow_ttft_s = rc.slow_ttft_log_s
-    server = grpc.aio.server(interceptors=list(interceptors), options=[
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=[
         ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),
         ("grpc.max_send_message_length", 64 << 20)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
