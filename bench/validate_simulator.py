@@ -103,6 +103,8 @@ def validate_run(run_dir: str | Path) -> list[dict]:
     out = []
     for rate_run in run["runs"]:
         reqs = requests_of(run, rate_run)
+        if not any(r["status"] == "OK" for r in reqs):
+            continue                    # nothing was sent (or nothing ended) at this rate
         sim = simulate(replay_specs(reqs), n_prefill, n_decode, model, slo, colocated=colocated, pull_prefix=True)
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}

@@ -41,9 +41,9 @@ def _timed(fn, repeats: int = 2) -> float:
 # what `profile` times: a CPU model at CPU scale, a GPU model at the contexts and batches it serves
 SIZES = {
     "small": {"prefill_lengths": (64, 256, 1024), "contexts": (0, 512), "batches": (1, 4, 16),
-              "decode_contexts": (128, 512), "step_batches": (1, 4, 16)},
+              "decode_contexts": (128, 512), "step_batches": (1, 4, 16), "mixed_lengths": (32, 64, 128)},
     "large": {"prefill_lengths": (128, 512, 2048, 8192), "contexts": (0, 8192), "batches": (1, 8, 32, 64),
-              "decode_contexts": (1024, 8192), "step_batches": (1, 8, 32, 64)},
+              "decode_contexts": (1024, 8192), "step_batches": (1, 8, 32, 64), "mixed_lengths": (128, 512, 2048)},
 }
 
 
@@ -69,13 +69,14 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
 def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
             prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
             decode_contexts=(128, 512), quick: bool = False, draft_tokens=(2, 5), step_batches=(1, 4, 16),
-            speculative: str = "ngram", threads: int | None = None):
+            speculative: str = "ngram", threads: int | None = None, mixed_lengths=(128, 512, 2048)):
     """-> (samples in `PerfModel.fit`'s format: the model's forward passes alone, decode steps
     that verify `draft_tokens` drafts per sequence among them; whole engine steps of
     `step_batches` sequences decoding, with `speculative` proposing (scheduling, drafting,
     sampling and outputs included), for `fit_step_host`; and whole steps that also prefill a
-    session's next turn, for `fit_mixed_step`: see `_time_steps`). `threads`: torch's CPU threads
-    (a pool actor has its `num_cpus`)."""
+    session's next turn (`mixed_lengths` new tokens: what the workload's turns add), for
+    `fit_mixed_step`: see `_time_steps`). `threads`: torch's CPU threads (a pool actor has its
+    `num_cpus`)."""
     if threads:
         import torch  # noqa: PLC0415 - only to profile
 
@@ -97,7 +98,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
     samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens)
     steps, mixed = [], []
     for b in step_batches:
-        st, mx = _time_steps(e, tokens, b, decode_contexts[-1])
+        st, mx = _time_steps(e, tokens, b, decode_contexts[-1], new_lengths=mixed_lengths)
         steps, mixed = steps + st, mixed + mx
     return samples, steps, mixed
 
