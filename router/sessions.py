@@ -29,6 +29,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from tandem.runtime.logging_setup import redact
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
@@ -109,7 +111,7 @@ class RedisSessionStore:
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "tandem:session:", *,
                  op_timeout_s: float = 0.5, retry_interval_s: float = 1.0,
                  max_local_sessions: int = 100_000, clock: Clock = time.monotonic):
-        self.url, self.ttl_s, self.prefix = url, ttl_s, prefix
+        self.url, self.ttl_s, self.prefix = redact(url), ttl_s, prefix   # for logs: no password
         self.op_timeout_s, self.retry_interval_s, self.clock = op_timeout_s, retry_interval_s, clock
         # One immediate retry on a broken connection (a pooled connection to a Redis that since
         # restarted), none on timeouts: a failed call falls back at once, Redis is retried later.

@@ -15,6 +15,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Iterator, TextIO
@@ -52,6 +53,20 @@ def bind_request(request_id: str, **fields: Any) -> Iterator[None]:
             pass
 
 
+# credentials in URLs (redis://:PASSWORD@host, scheme://user:PASSWORD@host) and password-like
+# query parameters: masked in every line this setup writes, whoever logged them
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<secret>[^@/\s]+)@")
+_SECRET_PARAMS = re.compile(r"(?i)(?P<key>\b(?:password|passwd|pwd|token|secret)=)(?P<secret>[^&\s'\"]+)")
+
+
+def redact(text: str) -> str:
+    """`text` with the secrets of URLs and password parameters replaced by `***`."""
+    if "@" in text or "=" in text:
+        text = _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+        text = _SECRET_PARAMS.sub(lambda m: f"{m['key']}***", text)
+    return text
+
+
 class RequestContextFilter(logging.Filter):
     """Copies the bound request fields onto each record (fields given with `extra=` win)."""
 
@@ -68,15 +83,15 @@ def _fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str
               f".{int(record.msecs):03d}Z",
         "level": record.levelname.lower(),
         "logger": record.name,
-        "msg": record.getMessage(),
+        "msg": redact(record.getMessage()),
     }
     for key, value in vars(record).items():
         if key not in _RECORD_ATTRS and not key.startswith("_"):
             out[key] = value
     if record.exc_info:
-        out["exc"] = formatter.formatException(record.exc_info)
+        out["exc"] = redact(formatter.formatException(record.exc_info))
     elif record.exc_text:
-        out["exc"] = record.exc_text
+        out["exc"] = redact(record.exc_text)
     return out
 
 
