@@ -27,7 +27,7 @@ from tandem.router.placing import Attempt, CostPlacement, Placer
 from tandem.router.request_ids import ActiveRequests, DuplicateRequest
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
-from tandem.router.status_codes import OWN_MESSAGES
+from tandem.router.status_codes import OWN_MESSAGES, status_code
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
@@ -91,13 +91,15 @@ class Router:
         return v, ids, sampling
 
     # ---- one request ------------------------------------------------------------------------
-    async def admit_and_generate(self, request, client: str):
+    async def admit_and_generate(self, request, client: str, deadline: float | None = None):
         """`generate` behind admission control: the one entry point of the gRPC and HTTP edges.
-        Raises Overloaded when the request is shed; closing the generator cancels the request."""
+        Raises Overloaded when the request is shed; closing the generator cancels the request.
+        `deadline`: the client's, in time.monotonic() seconds (None: none), to tell a deadline that
+        passed from a cancel in the metrics."""
         adm = await self.limiter.acquire(client)
         self.hub.record_queue_time(adm.queued_s)
         try:
-            async for resp in self.generate(request, client):
+            async for resp in self.generate(request, client, deadline):
                 self.limiter.started(adm)      # its first token: no longer ahead of newcomers
                 yield resp
         finally:
@@ -109,8 +111,10 @@ class Router:
         if isinstance(e, (InvalidRequestError, Overloaded, DuplicateRequest)):   # refused before the cluster
             self.hub.record_finished(code=code, finish_reason="none", e2e_seconds=None)
 
-    async def generate(self, request, client: str = ""):
-        """One request from `client` (for its request ids: router/request_ids.py)."""
+    async def generate(self, request, client: str = "", deadline: float | None = None):
+        """One request from `client` (for its request ids: router/request_ids.py). A request that
+        ends without finishing counts in requests_total as CANCELLED, DEADLINE_EXCEEDED or its
+        failure's status code."""
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         v, ids, sampling = self.prepare(request)
@@ -125,6 +129,12 @@ class Router:
                     if not isinstance(e, OWN_MESSAGES):   # the client gets one line; the detail is here
                         log.exception("request %s failed in the cluster", rid)
                     e.tandem_request_id = rid     # quoted to the client (router/status_codes.py)
+                    self.hub.record_finished(code=status_code(e).name, finish_reason="abort", e2e_seconds=None)
+                    raise
+                except (asyncio.CancelledError, GeneratorExit):
+                    late = deadline is not None and time.monotonic() >= deadline - 0.05
+                    self.hub.record_finished(code="DEADLINE_EXCEEDED" if late else "CANCELLED",
+                                             finish_reason="abort", e2e_seconds=None)
                     raise
         finally:
             self.active.release(client, rid)
@@ -275,9 +285,8 @@ class Router:
             self.placer.release(att.local_hold)
             if self.view.inflight.get(att.decode_id):
                 self.view.inflight[att.decode_id] -= 1
-            if flow.state is not FlowState.FINISHED:
+            if flow.state is not FlowState.FINISHED:     # counted in requests_total by `generate`
                 self.counters["cancelled"] += 1
-                self.hub.record_finished(code="CANCELLED_OR_FAILED", finish_reason="abort", e2e_seconds=None)
                 await self.placer.abort_everywhere(att)
         log.debug("request %s done in %.3f s", flow.request_id, time.perf_counter() - t0)
 

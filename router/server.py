@@ -7,6 +7,7 @@ router/status_codes.py.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import grpc
@@ -38,7 +39,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         client = client_identity(context.peer(), bearer_token(context.invocation_metadata()))
         try:
-            async for resp in self.router.admit_and_generate(request, client):
+            left = context.time_remaining()
+            deadline = None if left is None else time.monotonic() + left
+            async for resp in self.router.admit_and_generate(request, client, deadline):
                 yield resp
         except grpc.aio.AbortError:
             raise

@@ -23,7 +23,7 @@ class FailingRouter:
     def __init__(self, error):
         self.error, self.recorded = error, []
 
-    async def admit_and_generate(self, request, client):
+    async def admit_and_generate(self, request, client, deadline=None):
         yield pb.GenerateResponse(token_ids=[1])
         self.error.tandem_request_id = "req-7"
         raise self.error
@@ -62,26 +62,46 @@ def test_refusals_keep_their_own_message():
     assert one_line(LEAKY) == "(WorkerActor pid=<pid>, ip=<address>)"
 
 
-def test_the_detail_is_logged_under_the_request_id(caplog):
-    from tandem.router.generation import Router
+class FakeHub:
+    def __init__(self):
+        self.finished = []
 
-    class Boom(Router):
+    def record_finished(self, *, code, finish_reason, e2e_seconds):
+        self.finished.append(code)
+
+
+def _router(body):
+    """A Router whose request path is `body` (an async generator function)."""
+    from types import SimpleNamespace
+
+    from tandem.router.generation import Router
+    from tandem.router.request_ids import ActiveRequests
+
+    class Scripted(Router):
         def __init__(self):
-            from tandem.router.request_ids import ActiveRequests
             self.counters = {"requests": 0}
             self.active = ActiveRequests("router-t")
+            self.hub = FakeHub()
 
         def prepare(self, request):
-            from types import SimpleNamespace
             return SimpleNamespace(request_id="rid-42"), [1], None
 
-        async def _generate(self, *a):
-            raise ValueError(LEAKY)
-            yield
+        def _generate(self, *a):
+            return body()
+
+    return Scripted()
+
+
+def test_the_detail_is_logged_under_the_request_id(caplog):
+    async def boom():
+        raise ValueError(LEAKY)
+        yield
+
+    router = _router(boom)
 
     async def run():
         with pytest.raises(ValueError) as err:
-            async for _ in Boom().generate(pb.GenerateRequest(), "c"):
+            async for _ in router.generate(pb.GenerateRequest(), "c"):
                 pass
         return err.value
 
@@ -89,3 +109,45 @@ def test_the_detail_is_logged_under_the_request_id(caplog):
         e = asyncio.run(run())
     assert e.tandem_request_id == "rid-42"
     assert any("rid-42" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert router.hub.finished == ["INTERNAL"]
+
+
+def test_requests_total_names_cancelled_deadline_and_failed_apart():
+    """Defect (issue 27): all three were counted under one code, CANCELLED_OR_FAILED."""
+    import time
+
+    async def slow():
+        yield pb.GenerateResponse(token_ids=[1])
+        await asyncio.sleep(30)
+        yield pb.GenerateResponse(token_ids=[2])
+
+    async def cancel_after_first(deadline):
+        router = _router(slow)
+
+        async def consume():
+            async for _ in router.generate(pb.GenerateRequest(), "c", deadline):
+                pass
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return router.hub.finished
+
+    assert asyncio.run(cancel_after_first(None)) == ["CANCELLED"]
+    assert asyncio.run(cancel_after_first(time.monotonic() + 60)) == ["CANCELLED"]
+    assert asyncio.run(cancel_after_first(time.monotonic())) == ["DEADLINE_EXCEEDED"]
+
+    async def no_worker():
+        from tandem.wire.errors import NoWorkerReady
+        raise NoWorkerReady("no decode worker is ready")
+        yield
+
+    async def failed():
+        router = _router(no_worker)
+        with pytest.raises(Exception):
+            async for _ in router.generate(pb.GenerateRequest(), "c"):
+                pass
+        return router.hub.finished
+
+    assert asyncio.run(failed()) == ["UNAVAILABLE"]

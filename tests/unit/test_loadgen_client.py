@@ -92,7 +92,7 @@ class FakeRouter:
         self.stub, self.limits = FakeStub(), RequestLimits()
         self.fail = set(fail)
 
-    async def admit_and_generate(self, request, client):
+    async def admit_and_generate(self, request, client, deadline=None):
         if any(request.session_id.endswith(s) for s in self.fail):
             raise Overloaded("queue full", 1.0)
         self.stub.requests.append(request)

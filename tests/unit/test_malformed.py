@@ -17,7 +17,7 @@ NOT_PROTO = b"\xff\xff\xff\xff\x0f garbage"
 
 
 class OneToken:
-    async def admit_and_generate(self, request, client):
+    async def admit_and_generate(self, request, client, deadline=None):
         yield pb.GenerateResponse(token_ids=[7], text=request.prompt)
 
     def record_error(self, e, code):
