@@ -51,6 +51,7 @@ class RequestFlow:
     # the id its actors know it by (router/request_ids.py): unique in the cluster, whatever the
     # client sent as `request_id` (which is only echoed back); "": the request id
     cluster_id: str = ""
+    deadline: float | None = None   # the client's, in time.monotonic() seconds; None: none
     state: FlowState = FlowState.PLACING
     out_ids: list[int] = field(default_factory=list)  # every token streamed so far
     migrations: int = 0

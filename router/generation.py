@@ -31,7 +31,7 @@ from tandem.router.status_codes import OWN_MESSAGES, status_code
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
-from tandem.wire.errors import InvalidRequestError
+from tandem.wire.errors import InvalidRequestError, NoWorkerReady
 from tandem.wire.messages import FinishReason, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class Router:
                              max_prefill_queued_tokens=max_prefill_queued_tokens, overload=overload,
                              cost=cost)
         self.max_migrations = 2  # per request, then UNAVAILABLE
+        # a request whose decode worker died waits this long at most (and never past its deadline)
+        # for a ready one, e.g. the controller's replacement, before it fails UNAVAILABLE
+        self.replacement_wait_s = 120.0
         self.slow_ttft_s: float | None = 1.0  # log where the time went for first tokens slower than this
         self.hub = get_hub()
         self.limiter = AdmissionLimiter(admission, on_change=self.hub.set_router_queue)
@@ -123,7 +126,7 @@ class Router:
         try:
             with bind_request(rid):
                 try:
-                    async for resp in self._generate(v, ids, sampling, rid, cluster_id, t0):
+                    async for resp in self._generate(v, ids, sampling, rid, cluster_id, t0, deadline):
                         yield resp
                 except Exception as e:
                     if not isinstance(e, OWN_MESSAGES):   # the client gets one line; the detail is here
@@ -139,13 +142,14 @@ class Router:
         finally:
             self.active.release(client, rid)
 
-    async def _generate(self, v, ids, sampling, rid, cluster_id, t0):
+    async def _generate(self, v, ids, sampling, rid, cluster_id, t0, deadline=None):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
         sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=sampling.seed, stop=tuple(sampling.stop),
                             ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
                             num_speculative_tokens=sampling.num_speculative_tokens)
-        flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations, cluster_id=cluster_id)
+        flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations, cluster_id=cluster_id,
+                           deadline=deadline)
         queue: asyncio.Queue = asyncio.Queue()
         att: Attempt | None = None
         try:
@@ -218,10 +222,29 @@ class Router:
             await self.placer.abort_everywhere(att)
         self.placer.forget(att.request_id)
         cont, sp = flow.continuation()
-        att = await self.placer.place(flow.cluster_id, cont, sp, None, block_hashes(cont, self.block_size), flow.lost,
-                                      queue)
+        att = await self._place_when_ready(flow, cont, sp, queue)
         flow.placed(att.remote)
         return att
+
+    async def _place_when_ready(self, flow: RequestFlow, ids: list[int], sp: SamplingParams,
+                                queue: asyncio.Queue) -> Attempt:
+        """Place a moved request; while no decode worker is ready (the one that died was the last,
+        its replacement is starting), wait for one, up to `replacement_wait_s` and the deadline."""
+        give_up = time.monotonic() + self.replacement_wait_s
+        if flow.deadline is not None:
+            give_up = min(give_up, flow.deadline)
+        waited = False
+        while True:
+            try:
+                return await self.placer.place(flow.cluster_id, ids, sp, None, block_hashes(ids, self.block_size),
+                                               flow.lost, queue)
+            except NoWorkerReady:
+                if time.monotonic() + self.view.refresh_s > give_up:
+                    raise
+                if not waited:
+                    log.warning("%s waits for a ready decode worker", flow.request_id)
+                    waited = True
+                await asyncio.sleep(self.view.refresh_s)
 
     def _respond(self, flow: RequestFlow, att: Attempt, msg: StepOutput, t0: float, last_t: float | None):
         """The response for `msg`, with the latency metrics it completes; -> (response, its time)."""

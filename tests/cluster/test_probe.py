@@ -76,3 +76,45 @@ def test_a_duplicate_from_the_same_caller_gets_already_exists(two_routers):
     # once it ended, the id is free again
     _stream(c.stub, "probe-same", 4, out, "later")
     assert out["later"] == ref[:4]
+
+
+def test_a_stream_outlives_the_crash_of_the_only_decode_worker(make_cluster):
+    """Defect (issue 27): with one decode worker, its crash failed every stream at once
+    (UNAVAILABLE "no decode worker is ready" 0.2 s after the kill) although their deadline was
+    300 s and the controller's replacement was ready within seconds. Now the stream waits for the
+    replacement and continues there, token-exact."""
+    import os
+    import signal
+
+    from tests.chaos.test_faults import _reference, _wait, _worker_pid
+
+    c = make_cluster({"model.name": "tiny-random", "cache.num_blocks": 512, "decode.local_prefill_threshold": 10**9,
+                      "prefill.replicas": 0, "decode.replicas": 1})
+    req = {"prompt": "outlive the crash", "max_tokens": 1500, "ignore_eos": True}
+    ref = _reference("tiny-random", [req])[0]
+    out: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream_prompt, args=(c.stub, req, out, started))
+    t.start()
+    assert started.wait(60)
+    os.kill(_worker_pid(c, "decode-0"), signal.SIGKILL)
+    t.join(300)
+    assert not isinstance(out["ids"], Exception), out["ids"]
+    assert out["ids"] == ref
+    _wait(lambda: "decode-0" not in c.worker_stats(), 30, "the dead worker forgotten")
+
+
+def _stream_prompt(stub, req, out, started):
+    call = stub.Generate(pb.GenerateRequest(prompt=req["prompt"], sampling=pb.SamplingParams(
+        max_tokens=req["max_tokens"], ignore_eos=True)), timeout=300)
+    ids = []
+    try:
+        for r in call:
+            ids.extend(r.token_ids)
+            if len(ids) >= 5:
+                started.set()
+        out["ids"] = ids
+    except grpc.RpcError as e:
+        out["ids"] = e
+    finally:
+        started.set()
