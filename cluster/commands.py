@@ -61,6 +61,8 @@ def register(sub) -> None:
                          "to prefill only under prompt load (roles: section); static: the pools as configured")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     _security_flags(up)
+    up.add_argument("--drain-timeout", type=float, metavar="S",
+                    help="on SIGTERM, let streams finish for up to S seconds (router.drain_timeout_s, default 300)")
     up.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 picks one)")
     up.add_argument("--metrics-host", help="default 127.0.0.1; 0.0.0.0 in a pod")
     up.set_defaults(func=cmd_up)
@@ -221,6 +223,7 @@ def cmd_up(args) -> int:
                  "prefill.max_queued_tokens": args.prefill_queue_limit,
                  "router.metrics_port": args.metrics_port, "router.metrics_host": args.metrics_host,
                  "router.metrics_auth": True if args.metrics_auth else None,
+                 "router.drain_timeout_s": args.drain_timeout,
                  "autoscaler.enabled": True if args.autoscale else None,
                  "speculative.method": args.speculative, "speculative.num_tokens": args.num_speculative_tokens}
     if args.layout == "adaptive":
@@ -275,6 +278,7 @@ def _server_security(args, auth_enabled: bool) -> dict:
 async def serve_until_stopped(cluster, config, security: dict | None = None) -> None:
     # the tokenizer's loader brings torch, the router Ray: only `tandem up` needs them
     from tandem.engine.weights import load_tokenizer  # noqa: PLC0415
+    from tandem.router.drain import drain_and_stop  # noqa: PLC0415
     from tandem.router.server import serve  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
@@ -299,13 +303,9 @@ async def serve_until_stopped(cluster, config, security: dict | None = None) -> 
     after_startup()  # the router's start-up objects out of GC walks; long pauses are logged
     try:
         await stop.wait()
+        print(f"tandem: draining (up to {rc.drain_timeout_s:g} s) ...", flush=True)
     finally:
-        await router.health.enter_graceful_shutdown()  # health says NOT_SERVING; streams finish
-        await server.stop(grace=10)
-        if router.http is not None:
-            await router.http.cleanup()
-        await router.view.stop()
-        await router.sessions.close()
+        await drain_and_stop(server, router, rc.drain_timeout_s)   # health NOT_SERVING; streams finish
 
 
 # ---- clients ------------------------------------------------------------------------------------

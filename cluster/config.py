@@ -80,6 +80,9 @@ class RouterConfig:
     # refuse a request (RESOURCE_EXHAUSTED, retry-after-ms) when the requests ahead of it would take
     # longer than this to get their first token at the recent rate (router/admission.py); null: never
     max_expected_wait_s: float | None = 15.0
+    # on SIGTERM the router stops admitting and lets its streams finish for up to this long, then
+    # cancels the rest (router/drain.py); Kubernetes' terminationGracePeriodSeconds must exceed it
+    drain_timeout_s: float = 300.0
     metrics_port: int | None = 8080  # Prometheus /metrics; None: off
     metrics_host: str = "127.0.0.1"
     metrics_auth: bool = False  # /metrics only with an admin token (Authorization: Bearer)
@@ -104,6 +107,8 @@ class RouterConfig:
             raise ConfigError(f"router: placement must be 'rules' or 'cost', got {self.placement!r}")
         if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
             raise ConfigError("router: slo_ttft_ms and slo_tpot_ms must be > 0")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"router: drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_expected_wait_s is not None and not self.max_expected_wait_s > 0:
             raise ConfigError(f"router: max_expected_wait_s must be > 0 or null, got {self.max_expected_wait_s}")
         if not 0 <= self.port < 65536:
