@@ -62,7 +62,7 @@ def register(sub) -> None:
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     _security_flags(up)
     up.add_argument("--drain-timeout", type=float, metavar="S",
-                    help="on SIGTERM, let streams finish for up to S seconds (router.drain_timeout_s, default 300)")
+                    help="on SIGTERM, let streams finish for up to S seconds (router.drain_timeout_s, default 90)")
     up.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 picks one)")
     up.add_argument("--metrics-host", help="default 127.0.0.1; 0.0.0.0 in a pod")
     up.set_defaults(func=cmd_up)

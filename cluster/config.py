@@ -82,7 +82,7 @@ class RouterConfig:
     max_expected_wait_s: float | None = 15.0
     # on SIGTERM the router stops admitting and lets its streams finish for up to this long, then
     # cancels the rest (router/drain.py); Kubernetes' terminationGracePeriodSeconds must exceed it
-    drain_timeout_s: float = 300.0
+    drain_timeout_s: float = 90.0
     metrics_port: int | None = 8080  # Prometheus /metrics; None: off
     metrics_host: str = "127.0.0.1"
     metrics_auth: bool = False  # /metrics only with an admin token (Authorization: Bearer)
