@@ -19,12 +19,14 @@ reason. Pools, targets and bounds stay by the pool a worker started in.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from tandem.cluster.roles import PromptCounters, RoleDecision, RoleState, decide_roles, demand_from_stats, role_move
+from tandem.cluster.roles import (PromptCounters, RoleDecision, RoleState, decide_roles, demand_between,
+                                  prompt_counters, role_move)
 from tandem.perf_model import PerfModel
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
@@ -154,7 +156,7 @@ class Pools:
         self.perf = PerfModel.load(config.router.perf_model) if config.roles.enabled else None
         self.role_state = RoleState()
         self.role_decision: RoleDecision | None = None   # the latest, changed or not
-        self._prompts: PromptCounters | None = None
+        self._prompts: deque[PromptCounters] = deque()   # samples over the last roles.window_s
         self._next_roles = 0.0
 
     # ---- membership -------------------------------------------------------------------------
@@ -283,9 +285,13 @@ class Pools:
             return
         self._next_roles = now + cfg.period_s
         live = [w for w in self.state().workers if w.state == "ready" and w.stats is not None]
-        demand, self._prompts = demand_from_stats(live, self._prompts, now, self.config.engine.cache.block_size)
-        if len(live) < 2:
+        q = self._prompts
+        q.append(prompt_counters(live, now))
+        while len(q) > 1 and q[1].at <= now - cfg.window_s:
+            q.popleft()
+        if len(live) < 2 or now - q[0].at < cfg.window_s:     # a window's demand not measured yet
             return
+        demand = demand_between(q[0], q[-1], live, self.config.engine.cache.block_size)
         rc = self.config.router
         state = replace(self.role_state, prefill_workers=sum(w.role == "prefill" for w in live))
         d, self.role_state = decide_roles(self.perf, demand, len(live), state, now, rc.slo_ttft_ms / 1e3,

@@ -31,10 +31,13 @@ class RoleConfig:
     min_hold_s: float = 20.0     # a role change holds at least this long
     margin: float = 0.1          # headroom gain (fraction of an SLO) a change must bring
     period_s: float = 2.0        # how often the controller decides
+    # the demand is measured over this window, and nothing moves until one has passed (the first
+    # seconds of a run are every session's first prompt: a burst no split should be cut for)
+    window_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.min_hold_s < 0 or self.margin < 0 or not self.period_s > 0:
-            raise ConfigError("roles: min_hold_s and margin must be >= 0, period_s > 0")
+        if self.min_hold_s < 0 or self.margin < 0 or not self.period_s > 0 or not self.window_s > 0:
+            raise ConfigError("roles: min_hold_s and margin must be >= 0, period_s and window_s > 0")
 
 
 @dataclass(frozen=True)
@@ -93,23 +96,24 @@ class PromptCounters:
     completed_tokens: int = 0
 
 
-def demand_from_stats(workers, prev: PromptCounters | None, now: float,
-                      block_size: int) -> tuple[Demand, PromptCounters]:
-    """The demand the role policy plans for, from the ready workers' latest stats (WorkerEntry):
-    the prompt tokens computed per second since `prev` and their mean size, the sequences decoding
-    and the KV they hold."""
+def prompt_counters(workers, now: float) -> PromptCounters:
+    """The cluster's prompt counters now, from the ready workers' latest stats (WorkerEntry)."""
     stats = [w.stats for w in workers if w.stats is not None]
-    cur = PromptCounters(now, sum(s.prompt_tokens_computed for s in stats), sum(s.prompts_completed for s in stats),
-                         sum(s.prompt_tokens_completed for s in stats))
-    rate = new = prompt = 0.0
-    if prev is not None and now > prev.at:
-        computed = max(0, cur.computed - prev.computed)
-        done = max(0, cur.completed - prev.completed)
-        rate = computed / (now - prev.at)
-        if done:
-            new, prompt = computed / done, max(0, cur.completed_tokens - prev.completed_tokens) / done
+    return PromptCounters(now, sum(s.prompt_tokens_computed for s in stats), sum(s.prompts_completed for s in stats),
+                          sum(s.prompt_tokens_completed for s in stats))
+
+
+def demand_between(prev: PromptCounters, cur: PromptCounters, workers, block_size: int) -> Demand:
+    """The demand the role policy plans for: the prompt tokens computed per second from `prev` to
+    `cur` and their mean size, and (now) the sequences decoding and the KV they hold."""
+    stats = [w.stats for w in workers if w.stats is not None]
+    computed = max(0, cur.computed - prev.computed)
+    done = max(0, cur.completed - prev.completed)
+    rate = computed / (cur.at - prev.at) if cur.at > prev.at else 0.0
+    new = computed / done if done else 0.0
+    prompt = max(0, cur.completed_tokens - prev.completed_tokens) / done if done else 0.0
     return Demand(rate, new, prompt, decode_seqs=sum(s.running for s in stats),
-                  context_tokens=sum(s.kv_blocks_used for s in stats) * block_size), cur
+                  context_tokens=sum(s.kv_blocks_used for s in stats) * block_size)
 
 
 def role_move(workers, d: RoleDecision) -> tuple[str, str]:

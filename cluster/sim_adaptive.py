@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from tandem.cluster.sim_engine import Simulation
     from tandem.cluster.sim_workers import SimDecodeWorker, SimSeq
 
-DEMAND_WINDOW_S = 10.0     # the controller's view of the prompt-token rate
 PREFILL, DECODE = "prefill", "decode"
 
 
@@ -61,10 +60,10 @@ def prefilled_for(sim: Simulation, x: SimDecodeWorker, s: SimSeq, now: float) ->
 
 
 def demand(sim: Simulation, now: float) -> Demand:
-    q = sim.recent_admits
-    while q and q[0][0] < now - DEMAND_WINDOW_S:
+    """What the live controller measures (cluster.roles.demand_between) over `roles.window_s`."""
+    q, window = sim.recent_admits, sim.role_config.window_s
+    while q and q[0][0] < now - window:
         q.popleft()
-    window = min(DEMAND_WINDOW_S, max(now - sim.start_s, 1e-9))
     live = [w for w in sim.decodes if w.up and not w.gone]
     n = len(q) or 1
     return Demand(prompt_tokens_per_s=sum(x[1] for x in q) / window, mean_new_tokens=sum(x[1] for x in q) / n,
@@ -76,11 +75,12 @@ def demand(sim: Simulation, now: float) -> Demand:
 def roles(sim: Simulation, now: float) -> None:
     """The controller's period: the role policy on the measured demand, then one worker changes."""
     live = [w for w in sim.decodes if w.up and not w.gone]
-    d, sim.role_state = decide_roles(sim.perf, demand(sim, now), len(live), sim.role_state, now,
-                                     sim.slo.ttft_s, sim.slo.tpot_s, sim.role_config)
-    if d.changed:
-        apply(live, d)
-        sim.role_log.append(d)
+    if now - sim.start_s >= sim.role_config.window_s:     # once a window's demand is measured
+        d, sim.role_state = decide_roles(sim.perf, demand(sim, now), len(live), sim.role_state, now,
+                                         sim.slo.ttft_s, sim.slo.tpot_s, sim.role_config)
+        if d.changed:
+            apply(live, d)
+            sim.role_log.append(d)
     if sim.done + len(sim.unsent) < len(sim.seqs):
         sim.push(now + sim.role_config.period_s, "roles")
 

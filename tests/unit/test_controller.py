@@ -219,7 +219,8 @@ def test_the_role_policy_lends_a_worker_to_prefill_under_prompt_load_and_holds_i
     perf.write_text(json.dumps(H200_PERF.to_dict()))
     pools, fleet, clock = make_pools({**ADAPTIVE, "prefill.replicas": 0, "decode.replicas": 4,
                                       "router.perf_model": str(perf), "router.slo_ttft_ms": 1000,
-                                      "router.slo_tpot_ms": 12, "roles.period_s": 2.0, "roles.min_hold_s": 10.0})
+                                      "router.slo_tpot_ms": 12, "roles.period_s": 2.0, "roles.min_hold_s": 10.0,
+                                      "roles.window_s": 2.0})
     assert {w.role for w in pools.state().workers} == {"mixed"}
 
     def serve(seconds_in: float, running=(16, 16, 16, 16)):
@@ -259,3 +260,24 @@ def test_without_the_adaptive_layout_roles_never_move():
         clock.advance(5.0)
         pools.maybe_roles()
     assert pools.role_decision is None and not pools.state().role_changes
+
+
+def test_the_role_policy_waits_for_a_whole_window_of_demand(tmp_path):
+    """The first seconds of a run are every session's first prompt: nothing moves on them."""
+    perf = tmp_path / "perf.json"
+    perf.write_text(json.dumps(H200_PERF.to_dict()))
+    pools, fleet, clock = make_pools({**ADAPTIVE, "prefill.replicas": 0, "decode.replicas": 4,
+                                      "router.perf_model": str(perf), "router.slo_tpot_ms": 12,
+                                      "roles.period_s": 2.0, "roles.window_s": 10.0})
+    for t in range(0, 10, 2):
+        for m in fleet.members.values():
+            m.health = ProbeResult(Probe.OK, dataclasses.replace(
+                IDLE, running=16, kv_blocks_used=4000, prompt_tokens_computed=17_500 * t,
+                prompts_completed=9 * t, prompt_tokens_completed=35_000 * t))
+        pools.check()
+        pools.maybe_roles()
+        assert pools.role_decision is None, t
+        clock.advance(2.0)
+    pools.check()
+    pools.maybe_roles()                       # 10 s measured: now it decides
+    assert pools.role_decision is not None

@@ -46,7 +46,7 @@ def prompt_flood_then_decodes() -> list[RequestSpec]:
 def test_a_prefill_heavy_phase_lends_workers_to_prefill_and_every_request_is_served():
     slo = SLO(1.0, 0.012)
     sim = Simulation(prompt_flood_then_decodes(), 0, 4, H200, slo, None, 0, False, 60.0, False, False,
-                     adaptive=RoleConfig(min_hold_s=2.0, period_s=0.5))
+                     adaptive=RoleConfig(min_hold_s=2.0, period_s=0.5, window_s=2.0))
     sim.run()
     res = sim.result("adaptive", 0, 4)
     assert res.summary.rejected == 0 and all(r.ttft_s is not None for r in res.requests)
