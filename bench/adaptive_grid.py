@@ -4,7 +4,8 @@ split of N GPUs, over sessions whose contexts grow to 32k / 64k / 128k tokens an
 point: each layout's goodput (requests/s meeting both SLOs), adaptive / best other layout, and
 adaptive / colocated; then the worst ratio and the 15 ms points.
 
-    python bench/adaptive_grid.py --perf bench/perf/h200-llama3-8b.json --gpus 2 4 --rates 0.5,1,2
+    python bench/adaptive_grid.py --perf bench/perf/h200-llama3-8b-calibrated.json --gpus 2 4 \
+        --rates 0.25,0.5,1 --seeds 3
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ def layouts_for(gpus: int) -> list[str]:
     return ["adaptive", "colocated"] + [f"{p}:{gpus - p}" for p in range(1, gpus)]
 
 
+def mean_rows(points: list[dict]) -> dict:
+    """One grid point's rows (layout -> row) averaged over seeds: goodput and role changes."""
+    out = {}
+    for name in points[0]:
+        rows = [p[name] for p in points]
+        out[name] = {**rows[0], "goodput": sum(r["goodput"] for r in rows) / len(rows)}
+        if "role_changes" in rows[0]:
+            out[name]["role_changes"] = sum(r["role_changes"] for r in rows)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--perf", default="bench/perf/h200-llama3-8b.json")
@@ -32,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tpot-ms", default="15,25,40")
     ap.add_argument("--ttft-ms", default="500,1000,2000")
     ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--seeds", type=int, default=1, help="average each goodput over this many workload seeds "
+                                                         "(one seed's closed loop moves a few percent either way)")
     ap.add_argument("--json", help="also write every row here")
     args = ap.parse_args(argv)
     perf = PerfModel.load(args.perf)
@@ -42,10 +56,10 @@ def main(argv=None) -> int:
                                                    [float(x) for x in args.tpot_ms.split(",")],
                                                    [float(x) for x in args.ttft_ms.split(",")]):
         rates = [float(r) * gpus / 2 for r in args.rates.split(",")]
-        res = compare(perf, layouts_for(gpus), gpus, rates, SLO(ttft / 1e3, tpot / 1e3), duration_s=args.duration,
-                      max_context=ctx)
+        runs = [compare(perf, layouts_for(gpus), gpus, rates, SLO(ttft / 1e3, tpot / 1e3), duration_s=args.duration,
+                        max_context=ctx, seed=seed) for seed in range(args.seeds)]
         for rate in rates:
-            point = {r["layout"]: r for r, _ in res if r["rate"] == rate}
+            point = mean_rows([{r["layout"]: r for r, _ in res if r["rate"] == rate} for res in runs])
             ada = point["adaptive"]["goodput"]
             best_other = max(v["goodput"] for k, v in point.items() if k != "adaptive")
             colo = point["colocated"]["goodput"]

@@ -257,10 +257,12 @@ def choose_prefill(options: Iterable[PrefillOption], slo_ttft_s: float, slo_tpot
 
 
 def has_slack(candidate: EngineLoad, prefill_only: bool, decode: EngineLoad) -> bool:
-    """A worker may prefill for another worker's request when it only prefills, or decodes at most
-    half the batch of the request's decode worker: a busy decode worker's steps and prefix cache are
-    not spent on other workers' prompts."""
-    return prefill_only or 2 * candidate.decode_seqs <= decode.decode_seqs
+    """A worker may prefill for another worker's request when it only prefills, or is idle (no
+    batch, no queue) while the request's decode worker is not. A decoding worker's steps, KV and
+    prefix cache are not spent on other workers' prompts: on the simulated agent grid, letting
+    workers with half the batch prefill for others cost up to 3.5% goodput (TTFT 0.5 s)."""
+    idle = not candidate.decode_seqs and not candidate.queued_prefill_tokens
+    return prefill_only or (idle and decode.decode_seqs > 0)
 
 
 def prefill_options(perf, prompt_tokens: int, decode_id: str, decode_load: EngineLoad, decode_cached: int,

@@ -149,12 +149,12 @@ class _Views:
     """A router's cluster view: d0 decodes a big batch, d1 a small one, p0 only prefills."""
     router_id = "r"
 
-    def __init__(self, p0_state="ready"):
+    def __init__(self, p0_state="ready", d1_running=2):
         self.decode = [WorkerView("d0", "decode", running=40, kv_blocks_used=40 * 8000 // 16),
-                       WorkerView("d1", "decode", running=2, kv_blocks_used=2 * 500 // 16),
+                       WorkerView("d1", "decode", running=d1_running, kv_blocks_used=d1_running * 500 // 16),
                        WorkerView("p0", "decode", state="draining")]
         self.prefill = [WorkerView("p0", "prefill", state=p0_state),
-                        WorkerView("d0", "prefill", running=40), WorkerView("d1", "prefill", running=2)]
+                        WorkerView("d0", "prefill", running=40), WorkerView("d1", "prefill", running=d1_running)]
         self.inflight, self.queues = {}, {}
 
     def views(self, pool):
@@ -169,8 +169,12 @@ def test_the_router_places_by_the_cost_model_when_configured():
     # a short one stays on its decode worker, in one chunk
     hint, chunk = placer.prefill_plan(busy, 200, [])
     assert hint is None and chunk >= 200
-    # p0 gone from the prefill choice: d1 (a twentieth of d0's batch) has slack; d0 never prefills for itself
+    # p0 gone from the prefill choice: d1 decodes, so it prefills for nobody; d0 prefills itself
     placer = Placer(_Views("draining"), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    assert placer.prefill_plan(busy, 16_000, [])[0] is None
+    # an idle d1 has slack
+    placer = Placer(_Views("draining", d1_running=0), 16, 2, {}, local_prefill_threshold=0,
+                    cost=CostPlacement(H200, 1.0, 0.015))
     assert placer.prefill_plan(busy, 16_000, [])[0] == "d1"
     assert placer.counters["cost_remote"] == 1
 

@@ -59,14 +59,18 @@ def test_a_prefill_heavy_phase_lends_workers_to_prefill_and_every_request_is_ser
 
 
 def test_a_remote_prefill_on_another_worker_delivers_its_kv_to_the_decode_worker():
-    # one worker decodes 32 long sequences; the other is idle: a long prompt's best place is the
-    # idle worker, which ships the KV back
-    decodes = [RequestSpec("busy", 0, 0.0, 30_000, 500)] + [RequestSpec(f"b{i}", 0, 0.0, 8000, 800) for i in range(31)]
-    res = simulate(decodes + [RequestSpec("long", 0, 0.5, 16_000, 8)], 0, 2, H200, SLO(1.0, 0.015),
-                   adaptive=RoleConfig())
+    # worker 0 decodes 32 long sequences, worker 1 is lent to prefill: a long prompt's best place
+    # is worker 1, which ships the KV back to worker 0
+    reqs = [RequestSpec(f"b{i}", 0, 0.0, 8000, 800) for i in range(32)] + [RequestSpec("long", 0, 0.5, 16_000, 8)]
+    sim = Simulation(reqs, 0, 2, H200, SLO(1.0, 0.015), None, 0, False, 60.0, False, False,
+                     adaptive=RoleConfig(window_s=1e9))
+    sim.decodes[1].role = "prefill"
+    sim.run()
+    res = sim.result("adaptive", 0, 2)
     long = next(r for r in res.requests if r.session_id == "long")
-    assert long.ttft_s is not None and long.tpot_s is not None
-    assert res.summary.rejected == 0
+    assert long.prefill == "remote" and long.ttft_s is not None and long.tpot_s is not None
+    assert res.summary.rejected == 0 and all(r.ttft_s is not None for r in res.requests)
+    assert sim.decodes[1].cache.entries.get(("s", "long")) == 16_000    # cached where it was computed
 
 
 def test_compare_runs_each_layout_on_the_same_sessions():
