@@ -62,10 +62,13 @@ def served_steps(stub, *, vocab_size: int, batches=(1, 8, 32), prompt_tokens: in
 
 
 def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
-    """`perf` with what a served step takes beyond the forward passes `perf` was fitted to
-    (`served_steps`' figures), as a line in the batch size: its intercept is `step_host_s` (the
-    engine's own step host time if larger), its slope (host work per sequence: sampling, outputs,
-    block tables, drafting) is added to `decode_per_seq_s`. Both >= 0."""
+    """`perf` with its decode step as served (`served_steps`' figures): what a served step takes
+    beyond the forward passes `perf` was fitted to, as a line in the batch size. Its intercept is
+    `step_host_s` (it replaces the engine-only figure: the served step is the more direct
+    measurement; when it is cheaper than the profile's forwards, as a profile taken on a loaded
+    machine can make them, `decode_base_s` gives way); its slope (host work per sequence:
+    sampling, outputs, block tables, drafting) goes into `decode_per_seq_s`. Every term stays
+    >= 0; at the probed batches the model then gives the served step."""
     if not steps:
         return perf
     bare = dataclasses.replace(perf, step_host_s=0.0)
@@ -74,9 +77,11 @@ def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
     slope = 0.0
     if len(set(xs)) > 1:
         mx, my = statistics.fmean(xs), statistics.fmean(extra)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, extra)) / sum((x - mx) ** 2 for x in xs))
-    host = max(perf.step_host_s, statistics.median(y - slope * x for x, y in zip(xs, extra)))
-    return dataclasses.replace(perf, step_host_s=host, decode_per_seq_s=perf.decode_per_seq_s + slope)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, extra)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, -perf.decode_per_seq_s)
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, extra))
+    return dataclasses.replace(perf, step_host_s=max(0.0, intercept), decode_per_seq_s=perf.decode_per_seq_s + slope,
+                               decode_base_s=max(0.0, perf.decode_base_s + min(0.0, intercept)))
 
 
 def fit_control_path(stub, perf: PerfModel, *, vocab_size: int, threshold: float, probes: int = 5,

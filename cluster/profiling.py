@@ -40,8 +40,10 @@ def _timed(fn, repeats: int = 2) -> float:
 
 # what `profile` times: a CPU model at CPU scale, a GPU model at the contexts and batches it serves
 SIZES = {
-    "small": {"prefill_lengths": (64, 256, 1024), "contexts": (0, 512), "batches": (1, 4, 16),
-              "decode_contexts": (128, 512), "step_batches": (1, 4, 16), "mixed_lengths": (32, 64, 128)},
+    # (a CPU shared with other work: more repeats, the fastest kept; the lengths CPU workloads prefill)
+    "small": {"prefill_lengths": (32, 128, 512), "contexts": (0, 512), "batches": (1, 4, 16),
+              "decode_contexts": (128, 512), "step_batches": (1, 4, 16), "mixed_lengths": (32, 64, 128),
+              "repeats": 4},
     "large": {"prefill_lengths": (128, 512, 2048, 8192), "contexts": (0, 8192), "batches": (1, 8, 32, 64),
               "decode_contexts": (1024, 8192), "step_batches": (1, 8, 32, 64), "mixed_lengths": (128, 512, 2048)},
 }
@@ -69,7 +71,8 @@ def profile_engine(model: str = "smollm2-135m", device: str = "cpu", dtype: str 
 def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
             prefill_lengths=(64, 256, 1024), contexts=(0, 512), batches=(1, 4, 16),
             decode_contexts=(128, 512), quick: bool = False, draft_tokens=(2, 5), step_batches=(1, 4, 16),
-            speculative: str = "ngram", threads: int | None = None, mixed_lengths=(128, 512, 2048)):
+            speculative: str = "ngram", threads: int | None = None, mixed_lengths=(128, 512, 2048),
+            repeats: int = 2):
     """-> (samples in `PerfModel.fit`'s format: the model's forward passes alone, decode steps
     that verify `draft_tokens` drafts per sequence among them; whole engine steps of
     `step_batches` sequences decoding, with `speculative` proposing (scheduling, drafting,
@@ -95,7 +98,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
     def tokens(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens)
+    samples = _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens, repeats)
     steps, mixed = [], []
     for b in step_batches:
         st, mx = _time_steps(e, tokens, b, decode_contexts[-1], new_lengths=mixed_lengths)
@@ -103,7 +106,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
     return samples, steps, mixed
 
 
-def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens):
+def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_contexts, draft_tokens, repeats=2):
     import torch  # noqa: PLC0415 - only to profile
 
     from tandem.engine.scheduler import SchedulerOutput, ScheduledRequest  # noqa: PLC0415
@@ -130,14 +133,14 @@ def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_context
     for ctx in contexts:
         for n in prefill_lengths:
             req = request(tokens(ctx + n), ctx)
-            samples.append(("prefill", (n, ctx + n), _timed(lambda: run([(req, n, 0)]))))
+            samples.append(("prefill", (n, ctx + n), _timed(lambda: run([(req, n, 0)]), repeats)))
             e.allocator.free(req)
     for ctx in decode_contexts:
         for b in batches:
             for k in (0, *draft_tokens):   # k drafts: the verify forward speculation runs
                 reqs = [request(tokens(ctx), ctx - 1, k) for _ in range(b)]
                 drafts = {r.request_id: tokens(k) for r in reqs}
-                t = _timed(lambda: run([(r, 1 + k, k) for r in reqs], drafts), repeats=3)
+                t = _timed(lambda: run([(r, 1 + k, k) for r in reqs], drafts), repeats + 1)
                 samples.append(("verify", (b, b * ctx, k), t) if k else ("decode", (b, b * ctx), t))
                 for r in reqs:
                     e.allocator.free(r)
@@ -150,7 +153,7 @@ def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_context
         def move():
             for layer in range(e.kv_cache.num_layers):
                 e.kv_cache.scatter_blocks(layer, dst, e.kv_cache.gather_blocks(layer, blocks))
-        samples.append(("transfer", (n,), _timed(move)))
+        samples.append(("transfer", (n,), _timed(move, repeats)))
     return samples
 
 
