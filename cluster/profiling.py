@@ -166,7 +166,7 @@ def _time_steps(e, tokens, batch: int, ctx: int, steps: int = 16, new_lengths=(1
     32-token phrase, so n-gram speculation finds drafts to propose."""
     phrase = tokens(32)
     reqs = [e.add_request(prompt_token_ids=(phrase * (ctx // 32 + 1))[:ctx - 8] + tokens(8),
-                          sampling=SamplingParams(max_tokens=steps * 8 + 64, ignore_eos=True)) for _ in range(batch)]
+                          sampling=SamplingParams(max_tokens=steps * 8 + 512, ignore_eos=True)) for _ in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         e.step()
     e.step()                      # the first decode step of the batch (a new graph shape) untimed
