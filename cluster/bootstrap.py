@@ -14,6 +14,7 @@ import ray
 
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.controller import Controller
+from tandem.cluster.reaper import start_reaper
 from tandem.engine.weights import resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
     ray.init(num_cpus=cpus, resources=resources, namespace=namespace, include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False, runtime_env=env,
              _system_config={"automatic_object_spilling_enabled": False})
+    start_reaper()   # a SIGKILL of this process must not leave Ray's agents behind
     return True
 
 
