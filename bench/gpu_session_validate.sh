@@ -3,7 +3,7 @@
 # passes, verify steps, whole engine steps), then one colocated worker recorded under `tandem bench`
 # at RATES for the simulator's validation (bench/record_run.py): $OUT/results/NAME/{run,perf}.json
 # go to bench/results/NAME, $OUT/profile.json to bench/perf/, the full bench JSON and logs in rec.tgz.
-#   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20
+#   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20 SPEC=ngram
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
@@ -14,13 +14,14 @@ python3 -c "import tomllib, os; m = tomllib.load(open('pyproject.toml', 'rb'))['
 NAME=${NAME:-h200-colocated}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 TAIL=12 step profile ${PROFILE_LIMIT:-220} python3 -c "import sys; from tandem.cluster.cli import main; sys.exit(main())" \
-  profile --model llama3-8b-random --device cuda --dtype bfloat16 -o "$OUT/profile.json"
+  profile --model llama3-8b-random --device cuda --dtype bfloat16 --speculative ${SPEC:-ngram} -o "$OUT/profile.json"
 PROFILE=$OUT/profile.json; [ -s "$PROFILE" ] || PROFILE=bench/perf/h200-llama3-8b.json   # a failed profile: the old model
 TAIL=30 step record ${RECORD_LIMIT:-330} python3 bench/record_run.py --profile "$PROFILE" --device cuda \
   --model llama3-8b-random --layout 0:1 --workload agent --rates ${RATES:-0.5,1,2,3} --duration ${DURATION:-30} \
+  --speculative ${SPEC:-ngram} \
   --drain ${DRAIN:-20} --num-blocks ${NUM_BLOCKS:-40000} --name "$NAME" --results "$OUT/results" --work /tmp/rec \
   --probe-batches 1,8,32 --probe-prompt 4096 --probe-tokens 384 --control-prompt 1024 \
-  --machine "nvidia-h200 (one H200), llama3-8b-random bf16, n-gram speculation"
+  --machine "nvidia-h200 (one H200), llama3-8b-random bf16, speculation ${SPEC:-ngram}"
 A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)
 grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A
 for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$f: $n slow steps"; done
