@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import threading
@@ -33,8 +34,8 @@ from tandem.cluster.calibration import calibrate_on_cluster
 from tandem.cluster.config import ADAPTIVE
 from tandem.cluster.local import RunningCluster
 from tandem.cluster.profiling import profile_engine
-from tandem.cluster.roles import demand_from_stats
-from tandem.engine.config import PRESETS
+from tandem.cluster.roles import demand_between, prompt_counters
+from tandem.engine.weights import load_tokenizer
 from tandem.perf_model import PerfModel
 from tandem.placement import Demand, plan_roles
 from tandem.protos.tandem.v1 import generation_pb2 as pb
@@ -70,6 +71,7 @@ class Run:
     roles: list = field(default_factory=list)       # (s since start, worker, from, to, reason)
     counters: dict = field(default_factory=dict)
     phase_s: dict = field(default_factory=dict)     # phase -> its seconds
+    load_avg: list = field(default_factory=list)    # the machine's 1-min load average, at start and end
 
 
 def pct(xs, q):
@@ -78,23 +80,25 @@ def pct(xs, q):
 
 
 # ---- the perf model the policy plans with ---------------------------------------------------------
-def fit_perf() -> PerfModel:
+def fit_perf(remote_overhead_s: float) -> PerfModel:
     """The engine's forward passes on this machine with one torch thread (a pool actor's), then the
-    served step and the control path on an idle 1 prefill + 1 decode cluster."""
+    served step and the per-request control path on an idle one-worker cluster. The remote prefill's
+    extra control path is given (`--remote-overhead-ms`): its probe on a 1 prefill + 1 decode cluster
+    hung on the loaded machine (a gloo rendezvous timed out after 60 s), and the benchmark must not."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     samples = profile_engine(MODEL, quick=True)
     torch.set_num_threads(threads)
     perf = PerfModel.fit(samples, local_prefill_threshold=0, block_tokens=16, max_step_tokens=2048)
-    c = RunningCluster({"model.name": MODEL, "cache.num_blocks": 1024, "prefill.replicas": 1, "decode.replicas": 1,
-                        "decode.local_prefill_threshold": 32})
+    c = RunningCluster({"model.name": MODEL, "cache.num_blocks": 1024, "prefill.replicas": 0, "decode.replicas": 1,
+                        "decode.local_prefill_threshold": float("inf")})
     try:
-        perf, steps = calibrate_on_cluster(c.stub, perf, vocab_size=PRESETS[MODEL].vocab_size, threshold=32, batches=(1, 4),
-                                           prompt_tokens=32, output_tokens=48)
+        perf, steps = calibrate_on_cluster(c.stub, perf, vocab_size=load_tokenizer(MODEL)[1].vocab_size,
+                                           threshold=float("inf"), batches=(1, 4), prompt_tokens=32, output_tokens=48)
     finally:
         c.close()
-    print(f"served steps (batch, context, drafts, s): {[(b, x, k, round(s, 4)) for b, x, k, s in steps]}")
-    return perf
+    print(f"served steps: {steps}")
+    return replace(perf, remote_overhead_s=remote_overhead_s)
 
 
 def phase_demands(load: Load, rate: float) -> dict[str, Demand]:
@@ -188,14 +192,18 @@ class Driver:
             t.join(900)
 
 
-def watch(c, perf, workers: int, slo: tuple[float, float], run: Run, t0: float, stop: threading.Event,
-          every_s: float = 4.0) -> None:
-    """The policy's view from the controller's stats: measured demand and the best split."""
-    prev = None
+def watch(c, perf, workers: int, slo: tuple[float, float], window_s: float, run: Run, t0: float,
+          stop: threading.Event, every_s: float = 4.0) -> None:
+    """The policy's view from the controller's stats, as the controller takes it: the demand over
+    the last `window_s` and the best split."""
+    q: list = []
     while not stop.wait(every_s):
         state = ray.get(c.cluster.controller.cluster_state.remote())
         live = [w for w in state.workers if w.state == "ready" and w.stats is not None]
-        d, prev = demand_from_stats(live, prev, time.monotonic(), 16)
+        q.append(prompt_counters(live, time.monotonic()))
+        while len(q) > 1 and q[1].at <= q[-1].at - window_s:
+            q.pop(0)
+        d = demand_between(q[0], q[-1], live, 16)
         best = plan_roles(perf, d, workers, *slo)
         run.view.append({"t_s": round(time.perf_counter() - t0, 1), "prompt_tok_s": round(d.prompt_tokens_per_s),
                          "decoding": round(d.decode_seqs), "roles": "".join(w.role[0] for w in live),
@@ -205,17 +213,20 @@ def watch(c, perf, workers: int, slo: tuple[float, float], run: Run, t0: float, 
 
 def run_layout(layout: str, perf_path: str, perf: PerfModel, a, load: Load) -> Run:
     common = {"model.name": a.model, "cache.num_blocks": 1024, "prefill.replicas": 0, "decode.replicas": a.workers,
-              "router.perf_model": perf_path, "router.slo_ttft_ms": a.slo_ttft_ms, "router.slo_tpot_ms": a.slo_tpot_ms}
+              "router.perf_model": perf_path, "router.slo_ttft_ms": a.slo_ttft_ms, "router.slo_tpot_ms": a.slo_tpot_ms,
+              "router.max_expected_wait_s": 600.0}   # measure every request: no shedding by predicted wait
     layouts = {"adaptive": {**ADAPTIVE, "roles.period_s": a.period_s, "roles.min_hold_s": a.min_hold_s,
-                            "roles.margin": a.margin},
+                            "roles.margin": a.margin, "roles.window_s": a.window_s},
                "colocated": {"decode.local_prefill_threshold": float("inf")}}
     c = RunningCluster({**common, **layouts[layout]})
     run, stop = Run(layout), threading.Event()
     try:
+        run.load_avg.append(round(os.getloadavg()[0], 1))
         t0 = time.perf_counter()
-        drv = Driver(c, run, t0, PRESETS[a.model].vocab_size)
+        drv = Driver(c, run, t0, load_tokenizer(a.model)[1].vocab_size)
         slo = (a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
-        watcher = threading.Thread(target=watch, args=(c, perf, a.workers, slo, run, t0, stop), daemon=True)
+        watcher = threading.Thread(target=watch, args=(c, perf, a.workers, slo, a.window_s, run, t0, stop),
+                                   daemon=True)
         watcher.start()
         end1 = t0 + load.prompt_heavy_s
         drv.streams("prompt-heavy", load.background, load.short_tokens, load.short_out, end1, "bg")
@@ -230,6 +241,7 @@ def run_layout(layout: str, perf_path: str, perf: PerfModel, a, load: Load) -> R
         run.roles = [(round(x.at_unix_s - wall0, 1), x.worker_id, x.from_role, x.to_role, x.reason)
                      for x in ray.get(c.cluster.controller.role_log.remote())]
         run.counters = dict(c.routers[0][1].counters)
+        run.load_avg.append(round(os.getloadavg()[0], 1))
         run.counters["blocks_held_at_end"] = sum(c.wait_idle().values())
     finally:
         stop.set()
@@ -267,7 +279,7 @@ def report(runs: list[Run], a) -> list[dict]:
               f"{r['ttft_p90_ms']:.0f} ms | {r['tpot_p50_ms']:.0f} ms | {r['tpot_p90_ms']:.0f} ms | "
               f"{r['goodput']:.3f} ({r['good']}) | {r['long_ttft_p90_ms']:.0f} ms |")
     for run in runs:
-        print(f"\n{run.layout}: router {run.counters}")
+        print(f"\n{run.layout}: router {run.counters}; 1-min load average at start, end: {run.load_avg}")
         for t, wid, old, new, why in run.roles:
             print(f"  t={t:6.1f} s  {wid}: {old} -> {new}  ({why})")
         if run.layout == "adaptive":
@@ -301,6 +313,9 @@ def main() -> None:
     p.add_argument("--period-s", type=float, default=2.0)
     p.add_argument("--min-hold-s", type=float, default=10.0)
     p.add_argument("--margin", type=float, default=0.1)
+    p.add_argument("--window-s", type=float, default=30.0, help="roles.window_s: the demand's window")
+    p.add_argument("--remote-overhead-ms", type=float, default=80.0,
+                   help="a remote prefill's extra control path (this machine: 77-101 ms, docs/benchmarks.md)")
     p.add_argument("--perf", help="a perf model JSON to plan with instead of profiling this machine")
     p.add_argument("--dry-run", action="store_true", help="only the perf model, the SLOs, the rate and the plans")
     p.add_argument("--json", help="write the rows, role logs and views here")
@@ -310,10 +325,13 @@ def main() -> None:
     ray.init(num_cpus=4, resources={"tandem_prefill": 8, "tandem_decode": 8}, include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False, logging_level="ERROR")
     try:
-        perf = PerfModel.load(a.perf) if a.perf else fit_perf()
+        perf = PerfModel.load(a.perf) if a.perf else fit_perf(a.remote_overhead_ms / 1e3)
         ttft, tpot, rate = choose_slos_and_rate(perf, load, a)
         a.slo_ttft_ms, a.slo_tpot_ms, a.rate, load = ttft * 1e3, tpot * 1e3, rate, replace(load, rate=rate)
         print("perf model:", json.dumps(perf.to_dict()))
+        if a.json and not a.perf:      # to plan with the same model again: --perf
+            with open(a.json.removesuffix(".json") + ".perf.json", "w") as f:
+                json.dump({"perf_model": perf.to_dict()}, f)
         print(f"SLOs: TTFT {a.slo_ttft_ms:.0f} ms, TPOT {a.slo_tpot_ms:.0f} ms; prompt-heavy: {rate:.2f} prompts/s "
               f"of {load.long_tokens} tokens")
         predicted(perf, load, rate, a.workers, (ttft, tpot))
