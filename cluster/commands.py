@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from tandem.client import Client, TandemError
-from tandem.cluster import loadgen_client, profiling
+from tandem.cluster import launch, loadgen_client, profiling
 from tandem.cluster.config import ADAPTIVE, load_config
 from tandem.engine.config import SPECULATIVE_METHODS
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
@@ -61,6 +61,10 @@ def register(sub) -> None:
                          "to prefill only under prompt load (roles: section); static: the pools as configured")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     _security_flags(up)
+    up.add_argument("--detached", action="store_true",
+                    help="on RAY_ADDRESS's cluster: the controller detached, the router its own process; "
+                         "a SIGKILL of this process loses nothing (`tandem down` stops the lot)")
+    up.add_argument("--namespace", help="the cluster's Ray namespace with --detached (default tandem)")
     up.add_argument("--drain-timeout", type=float, metavar="S",
                     help="on SIGTERM, let streams finish for up to S seconds (router.drain_timeout_s, default 90)")
     up.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 picks one)")
@@ -80,6 +84,7 @@ def register(sub) -> None:
     st.add_argument("--json", action="store_true")
     _client_flags(st)
     st.set_defaults(func=cmd_status)
+    launch.register(sub, _security_flags)
     _register_scale(sub)
     _register_bench(sub)
     profiling.register(sub)
@@ -230,13 +235,9 @@ def cmd_up(args) -> int:
         overrides = {**ADAPTIVE, **{k: v for k, v in overrides.items() if v is not None}}
     config = load_config(args.config, overrides)
     setup_logging(level=args.log_level)
-    # refuse an unsafe security setup before starting anything
-    auth = resolve_auth(config.router.host, token_file=args.auth_token_file,
-                        env_token=os.environ.get("TANDEM_AUTH_TOKEN"), no_auth=args.no_auth,
-                        insecure_no_auth=args.insecure_no_auth)
-    if auth.warning:
-        logging.getLogger("tandem").warning(auth.warning)
-    security = _server_security(args, auth.enabled)
+    security = security_for(args, config.router.host)   # refuses an unsafe setup before starting anything
+    if args.detached:
+        return launch.up_detached(args, config)
     print(f"tandem: starting {config.prefill.replicas} prefill + {config.decode.replicas} decode actors "
           f"serving {config.engine.model} ...", flush=True)
     # SIGTERM before the server is up must still shut the cluster down cleanly
@@ -253,6 +254,16 @@ def cmd_up(args) -> int:
         cluster.shutdown()
     print("tandem: stopped", flush=True)
     return 0
+
+
+def security_for(args, host: str) -> dict:
+    """The router's security from the flags (auth on by default off loopback): raises
+    AuthConfigError for an unsafe setup."""
+    auth = resolve_auth(host, token_file=args.auth_token_file, env_token=os.environ.get("TANDEM_AUTH_TOKEN"),
+                        no_auth=args.no_auth, insecure_no_auth=args.insecure_no_auth)
+    if auth.warning:
+        logging.getLogger("tandem").warning(auth.warning)
+    return _server_security(args, auth.enabled)
 
 
 def _server_security(args, auth_enabled: bool) -> dict:
