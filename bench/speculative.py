@@ -1,14 +1,20 @@
 """Speculative decoding benchmark: what drafts buy, and what verifying them costs.
 
-CPU (default): `smollm2-135m`, greedy, float32, one torch thread. Two workloads, (a) 24 code edits
-whose answer copies the code in the prompt (renames, docstrings, bug fixes, type hints ...) and
-(b) 16 open chat prompts, each at 1, 8 and 64 concurrent requests, without speculation and with each
-method asked for, interleaved, best of `--repeat` runs. Per row: output tokens per second and the
+CPU (default): `smollm2-135m`, greedy, float32, one torch thread. Three workloads, (a) 24 code edits
+whose answer copies the code in the prompt (renames, docstrings, bug fixes, type hints ...),
+(b) 16 open chat prompts, and (c) `agent`: 8 three-turn coding-agent sessions (two per module of
+two functions): the file as a read_file tool result and a task; a failing test run quoting the
+answer and a second task; the answer re-read as a tool result and a third task. Each turn sees the
+whole conversation, ends at its code block's closing fence (the edit tool's input), and is sent
+when the session's previous turn finished; `--concurrency` sessions run at once. Each workload at
+each concurrency, without speculation and with each method asked for (off, ngram, suffix),
+interleaved, best of `--repeat` runs (the suffix proposer forgets other requests' outputs between
+runs). Per row: output tokens per second and the
 speedup over no speculation; tokens per verify step (1 + accepted drafts, over the sequence-steps
 that verified drafts); tokens per decode step (over all sequence-steps, drafts or not: the real
 gain); the draft acceptance rate; and whether the tokens equal the plain run's.
 
-    python -m bench.speculative [--methods off,ngram,draft] [--max-tokens 128] [--num-tokens 5]
+    python -m bench.speculative [--methods off,ngram,suffix,draft] [--workloads agent] [--num-tokens 5]
 
 GPU (`--gpu`): the cost of one target forward with 1 + k query tokens per sequence against a plain
 decode step (k = 0), for k = 1..8 at batch 1, 8, 32, 64, `llama3-8b-random` in bf16 with ~1k tokens
@@ -25,8 +31,10 @@ lookup is a few microseconds of CPU).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,163 +46,90 @@ from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.speculative.policy import SpeculationLengthPolicy
 from tandem.engine.speculative.speculator import resolve_max_verify_tokens
 from tandem.engine.weights import load_model
+from tandem.wire.messages import SamplingParams
 
-CODE = {
-    "total_price": '''def total_price(items, tax_rate):
-    total = 0
-    for item in items:
-        total += item.price * item.quantity
-    return total * (1 + tax_rate)
-''',
-    "find_user": '''def find_user(users, name):
-    for u in users:
-        if u["name"] == name:
-            return u
+# the code-edit and chat prompts (24 edits of 12 small functions, 16 open questions)
+PROMPTS = json.loads((Path(__file__).parent / "speculative_prompts.json").read_text())
+CODE: dict[str, str] = PROMPTS["code"]
+EDITS: list[tuple[str, str]] = [tuple(e) for e in PROMPTS["edits"]]
+CHAT: list[str] = PROMPTS["chat"]
+AGENT_SYSTEM = ("You are a coding agent. You read files and run tests with tools. To change a file, reply "
+                "with only the complete updated file in one code block: the edit tool writes it as is.")
+# (module: the functions in it, first task, follow-up task): two sessions per module, so outputs
+# repeat across sessions too
+AGENT_SESSIONS = [
+    (("total_price", "average"), "Rename the variable `total` to `subtotal` in `total_price`.",
+     "Rename the parameter `items` to `lines`."),
+    (("total_price", "average"), "Make `average` return 0.0 for an empty list.", "Rename `v` to `value`."),
+    (("find_user", "merge_dicts"), "Rename the parameter `users` to `people`.",
+     "Rename `a` and `b` to `base` and `override`."),
+    (("find_user", "merge_dicts"), "Add type hints to `find_user`.", "Add a docstring to `merge_dicts`."),
+    (("Counter", "Stack"), "Rename the class `Counter` to `Tally`.", "Add a `peek` method to `Stack`."),
+    (("Counter", "Stack"), "Add a `decrement` method to `Counter`.", "Rename `items` to `elements` in `Stack`."),
+    (("read_lines", "word_count"), "Close the file in `read_lines` with a `with` statement.",
+     "Rename `counts` to `frequencies`."),
+    (("read_lines", "word_count"), "Rename `result` to `stripped`.", "Add a docstring to `word_count`."),
+]
+AGENT_STOP = "\n```"  # the turn ends with its code block (the edit tool's input)
+
+
+def _code_of(answer: str) -> str:
+    """The code of an answer: after its opening fence when it has one (the stop string cut the close)."""
+    return answer.split("```", 1)[1].split("\n", 1)[-1] + "\n" if "```" in answer else answer
+
+
+def agent_turn(session: int, turn: int, previous: str) -> str | None:
+    """The user message of a session's turn (tool output + task), given the previous answer; None
+    after the last turn. Turn 2 quotes a failing test, turn 3 re-reads the file the agent wrote."""
+    names, first, second = AGENT_SESSIONS[session]
+    module, code = f"{names[0].lower()}_utils.py", "\n\n".join(CODE[n] for n in names)
+    done = " Reply with the complete updated file."
+    if turn == 0:
+        return f'Tool read_file("{module}") returned:\n```python\n{code}```\n{first}{done}'
+    if turn == 1:
+        head = "".join(f">   {line}\n" for line in _code_of(previous).splitlines()[:3])
+        return (f"Tool run_tests returned:\n```\nFAILED tests/test_{module}::test_{names[1]} - AssertionError\n"
+                f"{head}E   AssertionError\n1 failed, 3 passed in 0.12s\n```\n{second}{done}")
+    if turn == 2:
+        return (f'Tool read_file("{module}") returned:\n```python\n{_code_of(previous)}```\n'
+                f"Add a short comment above each loop.{done}")
     return None
-''',
-    "Counter": '''class Counter:
-    def __init__(self):
-        self.count = 0
 
-    def increment(self, step=1):
-        self.count += step
-        return self.count
 
-    def reset(self):
-        self.count = 0
-''',
-    "read_lines": '''def read_lines(path):
-    f = open(path)
-    lines = f.readlines()
-    result = []
-    for line in lines:
-        result.append(line.strip())
-    return result
-''',
-    "average": '''def average(values):
-    total = 0
-    for v in values:
-        total += v
-    return total / len(values)
-''',
-    "fizzbuzz": '''def fizzbuzz(n):
-    out = []
-    for i in range(1, n + 1):
-        if i % 15 == 0:
-            out.append("FizzBuzz")
-        elif i % 3 == 0:
-            out.append("Fizz")
-        elif i % 5 == 0:
-            out.append("Buzz")
-        else:
-            out.append(str(i))
-    return out
-''',
-    "merge_dicts": '''def merge_dicts(a, b):
-    result = {}
-    for key in a:
-        result[key] = a[key]
-    for key in b:
-        result[key] = b[key]
-    return result
-''',
-    "is_prime": '''def is_prime(n):
-    if n < 2:
-        return False
-    for d in range(2, n):
-        if n % d == 0:
+def run_sessions(engine: LLMEngine, max_tokens: int, conc: int, rep: int) -> list[list[int]]:
+    """The agent sessions, `conc` at a time, each turn sent when the previous one finished (its
+    answer joins the conversation). -> every turn's output token ids, by session then turn."""
+    pending = list(range(len(AGENT_SESSIONS)))
+    convo: dict[int, list[dict]] = {}
+    outputs: dict[int, list[list[int]]] = {i: [] for i in pending}
+    live: dict[str, tuple[int, list[int], list[str]]] = {}  # request id -> (session, tokens, text)
+
+    def send(i: int, previous: str) -> bool:
+        content = agent_turn(i, len(outputs[i]), previous)
+        if content is None:
             return False
-    return True
-''',
-    "Stack": '''class Stack:
-    def __init__(self):
-        self.items = []
+        convo[i].append({"role": "user", "content": content})
+        rid = f"agent-{i}-{len(outputs[i])}-{rep}"
+        engine.add_request(rid, messages=list(convo[i]),
+                           sampling=SamplingParams(max_tokens=max_tokens, stop=(AGENT_STOP,)))
+        live[rid] = (i, [], [])
+        return True
 
-    def push(self, item):
-        self.items.append(item)
-
-    def pop(self):
-        return self.items.pop()
-
-    def is_empty(self):
-        return len(self.items) == 0
-''',
-    "word_count": '''def word_count(text):
-    counts = {}
-    for word in text.split():
-        word = word.lower()
-        if word in counts:
-            counts[word] += 1
-        else:
-            counts[word] = 1
-    return counts
-''',
-    "clamp": '''function clamp(value, low, high) {
-  if (value < low) {
-    return low;
-  }
-  if (value > high) {
-    return high;
-  }
-  return value;
-}
-''',
-    "parse_config": '''def parse_config(text):
-    config = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, value = line.split("=", 1)
-        config[key.strip()] = value.strip()
-    return config
-''',
-}
-
-EDITS = [
-    ("total_price", "Rename the variable `total` to `subtotal` in this function. Reply with the full updated function."),
-    ("total_price", "Add a docstring to this function. Reply with the full updated function."),
-    ("find_user", "Rename the parameter `users` to `people` everywhere in this function. Show the whole function."),
-    ("find_user", "Add type hints to this function. Reply with the complete code."),
-    ("Counter", "Rename the class `Counter` to `Tally`. Reply with the complete class."),
-    ("Counter", "Add a `decrement` method to this class. Reply with the complete class."),
-    ("read_lines", "This function never closes the file. Fix it with a `with` statement and show the full function."),
-    ("read_lines", "Rename `result` to `stripped` in this function. Reply with the full updated function."),
-    ("average", "Fix the bug: this function fails on an empty list; return 0.0 then. Show the full function."),
-    ("average", "Rename the variable `v` to `value` in this function. Reply with the full updated function."),
-    ("fizzbuzz", "Rename the list `out` to `words` in this function. Reply with the full updated function."),
-    ("fizzbuzz", "Add a docstring to this function. Reply with the complete code."),
-    ("merge_dicts", "Rename the parameters `a` and `b` to `base` and `override`. Show the whole function."),
-    ("merge_dicts", "Add a docstring to this function. Reply with the complete function."),
-    ("is_prime", "Make this function faster by only checking divisors up to the square root. Show the whole function."),
-    ("is_prime", "Rename the variable `d` to `divisor`. Reply with the full updated function."),
-    ("Stack", "Add a `peek` method that returns the top item without removing it. Reply with the complete class."),
-    ("Stack", "Rename the attribute `items` to `elements` everywhere in this class. Reply with the complete class."),
-    ("word_count", "Rename `counts` to `frequencies` in this function. Reply with the full updated function."),
-    ("word_count", "Add a docstring to this function. Reply with the complete function."),
-    ("clamp", "Rename the function `clamp` to `limit`. Reply with the complete code."),
-    ("clamp", "Add a JSDoc comment to this function. Reply with the complete code."),
-    ("parse_config", "Rename the variable `config` to `settings` in this function. Reply with the full function."),
-    ("parse_config", "Add a docstring to this function. Reply with the complete function."),
-]
-
-CHAT = [
-    "What are three tips for staying focused while working from home?",
-    "Explain what a hash table is to a beginner.",
-    "Write a short poem about autumn leaves.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give me a simple recipe for pancakes.",
-    "Why is the sky blue?",
-    "Suggest a name for a coffee shop and explain why.",
-    "What should I pack for a weekend hiking trip?",
-    "How do I make my houseplants grow better?",
-    "Explain recursion with a simple example.",
-    "What are the benefits of learning a second language?",
-    "Write a friendly email inviting a colleague to lunch.",
-    "How does a bicycle stay upright?",
-    "Describe the water cycle in a few sentences.",
-    "What is a good morning routine for a student?",
-    "Tell me a fun fact about octopuses.",
-]
+    while pending or live:
+        while pending and len(live) < conc:
+            i = pending.pop(0)
+            convo[i] = [{"role": "system", "content": AGENT_SYSTEM}]
+            send(i, "")
+        for out in engine.step():
+            i, ids, text = live[out.request_id]
+            ids.extend(out.new_token_ids)
+            text.append(out.new_text)
+            if out.finished:
+                del live[out.request_id]
+                outputs[i].append(ids)
+                convo[i].append({"role": "assistant", "content": "".join(text) + AGENT_STOP})
+                send(i, "".join(text))
+    return [ids for i in sorted(outputs) for ids in outputs[i]]
 
 
 def code_edit_requests(max_tokens: int) -> list[dict]:
@@ -224,18 +159,26 @@ def build_engines(args, methods: list[str]) -> dict[tuple[str, int], LLMEngine]:
     return engines
 
 
-def timed_run(engine: LLMEngine, reqs: list[dict], rep: int) -> dict:
-    """One pass of `reqs` through `engine`, from an empty prefix cache and fresh stats."""
+def timed_run(engine: LLMEngine, reqs, rep: int) -> dict:
+    """One pass of `reqs` (a request list, or a function running its own: `run(engine, rep) ->
+    token ids per request`) through `engine`, from an empty prefix cache, fresh stats and, for
+    the suffix proposer, no outputs of earlier runs."""
     engine.allocator.reset_prefix_cache()  # every run computes its prompts
     engine.stats = type(engine.stats)()
+    clear = getattr(engine.speculator.proposer, "clear", None) if engine.speculator else None
+    if clear is not None:
+        clear()
     t0 = time.perf_counter()
-    res = engine.generate([dict(r, request_id=f"{r['request_id']}-{rep}") for r in reqs])
+    if callable(reqs):
+        ids = reqs(engine, rep)
+    else:
+        ids = [r["token_ids"] for r in engine.generate([dict(r, request_id=f"{r['request_id']}-{rep}") for r in reqs])]
     wall = time.perf_counter() - t0
     st = engine.stats
-    out_tokens = sum(len(r["token_ids"]) for r in res)
+    out_tokens = sum(map(len, ids))
     # each sequence-step that samples outputs exactly one token that was not a draft
     seq_steps = out_tokens - st.accepted_draft_tokens
-    return {"tokens": out_tokens, "wall": wall, "tps": out_tokens / wall, "ids": [r["token_ids"] for r in res],
+    return {"tokens": out_tokens, "wall": wall, "tps": out_tokens / wall, "ids": ids,
             "per_verify": 1 + st.accepted_draft_tokens / st.draft_seq_steps if st.draft_seq_steps else None,
             "per_step": out_tokens / seq_steps if seq_steps else None,
             "acceptance": st.accepted_draft_tokens / st.draft_tokens if st.draft_tokens else None,
@@ -265,14 +208,17 @@ def run_cpu(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = {"code edits": code_edit_requests(args.max_tokens)[:args.limit],
-                 "open chat": chat_requests(args.chat_max_tokens)[:args.limit]}
+                 "open chat": chat_requests(args.chat_max_tokens)[:args.limit],
+                 "agent": lambda engine, rep: run_sessions(engine, args.agent_max_tokens, engine.config.scheduler.max_num_seqs, rep)}
+    workloads = {w: workloads[w] for w in args.workloads.split(",")}
     methods = args.methods.split(",")
     engines = build_engines(args, methods)
     rows = [row for wname, reqs in workloads.items() for conc in args.concurrency
             for row in best_rows(engines, methods, wname, conc, reqs, args.repeat)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"\n{args.model}, CPU ({torch.get_num_threads()} threads), greedy, k <= {args.num_tokens}, "
-          f"max_tokens {args.max_tokens} (code) / {args.chat_max_tokens} (chat), best of {args.repeat}\n")
+          f"max_tokens {args.max_tokens} (code) / {args.chat_max_tokens} (chat) / {args.agent_max_tokens} "
+          f"(agent, per turn), best of {args.repeat}\n")
     print("| workload | concurrent | method | output tokens | tok/s | speedup | tokens / verify step "
           "| tokens / decode step | draft acceptance | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -410,11 +356,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help="time verify steps on a CUDA GPU instead")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--methods", default="off,ngram", help="comma-separated: off, ngram, draft (off first)")
+    p.add_argument("--methods", default="off,ngram,suffix",
+                   help="comma-separated: off, ngram, suffix, draft (off first)")
     p.add_argument("--num-tokens", type=int, default=5, help="k: most drafts per sequence per step")
     p.add_argument("--draft-layers", type=int, default=24, help="draft method: the target's first N layers")
     p.add_argument("--max-tokens", type=int, default=128, help="code edits")
     p.add_argument("--chat-max-tokens", type=int, default=64)
+    p.add_argument("--agent-max-tokens", type=int, default=128, help="per turn of an agent session")
+    p.add_argument("--workloads", default="code edits,open chat,agent",
+                   help="comma-separated: code edits, open chat, agent")
     p.add_argument("--concurrency", type=ints, default=[1, 8, 64])
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--limit", type=int, help="only the first N requests of each workload (a quick look)")

@@ -156,6 +156,10 @@ class SpeculativeConfig:
     # sequence, plus prefill chunks) a forward costs about one decode step; past it, about
     # tokens / max_verify_tokens steps. None: 256 on GPUs, 8 on CPUs (bench/speculative.py).
     max_verify_tokens: int | None = None
+    # what one more token in a step costs, relative to the step's fixed part (weights read, launch
+    # and host overhead); None: 0 on GPUs (below the knee tokens are free), 0.1 on CPUs (the
+    # step's cost grows with its tokens at once: bench/speculative.py)
+    verify_token_cost: float | None = None
     min_acceptance: float = 0.3  # below this per-token acceptance a sequence stops drafting
     min_draft_gain: float = 0.1  # draft position j is proposed only if acceptance**j reaches this
     initial_acceptance: float = 0.7  # per-token acceptance assumed for a new sequence
@@ -175,6 +179,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative: draft_num_layers must be >= 1, got {self.draft_num_layers}")
         if self.draft_num_blocks is not None and self.draft_num_blocks < 2:
             raise ConfigError(f"speculative: draft_num_blocks must be >= 2, got {self.draft_num_blocks}")
+        if self.verify_token_cost is not None and not 0 <= self.verify_token_cost < 10:
+            raise ConfigError(f"speculative: verify_token_cost must be in [0, 10), got {self.verify_token_cost}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 1:
             raise ConfigError(f"speculative: max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
         if self.suffix_max_match < self.min_n or self.suffix_max_global_tokens < 0 or self.suffix_max_spec_factor <= 0:

@@ -11,6 +11,10 @@ bound by reading the weights), and T / max_verify_tokens steps past it (bound by
 - past the knee, a draft position costs what a decode position does (1 / max_verify_tokens of a
   step) and yields a**j < 1 token, so none is taken: a batch of `max_verify_tokens` sequences or
   more decodes plainly;
+- with `token_cost` r > 0 (an affine step cost, as on a CPU, where every token costs about r of
+  a step's fixed part on top of it): a position of worth w is taken only while it raises the
+  step's tokens per cost, w > r * tokens / cost, tokens = decoding sequences + worth taken so far,
+  cost = 1 + r * (tokens in the step);
 - a sequence whose estimate falls below `min_acceptance` (its drafts keep failing) gets none, but
   every `probe_interval` steps it gets a full-length probe from what the knee leaves free, to
   re-measure.
@@ -35,7 +39,8 @@ class _Acceptance:
 
 class SpeculationLengthPolicy:
     def __init__(self, max_verify_tokens: int, *, min_acceptance: float = 0.3, min_draft_gain: float = 0.1,
-                 initial_acceptance: float = 0.7, ema_decay: float = 0.8, probe_interval: int = 16):
+                 initial_acceptance: float = 0.7, ema_decay: float = 0.8, probe_interval: int = 16,
+                 token_cost: float = 0.0):
         if max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
         self.max_verify_tokens = max_verify_tokens
@@ -44,14 +49,15 @@ class SpeculationLengthPolicy:
         self.initial_acceptance = initial_acceptance
         self.ema_decay = ema_decay
         self.probe_interval = probe_interval
+        self.token_cost = token_cost
         self.state: dict[str, _Acceptance] = {}
 
     @classmethod
-    def from_config(cls, cfg, max_verify_tokens: int) -> "SpeculationLengthPolicy":
-        """From an `engine.config.SpeculativeConfig`, its device-dependent knee resolved."""
+    def from_config(cls, cfg, max_verify_tokens: int, token_cost: float = 0.0) -> "SpeculationLengthPolicy":
+        """From an `engine.config.SpeculativeConfig`, its device-dependent knee and token cost resolved."""
         return cls(max_verify_tokens, min_acceptance=cfg.min_acceptance, min_draft_gain=cfg.min_draft_gain,
                    initial_acceptance=cfg.initial_acceptance, ema_decay=cfg.ema_decay,
-                   probe_interval=cfg.probe_interval)
+                   probe_interval=cfg.probe_interval, token_cost=token_cost)
 
     def _acceptance(self, rid: str) -> _Acceptance:
         st = self.state.get(rid)
@@ -94,9 +100,14 @@ class SpeculationLengthPolicy:
         # a == 1 are broken by position for the same reason
         ranked.sort()
         out: dict[str, int] = {}
-        for _worth, _j, rid in ranked[:max(0, spare)]:
+        r = self.token_cost
+        tokens, cost = float(len(caps)), 1.0 + r * (len(caps) + num_other_tokens)
+        for neg_worth, _j, rid in ranked[:max(0, spare)]:
+            if r > 0 and -neg_worth * cost <= r * tokens:  # this position would lower tokens per cost
+                break
             out[rid] = out.get(rid, 0) + 1
             spare -= 1
+            tokens, cost = tokens - neg_worth, cost + r
         for rid in probes:  # probes come last: only what the knee leaves free pays for them
             k = min(caps[rid], spare)
             if k <= 0:

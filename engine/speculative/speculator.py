@@ -98,10 +98,18 @@ def resolve_max_verify_tokens(cfg: SpeculativeConfig, device: torch.device) -> i
     if cfg.max_verify_tokens is not None:
         return cfg.max_verify_tokens
     # where a forward stops being bound by reading the weights (bench/speculative.py): Llama-3-8B
-    # in bf16 on an H200 verifies 64 x 4 tokens for 1.36 decode steps and 64 x 5 for 2.3; smollm2-135m on
-    # a CPU core is compute-bound almost at once (8 sequences decode in 2.5x the time of one, and
-    # 16 tokens cost 1.25x of 8), so a CPU only speculates for small batches
-    return 256 if device.type == "cuda" else 8
+    # in bf16 on an H200 verifies 64 x 4 tokens for 1.36 decode steps and 64 x 5 for 2.3; on a CPU
+    # core every token costs from the first (verify_token_cost), so the knee only bounds the step
+    return 256 if device.type == "cuda" else 128
+
+
+def resolve_verify_token_cost(cfg: SpeculativeConfig, device: torch.device) -> float:
+    if cfg.verify_token_cost is not None:
+        return cfg.verify_token_cost
+    # smollm2-135m fp32 on one CPU core (bench/speculative.py, 2026-12-01): a step of 1 + k tokens
+    # for one sequence costs about 1 + 0.13 k decode steps (fp32 weights are read once per step);
+    # 8 sequences with 4 tokens each cost ~1.4x their decode step
+    return 0.0 if device.type == "cuda" else 0.1
 
 
 def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_blocks: int, block_size: int,
@@ -128,5 +136,6 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
             proposer = DraftModelProposer(draft_model, cfg.draft_num_blocks or num_blocks, block_size, sampler)
         else:
             raise ValueError(f"speculative method {cfg.method!r} has no proposer")
-    policy = SpeculationLengthPolicy.from_config(cfg, resolve_max_verify_tokens(cfg, device))
+    policy = SpeculationLengthPolicy.from_config(cfg, resolve_max_verify_tokens(cfg, device),
+                                                 resolve_verify_token_cost(cfg, device))
     return Speculator(proposer, policy, sampler, cfg.num_tokens)

@@ -74,6 +74,7 @@ def spec_engine():
 
     def make(model, tok, method="ngram", *, num_blocks=512, block_size=16, max_num_seqs=64,
              max_num_batched_tokens=2048, draft_model=None, proposer=None, **spec) -> LLMEngine:
+        spec.setdefault("verify_token_cost", 0.0)  # positions below the knee are free (the GPU's model)
         cfg = EngineConfig(model="test", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
                            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                      max_num_batched_tokens=max_num_batched_tokens),

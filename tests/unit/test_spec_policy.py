@@ -101,3 +101,23 @@ def test_speculative_config_is_validated():
                 dict(probe_interval=0)):
         with pytest.raises(ConfigError):
             SpeculativeConfig(**bad)
+
+
+def test_token_cost_takes_positions_only_while_they_raise_tokens_per_cost():
+    # r = 0.1: one sequence at acceptance 0.9 takes positions while 0.9**j > 0.1 * tokens / cost
+    p = make_policy(max_verify_tokens=1000, initial_acceptance=0.9, token_cost=0.1, min_draft_gain=0.01)
+    k1 = p.choose({"a": 64})["a"]
+    tokens, cost = 1.0, 1.1
+    for j in range(1, k1 + 1):
+        assert 0.9 ** j * cost > 0.1 * tokens
+        tokens, cost = tokens + 0.9 ** j, cost + 0.1
+    assert 0.9 ** (k1 + 1) * cost <= 0.1 * tokens  # the next one would not pay
+    # a batch of 8: each position must beat a higher bar (more tokens share the step's fixed cost)
+    ks = make_policy(max_verify_tokens=1000, initial_acceptance=0.9, token_cost=0.1).choose(
+        {f"s{i}": 64 for i in range(8)})
+    assert len(ks) == 8 and 0 < max(ks.values()) < k1
+    # low acceptance at a batch of 8: no position pays
+    assert make_policy(max_verify_tokens=1000, initial_acceptance=0.4, token_cost=0.1).choose(
+        {f"s{i}": 64 for i in range(8)}) == {}
+    # token_cost 0 is the knee alone (as before)
+    assert make_policy(max_verify_tokens=1000, initial_acceptance=0.9).choose({"a": 64})["a"] == 21
