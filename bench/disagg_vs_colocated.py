@@ -200,8 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--modes", default="disaggregated,colocated")
     ap.add_argument("--layouts", default="", help="P:D splits to run instead of the two modes, e.g. "
-                                                 "1:3,2:2,3:1,0:4 (0:N = N colocated replicas); prints "
-                                                 "every layout's goodput and latencies per rate")
+                                                 "1:3,2:2,3:1,0:4 (0:N = N colocated replicas; adaptive = "
+                                                 "tandem up --layout adaptive on all --gpus, planning with "
+                                                 "--perf and the SLOs); prints every layout's goodput and "
+                                                 "latencies per rate")
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--simulate", action="store_true",
                     help="also print the simulator's prediction beside each measured layout and rate")

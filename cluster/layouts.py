@@ -9,6 +9,8 @@ import random
 from dataclasses import replace
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
+from tandem.cluster.config import ADAPTIVE
+from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimSummary
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate
@@ -45,16 +47,35 @@ def mode_configs(args) -> dict[str, dict]:
                 "decode": {"replicas": n_decode, "num_gpus": gpu,
                            "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
 
+    def adaptive() -> dict:
+        # every GPU decodes and prefills (what `tandem up --layout adaptive` sets, config.ADAPTIVE);
+        # the router's cost model plans on the comparison's SLOs and perf model
+        cfg = {**common, "prefill": {"replicas": 0, "num_gpus": gpu}, "decode": {"replicas": args.gpus, "num_gpus": gpu},
+               "router": {**common["router"], "perf_model": getattr(args, "perf", None),
+                          "slo_ttft_ms": getattr(args, "ttft_slo_ms", 1000.0),
+                          "slo_tpot_ms": getattr(args, "tpot_slo_ms", 40.0)}}
+        for dotted, value in ADAPTIVE.items():
+            section, _, key = dotted.partition(".")
+            cfg[section] = {**cfg.get(section, {}), key: value}
+        return cfg
+
     if getattr(args, "layouts", None):
-        return {layout_name(p, d): layout(p, d) for p, d in parse_layouts(args.layouts)}
+        return {(f"adaptive x{args.gpus}" if split is None else layout_name(*split)):
+                (adaptive() if split is None else layout(*split)) for split in parse_layouts(args.layouts)}
     n_prefill = args.prefill or max(1, args.gpus // 2)
     return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
 
 
-def parse_layouts(text: str) -> list[tuple[int, int]]:
-    """"1:3,0:4" -> [(1, 3), (0, 4)]; exits with a message on a split that is not P:D."""
-    out = []
+def parse_layouts(text: str) -> list[tuple[int, int] | None]:
+    """"1:3,0:4,adaptive" -> [(1, 3), (0, 4), None] (None: the adaptive layout, on every GPU);
+    exits with a message on an item that is neither P:D nor adaptive."""
+    out: list[tuple[int, int] | None] = []
     for item in text.split(","):
+        if item.strip() == "adaptive":
+            out.append(None)
+            continue
+        if item.strip() == "colocated":
+            raise SystemExit("--layouts: name the colocated layout 0:N (N replicas)")
         p, _, d = item.partition(":")
         n_prefill, n_decode = int(p), int(d)
         if n_prefill < 0 or n_decode < 1:
@@ -95,6 +116,8 @@ def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[flo
                              max_sessions=c.get("max_sessions"))
         specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
                  for sess in plan for i, t in enumerate(sess.specs)]
-        out[rate] = simulate(specs, n_prefill, n_decode, model, slo, colocated=colocated, closed_loop=True,
-                             send_until_s=c["duration_s"]).summary
+        mode = {"adaptive": RoleConfig(**{k: v for k, v in cluster["roles"].items() if k != "enabled"})} \
+            if (cluster.get("roles") or {}).get("enabled") else {"colocated": colocated}
+        out[rate] = simulate(specs, n_prefill, n_decode, model, slo, closed_loop=True,
+                             send_until_s=c["duration_s"], **mode).summary
     return out

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tandem.cluster.layout_predictions import print_predictions, simulate_beside
+from tandem.cluster.config import load_config
 from tandem.cluster.layouts import mode_configs, predict
 from tandem.perf_model import PerfModel
 
@@ -86,3 +87,22 @@ def test_predict_gives_each_layout_the_benchs_decode_slots_and_starts_nothing(tm
     bench = saved["bench"]
     one_slot = {**configs["1P:1D"], "scheduler": {**configs["1P:1D"]["scheduler"], "max_num_seqs": 1}}
     assert predict(one_slot, bench, PerfModel())[2.0].ttft_p90 > 2 * rows[1]["ttft_p90"]
+
+
+def test_the_adaptive_layout_runs_live_as_tandem_up_would_and_is_predicted_by_the_adaptive_simulation(tmp_path):
+    c = mode_configs(_args(layouts="adaptive,0:2", gpus=2, perf="p.json", ttft_slo_ms=500, tpot_slo_ms=25))
+    assert list(c) == ["adaptive x2", "colocated x2"]
+    ada = c["adaptive x2"]
+    path = tmp_path / "ada.yaml"
+    path.write_text(yaml.safe_dump(ada))
+    cfg = load_config(path)                  # what `tandem up --config` reads
+    assert cfg.roles.enabled and cfg.router.placement == "cost" and cfg.decode.role == "mixed"
+    assert (cfg.prefill.replicas, cfg.decode.replicas) == (0, 2) and cfg.decode.local_prefill_threshold == 0
+    assert (cfg.router.perf_model, cfg.router.slo_ttft_ms, cfg.router.slo_tpot_ms) == ("p.json", 500, 25)
+    with pytest.raises(SystemExit, match="0:N"):
+        mode_configs(_args(layouts="colocated"))
+    bench = {"workload": "agent", "seed": 0, "rates": [0.5], "duration_s": 20, "max_sessions": None,
+             "max_context": 8192, "slo": {"ttft_ms": 500, "tpot_ms": 25}}
+    perf = PerfModel()
+    got = predict(ada, bench, perf)[0.5]
+    assert got.label.startswith("adaptive") and got.requests > 0
