@@ -10,10 +10,13 @@ and the split it plans, recomputed here from the same stats and perf model).
 
 The policy plans with this machine's numbers: the engine is profiled first (`tandem profile`'s
 `profile_engine` + `PerfModel.fit`, one torch thread as a pool actor has), then the served step and
-the control path are fitted on an idle 1 prefill + 1 decode cluster (cluster/calibration.py).
+the per-request control path are fitted on an idle one-worker cluster (cluster/calibration.py). The
+SLOs and the prompt-heavy rate default to figures derived from that model (see
+`choose_slos_and_rate`); `--perf` reuses a fitted model (`--json X.json` writes it to X.perf.json).
+Results and how to read them: docs/benchmarks.md, "Adaptive layout on CPU (issue 22)".
 
-    .venv/bin/python bench/adaptive_cpu.py [--workers 2] [--prompt-heavy-s 60] [--decode-heavy-s 45]
-        [--rate 0.5] [--slo-ttft-ms 4000] [--slo-tpot-ms 250] [--json out.json]
+    .venv/bin/python bench/adaptive_cpu.py [--workers 2] [--prompt-heavy-s 90] [--decode-heavy-s 60]
+        [--rate R] [--slo-ttft-ms T] [--slo-tpot-ms P] [--perf model.json] [--json out.json]
 """
 
 from __future__ import annotations
