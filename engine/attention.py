@@ -39,6 +39,11 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+# decode and speculative verify steps (every sequence has at most this many new tokens) run as one
+# padded batched call instead of a loop over the sequences
+BATCHED_MAX_QUERY_LEN = 64
+
+
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V ([T, num_kv_heads, head_dim]) into their cache slots, in place."""
@@ -62,24 +67,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    if meta.decode_only and meta.num_seqs > 1:
-        # one padded batched call: [B, H, 1, D] against [B, H, L, D] with a length mask
-        B, L = meta.num_seqs, meta.max_seq_len
-        block_size = k_cache.shape[1]
-        n = (L + block_size - 1) // block_size
-        tables = meta.block_tables[:, :n].long()
-        k = k_cache[tables].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :L]
-        lens = meta.seq_lens[:, None].to(k.device)
-        kpos = torch.arange(L, device=k.device)[None, :]
-        mask = kpos < lens  # [B, L]
-        if sliding_window is not None:  # the query sits at lens - 1
-            mask &= kpos > lens - 1 - sliding_window
-        qb = q.view(B, num_heads, 1, -1)
-        # grouped-query heads read their shared K/V in place (no repeat_interleave copy)
-        o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
-        return o.view(B, num_heads, -1)
+    if meta.num_seqs > 1 and meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
+        return _short_queries_batched(q, k_cache, v_cache, meta, scale, sliding_window)
     start = 0
     for b in range(meta.num_seqs):
         q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
@@ -100,3 +89,37 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
+
+
+def _short_queries_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Every sequence's queries padded to Q = max_query_len: [B, H, Q, D] against its KV
+    [B, Hkv, L, D] under a causal mask with each sequence's offset; padded rows see key 0 only
+    (their output is dropped)."""
+    B, L, Q = meta.num_seqs, meta.max_seq_len, meta.max_query_len
+    num_heads, group = q.shape[1], q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    n = (L + block_size - 1) // block_size
+    tables = meta.block_tables[:, :n].long()
+    k = k_cache[tables].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :L]
+    qlens = torch.tensor(meta.query_lens_cpu, device=q.device)
+    lens = torch.tensor(meta.seq_lens_cpu, device=q.device)
+    j = torch.arange(Q, device=q.device)
+    real = j[None, :] < qlens[:, None]  # [B, Q]
+    qpos = (lens - qlens)[:, None] + j[None, :]  # [B, Q] position of each (padded) query
+    kpos = torch.arange(L, device=q.device)
+    mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
+    if sliding_window is not None:
+        mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    mask &= real[:, :, None]
+    mask[:, :, 0] |= ~real  # a padded row attends to one key, so it stays finite
+    if Q == 1:
+        qb = q.view(B, 1, num_heads, -1)
+    else:
+        qb = q.new_zeros(B, Q, num_heads, q.shape[2])
+        qb[real] = q
+    o = F.scaled_dot_product_attention(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None], scale=scale, enable_gqa=group > 1)
+    o = o.transpose(1, 2)  # [B, Q, H, D]
+    return o.reshape(B, num_heads, -1) if Q == 1 else o[real]
