@@ -72,8 +72,10 @@ def up_detached(args, config) -> int:
                          "KubeRay), then RAY_ADDRESS=... tandem up --detached")
     ns = args.namespace or DEFAULT_NAMESPACE
     init_ray(config, ns)
+    # restarted by Ray if it dies (same name and handle: routers keep it); its pools die with it and
+    # the restarted one starts new ones, into which the routers move their streams
     controller = Controller.options(name=controller_name(ns), namespace=ns, lifetime="detached",
-                                    get_if_exists=True).remote(config, ns)
+                                    max_restarts=-1, get_if_exists=True).remote(config, ns)
     ray.get(controller.wait_ready.remote(600))
     router = subprocess.Popen(router_argv(args, address, ns), start_new_session=True)
     state_path(ns).write_text(json.dumps({"address": address, "routers": [router.pid]}))

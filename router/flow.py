@@ -56,6 +56,7 @@ class RequestFlow:
     out_ids: list[int] = field(default_factory=list)  # every token streamed so far
     migrations: int = 0
     lost: set[str] = field(default_factory=set)  # decode actors that died under it: not used again
+    lost_actors: dict[str, str | None] = field(default_factory=dict)  # their Ray actor ids, by worker id
     first_sent: bool = False      # the request's first token is out (TTFT recorded)
     # the prefill actor's first token, for the decode actor once it is streamed
     handover: FirstToken | None = None

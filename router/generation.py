@@ -45,6 +45,12 @@ def _logprobs_pb(token_ids: list[int], logprobs) -> list[generation_pb2.TokenLog
         generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]) for t, lp in zip(token_ids, logprobs)]
 
 
+def _actor_key(handle) -> str | None:
+    """The Ray actor behind a handle (None for test fakes)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else None
+
+
 class Router:
     """Everything a Generate call needs, independent of gRPC plumbing."""
 
@@ -212,6 +218,8 @@ class Router:
         """The decode actor died (or the request failed on it): continue on another one from the
         prompt plus the tokens already streamed; greedy output is unchanged."""
         reason = flow.migrate(msg, att.decode_id)    # raises MigrationsExhausted past the limit
+        if reason == "decode_lost":      # that actor, not the worker id: a restarted controller reuses ids
+            flow.lost_actors[att.decode_id] = _actor_key(att.decode)
         self.hub.record_migration(reason)
         log.warning("moving %s off %s after %d tokens: %s", flow.request_id, att.decode_id, len(flow.out_ids),
                     msg.error)
@@ -241,6 +249,10 @@ class Router:
             except NoWorkerReady:
                 if time.monotonic() + self.view.refresh_s > give_up:
                     raise
+                for wid in list(flow.lost):     # a new actor under a lost one's id may serve it
+                    handle = self.view.handle(wid)
+                    if handle is not None and _actor_key(handle) != flow.lost_actors.get(wid):
+                        flow.lost.discard(wid)
                 if not waited:
                     log.warning("%s waits for a ready decode worker", flow.request_id)
                     waited = True

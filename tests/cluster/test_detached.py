@@ -39,6 +39,7 @@ def ray_head():
                     '--resources={"tandem_prefill": 64, "tandem_decode": 64}', "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
     import ray._private.services as services
+    _HEAD["tmp"] = tmp
     yield f"{services.get_node_ip_address()}:{port}", env
     for pid in _pids_mentioning(tmp):
         try:
@@ -134,3 +135,76 @@ def test_kill_9_of_tandem_up_loses_no_stream_and_tandem_down_stops_the_lot(ray_h
                 os.kill(router_pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _controller_pid(timeout_s: float = 90) -> int:
+    """The pid of the (only) `ray::Controller` process on this machine that belongs to this test's
+    head (its raylet's descendant)."""
+    from tandem.cluster.reaper import descendants
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for raylet in _pids_mentioning(_HEAD["tmp"]):
+            for pid in descendants(raylet):
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_text().startswith("ray::Controller"):
+                        return pid
+                except OSError:
+                    pass
+        time.sleep(0.5)
+    raise AssertionError("no ray::Controller process")
+
+
+_HEAD: dict = {}
+
+
+def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
+    """The detached controller is restarted by Ray; its pools die with it and the restarted one
+    starts new ones: the streams in flight wait for a ready decode worker (within their deadline)
+    and continue there, token-exact."""
+    from tests.chaos.test_faults import _reference
+
+    address, env = ray_head
+    env = {**env, "RAY_ADDRESS": address}
+    port, ns = free_port(), f"ctl{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cluster.cli", "up", "--detached", "--namespace", ns,
+                           "--model", "tiny-random", "--prefill", "0", "--decode", "1", "--num-blocks", "512",
+                           "--local-prefill-threshold", "inf", "--port", str(port), "--http-port", "0",
+                           "--metrics-port", "0"], env=env)
+    try:
+        target = f"127.0.0.1:{port}"
+        _serving(target, 240, up)
+        reqs = [{"prompt": f"controller crash {i}", "max_tokens": 1200, "ignore_eos": True} for i in range(3)]
+        ref = _reference("tiny-random", reqs)
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
+        out: dict = {}
+        started = [threading.Event() for _ in reqs]
+
+        def stream(i):
+            ids = []
+            try:
+                for r in stub.Generate(pb.GenerateRequest(prompt=reqs[i]["prompt"], sampling=pb.SamplingParams(
+                        max_tokens=1200, ignore_eos=True)), timeout=240):
+                    ids.extend(r.token_ids)
+                    started[i].set()
+                out[i] = ids
+            except grpc.RpcError as e:
+                out[i] = e
+            finally:
+                started[i].set()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        pid = _controller_pid()
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(240)
+        assert [out[i] for i in range(len(reqs))] == ref, out
+        assert _controller_pid() != pid       # Ray restarted it
+        down = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "down", "--namespace", ns],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert down.returncode == 0, down.stderr[-2000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
