@@ -220,6 +220,8 @@ def run_layout(layout: str, perf_path: str, perf: PerfModel, a, load: Load) -> R
               "router.max_expected_wait_s": 600.0}   # measure every request: no shedding by predicted wait
     layouts = {"adaptive": {**ADAPTIVE, "roles.period_s": a.period_s, "roles.min_hold_s": a.min_hold_s,
                             "roles.margin": a.margin, "roles.window_s": a.window_s},
+               # the adaptive layout with its role policy off: cost placement (and its chunk sizes) alone
+               "cost-only": {**ADAPTIVE, "roles.enabled": False},
                "colocated": {"decode.local_prefill_threshold": float("inf")}}
     c = RunningCluster({**common, **layouts[layout]})
     run, stop = Run(layout), threading.Event()
@@ -299,7 +301,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default=MODEL, help="another model only with --perf (the profile is of smollm2-135m)")
-    p.add_argument("--layouts", default="adaptive,colocated")
+    p.add_argument("--layouts", default="adaptive,colocated", help="of adaptive, cost-only, colocated")
     p.add_argument("--prompt-heavy-s", type=float, default=60)
     p.add_argument("--decode-heavy-s", type=float, default=45)
     p.add_argument("--rate", type=float, help="long prompts per second in the prompt-heavy phase "
