@@ -37,7 +37,7 @@ from tandem.cluster.calibration import calibrate_on_cluster
 from tandem.cluster.config import ADAPTIVE
 from tandem.cluster.local import RunningCluster
 from tandem.cluster.profiling import profile_engine
-from tandem.cluster.roles import demand_between, prompt_counters
+from tandem.cluster.roles import demand_over, prompt_counters
 from tandem.engine.weights import load_tokenizer
 from tandem.perf_model import PerfModel
 from tandem.placement import Demand, plan_roles
@@ -203,10 +203,10 @@ def watch(c, perf, workers: int, slo: tuple[float, float], window_s: float, run:
     while not stop.wait(every_s):
         state = ray.get(c.cluster.controller.cluster_state.remote())
         live = [w for w in state.workers if w.state == "ready" and w.stats is not None]
-        q.append(prompt_counters(live, time.monotonic()))
+        q.append(prompt_counters(live, time.monotonic(), 16))
         while len(q) > 1 and q[1].at <= q[-1].at - window_s:
             q.pop(0)
-        d = demand_between(q[0], q[-1], live, 16)
+        d = demand_over(q)
         best = plan_roles(perf, d, workers, *slo)
         run.view.append({"t_s": round(time.perf_counter() - t0, 1), "prompt_tok_s": round(d.prompt_tokens_per_s),
                          "decoding": round(d.decode_seqs), "roles": "".join(w.role[0] for w in live),

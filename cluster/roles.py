@@ -88,32 +88,39 @@ def decide_roles(perf, demand: Demand, workers: int, state: RoleState, now: floa
 # ---- the live controller's inputs and moves -----------------------------------------------------
 @dataclass(frozen=True)
 class PromptCounters:
-    """The cluster's prompt counters at one moment (for rates between two of them)."""
+    """The cluster at one moment: its prompt counters (for rates between two moments) and its
+    decode batch (averaged over the moments of a window)."""
 
     at: float = 0.0
     computed: int = 0
     completed: int = 0
     completed_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
 
 
-def prompt_counters(workers, now: float) -> PromptCounters:
-    """The cluster's prompt counters now, from the ready workers' latest stats (WorkerEntry)."""
+def prompt_counters(workers, now: float, block_size: int) -> PromptCounters:
+    """The cluster now, from the ready workers' latest stats (WorkerEntry)."""
     stats = [w.stats for w in workers if w.stats is not None]
     return PromptCounters(now, sum(s.prompt_tokens_computed for s in stats), sum(s.prompts_completed for s in stats),
-                          sum(s.prompt_tokens_completed for s in stats))
+                          sum(s.prompt_tokens_completed for s in stats), sum(s.running for s in stats),
+                          sum(s.kv_blocks_used for s in stats) * block_size)
 
 
-def demand_between(prev: PromptCounters, cur: PromptCounters, workers, block_size: int) -> Demand:
-    """The demand the role policy plans for: the prompt tokens computed per second from `prev` to
-    `cur` and their mean size, and (now) the sequences decoding and the KV they hold."""
-    stats = [w.stats for w in workers if w.stats is not None]
+def demand_over(samples) -> Demand:
+    """The demand the role policy plans for, over a window of samples (oldest first): the prompt
+    tokens computed per second from the first to the last and their mean size, and the decode
+    batch and its KV averaged over the samples (one moment's batch, 2 or 3 sequences either way,
+    decided a lend near the margin on a live CPU cluster)."""
+    prev, cur = samples[0], samples[-1]
     computed = max(0, cur.computed - prev.computed)
     done = max(0, cur.completed - prev.completed)
     rate = computed / (cur.at - prev.at) if cur.at > prev.at else 0.0
     new = computed / done if done else 0.0
     prompt = max(0, cur.completed_tokens - prev.completed_tokens) / done if done else 0.0
-    return Demand(rate, new, prompt, decode_seqs=sum(s.running for s in stats),
-                  context_tokens=sum(s.kv_blocks_used for s in stats) * block_size)
+    n = len(samples)
+    return Demand(rate, new, prompt, decode_seqs=sum(x.decode_seqs for x in samples) / n,
+                  context_tokens=sum(x.context_tokens for x in samples) / n)
 
 
 def role_move(workers, d: RoleDecision) -> tuple[str, str]:

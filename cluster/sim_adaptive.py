@@ -60,23 +60,29 @@ def prefilled_for(sim: Simulation, x: SimDecodeWorker, s: SimSeq, now: float) ->
 
 
 def demand(sim: Simulation, now: float) -> Demand:
-    """What the live controller measures (cluster.roles.demand_between) over `roles.window_s`."""
+    """What the live controller measures (cluster.roles.demand_over) over `roles.window_s`: the
+    prompt tokens admitted and their sizes, and the decode batch sampled every period, averaged."""
     q, window = sim.recent_admits, sim.role_config.window_s
     while q and q[0][0] < now - window:
         q.popleft()
     live = [w for w in sim.decodes if w.up and not w.gone]
-    n = len(q) or 1
+    batches = sim.role_batches
+    batches.append((now, sum(len(w.running) + w.awaiting_kv + len(w.waiting) for w in live),
+                    sum(s.context for w in live for s in w.running)))
+    while batches[0][0] < now - window:
+        batches.popleft()
+    n, m = len(q) or 1, len(batches)
     return Demand(prompt_tokens_per_s=sum(x[1] for x in q) / window, mean_new_tokens=sum(x[1] for x in q) / n,
                   mean_prompt_tokens=sum(x[2] for x in q) / n,
-                  decode_seqs=sum(len(w.running) + w.awaiting_kv + len(w.waiting) for w in live),
-                  context_tokens=sum(s.context for w in live for s in w.running))
+                  decode_seqs=sum(b[1] for b in batches) / m, context_tokens=sum(b[2] for b in batches) / m)
 
 
 def roles(sim: Simulation, now: float) -> None:
     """The controller's period: the role policy on the measured demand, then one worker changes."""
     live = [w for w in sim.decodes if w.up and not w.gone]
+    measured = demand(sim, now)                           # sampled every period, as the controller does
     if now - sim.start_s >= sim.role_config.window_s:     # once a window's demand is measured
-        d, sim.role_state = decide_roles(sim.perf, demand(sim, now), len(live), sim.role_state, now,
+        d, sim.role_state = decide_roles(sim.perf, measured, len(live), sim.role_state, now,
                                          sim.slo.ttft_s, sim.slo.tpot_s, sim.role_config)
         if d.changed:
             apply(live, d)
@@ -96,5 +102,6 @@ def apply(live: list[SimDecodeWorker], d: RoleDecision) -> None:
         pick.role = DECODE
 
 
-def new_state() -> tuple[RoleState, deque, list]:
-    return RoleState(0), deque(), []
+def new_state() -> tuple[RoleState, deque, list, deque]:
+    """The simulation's role state, admitted prompts, role log and decode-batch samples."""
+    return RoleState(0), deque(), [], deque()

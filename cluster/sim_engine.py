@@ -35,7 +35,7 @@ class Simulation:
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
         # adaptive: every worker decodes and prefills; the role policy lends some to prefill only
         self.role_config = adaptive
-        self.role_state, self.recent_admits, self.role_log = sim_adaptive.new_state()
+        self.role_state, self.recent_admits, self.role_log, self.role_batches = sim_adaptive.new_state()
         self.seed = seed   # placement is deterministic: kept so callers' seeds still name a run
         self.send_until_s = send_until_s
         self.max_workers = max_workers

@@ -281,3 +281,13 @@ def test_the_role_policy_waits_for_a_whole_window_of_demand(tmp_path):
     pools.check()
     pools.maybe_roles()                       # 10 s measured: now it decides
     assert pools.role_decision is not None
+
+
+def test_the_demand_averages_the_batch_over_the_window_and_rates_the_prompts_end_to_end():
+    from tandem.cluster.roles import PromptCounters, demand_over
+    samples = [PromptCounters(0.0, 0, 0, 0, decode_seqs=2, context_tokens=2000),
+               PromptCounters(2.0, 4000, 2, 6000, decode_seqs=3, context_tokens=3000),
+               PromptCounters(4.0, 8000, 4, 12_000, decode_seqs=4, context_tokens=4000)]
+    d = demand_over(samples)
+    assert d.prompt_tokens_per_s == 2000 and d.mean_new_tokens == 2000 and d.mean_prompt_tokens == 3000
+    assert d.decode_seqs == 3 and d.context_tokens == 3000       # the mean, not the last moment's 4
