@@ -29,7 +29,7 @@ from tandem.cluster.loadgen_report import (SLO, RequestRecord, summarize, table_
                                            write_outputs)
 from tandem.cluster.workloads import TokenizedRequest, iter_token_ids
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
-from tandem.router.auth import auth_metadata, load_client_token
+from tandem.router.auth import auth_metadata, load_admin_token, load_client_token
 from tandem.router.tls import ClientTLSConfig, channel_credentials, channel_options
 
 
@@ -271,7 +271,8 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
         runs, notes = [], []
         t_bench = time.monotonic()
         timeline: list[dict] = []
-        watcher = (asyncio.ensure_future(watch_pools(channel, metadata, cfg.watch_pools_s, t_bench, timeline))
+        admin = auth_metadata(load_admin_token(getattr(args, "admin_token_file", None)))   # Admin takes admin tokens
+        watcher = (asyncio.ensure_future(watch_pools(channel, admin, cfg.watch_pools_s, t_bench, timeline))
                    if cfg.watch_pools_s > 0 and channel is not None else None)
         for i, rate in enumerate(cfg.rates):
             started_s = time.monotonic() - t_bench

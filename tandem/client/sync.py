@@ -27,11 +27,14 @@ from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_gr
 
 
 class Client:
-    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: TLS | None = None,
+    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, admin_token: str | None = None,
+                 tls: TLS | None = None,
                  channel: grpc.Channel | None = None, timeout: float | None = None):
         """`channel`: use this one instead of making one; `timeout`: seconds per call (None: none)."""
         self.channel = channel or make_channel(target, tls)
         self.metadata = auth_metadata(token)
+        # the Admin API takes only admin tokens (router --admin-token-file); without one, `token`
+        self.admin_metadata = auth_metadata(admin_token or token)
         self.timeout = timeout
         self._gen = generation_pb2_grpc.GenerationStub(self.channel)
         self._admin = admin_pb2_grpc.AdminStub(self.channel)
@@ -80,7 +83,7 @@ class Client:
 
     def _call(self, method, req):
         try:
-            return method(req, timeout=self.timeout or 30, metadata=self.metadata)
+            return method(req, timeout=self.timeout or 30, metadata=self.admin_metadata)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
