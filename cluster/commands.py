@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from tandem.client import Client, TandemError
-from tandem.cluster import launch, loadgen_client, profiling
+from tandem.cluster import launch, lifecycle, loadgen_client, profiling
 from tandem.cluster.config import ADAPTIVE, load_config
 from tandem.engine.config import SPECULATIVE_METHODS
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb
@@ -86,6 +86,7 @@ def register(sub) -> None:
     st.set_defaults(func=cmd_status)
     launch.register(sub, _security_flags)
     _register_scale(sub)
+    lifecycle.register(sub, _client_flags, DEFAULT_TARGET)
     _register_bench(sub)
     profiling.register(sub)
 

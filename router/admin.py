@@ -63,7 +63,7 @@ def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
             if w.pool != name:
                 continue
             s = w.load()
-            pool.workers.add(id=w.worker_id, pool=name, pid=w.pid, node=w.node,
+            pool.workers.add(id=w.worker_id, pool=name, pid=w.pid, node=w.node, host=w.host,
                              state=_WORKER_STATE[w.state], running_requests=s.running,
                              waiting_requests=s.waiting, kv_blocks_used=s.kv_blocks_used,
                              kv_blocks_total=s.kv_blocks_total, role=w.role or w.pool)

@@ -26,7 +26,7 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "role")
+    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "role", "host")
     ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Worker(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     id: str
     pool: str
     pid: int
@@ -47,7 +48,8 @@ class Worker(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     role: str
-    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    host: str
+    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., role: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("name", "size", "target", "min", "max", "draining", "workers", "target_pinned")
