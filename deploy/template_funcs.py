@@ -148,11 +148,13 @@ FUNCS = {
     "trunc": lambda n, s: s[:n] if n >= 0 else s[n:],
     "trimSuffix": lambda suf, s: s[: -len(suf)] if suf and s.endswith(suf) else s,
     "lower": lambda s: s.lower(),
+    "trim": lambda s: go_str(s).strip(),
     "index": _index,
     "list": lambda *a: list(a),
     "dict": lambda *a: {a[i]: a[i + 1] for i in range(0, len(a), 2)},
     "lookup": lambda *a: {},
     "randAlphaNum": lambda n: "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(n)),
     "b64enc": lambda s: base64.b64encode(s.encode()).decode(),
+    "add": lambda *a: sum(int(float(x)) for x in a),  # Sprig: every argument as int64
     "int": lambda v: int(float(v)) if v not in (None, "") else 0,
 }

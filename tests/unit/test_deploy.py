@@ -53,7 +53,8 @@ RAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rays
              "RayJob": "ray.io_rayjobs.yaml"}
 FILE_KINDS = {"ray-cluster": "RayCluster", "ray-service": "RayService", "ray-job": "RayJob",
               "configmap": "ConfigMap", "secret": "Secret", "service": "Service",
-              "deployment": "Deployment", "pvc": "PersistentVolumeClaim", "pod": "Pod"}
+              "deployment": "Deployment", "pvc": "PersistentVolumeClaim", "pod": "Pod",
+              "pdb": "PodDisruptionBudget"}
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 CUSTOM_VALUES = {
@@ -79,6 +80,10 @@ VARIANTS = {
     "custom": CUSTOM_VALUES,
     "no-auth": {"auth": {"enabled": False, "token": "unused"}, "models": {"pvc": {"existingClaim": "weights"}},
                 "autoscaler": {"enabled": True, "upscaleDelaySeconds": 5}},
+    "ray-tls": {"rayTLS": {"enabled": True, "secretName": "ray-certs"}, "rayAuth": {"mode": "token", "secretName": "ray-token"},
+                "prefill": {"podDisruptionBudget": {"enabled": False}, "drainDeadlineSeconds": 45},
+                "router": {"drainTimeoutSeconds": 200, "preStopDelaySeconds": 0}, "lifecycle": {"terminationMarginSeconds": 10},
+                "auth": {"token": "t" * 40, "adminToken": "a" * 40}},
 }
 
 
@@ -243,10 +248,12 @@ def _check_cluster_consistency(docs: list[dict], tmp_path: Path, optional_refs: 
         assert "/etc/tandem" in mounts, where
         assert (cfg.engine.model.startswith("/models/")) == ("/models" in mounts), f"{where}: model path vs mount"
         # References: Secrets, claims and ConfigMaps exist unless they are expected from outside.
-        for env in head.get("env", []):
+        for env in (e for _, tpl in _pod_templates(cluster) for c in tpl["spec"]["containers"] for e in c.get("env", [])):
             ref = env.get("valueFrom", {}).get("secretKeyRef")
             if ref and not ref.get("optional") and ref["name"] not in optional_refs:
-                assert _find(docs, "Secret", ref["name"]), f"{where}: Secret {ref['name']} missing"
+                secret = _find(docs, "Secret", ref["name"])
+                assert secret, f"{where}: Secret {ref['name']} missing"
+                assert ref["key"] in {**secret.get("data", {}), **secret.get("stringData", {})}, f"{where}: {ref}"
         for _, tpl in _pod_templates(cluster):
             for v in tpl["spec"].get("volumes", []):
                 claim = v.get("persistentVolumeClaim", {}).get("claimName")
@@ -315,7 +322,9 @@ def test_chart_agrees_with_config(rendered, tmp_path):
 def test_chart_values_reach_the_objects(tmp_path):
     docs = render_manifests(CHART, CUSTOM_VALUES)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "RayCluster", "Service"]  # no Secret, PVC or Redis: all external
+    # no Secret, PVC or Redis: all external
+    assert kinds == ["ConfigMap", "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget", "RayCluster",
+                     "Service"]
     cluster = _find(docs, "RayCluster", "coder-green")
     head = _head(cluster)
     assert head["image"] == "registry.example.com/ml/tandem:0.2.0-ray2.60.0-gpu"

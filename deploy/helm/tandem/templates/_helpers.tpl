@@ -73,7 +73,8 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
         {{- include "tandem.labels" $root | nindent 8 }}
         app.kubernetes.io/component: {{ .name }}
     spec:
-      terminationGracePeriodSeconds: 60
+      # The preStop hook's drain deadline plus time for Ray to stop (lifecycle.terminationMarginSeconds).
+      terminationGracePeriodSeconds: {{ add $pool.drainDeadlineSeconds $root.Values.lifecycle.terminationMarginSeconds }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -90,6 +91,21 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
       - name: ray-worker
         image: {{ include "tandem.image" $root }}
         imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+        lifecycle:
+          preStop:
+            exec:
+              # Drain this pod's workers through the router's Admin API and wait for their sequences
+              # to finish (docs/deploy.md, "Pod lifecycle"); KubeRay sets FQ_RAY_IP to the head Service.
+              command:
+              - /bin/bash
+              - -c
+              - >-
+                exec tandem drain-worker --self --target "${FQ_RAY_IP:-{{ include "tandem.clusterName" $root }}-head-svc}:{{ $root.Values.router.port }}"
+                --deadline {{ $pool.drainDeadlineSeconds }}
+        {{- with include "tandem.workerEnv" $root | trim }}
+        env:
+          {{- . | nindent 8 }}
+        {{- end }}
         resources:
           requests:
             {{- toYaml $pool.resources.requests | nindent 12 }}
@@ -101,12 +117,85 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
             {{- if $pool.gpus }}
             nvidia.com/gpu: {{ $pool.gpus | quote }}
             {{- end }}
-        {{- with include "tandem.modelsMount" $root }}
+        {{- with include "tandem.workerMounts" $root | trim }}
         volumeMounts:
           {{- . | nindent 8 }}
         {{- end }}
-      {{- with include "tandem.modelsVolume" $root }}
+      {{- with include "tandem.workerVolumes" $root | trim }}
       volumes:
         {{- . | nindent 6 }}
       {{- end }}
+{{- end }}
+
+{{/* The RayCluster's name. */}}
+{{- define "tandem.clusterName" -}}
+{{ include "tandem.fullname" . }}-{{ .Values.cluster.color }}
+{{- end }}
+
+{{/* The admin token (Admin API: status, scale, drain-worker) from the auth Secret. */}}
+{{- define "tandem.adminTokenEnv" -}}
+{{- if .Values.auth.enabled -}}
+- name: TANDEM_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.authSecret" . }}
+      key: admin-token
+{{- end }}
+{{- end }}
+
+{{/* Ray's TLS between its processes (RAY_USE_TLS; ray._common.tls_utils reads these paths). */}}
+{{- define "tandem.rayTLSEnv" -}}
+{{- if .Values.rayTLS.enabled -}}
+- name: RAY_USE_TLS
+  value: "1"
+- name: RAY_TLS_SERVER_CERT
+  value: /etc/ray-tls/tls.crt
+- name: RAY_TLS_SERVER_KEY
+  value: /etc/ray-tls/tls.key
+- name: RAY_TLS_CA_CERT
+  value: /etc/ray-tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "tandem.workerEnv" -}}
+{{- with include "tandem.adminTokenEnv" . }}
+{{ . }}
+{{- end }}
+{{- with include "tandem.rayTLSEnv" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayTLSMount" -}}
+{{- if .Values.rayTLS.enabled -}}
+- name: ray-tls
+  mountPath: /etc/ray-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayTLSVolume" -}}
+{{- if .Values.rayTLS.enabled -}}
+- name: ray-tls
+  secret:
+    secretName: {{ required "rayTLS.secretName is required with rayTLS.enabled" .Values.rayTLS.secretName }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.workerMounts" -}}
+{{- with include "tandem.modelsMount" . }}
+{{ . }}
+{{- end }}
+{{- with include "tandem.rayTLSMount" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.workerVolumes" -}}
+{{- with include "tandem.modelsVolume" . }}
+{{ . }}
+{{- end }}
+{{- with include "tandem.rayTLSVolume" . }}
+{{ . }}
+{{- end }}
 {{- end }}
