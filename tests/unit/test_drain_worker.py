@@ -130,3 +130,15 @@ def test_drain_deadline_fails_the_hook(admin):
 def test_drain_needs_a_selection():
     args = _args(["drain-worker"])
     assert args.func(args) == 2
+
+
+def test_admin_state_carries_each_workers_host():
+    """The router's ClusterState gives each worker's host (its pod's name), which --self matches."""
+    from tandem.router.admin import cluster_state_proto
+    from tandem.wire.cluster import ClusterState, PoolState, WorkerEntry
+
+    state = ClusterState(workers=(WorkerEntry("d0", "decode", "ready", host="tandem-blue-decode-x7k2p"),),
+                         pools={"decode": PoolState(1, 1, 0, 4)})
+    proto = cluster_state_proto(state)
+    assert proto.pools[0].workers[0].host == "tandem-blue-decode-x7k2p"
+    assert lifecycle.select_workers(proto, host="tandem-blue-decode-x7k2p") == ["d0"]
