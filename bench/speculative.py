@@ -9,10 +9,11 @@ whole conversation, ends at its code block's closing fence (the edit tool's inpu
 when the session's previous turn finished; `--concurrency` sessions run at once. Each workload at
 each concurrency, without speculation and with each method asked for (off, ngram, suffix),
 interleaved, best of `--repeat` runs (the suffix proposer forgets other requests' outputs between
-runs). Per row: output tokens per second and the
-speedup over no speculation; tokens per verify step (1 + accepted drafts, over the sequence-steps
-that verified drafts); tokens per decode step (over all sequence-steps, drafts or not: the real
-gain); the draft acceptance rate; and whether the tokens equal the plain run's.
+runs). Per row: output tokens per second and the speedup over no speculation, and the same per
+CPU-second of the process (one torch thread: on a shared machine its CPU time is the work done,
+where the wall clock also counts others' load); tokens per verify step (1 + accepted drafts, over
+the sequence-steps that verified drafts); tokens per decode step (over all sequence-steps, drafts
+or not: the real gain); the draft acceptance rate; and whether the tokens equal the plain run's.
 
     python -m bench.speculative [--methods off,ngram,suffix,draft] [--workloads agent] [--num-tokens 5]
 
@@ -168,17 +169,17 @@ def timed_run(engine: LLMEngine, reqs, rep: int) -> dict:
     clear = getattr(engine.speculator.proposer, "clear", None) if engine.speculator else None
     if clear is not None:
         clear()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if callable(reqs):
         ids = reqs(engine, rep)
     else:
         ids = [r["token_ids"] for r in engine.generate([dict(r, request_id=f"{r['request_id']}-{rep}") for r in reqs])]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = engine.stats
     out_tokens = sum(map(len, ids))
     # each sequence-step that samples outputs exactly one token that was not a draft
     seq_steps = out_tokens - st.accepted_draft_tokens
-    return {"tokens": out_tokens, "wall": wall, "tps": out_tokens / wall, "ids": ids,
+    return {"tokens": out_tokens, "wall": wall, "tps": out_tokens / wall, "cpu_tps": out_tokens / cpu, "ids": ids,
             "per_verify": 1 + st.accepted_draft_tokens / st.draft_seq_steps if st.draft_seq_steps else None,
             "per_step": out_tokens / seq_steps if seq_steps else None,
             "acceptance": st.accepted_draft_tokens / st.draft_tokens if st.draft_tokens else None,
@@ -193,12 +194,14 @@ def best_rows(engines, methods: list[str], wname: str, conc: int, reqs: list[dic
         for method in methods:
             row = {"workload": wname, "conc": conc, "method": method, **timed_run(engines[method, conc], reqs, rep)}
             print(f"# {wname:10s} conc={conc} {method:5s} run {rep}: {row['tokens']} tokens in {row['wall']:.1f}s "
-                  f"({row['tps']:.1f} tok/s), {row['steps']} steps, load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"({row['tps']:.1f} tok/s, {row['cpu_tps']:.1f} per CPU-s), {row['steps']} steps, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
             if method not in best or row["wall"] < best[method]["wall"]:
                 best[method] = row
     base = best[methods[0]]
     for row in best.values():
         row["speedup"] = row["tps"] / base["tps"]
+        row["cpu_speedup"] = row["cpu_tps"] / base["cpu_tps"]
         row["same"] = row["ids"] == base["ids"]
     return [best[m] for m in methods]
 
@@ -219,12 +222,13 @@ def run_cpu(args) -> None:
     print(f"\n{args.model}, CPU ({torch.get_num_threads()} threads), greedy, k <= {args.num_tokens}, "
           f"max_tokens {args.max_tokens} (code) / {args.chat_max_tokens} (chat) / {args.agent_max_tokens} "
           f"(agent, per turn), best of {args.repeat}\n")
-    print("| workload | concurrent | method | output tokens | tok/s | speedup | tokens / verify step "
-          "| tokens / decode step | draft acceptance | same tokens as off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | concurrent | method | output tokens | tok/s | speedup | tok/CPU-s | CPU speedup "
+          "| tokens / verify step | tokens / decode step | draft acceptance | same tokens as off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['conc']} | {r['method']} | {r['tokens']} | {r['tps']:.1f} | "
-              f"{r['speedup']:.2f}x | {fmt(r['per_verify'], '.2f')} | {fmt(r['per_step'], '.2f')} | "
+              f"{r['speedup']:.2f}x | {r['cpu_tps']:.1f} | {r['cpu_speedup']:.2f}x | "
+              f"{fmt(r['per_verify'], '.2f')} | {fmt(r['per_step'], '.2f')} | "
               f"{fmt(r['acceptance'], '.2f')} | {'yes' if r['same'] else 'NO'} |")
 
 
