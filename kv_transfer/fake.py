@@ -110,6 +110,9 @@ class FakeLink:
     def send_frame(self, msg: dict[str, Any], timeout: float) -> None:
         if msg["op"] in ("layers", "ready") and self.pipe.faults.delay_s:
             time.sleep(self.pipe.faults.delay_s)
+        die = self.pipe.faults.die_after_layers
+        if msg["op"] == "ready" and die is not None and self.pipe.layers_sent + len(msg["layers"]) > die:
+            self.pipe.kill()      # the sender dies before a frame past its last layer leaves
         self._put(self.pipe.frames, encode_frame(msg))
         self.pipe.frames_sent += msg["op"] != "hello"      # transfers' frames, not the link's
         if msg["op"] == "ready":          # a direct copy: the frame is all that goes out
@@ -127,9 +130,12 @@ class FakeLink:
         self._queue_data(tensor, None)
 
     def _queue_data(self, tensor: torch.Tensor, taken: threading.Event | None) -> None:
-        self._put(self.pipe.data, (tensor.detach().clone(), taken))
-        self.pipe.layers_sent += tensor.shape[0] if tensor.dim() else 1
+        n = tensor.shape[0] if tensor.dim() else 1
         die = self.pipe.faults.die_after_layers
+        if die is not None and self.pipe.layers_sent + n > die:
+            self.pipe.kill()      # layers batched past the last one never leave
+        self._put(self.pipe.data, (tensor.detach().clone(), taken))
+        self.pipe.layers_sent += n
         if die is not None and self.pipe.layers_sent >= die:
             self.pipe.kill()
 
