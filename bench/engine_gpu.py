@@ -10,7 +10,9 @@ One run measures the ceilings (a 2 GiB device-to-device copy, counting read + wr
   bandwidth, the part of a decode step no kernel of ours owns; and a profile (GPU time by kernel)
   of one 8B decode step at batch 1 and 32;
 - smollm2-135m-random, bf16: decode ms/step at batch 1..64, eager and with CUDA graphs;
-- transformers' LlamaForCausalLM.generate on the same 8B weights: ms per decode step.
+- transformers' LlamaForCausalLM.generate on the same 8B weights: ms per decode step;
+- issue 23's table (bench/engine_floor.py): step / floor at batch 1..256 through
+  LLMEngine.generate, and the 512 x (1k in, 256 out) offline run.
 
 Decode steps go through the whole engine (scheduler, prepare, CUDA graph replay, sampling):
 requests are admitted as a decode actor admits them after a KV transfer (KV "already there": the
@@ -32,6 +34,7 @@ import time
 import traceback
 
 import torch
+from engine_floor import print_floors, run_floors  # a sibling file: bench scripts run as files
 from torch.profiler import ProfilerActivity, profile
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -430,6 +433,7 @@ class Bench:
             for r in R["smollm2"]:
                 print(f"{r['batch']:>5} {r['eager_step_ms']:>7.2f} {r['graph_step_ms']:>7.2f} "
                       f"{r['speedup']:>7.1f} {r['graph_gpu_ms']:>6.2f} {r['floor_ms']:>6.3f}")
+        print_floors(R)
         if R["errors"]:
             print(f"\nERRORS: {R['errors']}")
 
@@ -443,7 +447,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: llama,gemm,peer,small")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: floor,llama,gemm,peer,small")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -454,6 +458,8 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     b.section("ceilings", b.ceilings)
+    if "floor" not in skip:
+        b.section("floor", lambda: run_floors(b))
     if "small" not in skip:
         b.section("smollm2", b.small)
     if "llama" not in skip:

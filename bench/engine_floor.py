@@ -1,0 +1,106 @@
+"""Issue 23's table: decode steps of llama3-8b-random against their floor at every batch size, and
+the 512 x (1k in, 256 out) offline run, all through the public offline API (`LLMEngine.generate`).
+
+A row's step time is (t(long) - t(short)) / (long - short) for one `generate` of `batch` prompts
+of `ctx` tokens each, so the prefill cancels out. Its floor is max(memory, compute): the weights
+(without the embedding table) plus the batch's K/V at the mean context of the timed steps, over the
+copy rate measured in the same run; or the step's FLOPs over the measured bf16 matmul rate.
+`bench/engine_gpu.py` runs it as its `floor` section; `--dry-run` runs it on CPU with a tiny model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model import TritonOps
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.weights import load_model
+
+ROWS = ((1, 1024), (16, 1024), (64, 1024), (128, 1024), (256, 1024), (1, 8192), (32, 8192))
+DRY_ROWS = ((1, 64), (4, 64), (1, 128))
+
+
+def floor_engine(bench, model, tok, num_blocks: int, max_seqs: int = 256, max_batched: int = 8192) -> LLMEngine:
+    cfg = EngineConfig(model="bench", cache=CacheConfig(block_size=16, num_blocks=num_blocks,
+                                                      enable_prefix_caching=False),
+                       scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched))
+    e = LLMEngine(cfg, model=model, tokenizer=tok)
+    if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here)
+        e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
+    return e
+
+
+def _prompts(bench, n: int, ctx: int, vocab: int, max_tokens: int) -> list[dict]:
+    return [{"prompt_token_ids": torch.randint(3, vocab, (ctx,), generator=bench.gen).tolist(),
+             "max_tokens": max_tokens, "ignore_eos": True} for _ in range(n)]
+
+
+def _timed_generate(bench, e: LLMEngine, reqs: list[dict]) -> float:
+    bench.sync()
+    t0 = time.perf_counter()
+    out = e.generate(reqs)
+    bench.sync()
+    assert all(len(o["token_ids"]) == reqs[0]["max_tokens"] for o in out)
+    return time.perf_counter() - t0
+
+
+def floor_ms(bench, model, batch: int, context: float) -> float:
+    c, ceil = model.config, bench.results["ceilings"]
+    mem = (bench.model_bytes(model) + batch * context * bench.kv_bytes_per_token(model)) / (ceil["copy_gbs"] * 1e9)
+    params = bench.model_bytes(model) / model.embed_tokens.weight.element_size()
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim * context
+    flops = batch * (2 * params + attn)
+    return 1e3 * max(mem, flops / (ceil["matmul_tflops"] * 1e12))
+
+
+def run_floors(bench) -> None:
+    """Fills bench.results["floor"] with the decode rows and the offline run."""
+    name = "tiny-random" if bench.dry else "llama3-8b-random"
+    model, tok, cfg = load_model(name, "float32" if bench.dry else "bfloat16", str(bench.dev), seed=0)
+    if bench.dry:
+        model.ops = TritonOps()
+    rows, (short, long_) = (DRY_ROWS, (2, 6)) if bench.dry else (ROWS, (8, 72))
+    n_off, ctx_off, out_off = (8, 64, 8) if bench.dry else (512, 1024, 256)
+    tokens = max(max(b * (c + long_) for b, c in rows), n_off * (ctx_off + out_off))
+    e = floor_engine(bench, model, tok, num_blocks=tokens // 16 + 2 * n_off + 64)
+    vocab = cfg.vocab_size
+    res = bench.results["floor"] = {"model": name, "short": short, "long": long_, "decode": []}
+    _timed_generate(bench, e, _prompts(bench, 1, rows[0][1], vocab, short))   # compiles the prefill kernels
+    for b, ctx in rows:
+        e.runner.capture_graphs((b,), ctx + long_)
+        t_short = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))
+        t_long = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, long_))
+        step = (t_long - t_short) / (long_ - short) * 1e3
+        fl = floor_ms(bench, model, b, ctx + (short + long_) / 2)
+        r = {"batch": b, "ctx": ctx, "step_ms": step, "floor_ms": fl, "x_floor": step / fl,
+             "tok_s": b / step * 1e3}
+        res["decode"].append(r)
+        print(f"# floor decode {r}", flush=True)
+        bench.save()
+    t = _timed_generate(bench, e, _prompts(bench, n_off, ctx_off, vocab, out_off))
+    res["offline"] = {"requests": n_off, "prompt": ctx_off, "output": out_off, "s": t,
+                      "out_tok_s": n_off * out_off / t}
+    res["graphs"] = e.runner.graph_stats
+    print(f"# floor offline {res['offline']}", flush=True)
+
+
+def print_floors(results: dict) -> None:
+    f = results.get("floor")
+    if not f or not f.get("decode"):
+        return
+    print(f"\n{f['model']} decode through LLMEngine.generate (step = (t({f['long']}) - t({f['short']}) tokens) "
+          f"/ {f['long'] - f['short']})")
+    print("| batch x context | step ms | floor ms | step / floor | output tok/s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in f["decode"]:
+        ctx = f"{r['ctx'] // 1024}k" if r["ctx"] >= 1024 else str(r["ctx"])
+        print(f"| {r['batch']} x {ctx} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} | "
+              f"{r['tok_s']:,.0f} |")
+    o = f.get("offline")
+    if o:
+        print(f"offline: {o['requests']} requests x ({o['prompt']} in, {o['output']} out) submitted at once: "
+              f"{o['s']:.1f} s, {o['out_tok_s']:,.0f} output tokens/s")
