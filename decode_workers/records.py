@@ -3,7 +3,8 @@ write into its blocks, by its transfer id): the engine request, its router, its 
 first token handed over before its KV, and when its first output went out (for TPOT).
 
 A remotely prefilled request moves RESERVED -> RECEIVING -> (KV_READY ->) IN_ENGINE; a locally
-prefilled one is IN_ENGINE from its reserve. An aborted request whose blocks the receiver may still
+prefilled one is IN_ENGINE from its reserve. A sequence moved out with its KV goes IN_ENGINE ->
+PAUSED -> SENDING -> GONE (or back IN_ENGINE when its router resumes it here). An aborted request whose blocks the receiver may still
 write into waits as RELEASING until the receiver lets go. The transitions below only change the
 record and say what the worker must do next; the worker does it.
 """
@@ -23,6 +24,8 @@ class DecodeState(enum.Enum):
     KV_READY = "kv_ready"     # the KV landed; the first token has not been handed over yet
     IN_ENGINE = "in_engine"   # in the engine's batch (local prefill, or remote with both halves)
     RELEASING = "releasing"   # aborted or failed; the receiver may still write into its blocks
+    PAUSED = "paused"         # out of the batch with its KV, for its router to move it (or resume it)
+    SENDING = "sending"       # its KV is on the way to the decode actor it moves to
     GONE = "gone"             # nothing held here any more
 
 
@@ -30,6 +33,8 @@ class AbortAction(enum.Enum):
     FREE_BLOCKS = "free_blocks"        # the worker frees the reserved blocks now
     ABORT_RECEIVE = "abort_receive"    # the receiver's release (or the reap of a landed one) frees them
     ABORT_IN_ENGINE = "abort_in_engine"  # the engine aborts it (and frees its blocks)
+    DROP_PAUSED = "drop_paused"        # paused: the engine drops it (and frees its blocks) now
+    ABORT_SEND = "abort_send"          # its KV is being sent: the sender's release frees them
 
 
 class FirstTokenTaken(enum.Enum):
@@ -107,6 +112,12 @@ class DecodeRequest:
     def abort(self) -> AbortAction:
         """Aborted by its router (or its router went silent)."""
         self.first = None
+        if self.state is DecodeState.PAUSED:
+            self.state = DecodeState.GONE
+            return AbortAction.DROP_PAUSED
+        if self.state is DecodeState.SENDING:
+            self.state = DecodeState.RELEASING
+            return AbortAction.ABORT_SEND
         if self.state is DecodeState.IN_ENGINE:
             self.state = DecodeState.GONE
             return AbortAction.ABORT_IN_ENGINE

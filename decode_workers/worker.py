@@ -25,6 +25,7 @@ import os
 import time
 from typing import Any, Callable
 
+from tandem.decode_workers.moves import SequenceMoves
 from tandem.decode_workers.outboxes import Outboxes
 from tandem.decode_workers.records import AbortAction, DecodeRequest, DecodeState, FirstTokenTaken
 from tandem.engine.engine import LLMEngine, RequestOutput
@@ -74,7 +75,7 @@ class DecodeWorker:
             self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self.kv_released,
                                                 on_transition=self._wake)
             # prefix pulls: a prefill actor asks for the session's cached prefix it lacks
-            self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg)
+            self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg, on_release=self.sent_released)
         self.requests: dict[str, DecodeRequest] = {}   # request id -> its record
         # transfer id -> the record whose KV it carries, while it is on the way or the receiver may
         # still write into its blocks (an aborted request leaves `requests` at once, and may be
@@ -82,8 +83,9 @@ class DecodeWorker:
         self._by_transfer: dict[str, DecodeRequest] = {}
         self.outboxes = Outboxes(clock)
         self.draining = False
+        self.moves = SequenceMoves(self)   # running sequences moved out with their KV
         self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
-                         "kv_transfer_bytes": 0}
+                         "kv_transfer_bytes": 0, "sequences_migrated_in": 0, "tokens_recomputed": 0}
         self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
         self.tpot = LatencyWindow()
         self._snapshot: WorkerStats | None = None
@@ -126,6 +128,22 @@ class DecodeWorker:
         """Send cached prefix blocks of a reserved request to the prefill actor that will extend it."""
         self.loop.run(self.sender.send, spec)  # the blocks stay held by the reserved request meanwhile
 
+    def move_out(self, count: int | None = None) -> int:
+        """Pause up to `count` decoding sequences (None: all) for their routers to move them to
+        another decode actor with their KV (decode_workers/moves.py); -> how many."""
+        return self.loop.run(self.moves.pause_some, count)
+
+    def send_kv(self, request_id: str, spec: TransferSpec, first_block: int = 0) -> None:
+        """Send a paused sequence's KV to the decode actor its router reserved on."""
+        self.loop.run(self.moves.send, request_id, spec, first_block)
+
+    def resume(self, request_id: str) -> bool:
+        """A paused sequence continues here (its router found nowhere to move it)."""
+        return self.loop.run(self.moves.resume, request_id)
+
+    def sent_released(self, tid: str) -> None:
+        self.moves.released(tid)
+
     def stats(self) -> WorkerStats:
         """The latest snapshot, taken by the loop between steps: answers at once even while a long
         step runs (health checks must not wait for the engine)."""
@@ -163,11 +181,14 @@ class DecodeWorker:
         e = self.engine
         req = e.make_request(r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
         req.max_chunk_tokens = r.prefill_chunk_tokens
+        n = req.num_prompt_tokens
+        cached = e.allocator.num_cached_tokens(r.prompt_token_ids)
+        if r.handoff is not None:
+            return self._reserve_moved(req, r, cached)
         rec = self.requests[r.request_id] = DecodeRequest(req, r.router_id)
         self.outboxes.seen(r.router_id)   # a reserve proves the router alive
         self.counters["requests"] += 1
-        n = req.num_prompt_tokens
-        cached = e.allocator.num_cached_tokens(r.prompt_token_ids)
+        self.counters["tokens_recomputed"] += max(0, min(r.recomputed_tokens, n) - cached)
         # a worker named as its own prefill worker (it also prefills for others) prefills locally
         remote = (r.transfer_id is not None and self.receiver is not None and r.prefill_id != self.worker_id
                   and wants_remote_prefill(n, cached, self.threshold))
@@ -176,6 +197,21 @@ class DecodeWorker:
         e.scheduler.add(req)
         self.counters["local_prefills"] += 1
         return DecodePlan(remote=False, cached_tokens=cached)
+
+    def _reserve_moved(self, req, r: DecodeReserve, cached: int) -> DecodePlan:
+        """A running sequence moving here with its KV from `r.prefill_id`: blocks for its prompt
+        (every token but the handoff) and the receive registered, or refused; it joins the batch
+        with the handoff token once the KV has landed."""
+        n = req.num_prompt_tokens
+        if self.receiver is None or r.prefill_id is None or r.transfer_id is None:
+            raise WorkerUnavailable(f"{self.worker_id} cannot receive KV")
+        if not self.engine.allocator.admit(req, n - cached):
+            raise WorkerUnavailable(f"{self.worker_id} has no free KV blocks for {n - cached} moved positions")
+        rec = self.requests[r.request_id] = DecodeRequest(req, r.router_id, first=r.handoff)
+        self.outboxes.seen(r.router_id)
+        self.counters["requests"] += 1
+        self.counters["sequences_migrated_in"] += 1
+        return self._reserve_remote(rec, r, cached)
 
     def _reserve_remote(self, rec: DecodeRequest, r: DecodeReserve, cached: int) -> DecodePlan:
         req, e = rec.request, self.engine
@@ -235,7 +271,7 @@ class DecodeWorker:
         if not (rec.awaiting_kv or rec.receiving) and self._by_transfer.get(rec.transfer_id) is rec:
             del self._by_transfer[rec.transfer_id]
 
-    def _forget(self, rec: DecodeRequest) -> None:
+    def forget(self, rec: DecodeRequest) -> None:
         if self.requests.get(rec.request_id) is rec:
             del self.requests[rec.request_id]
 
@@ -255,7 +291,7 @@ class DecodeWorker:
                 self._kv_landed(rec)
             else:
                 rec.transfer_failed()   # its blocks come back with the receiver's release
-                self._forget(rec)
+                self.forget(rec)
                 self.counters["transfer_failures"] += 1
                 self._emit_error(rec, f"KV transfer {state.value}")
             self._sync_transfer_index(rec)
@@ -288,6 +324,12 @@ class DecodeWorker:
         action = rec.abort()
         if action is AbortAction.ABORT_IN_ENGINE:
             return self.engine.abort(rid)
+        if action is AbortAction.DROP_PAUSED:
+            self.moves.drop(rec)
+            return True
+        if action is AbortAction.ABORT_SEND:
+            self.moves.abort_send(rec)
+            return True
         if action is AbortAction.ABORT_RECEIVE:
             # the release callback frees the blocks, now or after the layer being copied; a
             # transfer that already arrived hands them back when it is reaped (kv_ended)
@@ -307,8 +349,10 @@ class DecodeWorker:
         self.between_steps()
 
     def between_steps(self) -> None:
-        """After the transport's ends are handled: expire silent routers, take the stats snapshot."""
+        """After the transport's ends are handled: expire silent routers, move sequences out
+        (sent ones freed, a draining worker's paused), take the stats snapshot."""
         self._expire_routers()
+        self.moves.between_steps()
         self._snapshot = self.collect_stats()
 
     def owns(self, request_id: str) -> bool:
@@ -368,7 +412,7 @@ class DecodeWorker:
             if rec.first_output_at is None:
                 rec.first_output_at = now
             if o.finished:
-                self._forget(rec)
+                self.forget(rec)
                 if o.usage.completion_tokens > 1:
                     self.tpot.add(now, (now - rec.first_output_at) / (o.usage.completion_tokens - 1))
             if rec.router_id is None:
@@ -383,7 +427,7 @@ class DecodeWorker:
         """On the loop thread: the stats as of now (`stats()` answers the latest of these)."""
         e = self.engine
         a = e.allocator
-        waiting_kv = sum(1 for r in self.requests.values() if r.waiting)
+        waiting_kv = sum(1 for r in self.requests.values() if r.waiting) + self.moves.holding()
         return WorkerStats(
             self.worker_id, "decode", running=len(e.scheduler.running),
             waiting=len(e.scheduler.waiting) + len(e.scheduler.ready) + waiting_kv,
@@ -399,7 +443,7 @@ class DecodeWorker:
             last_step_error=self.loop.last_step_error, warmup_s=self.warmup["seconds"] if self.warmup else 0.0,
             slow_steps=self.loop.slow_steps, mid_step_calls=self.loop.mid_step_calls,
             late_compiles=compile_watch.late, cuda_graphs=e.runner.graph_stats,
-            **self.counters, **self.transfer_times.stats())
+            **self.counters, **self.moves.counters, **self.transfer_times.stats())
 
 
 def warm_up(engine: LLMEngine, worker_id: str) -> dict[str, Any] | None:

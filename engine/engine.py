@@ -331,6 +331,33 @@ class LLMEngine:
             g.set_state(torch.frombuffer(bytearray(first.rng_state), dtype=torch.uint8))
             self.sampler.generators[req.request_id] = g
 
+    # ---- moving a running sequence with its KV (decode_workers/moves.py) ----------------------
+    def pause(self, request_id: str) -> Request | None:
+        """Between steps: take a decoding request out of the batch, keeping its KV blocks, sampler
+        and detokenizer state, to move it (`handoff`, then `drop_paused`) or put it back
+        (`resume`). None when it is not decoding (prefilling, waiting, finished, unknown)."""
+        return self.scheduler.detach(request_id)
+
+    def resume(self, req: Request) -> None:
+        self.scheduler.add_ready(req)
+
+    def handoff(self, req: Request) -> FirstToken:
+        """A paused request as another engine continues it (`accept_first_token` there, over the
+        KV of every token but the last): its last token, the part of that token's text already
+        emitted (text held back here for a stop string stays held back there), the sampler state."""
+        tok, detok = req.output_token_ids[-1], self.detok[req.request_id]
+        pending = len(detok.text) - detok.emitted
+        there = IncrementalDetokenizer(self.tokenizer, req.all_token_ids[:-1])
+        there.add([tok])
+        g = self.sampler.generators.get(req.request_id)
+        return FirstToken(tok, there.text[:max(0, len(there.text) - pending)], None,
+                          bytes(g.get_state().numpy()) if g is not None else None)
+
+    def drop_paused(self, req: Request) -> None:
+        """A paused request is done here (moved, or aborted): its blocks and state go."""
+        self._release(req.request_id)
+        self.allocator.free(req)
+
     @staticmethod
     def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
         best = None

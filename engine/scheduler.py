@@ -107,6 +107,19 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT)
         return req
 
+    def detach(self, request_id: str) -> Request | None:
+        """Take a running request that is decoding (its KV covers every token but the last, as
+        between steps) out of the batch, its blocks still held: it moves to another engine with
+        its KV, or comes back with `add_ready`. None for any other request."""
+        req = self.requests.get(request_id)
+        if (req is None or req.status is not RequestStatus.RUNNING or not req.output_token_ids
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return None
+        self.running.remove(req)
+        del self.requests[request_id]
+        req.status = RequestStatus.WAITING
+        return req
+
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, drafts: dict[str, int] | None = None) -> SchedulerOutput:
         """`drafts`: request id -> number of draft tokens appended to that running request's

@@ -11,6 +11,8 @@ A request's states, in order:
 4. FINISHED: the last token went out with its usage.
 A decode actor that dies (or fails the request) sends the request back to PLACING on another one,
 from its prompt plus the tokens already streamed, at most `max_migrations` times; then FAILED.
+A decode actor that pauses it (draining, rebalancing) has it moved with its KV, STREAMING all the
+while: the next decode actor continues from the last streamed token, nothing is recomputed.
 The request's first token is streamed, timed and logged once, whatever happens after.
 """
 
@@ -21,10 +23,10 @@ import enum
 from dataclasses import dataclass, field
 
 from tandem.wire.errors import MigrationsExhausted
-from tandem.wire.messages import (FirstToken, OutputError, SamplingParams, StepOutput, Usage,
+from tandem.wire.messages import (FirstToken, OutputError, SamplingParams, SequencePaused, StepOutput, Usage,
                                   WorkerLostNotice)
 
-Message = StepOutput | OutputError | WorkerLostNotice
+Message = StepOutput | OutputError | WorkerLostNotice | SequencePaused
 
 
 class FlowState(enum.Enum):
@@ -39,6 +41,7 @@ class Event(enum.Enum):
     """What a message from the cluster means for the request."""
     IGNORE = "ignore"    # another decode actor died: not ours
     MIGRATE = "migrate"  # our decode actor died or failed the request
+    MOVE = "move"        # our decode actor paused it to move it elsewhere with its KV
     TOKENS = "tokens"    # new tokens to stream
 
 
@@ -89,6 +92,8 @@ class RequestFlow:
             return Event.MIGRATE if msg.worker_id == decode_id else Event.IGNORE
         if isinstance(msg, OutputError):
             return Event.MIGRATE
+        if isinstance(msg, SequencePaused):
+            return Event.MOVE
         return Event.TOKENS
 
     def migrate(self, msg: WorkerLostNotice | OutputError, decode_id: str) -> str:
@@ -105,6 +110,16 @@ class RequestFlow:
             self.lost.add(decode_id)
             return "decode_lost"
         return "request_failed"
+
+    def moved_continuation(self, paused: SequencePaused) -> tuple[list[int], SamplingParams] | None:
+        """The prompt and sampling of the request as it continues on another decode actor over its
+        KV: every token so far but the last (the handoff, which counts as that actor's first output
+        token). None when the paused sequence is not the one streamed (nothing to move)."""
+        if self.state is not FlowState.STREAMING or not self.out_ids or paused.handoff.token_id != self.out_ids[-1] \
+                or paused.num_tokens != len(self.prompt) + len(self.out_ids) - 1:
+            return None
+        left = self.sampling.max_tokens - len(self.out_ids) + 1
+        return self.prompt + self.out_ids[:-1], dataclasses.replace(self.sampling, max_tokens=left)
 
     def first_from_prefill(self, first: FirstToken, prefill_cached: int) -> StepOutput:
         """The prefill actor sampled the request's next token: stream it now. If it ends the

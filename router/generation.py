@@ -23,7 +23,8 @@ from tandem.protos.tandem.v1 import generation_pb2
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
 from tandem.router.cluster_view import ClusterView
 from tandem.router.flow import Event, FlowState, RequestFlow
-from tandem.router.placing import Attempt, CostPlacement, Placer
+from tandem.router.moving import move_with_kv
+from tandem.router.placing import PLACEMENT_ERRORS, Attempt, CostPlacement, Placer
 from tandem.router.request_ids import ActiveRequests, DuplicateRequest
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
@@ -31,8 +32,8 @@ from tandem.router.status_codes import OWN_MESSAGES, status_code
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
-from tandem.wire.errors import InvalidRequestError, NoWorkerReady
-from tandem.wire.messages import FinishReason, SamplingParams, StepOutput
+from tandem.wire.errors import InvalidRequestError, NoReservation, NoWorkerReady
+from tandem.wire.messages import FinishReason, SamplingParams, SequencePaused, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class Router:
                 event = None if msg is None else flow.classify(msg, att.decode_id)
                 if event is Event.MIGRATE:
                     att = await self._migrate(flow, att, msg, queue)
+                elif event is Event.MOVE:
+                    att = await self._move(flow, att, msg, queue)
                 if event is not Event.TOKENS:
                     continue
                 resp, last_t = self._respond(flow, att, msg, t0, last_t)
@@ -234,6 +237,23 @@ class Router:
         flow.placed(att.remote)
         return att
 
+    async def _move(self, flow: RequestFlow, att: Attempt, msg: SequencePaused, queue: asyncio.Queue) -> Attempt:
+        """Its decode actor paused it to move it: continue on another one over its KV
+        (router/moving.py), or resume it where it is when no other one can take it now."""
+        try:
+            new = await move_with_kv(self.placer, flow, att, msg, queue)
+        except (*PLACEMENT_ERRORS, NoReservation, ValueError) as e:
+            log.info("%s stays on %s: %s", flow.request_id, att.decode_id, e)
+            try:
+                await att.decode.resume.remote(request_id=att.request_id)
+            except Exception as err:  # noqa: BLE001 - a dead actor: its output pump says so
+                log.warning("could not resume %s on %s: %s", flow.request_id, att.decode_id, err)
+            return att
+        self.hub.record_migration("kv_moved")
+        self.view.inflight[att.decode_id] -= 1
+        self.placer.forget(att.request_id)     # its actor frees the blocks once they are sent
+        return new
+
     async def _place_when_ready(self, flow: RequestFlow, ids: list[int], sp: SamplingParams,
                                 queue: asyncio.Queue) -> Attempt:
         """Place a moved request; while no decode worker is ready (the one that died was the last,
@@ -245,7 +265,7 @@ class Router:
         while True:
             try:
                 return await self.placer.place(flow.cluster_id, ids, sp, None, block_hashes(ids, self.block_size),
-                                               flow.lost, queue)
+                                               flow.lost, queue, recomputed=len(ids))
             except NoWorkerReady:
                 if time.monotonic() + self.view.refresh_s > give_up:
                     raise

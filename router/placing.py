@@ -76,6 +76,7 @@ class _Placement:
     chunk: int | None = None   # a local prefill's tokens per step (the cost model's pick)
     hold: Hold | None = None   # the prompt counted on the prefill actor picked first
     early: Any = None          # that actor's reservation, made alongside the decode actor's
+    recomputed: int = 0        # prompt tokens computed before, elsewhere (a request moved by recompute)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,12 @@ class Placer:
 
     def _listen(self, attempt_id: str, queue: asyncio.Queue) -> None:
         self.view.queues[attempt_id] = queue
+
+    def new_attempt(self, rid: str, queue: asyncio.Queue) -> str:
+        """A new attempt id for request `rid`, whose outputs go to `queue` from now on."""
+        aid = self._attempt_id(rid)
+        self._listen(aid, queue)
+        return aid
 
     def forget(self, attempt_id: str) -> None:
         """What actors still send under this attempt's id is dropped from now on."""
@@ -198,18 +205,19 @@ class Placer:
 
     # ---- placing ------------------------------------------------------------------------------
     async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,
-                    hashes: list[bytes], exclude: set[str], queue: asyncio.Queue) -> Attempt:
+                    hashes: list[bytes], exclude: set[str], queue: asyncio.Queue, recomputed: int = 0) -> Attempt:
         """Reserve on a decode actor (the session's, else the best prefix hit, else the least
         loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill.
         The prefill actor is picked first and reserved on while the decode actor reserves (the two
         answers are independent); it is named in the decode actor's reserve, which then registers
         the KV receive from it. Both save a sequential call per remote prefill. The decode actor's
-        outputs for the new attempt go to `queue`."""
+        outputs for the new attempt go to `queue`. `recomputed`: how many of the prompt's tokens were
+        computed before, elsewhere (a request moved by recompute: the workers count them)."""
         aid = self._attempt_id(rid)
         self._listen(aid, queue)
         try:
-            return await self._place(_Placement(aid, ids, sp, sess, hashes), exclude)
+            return await self._place(_Placement(aid, ids, sp, sess, hashes, recomputed=recomputed), exclude)
         except BaseException:
             self.forget(aid)
             raise
@@ -248,7 +256,7 @@ class Placer:
             # count it at once, so concurrent arrivals see this load before the worker reports it
             self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1
             ask = DecodeReserve(p.rid, self.view.router_id, p.ids, p.sp, p.transfer_id, p.prefill_hint,
-                                prefill_chunk_tokens=p.chunk)
+                                prefill_chunk_tokens=p.chunk, recomputed_tokens=p.recomputed)
             try:
                 plan = await self.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(p.rid))
             except (WorkerUnavailable, ray.exceptions.RayActorError):

@@ -65,5 +65,14 @@ class WorkerActor(PoolActorBase):
     def send_prefix(self, *, spec) -> None:
         return self.worker.decode.send_prefix(spec)
 
+    def move_out(self, *, count: int | None = None) -> int:
+        return self.worker.decode.move_out(count)
+
+    def send_kv(self, *, request_id: str, spec, first_block: int = 0) -> None:
+        return self.worker.decode.send_kv(request_id, spec, first_block)
+
+    def resume(self, *, request_id: str) -> bool:
+        return self.worker.decode.resume(request_id)
+
     def get_outputs(self, *, router_id: str, timeout_s: float = 1.0) -> list[Output]:
         return self.worker.decode.get_outputs(router_id, timeout_s)

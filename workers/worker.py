@@ -80,7 +80,14 @@ class PoolWorker:
 
     @draining.setter
     def draining(self, value: bool) -> None:
+        self.drain(value)
+
+    def drain(self, value: bool = True, move: bool = True) -> None:
+        """Stop (or resume) taking new work. `move`: a draining worker's running sequences move to
+        other decode workers with their KV as their routers find room for them (the rest finish
+        here); else they all finish here."""
         self._draining = value
+        self.decode.moves.draining = value and move
         self._apply()
 
     def _apply(self) -> None:
@@ -141,7 +148,8 @@ class PoolWorker:
             self.engine.abort(rid)         # nobody's: nothing waits for it
 
     def _sent_released(self, tid: str) -> None:
-        self.prefill.sent_released(tid)    # (the decode part's prefix sends need no release)
+        self.prefill.sent_released(tid)    # each part ignores the ids it does not hold
+        self.decode.sent_released(tid)     # (its sequences moved out; its prefix sends need none)
 
     def _received_released(self, tid: str) -> None:
         self.prefill.pull_released(tid)

@@ -57,6 +57,7 @@ METRIC_NAMES = (
     "tandem:kv_transfer_bytes", "tandem:spec_decode_draft_tokens",
     "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
     "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
+    "tandem:sequences_migrated", "tandem:kv_tokens_migrated", "tandem:tokens_recomputed",
 )
 
 
@@ -83,6 +84,9 @@ class WorkerMetricsSnapshot:
     kv_transfer_seconds_buckets: tuple[int, ...] = ()
     draft_tokens: int = 0  # counter
     accepted_tokens: int = 0  # counter
+    sequences_migrated: int = 0  # counter: sent to another decode worker with their KV
+    kv_tokens_migrated: int = 0  # counter
+    tokens_recomputed: int = 0  # counter: positions of moved requests computed again
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerMetricsSnapshot":
@@ -101,7 +105,9 @@ class WorkerMetricsSnapshot:
             prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits, kv_transfer_bytes=s.kv_transfer_bytes,
             kv_transfer_count=s.kv_transfer_count, kv_transfer_seconds_sum=s.kv_transfer_seconds,
             kv_transfer_seconds_buckets=tuple(s.kv_transfer_seconds_buckets),
-            draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens)
+            draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens,
+            sequences_migrated=s.sequences_migrated, kv_tokens_migrated=s.kv_tokens_migrated,
+            tokens_recomputed=s.tokens_recomputed)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -109,7 +115,11 @@ class WorkerMetricsSnapshot:
 
 
 _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
-                   "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens")
+                   "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens", "sequences_migrated",
+                   "kv_tokens_migrated", "tokens_recomputed")
+_MOVE_COUNTERS = {"sequences_migrated": "Running sequences a worker sent to another decode worker with their KV.",
+                  "kv_tokens_migrated": "KV positions sent with those sequences.",
+                  "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again."}
 
 
 class TransferTimes:
@@ -266,6 +276,7 @@ class MetricsHub:
         self.workers_by_role = Gauge("tandem:pool_workers_by_role",
                                      "Live workers of a pool by what they serve now (prefill, decode, mixed).",
                                      ["pool", "role"], registry=r)
+        self.moves = {k: Counter(f"tandem:{k}", doc, ["pool", "worker"], registry=r) for k, doc in _MOVE_COUNTERS.items()}
         self.migrations = Counter("tandem:request_migrations",
                                   "Requests moved to another worker mid-flight, by reason.",
                                   ["reason"], registry=r)
@@ -358,6 +369,9 @@ class MetricsHub:
         self.kv_transfer_bytes.inc(d["kv_transfer_bytes"])
         self.draft_tokens.inc(d["draft_tokens"])
         self.accepted_tokens.inc(d["accepted_tokens"])
+        for k, counter in self.moves.items():
+            if d[k]:
+                counter.labels(pool=s.pool, worker=s.worker_id).inc(d[k])
         if d["kv_transfer_count"] or d["kv_transfer_seconds_sum"]:
             buckets = s.kv_transfer_seconds_buckets
             delta_buckets = [a - b for a, b in zip(buckets, old_buckets)] if len(

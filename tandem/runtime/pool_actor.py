@@ -51,10 +51,12 @@ class PoolActorBase:
         return dataclasses.replace(self.worker.stats(), process=ProcessStats(**gc_stats()))
 
     @ray.method(concurrency_group="health")
-    def set_draining(self, draining: bool = True):
-        """Stop (or resume) taking new requests; the answer is the latest stats with the new state
-        (the snapshot itself is taken by the engine loop between steps, so it may predate this)."""
-        self.worker.draining = draining
+    def set_draining(self, draining: bool = True, move: bool = True):
+        """Stop (or resume) taking new requests; `move`: hand running sequences to other decode
+        workers with their KV (a worker with no decode part ignores it). The answer is the latest
+        stats with the new state (the snapshot itself is taken by the engine loop between steps,
+        so it may predate this)."""
+        self.worker.drain(draining, move=move)
         return dataclasses.replace(self.worker.stats(), draining=draining)
 
     def shutdown(self):

@@ -147,6 +147,14 @@ class DecodeReserve:
     replaces: str | None = None
     # prompt tokens per step when it prefills locally (the cost model's pick; None: the step budget)
     prefill_chunk_tokens: int | None = None
+    # a running sequence moved here with its KV (KV-preserving migration): the KV of the whole
+    # prompt (the sequence's tokens but the last) comes from `prefill_id`, the decode actor that
+    # ran it, and decoding continues from this token (streamed already); the reservation is
+    # remote or refused (WorkerUnavailable), never a local prefill
+    handoff: FirstToken | None = None
+    # tokens of the prompt that were computed before, elsewhere (a request moved by recompute):
+    # counted as `tokens_recomputed` where it is prefilled again
+    recomputed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,18 @@ class OutputError:
 
 
 @dataclass(frozen=True)
+class SequencePaused:
+    """A decode actor stopped decoding a running sequence to move it with its KV (it drains, or is
+    asked to rebalance): it holds the sequence's blocks until the router has it sent elsewhere
+    (`send_kv`) or resumed here (`resume`). `handoff`: the last output token (streamed already),
+    as the next decode actor continues from it; the KV covers `num_tokens` positions (the
+    sequence's tokens but that last one). Comes after every output of the sequence so far."""
+    request_id: str
+    handoff: FirstToken
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class WorkerLostNotice:
     """Put in every request's queue by the router's output pump when a decode actor stops
     answering: the requests on `worker_id` move elsewhere."""
@@ -201,4 +221,4 @@ class WorkerLostNotice:
     error: str
 
 
-Output = Union[StepOutput, OutputError]
+Output = Union[StepOutput, OutputError, SequencePaused]

@@ -87,6 +87,12 @@ class WorkerStats:
     step_failures: int = 0
     reservations_expired: int = 0      # prefill: reservations never started in time
     router_timeouts: int = 0           # decode: requests aborted because their router went silent
+    # ---- moving running sequences (decode) ----------------------------------------------------
+    sequences_migrated: int = 0        # sent to another decode worker with their KV
+    kv_tokens_migrated: int = 0        # ... the KV positions sent for them
+    sequences_migrated_in: int = 0     # taken from another decode worker with their KV
+    migrations_resumed: int = 0        # paused to move, then resumed here (nowhere could take them)
+    tokens_recomputed: int = 0         # prompt positions of moved-by-recompute requests computed again
     # ---- start-up and compilation -----------------------------------------------------------
     warmup_s: float = 0.0
     slow_steps: int = 0
