@@ -15,7 +15,8 @@ import ray
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.controller import Controller
 from tandem.cluster.reaper import start_reaper
-from tandem.engine.weights import resolve_model_dir
+from tandem.engine.parallel.sharding import check_shardable
+from tandem.engine.weights import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
 
 def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:
     resolve_model_dir(config.engine.model)  # convert a GGUF once, here, before actors race to it
+    check_shardable(load_tokenizer(config.engine.model)[1], config.engine.tensor_parallel_size, config.engine.model)
     namespace = namespace or f"tandem-{uuid.uuid4().hex[:6]}"
     started = init_ray(config, namespace)
     controller = Controller.options(name=f"{namespace}:controller", namespace=namespace).remote(config, namespace)

@@ -15,6 +15,7 @@ is itself capturing a graph.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,7 @@ class BatchInputs:
     logits_owner: list[tuple[str, int]]  # (request id, number of rows) in order
     graph_key: GraphKey | None = None  # the captured shape this step pads to (None: eager)
     host: torch.Tensor | None = field(default=None, repr=False)  # packed inputs (graph steps)
+    source: _HostBatch | None = field(default=None, repr=False)  # what prepare_host built it from
 
 
 @dataclass
@@ -73,6 +75,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
+        # rank 0 of a tensor-parallel worker: sends each step's inputs to the other ranks, which
+        # run the same forward on their shards (engine.parallel.shard)
+        self.before_execute: Callable[[BatchInputs], None] | None = None
         cuda = self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
@@ -129,7 +134,16 @@ class ModelRunner:
         return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners)
 
     def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> BatchInputs:
-        h = self._host_batch(out, drafts or {})
+        return self.prepare_host(self._host_batch(out, drafts or {}))
+
+    def prepare_host(self, h: _HostBatch) -> BatchInputs:
+        """The step's device inputs from its host arrays (a tensor-parallel shard rank gets these
+        from rank 0 and prepares its own)."""
+        batch = self._device_batch(h)
+        batch.source = h
+        return batch
+
+    def _device_batch(self, h: _HostBatch) -> BatchInputs:
         dev = self.device
         if dev.type != "cuda" and self.graphs is None:
             # the CPU path: the dtypes the torch reference takes
@@ -234,6 +248,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, layer_done=None) -> torch.Tensor:
         """-> logits [N, vocab] (float32) for `batch.logits_index` rows (N may be 0)."""
+        if self.before_execute is not None:
+            self.before_execute(batch)
         if batch.graph_key is not None:
             if self._static_batch is not batch:  # another step was prepared since: put this one back
                 self._upload(batch)
