@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.quant.scheme import FP8Scheme, QuantConfigError, fp8_scheme
 from tandem.wire.errors import ConfigError
 
 
@@ -82,13 +83,18 @@ def _check_features(cfg: dict[str, Any], arch: Architecture, source: str) -> Non
     other = sorted(set(cfg.get("layer_types") or []) - {"sliding_attention" if windowed else "full_attention"})
     if other:
         raise _refuse(source, arch, f"layer_types {other}")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModelError(f"{source}: quantization_config (quant_method {method!r}) is not supported; "
-                                    "serve an unquantized checkpoint")
     for key in ("partial_rotary_factor",):
         if cfg.get(key, 1.0) != 1.0:
             raise _refuse(source, arch, f"{key}={cfg[key]!r}")
+
+
+def _quantization(cfg: dict[str, Any], source: str) -> FP8Scheme | None:
+    if not cfg.get("quantization_config"):
+        return None
+    try:
+        return fp8_scheme(cfg["quantization_config"])
+    except QuantConfigError as e:
+        raise UnsupportedModelError(f"{source}: {e}") from None
 
 
 def _rope(cfg: dict[str, Any], arch: Architecture, source: str) -> tuple[float, dict[str, Any] | None]:
@@ -121,6 +127,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     arch = architecture_of(cfg, source)
     _check_features(cfg, arch, source)
     theta, scaling = _rope(cfg, arch, source)
+    quant = _quantization(cfg, source)
     missing = [k for k in _REQUIRED_KEYS if k not in cfg]
     if missing:
         raise UnsupportedModelError(f"{source}: lacks {missing}")
@@ -136,7 +143,8 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids(cfg.get("eos_token_id")), architecture=arch.name,
-            qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, sliding_window=window)
+            qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, sliding_window=window,
+            quant_method=None if quant is None else "fp8", weight_block_size=None if quant is None else quant.block_size)
     except (ConfigError, TypeError) as e:  # shapes that do not fit together, or a value of the wrong type
         raise UnsupportedModelError(f"{source}: {e}") from None
 

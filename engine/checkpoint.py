@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tandem.engine.architectures import UnsupportedModelError, eos_ids, check_tensors, config_from_hf
+from tandem.engine.architectures import (UnsupportedModelError, check_tensors, config_from_hf, eos_ids,
+                                         expected_tensors)
 from tandem.engine.config import ModelConfig
+from tandem.engine.quant.checkpoint import ScaleError, split_scales
 
 
 def _read_json(path: Path) -> dict:
@@ -71,7 +73,13 @@ def tensor_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 def check_model_dir(path: Path) -> ModelConfig:
     """The directory's ModelConfig, once its config and tensor set are known to serve correctly."""
     cfg = read_model_config(path)
-    check_tensors(cfg, tensor_index(path))
+    found = tensor_index(path)
+    if cfg.quant_method is not None:  # an FP8 checkpoint: its scale tensors, then the weights
+        try:
+            found = split_scales(cfg, found, expected_tensors(cfg))
+        except ScaleError as e:
+            raise UnsupportedModelError(str(e)) from None
+    check_tensors(cfg, found)
     return cfg
 
 

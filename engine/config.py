@@ -36,6 +36,11 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head, before rotary
     sliding_window: int | None = None  # Mistral: a token attends to itself and the window - 1 before it
+    # an FP8 checkpoint (engine.quant.scheme): its projections ship as e4m3 with scales, per tensor
+    # or channel (`weight_scale`), or per [128, 128] block (`weight_block_size`, `weight_scale_inv`)
+    quant_method: str | None = None
+    weight_block_size: tuple[int, int] | None = None
+
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -65,6 +70,10 @@ class ModelConfig:
         }
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
+        if self.quant_method is not None:
+            d["quantization_config"] = {"quant_method": self.quant_method, "activation_scheme": "dynamic"}
+            if self.weight_block_size is not None:
+                d["quantization_config"]["weight_block_size"] = list(self.weight_block_size)
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
@@ -78,8 +87,20 @@ class ModelConfig:
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-# Real shapes with seeded random weights, and a tiny config for tests.
+# Real shapes with seeded random weights, and a tiny config for tests. The big ones are for GPU
+# benchmarks: qwen2.5-32b-random (Qwen2: q/k/v biases; bf16 ~65 GB), llama3-70b-random (bf16
+# ~141 GB: FP8 on one H200, --quantization fp8, ~72 GB). engine.build makes them layer by layer.
 PRESETS: dict[str, ModelConfig] = {
+    "llama3-70b-random": ModelConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "qwen2.5-32b-random": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
+        num_kv_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        architecture="Qwen2ForCausalLM", qkv_bias=True),
     "llama3-8b-random": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -127,6 +148,7 @@ class SchedulerConfig:
             raise ConfigError("scheduler: max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+QUANTIZATIONS = (None, "none", "fp8")
 SPECULATIVE_METHODS = ("off", "ngram", "draft", "suffix")
 
 
@@ -208,8 +230,9 @@ class EngineConfig:
     # actors run LLMEngine.warmup() before serving (kernels compiled, decode graphs captured);
     # None: on CUDA only
     warmup: bool | None = None
-    # vLLM's names. tensor_parallel_size: ranks per worker, one process each (engine.parallel);
-    # quantization refused until built (issue 24)
+    # vLLM's names; tensor parallelism refused until built (issue 24). quantization "fp8": the
+    # projections quantized to FP8 e4m3 per output channel at load (engine.quant); None/"none":
+    # weights as the checkpoint ships them (FP8 checkpoints load as FP8)
     tensor_parallel_size: int = 1
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -221,11 +244,9 @@ class EngineConfig:
             raise ConfigError(f"engine: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.warmup not in (None, True, False):
             raise ConfigError(f"engine: warmup must be true, false or null (CUDA only), got {self.warmup!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ConfigError(f"engine: tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.speculative.method == "draft":
-            raise ConfigError("engine: speculative method 'draft' is not implemented with tensor_parallel_size > 1 "
-                              "(ngram and suffix are)")
-        if self.quantization not in (None, "none"):
-            raise ConfigError(f"engine: quantization {self.quantization!r} is not implemented yet "
-                              "(only none: weights in --dtype)")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"engine: tensor_parallel_size {self.tensor_parallel_size} is not implemented "
+                              "yet (only 1: one device per worker)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"engine: quantization {self.quantization!r} is not implemented "
+                              "(none: weights in --dtype; fp8: FP8 e4m3 weights, per-channel scales)")

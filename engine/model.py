@@ -2,6 +2,9 @@
 paged cache. The family's switches come from ModelConfig (engine.architectures sets them): q/k/v
 biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), a sliding attention window (Mistral).
 
+Every projection is an engine.linear.Linear (the model dtype, or FP8 weights with scales); the
+embeddings and the LM head stay in the model dtype.
+
 Single-device and batch-flattened: `forward(input_ids [T], positions [T], kv_cache, meta)` runs
 every scheduled token of every sequence in one pass; attention reads through the block table
 (engine.attention). Weights use Hugging Face names, with q/k/v and gate/up fused at load time.
@@ -26,12 +29,7 @@ import torch.nn.functional as F
 from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kernels import triton_available
-
-
-def no_reduce(x: torch.Tensor) -> torch.Tensor:
-    """A row-parallel output's sum over tensor-parallel ranks, on one rank (engine.parallel sets
-    the all-reduce in its place)."""
-    return x
+from tandem.engine.linear import Linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -99,13 +97,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         # Qwen3: each head's q and k normalised over head_dim (one weight shared by all heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sliding_window = cfg.sliding_window
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.reduce_output = no_reduce  # o_proj is row-parallel under tensor parallelism
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta, ops) -> torch.Tensor:
@@ -120,7 +117,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.reduce_output(self.o_proj(o.reshape(T, self.q_size)))
+        return self.o_proj(o.reshape(T, self.q_size))
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
         T = x.shape[0]
@@ -135,20 +132,19 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.reduce_output(self.o_proj(o.view(T, self.q_size)))
+        return self.o_proj(o.view(T, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.reduce_output = no_reduce  # down_proj is row-parallel under tensor parallelism
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.reduce_output(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -171,7 +167,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
         mlp = self.mlp
-        return mlp.reduce_output(mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h)))), residual
+        return mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h))), residual
 
 
 class TorchOps:

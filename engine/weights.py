@@ -19,10 +19,12 @@ import torch
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from tandem.engine.checkpoint import check_model_dir, load_tensors
-from tandem.engine.config import PRESETS, ModelConfig
+from tandem.engine.build import CheckpointReader, build_model, checkpoint_fill, model_parts, random_fill
+from tandem.engine.checkpoint import check_model_dir
+from tandem.engine.config import PRESETS, QUANTIZATIONS, ModelConfig
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_json_from_gguf
+from tandem.wire.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -157,40 +159,33 @@ def _convert_gguf(path: Path, out: Path) -> Path:
 
 # ---- loading ------------------------------------------------------------------------------------
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """Seeded random weights with trained-like scales (so activations and logits stay finite)."""
-    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
-            else:
-                std = 0.02 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5
-                p.copy_(std * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+    """Seeded random weights with trained-like scales into a whole model already on its device:
+    the values load_model gives a `*-random` preset (engine.build.random_fill)."""
+    fill = random_fill(seed, model.embed_tokens.weight.device)
+    for prefix, part in model_parts(model):
+        fill(model, prefix, part)
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int = 0):
-    """-> (model in eval mode on `device`, tokenizer, ModelConfig). A directory is checked against
-    the model registry first (engine.checkpoint): UnsupportedModelError names what does not serve."""
-    torch_dtype = DTYPES[dtype]
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", seed: int = 0,
+               quantization: str | None = None):
+    """-> (model in eval mode on `device`, tokenizer, ModelConfig), built part by part
+    (engine.build). A directory is checked against the model registry first (engine.checkpoint):
+    UnsupportedModelError names what does not serve. `quantization="fp8"`: the projections are
+    quantized to FP8 per output channel as each layer is loaded; an FP8 checkpoint loads as FP8
+    with its own scales whatever `quantization` says."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not implemented (none or fp8)")
+    torch_dtype, fp8 = DTYPES[dtype], quantization == "fp8"
     path = resolve_model_dir(name)
     if path is None:
         cfg = PRESETS[name]
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg).to(torch_dtype)
-        init_random(model, seed)
+        model = build_model(cfg, device, torch_dtype, random_fill(seed, device), fp8=fp8)
         tokenizer = ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids)
     else:
         cfg = check_model_dir(path)
-        tensors = load_tensors(path, device, torch_dtype)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
-        model = model.to_empty(device=device).to(torch_dtype)
-        model.rotary = type(model.rotary)(cfg, cfg.max_position_embeddings).to(device)
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.load_hf_state_dict(tensors)
+        model = build_model(cfg, device, torch_dtype, checkpoint_fill(CheckpointReader(path)), fp8=fp8)
         tokenizer = HFTokenizer.from_dir(path, cfg.eos_token_ids)
-    return model.eval(), tokenizer, cfg
+    return model, tokenizer, cfg
 
 
 def hf_state_dict(model: LlamaForCausalLM, on_host: bool = True) -> dict[str, torch.Tensor]:

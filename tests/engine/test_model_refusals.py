@@ -70,8 +70,8 @@ CASES = {
                           ("model.safetensors", "'lm_head.weight' that Qwen2ForCausalLM needs is missing")),
     "shape": ("qwen3", lambda p: _edit_config(p, head_dim=16),
               ("model.safetensors", "'model.layers.0.self_attn.q_proj.weight' has shape [128, 64]")),
-    "quantized": ("llama", lambda p: _edit_config(p, quantization_config={"quant_method": "fp8"}),
-                  ("config.json", "quantization_config (quant_method 'fp8') is not supported")),
+    "quantized": ("llama", lambda p: _edit_config(p, quantization_config={"quant_method": "gptq"}),
+                  ("config.json", "quantization_config quant_method 'gptq' is not supported")),
     "activation": ("qwen3", lambda p: _edit_config(p, hidden_act="gelu"),
                    ("config.json", "hidden_act='gelu' (only silu) is not implemented")),
     "heads": ("qwen3", lambda p: _edit_config(p, num_key_value_heads=3),
@@ -121,8 +121,8 @@ def test_generate_and_up_print_one_line_and_exit_2(pristine, tmp_path):
 @pytest.mark.parametrize("command", ["generate", "up"])
 def test_tensor_parallel_and_quantization_are_refused_until_built(command):
     extra = ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
-    for flag, value, needle in (("--tensor-parallel", "4", "tensor_parallel_size 4 does not divide the 2 KV heads"),
-                                ("--quantization", "fp8", "quantization 'fp8' is not implemented")):
+    for flag, value, needle in (("--tensor-parallel", "2", "tensor_parallel_size 2 is not implemented"),
+                                ("--quantization", "int4", "quantization 'int4' is not implemented")):
         rc, err = _tandem(command, "--model", "tiny-random", flag, value, *extra)
         assert rc == 2 and len(err) == 1 and needle in err[0], (command, flag, rc, err[-5:])
 

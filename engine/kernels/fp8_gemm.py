@@ -1,0 +1,140 @@
+"""Weight-only FP8 GEMM: out[M, N] = x[M, K] @ dequant(w[N, K])^T (+ bias), for the small-M
+(decode) steps where `torch._scaled_mm` loses to bf16 (issue 24's table).
+
+The activations stay in their dtype (bf16/fp16/fp32); each [BLOCK_K, BLOCK_N] tile of the e4m3
+weight is read once (half the bytes of bf16), widened to the activation dtype in registers (exact:
+every e4m3 value is representable in bf16/fp16/fp32) and fed to `tl.dot`, as Marlin-style kernels
+do. Scales: `scale[N, G]` fp32. G == 1 is per-output-channel, applied once in the epilogue;
+G == ceil(K / group_k) is a block layout (DeepSeek/Qwen FP8: [128, 128] blocks, expanded along N
+to one row per output channel at load), applied to each K tile's partial sum, so BLOCK_K must
+divide group_k. Accumulation is fp32; the output is rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from tandem.engine.kernels.validate import FLOAT_DTYPES, require_runnable, require_same, require_tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn  # w is [N, K]: a tile [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:  # Triton's interpreter computes bf16 / fp16 dots wrongly: do them in fp32 there
+            x = x.to(tl.float32)
+        w = w.to(x.dtype)
+        if GROUP_K == 0:
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        else:
+            if IEEE:
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+    if GROUP_K == 0:
+        acc *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def choose_config(m: int, n: int, k: int, group_k: int) -> GemmConfig:
+    """Tile shape by M. Small M is a weight stream: narrow N tiles give every SM several programs
+    (N = 4096 / 16 = 256 programs on H200's 132 SMs) and deep pipelines keep bytes in flight."""
+    if m <= 16:
+        cfg = GemmConfig(16, 16, 256, num_warps=4, num_stages=4)
+    elif m <= 32:
+        cfg = GemmConfig(32, 32, 128, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+    else:
+        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3)
+    if group_k and group_k % cfg.block_k:
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             *, group_k: int = 0, config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M, K] (fp32/bf16/fp16, rows contiguous); weight: [N, K] float8_e4m3fn, rows contiguous;
+    scale: [N, G] float32 (G == 1: per channel, group_k 0; else G == ceil(K / group_k), one scale
+    per output channel and K group of group_k columns); bias: [N] or None. -> [M, N] in x's dtype."""
+    require_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    require_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,))
+    require_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+    require_same("weight", weight, "x", x, dtype=False)
+    require_same("scale", scale, "x", x, dtype=False)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight is {tuple(weight.shape)} but x has {k} columns")
+    groups = 1 if group_k == 0 else -(-k // group_k)
+    if group_k < 0 or (group_k and group_k % 16):
+        raise ValueError(f"group_k must be 0 (per channel) or a multiple of 16, got {group_k}")
+    if tuple(scale.shape) != (n, groups) or (groups > 1 and scale.stride(1) != 1):
+        raise ValueError(f"scale must be [{n}, {groups}] float32 with contiguous groups, got "
+                         f"{tuple(scale.shape)} strides {scale.stride()}")
+    if bias is not None:
+        require_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        require_same("bias", bias, "x", x, dtype=False)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias has {bias.shape[0]} elements for {n} output channels")
+    require_runnable(x, _fp8_gemm_kernel)
+    interpreted = not isinstance(_fp8_gemm_kernel, JITFunction)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or choose_config(m, n, k, group_k)
+    if group_k and group_k % cfg.block_k:
+        raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _fp8_gemm_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        GROUP_K=group_k, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted,
+        UPCAST=interpreted,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

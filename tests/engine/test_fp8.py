@@ -1,0 +1,161 @@
+"""FP8 weights (issue 24 item 4) on CPU: quantize / dequantize, the Triton weight-only kernel under
+Triton's interpreter against the plain-torch reference, the Linear layer, quantization at load,
+and a quantized tiny model against its fp32 self.
+
+Tolerances. e4m3 keeps 3 mantissa bits: an element quantized per channel is within 1/16 of its
+own size (round to nearest: half an ulp of 2^-3), or within 2^-10 of the row's scale * 448 near 0
+(subnormals). The kernel against the reference on the same FP8 weights: fp32 near 2e-7 relative
+(bound 1e-5); bf16 output rounding near 3e-3 (bound 1e-2); an indexing or scale mistake is O(1)."""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (see test_kernels.py)")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.kernels import triton_available  # noqa: E402
+from tandem.engine.linear import Linear  # noqa: E402
+from tandem.engine.quant.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8,  # noqa: E402
+                                     torch_linear)
+from tandem.engine.weights import load_model  # noqa: E402
+from tandem.wire.errors import ConfigError  # noqa: E402
+
+if not triton_available():
+    pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
+
+from tandem.engine.kernels.fp8_gemm import GemmConfig, fp8_gemm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = GemmConfig(16, 16, 32, num_warps=4, num_stages=2)  # tiny tiles: the interpreter is slow
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def test_quantize_per_channel_error_bound_and_scale():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 80, generator=gen) * torch.logspace(-3, 1, 32)[:, None]  # rows of any size
+    q, scale = quantize_fp8(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (32, 1) and scale.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(1), torch.full((32,), FP8_MAX))  # each row's max maps to 448
+    back = dequantize_fp8(q, scale)
+    bound = w.abs() / 16 + scale * 2.0 ** -10 + 1e-12
+    assert ((back - w).abs() <= bound).all()
+    assert torch.allclose(torch_linear(torch.eye(80), q, scale, None), back.t())
+
+
+def test_dequantize_block_scales():
+    q = torch.randn(5, 40).to(FP8_DTYPE)
+    scale = torch.tensor([[1.0, 2.0, 4.0]]).repeat(5, 1)  # groups of 16 columns: 16, 16, 8
+    ref = q.float() * torch.cat([torch.full((16,), 1.0), torch.full((16,), 2.0), torch.full((8,), 4.0)])
+    assert torch.equal(dequantize_fp8(q, scale, group_k=16), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group_k,bias", [(1, 48, 160, 0, False), (5, 40, 96, 0, True),
+                                                (3, 48, 160, 128, True), (20, 33, 64, 32, False)])
+def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    q, scale = quantize_fp8(torch.randn(n, k, generator=gen))
+    if group_k:
+        scale = torch.rand(n, -(-k // group_k), generator=gen) + 0.5
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    out = fp8_gemm(x, q, scale, b, group_k=group_k, config=SMALL)
+    ref = torch_linear(x.double(), q, scale.double(), None if b is None else b.double(), group_k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_fp8_gemm_refuses_bad_input_by_name():
+    x = torch.randn(2, 32)
+    q, scale = quantize_fp8(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="weight must have dtype in"):
+        fp8_gemm(x, q.float(), scale)
+    with pytest.raises(ValueError, match="weight is"):
+        fp8_gemm(torch.randn(2, 48), q, scale)
+    with pytest.raises(ValueError, match=r"scale must be \[16, 1\]"):
+        fp8_gemm(x, q, scale[:8])
+    with pytest.raises(ValueError, match="bias has 8 elements"):
+        fp8_gemm(x, q, scale, torch.randn(8))
+    with pytest.raises(ValueError, match="block_k 64 must divide group_k 32"):
+        fp8_gemm(x, q, torch.ones(16, 1), group_k=32, config=GemmConfig(16, 16, 64))
+
+
+def test_linear_is_nn_linear_until_quantized():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(24, 40, bias=True).bfloat16()
+    lin = Linear(24, 40, bias=True, dtype=torch.bfloat16)
+    lin.load_state_dict(ref.state_dict())
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    x = torch.randn(3, 24).bfloat16()
+    assert torch.equal(lin(x), ref(x)) and not lin.is_fp8
+    lin.to_fp8()
+    assert lin.is_fp8 and lin.weight_scale.shape == (40, 1) and lin.bias.dtype == torch.bfloat16
+    want = torch_linear(x, lin.weight, lin.weight_scale, lin.bias)
+    assert torch.equal(lin(x), want)
+    assert rel_err(lin(x).float(), ref(x).float()) < 0.05  # FP8 weights, bf16 activations
+
+
+def test_quantization_option_is_checked():
+    assert EngineConfig(quantization="fp8").quantization == "fp8"
+    with pytest.raises(ConfigError, match="quantization 'int4' is not implemented"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ConfigError, match="quantization 'awq' is not implemented"):
+        load_model("tiny-random", quantization="awq")
+
+
+@torch.inference_mode()
+def test_quantized_at_load_keeps_head_and_embeddings(make_engine):
+    ref, tok, _ = load_model("tiny-random", seed=1234)
+    model, _, _ = load_model("tiny-random", seed=1234, quantization="fp8")
+    assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
+    for layer, layer_ref in zip(model.layers, ref.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            lin, lin_ref = layer.get_submodule(name), layer_ref.get_submodule(name)
+            assert lin.is_fp8
+            q, scale = quantize_fp8(lin_ref.weight)  # what quantization at load must have produced
+            assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(lin.weight_scale, scale)
+
+
+@torch.inference_mode()
+def test_quantized_tiny_model_greedy_agrees_with_fp32(make_engine):
+    """Agreement stated, over 32 random prompts x 8 greedy tokens against the fp32 model: at least
+    75% of the first tokens and 40% of all tokens match, and the last-position logits of one
+    prompt are within 20% relative. Observed: 29/32 first tokens, 59% of tokens, logits 11%
+    (e4m3 per channel: 2.6% relative error per projection, compounded over the 8 projections).
+    tiny-random's logits are nearly flat (LM head std 0.02), so that error flips greedy picks
+    often (bf16 against fp32 here: 100% of first tokens, 92% of tokens); a broken scale or a
+    transposed weight gives ~1/512 agreement and O(1) logit errors."""
+    ref, tok, cfg = load_model("tiny-random", seed=1234)
+    fp8, _, _ = load_model("tiny-random", seed=1234, quantization="fp8")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (24,), generator=gen).tolist() for _ in range(32)]
+    reqs = [{"prompt_token_ids": p, "max_tokens": 8, "ignore_eos": True} for p in prompts]
+    a = [r["token_ids"] for r in make_engine(ref, tok).generate(reqs)]
+    b = [r["token_ids"] for r in make_engine(fp8, tok).generate(reqs)]
+    first = sum(x[0] == y[0] for x, y in zip(a, b)) / len(a)
+    tokens = sum(s == t for x, y in zip(a, b) for s, t in zip(x, y)) / sum(map(len, a))
+    assert first >= 0.75 and tokens >= 0.4, (first, tokens)
+    la, lb = (_last_logits(make_engine(m, tok), m, prompts[0]) for m in (ref, fp8))
+    assert rel_err(lb, la) < 0.2, rel_err(lb, la)
+
+
+def _last_logits(e, model, ids):
+    e.add_request("x", prompt_token_ids=ids)
+    batch = e.runner.prepare(e.scheduler.schedule())
+    hidden = model(batch.input_ids, batch.positions, e.kv_cache.tensor, batch.meta)
+    e.abort("x")
+    return model.compute_logits(hidden)[-1]
