@@ -41,7 +41,7 @@ def _read_prompt_file(path: str) -> list[dict]:
 
 
 def cmd_generate(args) -> int:
-    from tandem.engine.engine import LLMEngine  # noqa: PLC0415 - torch loads only for offline generation
+    from tandem.engine.parallel.local import start_local_engine  # noqa: PLC0415 - torch loads only for offline generation
 
     if args.prompt_file:
         reqs = _read_prompt_file(args.prompt_file)
@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
     cache = CacheConfig(num_blocks=args.num_blocks) if args.num_blocks else CacheConfig()
     spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
                              draft_model=args.draft_model, draft_num_layers=args.draft_layers)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
+    engine = start_local_engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
                                     speculative=spec, tensor_parallel_size=args.tensor_parallel,
                                     quantization=args.quantization))
     # validate everything before running anything
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per request, in input order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="ranks per model (only 1 so far)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="ranks per model, one local process each (gloo on CPU, NCCL on CUDA)")
     g.add_argument("--quantization", help="weight quantization: none (the default) or fp8 (FP8 e4m3 weights, per-channel scales, quantized at load)")
     g.add_argument("--num-blocks", type=int, help="KV cache size in blocks (default: from memory)")
     g.add_argument("--speculative", default="off", choices=SPECULATIVE_METHODS,

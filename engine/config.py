@@ -230,9 +230,9 @@ class EngineConfig:
     # actors run LLMEngine.warmup() before serving (kernels compiled, decode graphs captured);
     # None: on CUDA only
     warmup: bool | None = None
-    # vLLM's names; tensor parallelism refused until built (issue 24). quantization "fp8": the
-    # projections quantized to FP8 e4m3 per output channel at load (engine.quant); None/"none":
-    # weights as the checkpoint ships them (FP8 checkpoints load as FP8)
+    # vLLM's names. tensor_parallel_size: ranks per worker, one process each (engine.parallel);
+    # quantization "fp8": the projections quantized to FP8 e4m3 per output channel at load
+    # (engine.quant); None/"none": weights as the checkpoint ships them (FP8 checkpoints load as FP8)
     tensor_parallel_size: int = 1
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -244,9 +244,11 @@ class EngineConfig:
             raise ConfigError(f"engine: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.warmup not in (None, True, False):
             raise ConfigError(f"engine: warmup must be true, false or null (CUDA only), got {self.warmup!r}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"engine: tensor_parallel_size {self.tensor_parallel_size} is not implemented "
-                              "yet (only 1: one device per worker)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"engine: tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.speculative.method == "draft":
+            raise ConfigError("engine: speculative method 'draft' is not implemented with tensor_parallel_size > 1 "
+                              "(ngram and suffix are)")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"engine: quantization {self.quantization!r} is not implemented "
                               "(none: weights in --dtype; fp8: FP8 e4m3 weights, per-channel scales)")

@@ -21,12 +21,13 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache import KVCache, num_blocks_for
 from tandem.engine.logprobs import step_logprobs
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel.loading import load_engine_model
+from tandem.engine.parallel.shard import start_shards
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative.speculator import build_speculator
 from tandem.engine.tokenizer import IncrementalDetokenizer
-from tandem.engine.weights import load_model
 from tandem.wire.errors import InvalidRequestError
 from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, TokenLogprob, Usage
 
@@ -50,8 +51,8 @@ class LLMEngine:
         """`draft_model` (a model of the same vocabulary) or `proposer` (any `Proposer`) override
         what `config.speculative` would build; a `proposer` turns speculation on by itself."""
         self.config = config
-        if model is None:
-            model, tokenizer, _ = load_model(config.model, config.dtype, config.device, config.seed)
+        if model is None:  # tensor parallel: rank 0's shard (the caller started the other ranks)
+            model, tokenizer, _ = load_engine_model(config)
         self.model, self.tokenizer = model, tokenizer
         self.model_config = model.config
         # the cache follows the model's own dtype and device (a caller may hand in a model)
@@ -64,7 +65,8 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, bs, config.cache.enable_prefix_caching)
         self.max_model_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache, device)
+        self.runner = ModelRunner(model, self.kv_cache, device, cuda_graphs=None if config.tensor_parallel_size == 1 else False)
+        self.shards = start_shards(config, self.runner, num_blocks)  # tensor parallel: steps go to ranks 1..N-1
         self.sampler = Sampler()
         self.speculator = None
         if config.speculative.enabled or proposer is not None:

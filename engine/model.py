@@ -32,6 +32,12 @@ from tandem.engine.kernels import triton_available
 from tandem.engine.linear import Linear
 
 
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel output's sum over tensor-parallel ranks, on one rank (engine.parallel sets
+    the all-reduce in its place)."""
+    return x
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with Llama-3 style frequency-dependent scaling."""
     d = cfg.head_dim
@@ -103,6 +109,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sliding_window = cfg.sliding_window
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.reduce_output = no_reduce  # o_proj is row-parallel under tensor parallelism
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta, ops) -> torch.Tensor:
@@ -117,7 +124,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.reduce_output(self.o_proj(o.reshape(T, self.q_size)))
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
         T = x.shape[0]
@@ -132,7 +139,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(o.view(T, self.q_size))
+        return self.reduce_output(self.o_proj(o.view(T, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -141,10 +148,11 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.reduce_output = no_reduce  # down_proj is row-parallel under tensor parallelism
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.reduce_output(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +175,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
         mlp = self.mlp
-        return mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h))), residual
+        return mlp.reduce_output(mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h)))), residual
 
 
 class TorchOps:

@@ -121,7 +121,7 @@ def test_generate_and_up_print_one_line_and_exit_2(pristine, tmp_path):
 @pytest.mark.parametrize("command", ["generate", "up"])
 def test_tensor_parallel_and_quantization_are_refused_until_built(command):
     extra = ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
-    for flag, value, needle in (("--tensor-parallel", "2", "tensor_parallel_size 2 is not implemented"),
+    for flag, value, needle in (("--tensor-parallel", "4", "tensor_parallel_size 4 does not divide the 2 KV heads"),
                                 ("--quantization", "int4", "quantization 'int4' is not implemented")):
         rc, err = _tandem(command, "--model", "tiny-random", flag, value, *extra)
         assert rc == 2 and len(err) == 1 and needle in err[0], (command, flag, rc, err[-5:])
