@@ -7,6 +7,7 @@ a worker.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -14,17 +15,21 @@ import ray
 
 from tandem.cluster.config import ClusterConfig, PoolConfig
 from tandem.cluster.members import Probe, ProbeResult
+from tandem.wire.cluster import WORKER_NAME
 from tandem.workers.actor import WorkerActor
+from tandem.workers.tp_ranks import rank_placement, release_placement
 
 SET_ROLE_TIMEOUT_S = 5.0   # the actor answers set_role on its health threads, at once
+log = logging.getLogger(__name__)
 
 
 class ActorMember:
     """One pool worker's Ray actor behind non-blocking checks (see the module docstring)."""
 
-    def __init__(self, worker_id: str, pool: str, handle: Any, health_timeout_s: float) -> None:
+    def __init__(self, worker_id: str, pool: str, handle: Any, health_timeout_s: float, placement: Any = None) -> None:
         self.worker_id, self.pool, self.handle = worker_id, pool, handle
         self.health_timeout_s = health_timeout_s
+        self.placement = placement  # a tensor-parallel worker's placement group (its ranks' bundles)
         self._ready_ref = handle.ready.remote()
         self._stats_ref: Any = None
         self._stats_sent_at = 0.0
@@ -87,11 +92,14 @@ class ActorMember:
             ray.kill(self.handle)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        release_placement(self.placement)  # its other ranks go with it
 
 
-def actor_options(pool: PoolConfig, name: str, namespace: str) -> dict[str, Any]:
+def actor_options(pool: PoolConfig, name: str, namespace: str, detached: bool = False) -> dict[str, Any]:
     opts: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": pool.num_cpus,
                             "num_gpus": pool.num_gpus}
+    if detached:    # outlives the controller: a restarted one adopts it (`adopt`)
+        opts["lifetime"] = "detached"
     if pool.resource_name:
         opts["resources"] = {pool.resource_name: 1}
     return opts
@@ -101,18 +109,46 @@ class ActorStarter:
     """Starts pool workers as named Ray actors `<namespace>:<worker id>` (routers look them up by
     that name); the controller calls it with a pool and a fresh worker id."""
 
-    def __init__(self, config: ClusterConfig, namespace: str, rendezvous: str, health_timeout_s: float):
+    def __init__(self, config: ClusterConfig, namespace: str, rendezvous: str, health_timeout_s: float,
+                 detached: bool = False):
+        """`detached`: the workers outlive the controller (a detached controller's, which Ray
+        restarts: the restarted one adopts them, `adopt`)."""
         self.config, self.namespace, self.rendezvous = config, namespace, rendezvous
         self.health_timeout_s = health_timeout_s
+        self.detached = detached
 
     def __call__(self, pool: str, worker_id: str) -> ActorMember:
         pcfg = getattr(self.config, pool)
-        opts = actor_options(pcfg, f"{self.namespace}:{worker_id}", self.namespace)
-        engine_cfg = self.config.engine
+        opts = actor_options(pcfg, f"{self.namespace}:{worker_id}", self.namespace, self.detached)
+        engine_cfg = self.config.engine_for(pool)
         if pcfg.num_gpus > 0 and engine_cfg.device == "cpu":
             engine_cfg = replace(engine_cfg, device="cuda")
+        opts, placement = rank_placement(opts, engine_cfg.tensor_parallel_size)  # one bundle per rank
         # every worker can prefill for others and decode (tandem.workers); its pool gives its first role
         handle = WorkerActor.options(**opts).remote(worker_id, pool, engine_cfg, self.rendezvous,
                                                     self.config.decode.local_prefill_threshold, pcfg.num_cpus,
-                                                    self.config.kv_transfer, role=pcfg.role or None)
-        return ActorMember(worker_id, pool, handle, self.health_timeout_s)
+                                                    self.config.kv_transfer, role=pcfg.role or None,
+                                                    placement=placement)
+        return ActorMember(worker_id, pool, handle, self.health_timeout_s, placement)
+
+    def adopt(self, timeout_s: float = 30.0) -> list[tuple[ActorMember, Any, Any]]:
+        """The workers a previous controller of this namespace started that still answer, each
+        pointed at this controller's rendezvous store: (member, its ready() info, its stats). One
+        that does not answer within `timeout_s` is killed (nobody else would)."""
+        found = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            m = WORKER_NAME.fullmatch(name)
+            if entry.get("namespace") != self.namespace or m is None or m["ns"] != self.namespace:
+                continue
+            handle = ray.get_actor(name, namespace=self.namespace)
+            try:
+                ray.get(handle.set_rendezvous.remote(self.rendezvous), timeout=timeout_s)
+                info, stats = ray.get([handle.ready.remote(), handle.stats.remote()], timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - gone or stuck: not adopted
+                log.warning("not adopting %s: %s", name, e)
+                ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s).kill()
+                continue
+            found.append((ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s), info, stats))
+        return found
+

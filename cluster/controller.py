@@ -28,16 +28,27 @@ log = logging.getLogger(__name__)
 @ray.remote(num_cpus=0, max_concurrency=32)
 class Controller:
     def __init__(self, config: ClusterConfig, namespace: str, health_period_s: float = 1.0,
-                 dead_after_failures: int = 3):
+                 dead_after_failures: int = 3, detached_pools: bool = False):
+        """`detached_pools` (a detached controller, `tandem up --detached`): the workers outlive
+        this actor, and when Ray restarts it after a crash it adopts the ones still serving
+        (pointing them at its new rendezvous store) instead of starting new pools, so the
+        streams on them never notice; the routers serve from their last view meanwhile."""
         self.config = config
         self.namespace = namespace
         self.health_period_s = health_period_s
         host = ray.util.get_node_ip_address()
         self._store, port = start_rendezvous_store(host=host)
         self.rendezvous = f"{host}:{port}"
-        starter = ActorStarter(config, namespace, self.rendezvous, health_timeout_s=max(2.0, 2 * health_period_s))
+        starter = ActorStarter(config, namespace, self.rendezvous, health_timeout_s=max(2.0, 2 * health_period_s),
+                               detached=detached_pools)
         self.pools = Pools(config, starter, time.monotonic, time.time, dead_after_failures)
         self._stop = threading.Event()
+        if detached_pools:
+            adopted = starter.adopt()
+            for member, info, stats in adopted:
+                self.pools.adopt(member, info, stats)
+            if adopted:
+                log.warning("controller restarted: adopted %s", sorted(m.worker_id for m, _, _ in adopted))
         self.pools.reconcile()
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()

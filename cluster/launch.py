@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from tandem.wire.cluster import WORKER_NAME
+
 DEFAULT_NAMESPACE = "tandem"
 # `tandem up` flags a router process needs as well (the cluster's config comes from its controller)
 FORWARDED = ("auth_token_file", "admin_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
@@ -72,10 +74,10 @@ def up_detached(args, config) -> int:
                          "KubeRay), then RAY_ADDRESS=... tandem up --detached")
     ns = args.namespace or DEFAULT_NAMESPACE
     init_ray(config, ns)
-    # restarted by Ray if it dies (same name and handle: routers keep it); its pools die with it and
-    # the restarted one starts new ones, into which the routers move their streams
+    # restarted by Ray if it dies (same name and handle: routers keep it); its pools are detached
+    # too and the restarted one adopts them: the streams on them go on, the routers serve meanwhile
     controller = Controller.options(name=controller_name(ns), namespace=ns, lifetime="detached",
-                                    max_restarts=-1, get_if_exists=True).remote(config, ns)
+                                    max_restarts=-1, get_if_exists=True).remote(config, ns, detached_pools=True)
     ray.get(controller.wait_ready.remote(600))
     router = subprocess.Popen(router_argv(args, address, ns), start_new_session=True)
     state_path(ns).write_text(json.dumps({"address": address, "routers": [router.pid]}))
@@ -149,11 +151,16 @@ def shut_down(namespace: str, timeout_s: float) -> None:
     try:
         controller = ray.get_actor(controller_name(namespace), namespace=namespace)
     except ValueError:
-        return
+        controller = None
     try:
-        ray.get(controller.shutdown.remote(), timeout=60)
+        if controller is not None:
+            ray.get(controller.shutdown.remote(), timeout=60)
     finally:
-        ray.kill(controller)
+        if controller is not None:
+            ray.kill(controller)
+        for entry in ray.util.list_named_actors(all_namespaces=True):   # detached workers it left
+            if entry.get("namespace") == namespace and WORKER_NAME.fullmatch(entry["name"]):
+                ray.kill(ray.get_actor(entry["name"], namespace=namespace))
         path.unlink(missing_ok=True)
 
 

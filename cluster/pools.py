@@ -160,6 +160,21 @@ class Pools:
         self._next_roles = 0.0
 
     # ---- membership -------------------------------------------------------------------------
+    def adopt(self, member: Member, info: WorkerInfo, stats: WorkerStats) -> None:
+        """A worker a previous controller started, ready and serving (a restarted controller's):
+        it joins as ready with its role, worker ids continue after it, and its pool's target
+        counts it (within the pool's bounds), so adopted workers are not drained for a default."""
+        with self._lock:
+            pool, wid = member.pool, member.worker_id
+            self.workers[wid] = WorkerRecord(member, self.clock(), state="draining" if stats.draining else "ready",
+                                             info=info, stats=stats, role=stats.role if stats.role != pool else "",
+                                             drained_at=self.clock() if stats.draining else None)
+            taken = max(int(w.rsplit("-", 1)[1]) for w in self.workers if w.startswith(pool + "-"))
+            self._ids[pool] = itertools.count(max(taken + 1, next(self._ids[pool])))
+            live = sum(1 for w in self.workers.values() if w.pool == pool and w.state == "ready")
+            lo, hi = self.bounds[pool] if self.autoscale else (0, 10**9)
+            self.targets[pool] = max(self.targets[pool], min(max(live, lo), hi))
+
     def reconcile(self) -> None:
         """Start workers until each pool's live count (not draining) reaches its target; drain the
         extra ones, youngest first (their caches are coldest)."""

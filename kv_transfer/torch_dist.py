@@ -95,6 +95,17 @@ class DistConnector:
         self._live: list[DistLink] = []
         self._lock = threading.Lock()
 
+    def set_store(self, address: str) -> None:
+        """Rendezvous through another store from now on (a restarted controller's): this actor's
+        nonce is published there again, so the links it has stay current; new links (and links
+        re-made after an error) meet there. The pair groups already made never touch a store."""
+        store = connect_store(address, self.config.connect_timeout_s)
+        with self._lock:
+            self.store = store
+            self._joined.clear()       # the new store's offers start again from 1
+        store.set(f"kv/nonce/{self.self_id}", self.nonce)
+        self._bump_epoch()
+
     def group_count(self) -> int:
         """Pairs currently connected (each is one gloo group, plus one NCCL group on GPU)."""
         with self._lock:

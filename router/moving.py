@@ -27,7 +27,7 @@ from tandem.engine.prefix_hash import block_hashes
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.router.flow import RequestFlow
 from tandem.router.placing import Attempt, Placer
-from tandem.wire.errors import WorkerUnavailable
+from tandem.wire.errors import InvalidRequestError, WorkerUnavailable
 from tandem.wire.messages import DecodePlan, DecodeReserve, SequencePaused
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, id
                             handoff=paused.handoff)
         try:
             plan = await placer.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(rid))
-        except (WorkerUnavailable, ray.exceptions.RayActorError) as e:
+        except (WorkerUnavailable, InvalidRequestError, ray.exceptions.RayActorError) as e:   # no room there
             view.inflight[decode_id] -= 1
             log.debug("%s cannot take %s: %s", decode_id, flow.request_id, e)
             tried.add(decode_id)

@@ -8,19 +8,26 @@ token) or the decode side's (`request_id=, first=`: hand it over). `abort` takes
 
 from __future__ import annotations
 
+import logging
+import os
+
 import ray
 
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
+from tandem.workers.tp_ranks import TPRanks
 from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, FirstTokenReady, Output, PrefillReservation, \
     PrefillReserve, PrefillResult
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote(**ACTOR_CONCURRENCY)
 class WorkerActor(PoolActorBase):
     def __init__(self, worker_id: str, pool: str, engine_config, rendezvous: str, local_prefill_threshold: float,
-                 num_cpus: float = 1.0, transfer_config=None, role: str | None = None):
+                 num_cpus: float = 1.0, transfer_config=None, role: str | None = None, placement=None):
+        """`placement`: a tensor-parallel worker's placement group (rank r in bundle r; this actor is rank 0)."""
         setup_process(num_cpus)
         # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
         from tandem.decode_workers.worker import warm_up  # noqa: PLC0415
@@ -29,18 +36,41 @@ class WorkerActor(PoolActorBase):
         from tandem.workers.worker import PoolWorker  # noqa: PLC0415
 
         self.worker_id, self.pool = worker_id, pool
+        # tensor parallel: ranks 1..N-1 start first; this engine joins their group as rank 0
+        self.ranks = TPRanks(engine_config, placement, num_cpus) if engine_config.tensor_parallel_size > 1 else None
         engine = LLMEngine(engine_config)
         warmup = warm_up(engine, worker_id)   # the decode warm-up (graphs too): any worker may decode
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
-        self.worker = PoolWorker(worker_id, pool, engine, DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg),
-                                 role=role, local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg,
-                                 warmup=warmup)
+        self.connector = DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
+        self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
+                                 local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup)
+        if self.ranks is not None:
+            self.ranks.watch(self._rank_lost)
         after_startup()
+
+    def _rank_lost(self, why: str) -> None:
+        """Without one of its ranks the worker cannot step: it exits (no step hangs in a collective),
+        the controller finds its actor dead and routers move its requests elsewhere."""
+        log.error("%s: %s; the worker exits", self.worker_id, why)
+        self.ranks.kill()
+        os._exit(1)
+
+    def shutdown(self):
+        if self.ranks is not None:
+            self.ranks.closing = True
+        super().shutdown()
+        if self.ranks is not None:
+            self.ranks.kill()
 
     @ray.method(concurrency_group="health")
     def set_role(self, role: str) -> str:
         """"prefill" | "decode" | "mixed", at once (no step waits); returns the role it had."""
         return self.worker.set_role(role)
+
+    @ray.method(concurrency_group="health")
+    def set_rendezvous(self, address: str) -> None:
+        """A restarted controller adopts this worker: KV links meet through its store from now on."""
+        self.connector.set_store(address)
 
     def reserve(self, req: PrefillReserve | DecodeReserve) -> PrefillReservation | DecodePlan:
         return self.worker.reserve(req)

@@ -6,9 +6,13 @@ and role-change logs. Frozen dataclasses, read by attribute."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tandem.wire.stats import WorkerStats
+
+# a pool worker's Ray actor name, "<namespace>:<worker id>" (worker ids are "<pool>-<n>")
+WORKER_NAME = re.compile(r"(?P<ns>.+):(?P<wid>(?P<pool>prefill|decode)-\d+)")
 
 
 @dataclass(frozen=True)

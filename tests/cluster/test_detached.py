@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.protos.tandem.v1 import generation_pb2 as pb, generation_pb2_grpc
+from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 from tests.conftest import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -159,21 +159,29 @@ _HEAD: dict = {}
 
 
 def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
-    """The detached controller is restarted by Ray; its pools die with it and the restarted one
-    starts new ones: the streams in flight wait for a ready decode worker (within their deadline)
-    and continue there, token-exact."""
+    """The detached controller is restarted by Ray and adopts its detached pools: the streams in
+    flight never leave their decode worker (no migration, token-exact), the restarted controller
+    reports the same workers, and after the restart a new request still gets its KV from a prefill
+    worker (links meet through the new controller's rendezvous store)."""
     from tests.chaos.test_faults import _reference
 
     address, env = ray_head
     env = {**env, "RAY_ADDRESS": address}
     port, ns = free_port(), f"ctl{os.getpid()}"
     up = subprocess.Popen([sys.executable, "-m", "tandem.cluster.cli", "up", "--detached", "--namespace", ns,
-                           "--model", "tiny-random", "--prefill", "0", "--decode", "1", "--num-blocks", "512",
-                           "--local-prefill-threshold", "inf", "--port", str(port), "--http-port", "0",
+                           "--model", "tiny-random", "--prefill", "1", "--decode", "1", "--num-blocks", "512",
+                           "--local-prefill-threshold", "0", "--port", str(port), "--http-port", "0",
                            "--metrics-port", "0"], env=env)
     try:
         target = f"127.0.0.1:{port}"
         _serving(target, 240, up)
+        admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(target))
+
+        def workers():
+            state = admin.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)
+            return {w.id: w.pid for p in state.pools for w in p.workers if w.state == admin_pb2.WORKER_STATE_READY}
+        before = workers()
+        assert set(before) == {"prefill-0", "decode-0"}, before
         reqs = [{"prompt": f"controller crash {i}", "max_tokens": 1200, "ignore_eos": True} for i in range(3)]
         ref = _reference("tiny-random", reqs)
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
@@ -186,7 +194,8 @@ def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
                 for r in stub.Generate(pb.GenerateRequest(prompt=reqs[i]["prompt"], sampling=pb.SamplingParams(
                         max_tokens=1200, ignore_eos=True)), timeout=240):
                     ids.extend(r.token_ids)
-                    started[i].set()
+                    if len(ids) >= 20:       # decoding: its KV has landed
+                        started[i].set()
                 out[i] = ids
             except grpc.RpcError as e:
                 out[i] = e
@@ -202,6 +211,13 @@ def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
             t.join(240)
         assert [out[i] for i in range(len(reqs))] == ref, out
         assert _controller_pid() != pid       # Ray restarted it
+        deadline = time.monotonic() + 60      # ... which adopted the same worker processes
+        while workers() != before:
+            assert time.monotonic() < deadline, (workers(), before)
+            time.sleep(0.5)
+        after = stub.Generate(pb.GenerateRequest(prompt="after the restart", sampling=pb.SamplingParams(
+            max_tokens=8, ignore_eos=True)), timeout=60)
+        assert sum(len(r.token_ids) for r in after) == 8      # prefilled remotely, as before
         down = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "down", "--namespace", ns],
                               env=env, capture_output=True, text=True, timeout=240)
         assert down.returncode == 0, down.stderr[-2000:]

@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from tandem.cluster.config import ADAPTIVE
+from tandem.cluster.config import ADAPTIVE, load_config
 from tandem.cluster.members import Probe, ProbeResult
-from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S
+from tandem.cluster.pools import DRAINED_STOP_TIMEOUT_S, Pools
 from tandem.wire.cluster import PoolState
 from tandem.wire.errors import InvalidPoolBounds, InvalidRole, UnknownPool, UnknownWorker, WorkerUnavailable
 from tandem.wire.stats import Percentiles, WorkerInfo
 from tandem.perf_model import PerfModel
-from tests.unit.pool_factories import BUSY, IDLE, make_pools
+from tests.unit.pool_factories import BUSY, IDLE, FakeClock, FakeFleet, FakeMember, make_pools
 
 H200_PERF = PerfModel(prefill_base_s=0.0028, prefill_per_token_s=2e-5, prefill_attn_s=8.4e-10, decode_base_s=0.0056,
                       decode_per_seq_s=1.2e-5, decode_per_ctx_token_s=3.4e-8, transfer_base_s=0.003,
@@ -291,3 +291,22 @@ def test_the_demand_averages_the_batch_over_the_window_and_rates_the_prompts_end
     d = demand_over(samples)
     assert d.prompt_tokens_per_s == 2000 and d.mean_new_tokens == 2000 and d.mean_prompt_tokens == 3000
     assert d.decode_seqs == 3 and d.context_tokens == 3000       # the mean, not the last moment's 4
+
+
+def test_a_restarted_controller_adopts_the_workers_it_finds_and_starts_only_what_is_missing():
+    config = load_config(None, {"prefill.replicas": 1, "decode.replicas": 2})
+    fleet, clock = FakeFleet(), FakeClock()
+    pools = Pools(config, fleet, clock, wall_clock=lambda: 1.7e9 + clock.t)
+    found = {"decode-3": dataclasses.replace(BUSY, role="decode"),
+             "decode-5": dataclasses.replace(IDLE, role="prefill"),          # lent to prefill before the crash
+             "decode-7": dataclasses.replace(BUSY, role="decode", draining=True)}
+    for wid, stats in found.items():
+        pools.adopt(FakeMember(wid, "decode"), WorkerInfo(wid, "decode", pid=7), dataclasses.replace(stats, worker_id=wid))
+    pools.reconcile()
+    assert not any(w.startswith("decode") for w in fleet.members)    # two ready decode workers: none started
+    assert set(fleet.members) == {"prefill-0"}
+    assert states(pools) == {"decode-3": "ready", "decode-5": "ready", "decode-7": "draining", "prefill-0": "starting"}
+    assert {w.worker_id: w.role for w in pools.state().workers}["decode-5"] == "prefill"
+    pools.set_bounds("decode", 0, 4, target=3)
+    pools.reconcile()
+    assert "decode-8" in fleet.members                              # ids go on after the adopted ones

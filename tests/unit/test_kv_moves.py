@@ -128,12 +128,16 @@ def test_a_paused_sequence_aborted_by_its_router_frees_its_blocks(a):
 
 
 def test_a_move_to_a_worker_without_room_is_refused_and_the_sequence_resumed(net, a):
-    small = create_pool_worker(net, "b", "decode", engine=create_engine(num_blocks=2))
+    small = create_pool_worker(net, "b", "decode", engine=create_engine(num_blocks=8))
     try:
+        # 7 of its 8 blocks reserved for a remote prefill of 112 tokens (another router's)
+        plan = small.reserve(DecodeReserve("hog/1", "other", list(range(3, 115)), SamplingParams(max_tokens=8),
+                                           transfer_id="hog#t"))
+        assert plan.remote and small.kv_blocks_used() == 7
         out, paused = start_and_pause(a, GREEDY, after=30)    # over 32 positions: 3 blocks
         with pytest.raises(WorkerUnavailable, match="no free KV blocks"):
             move(a, small, out, paused, GREEDY)
-        assert small.kv_blocks_used() == 0 and small.held() == {}
+        assert set(small.held()) == {"hog/1", "hog#t"}     # nothing of r/2
         assert a.decode.resume("r/1")
         rest, _ = collect(a, lambda m: isinstance(m, StepOutput) and m.finished)
         assert out + rest == one_engine(GREEDY)
