@@ -74,11 +74,12 @@ def random_fill(seed: int, device: str | torch.device) -> Fill:
     def fill(model: LlamaForCausalLM, prefix: str, part: nn.Module) -> None:
         for name, p in part.named_parameters():
             name = prefix + name
+            # in place: one fp32 temporary of p's size (an embedding table's is 4 GB in 70B)
+            draw = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+                p.copy_(draw.mul_(0.1).add_(1.0))
             else:
-                std = 0.02 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5
-                p.copy_(std * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+                p.copy_(draw.mul_(0.02 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5))
     return fill
 
 

@@ -32,9 +32,9 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channel: each row's largest |value| maps to 448."""
     if w.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a 2-D weight, got shape {tuple(w.shape)}")
-    wf = w.float()
-    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
-    q = (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # one fp32 temporary of w's size at most (w / scale promotes): a 70B layer quantizes in place
+    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
