@@ -3,7 +3,9 @@ vocabulary: the vocab-parallel layers pad it), a Qwen2 (q/k/v biases, tied embed
 vocab shard serves both) and a Qwen3 (per-head q/k norms, head_dim != hidden / heads) built by
 transformers (tests/engine/families.py). One spawned process is rank 1 for all three models;
 this process is rank 0 and runs the engine. Greedy tokens must be equal; logits of every step
-within test_model_vs_hf's tolerance (row-parallel sums change only the fp32 rounding)."""
+within test_model_vs_hf's tolerance (row-parallel sums change only the fp32 rounding). With
+--quantization fp8 each rank quantizes its own shard: its logits err against fp32 about as much as
+one rank's FP8 model does."""
 
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from tests.engine.test_model_vs_hf import _close
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _config(path, tp: int) -> EngineConfig:
+def _config(path, tp: int, quantization: str | None = None) -> EngineConfig:
     return EngineConfig(model=str(path), tensor_parallel_size=tp, cache=CacheConfig(num_blocks=64, block_size=16),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=24))
+                        scheduler=SchedulerConfig(max_num_batched_tokens=24), quantization=quantization)
 
 
 def _generate(engine: LLMEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -42,7 +44,7 @@ def test_tp2_matches_tp1(tmp_path):
     dirs = {f: tmp_path / f for f in FAMILIES}
     for f, path in dirs.items():
         build_family_dir(f, path)
-    configs = [_config(dirs[f], 2) for f in FAMILIES]
+    configs = [_config(dirs[f], 2) for f in FAMILIES] + [_config(dirs["llama"], 2, "fp8")]
     init = free_init_method()
     procs = spawn_shards(configs, init)
     try:
@@ -59,6 +61,18 @@ def test_tp2_matches_tp1(tmp_path):
                 assert got.shape == want.shape
                 if want.numel():  # a step that only prefills a chunk samples nothing
                     _close(got, want)
+        # shard, then quantize: FP8 per output channel of each rank's shard
+        exact = _generate(LLMEngine(_config(dirs["llama"], 1)))[1]
+        one = _generate(LLMEngine(_config(dirs["llama"], 1, "fp8")))[1]
+        engine = LLMEngine(configs[-1])
+        assert all(m.is_fp8 for m in (engine.model.layers[0].self_attn.o_proj, engine.model.layers[1].mlp.gate_up_proj))
+        two = _generate(engine)[1]
+        engine.shards.close()
+        # the first sampling step (the same inputs everywhere): each rank's per-channel scales err
+        # about as much as the whole model's
+        e, a, b = next((e, a, b) for e, a, b in zip(exact, one, two) if e.numel())
+        err_one, err_two = (a - e).abs().max().item(), (b - e).abs().max().item()
+        assert 0.5 * err_one <= err_two <= 2 * err_one, (err_one, err_two)
     finally:
         destroy_tensor_parallel()
         for p in procs:
