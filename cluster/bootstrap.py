@@ -17,6 +17,7 @@ from tandem.cluster.controller import Controller
 from tandem.cluster.reaper import start_reaper
 from tandem.engine.parallel.sharding import check_shardable
 from tandem.engine.weights import load_tokenizer, resolve_model_dir
+from tandem.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,24 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
     return True
 
 
+def check_tensor_parallel(config: ClusterConfig) -> None:
+    """Refuse, before anything starts, a pool whose ranks cannot split the model, and a layout that
+    would move KV to or from a tensor-parallel worker (resharding KV between workers of different
+    tensor_parallel_size is not built yet: such a cluster serves colocated, one decode pool)."""
+    model_cfg = load_tokenizer(config.engine.model)[1]
+    sizes = {p: config.engine_for(p).tensor_parallel_size for p in ("prefill", "decode")}
+    for pool, tp in sizes.items():
+        check_shardable(model_cfg, tp, config.engine.model)
+    if max(sizes.values()) > 1 and (config.prefill.replicas > 0 or config.roles.enabled
+                                    or config.decode.role in ("prefill", "mixed")):
+        raise ConfigError(f"tensor_parallel_size {sizes} needs the colocated layout for now (KV transfer between "
+                          "tensor-parallel workers is not implemented): prefill.replicas 0, decode workers "
+                          "in the decode role, no role policy")
+
+
 def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:
     resolve_model_dir(config.engine.model)  # convert a GGUF once, here, before actors race to it
-    check_shardable(load_tokenizer(config.engine.model)[1], config.engine.tensor_parallel_size, config.engine.model)
+    check_tensor_parallel(config)
     namespace = namespace or f"tandem-{uuid.uuid4().hex[:6]}"
     started = init_ray(config, namespace)
     controller = Controller.options(name=f"{namespace}:controller", namespace=namespace).remote(config, namespace)

@@ -50,8 +50,14 @@ class PoolConfig:
     # the role its workers start in: "prefill" | "decode" | "mixed" (both); "": the pool's name.
     # The adaptive layout starts decode workers "mixed" and the role policy lends some to prefill.
     role: str = ""
+    # ranks per worker of this pool, one process each (engine.parallel); None: the model section's
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size is not None and (not isinstance(self.tensor_parallel_size, int)
+                                                      or self.tensor_parallel_size < 1):
+            raise ConfigError(f"pool: tensor_parallel_size must be an integer >= 1 or null, got "
+                              f"{self.tensor_parallel_size!r}")
         if self.role not in ("", "prefill", "decode", "mixed"):
             raise ConfigError(f"pool: role must be prefill, decode or mixed, got {self.role!r}")
         if self.replicas < 0:
@@ -131,6 +137,12 @@ class ClusterConfig:
     # the adaptive layout's role policy (cluster/roles.py); it places prompts by the cost model
     roles: RoleConfig = field(default_factory=RoleConfig)
 
+    def engine_for(self, pool: str) -> EngineConfig:
+        """The engine config of `pool`'s workers: the model section's, with the pool's own
+        tensor_parallel_size where it sets one (prefill and decode may differ)."""
+        tp = getattr(self, pool).tensor_parallel_size
+        return self.engine if tp is None else dataclasses.replace(self.engine, tensor_parallel_size=tp)
+
     def __post_init__(self) -> None:
         if self.roles.enabled and self.router.placement != "cost":
             raise ConfigError("roles.enabled needs router.placement: cost (the role policy and the router "
@@ -170,7 +182,8 @@ def _inf(v: Any) -> Any:
 def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     e = cfg.engine
     return {
-        "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed, "warmup": e.warmup},
+        "model": {"name": e.model, "dtype": e.dtype, "device": e.device, "seed": e.seed, "warmup": e.warmup,
+                  "tensor_parallel_size": e.tensor_parallel_size},
         "cache": dataclasses.asdict(e.cache),
         "scheduler": dataclasses.asdict(e.scheduler),
         "speculative": dataclasses.asdict(e.speculative),

@@ -1,0 +1,115 @@
+"""The ranks of a tensor-parallel pool worker, as Ray actors in one placement group.
+
+The controller reserves one bundle per rank, packed on one node (`rank_placement`); the
+`WorkerActor` runs in bundle 0 as rank 0 (its engine is the driver) and starts `ShardActor`s in
+bundles 1..N-1 (`TPRanks`), which it owns: when the worker's actor dies, Ray ends them. The
+other way round, a rank that dies or stops on its own makes the worker useless, so `TPRanks`
+watches them and the worker exits (the controller sees a dead actor, routers move its requests:
+the worker-lost path every pool actor has) rather than hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.runtime.process import setup_process
+
+log = logging.getLogger(__name__)
+
+
+def _bundle(num_cpus: float, num_gpus: float, resource_name: str = "") -> dict[str, float]:
+    b = {"CPU": num_cpus, "GPU": num_gpus, **({resource_name: 1} if resource_name else {})}
+    b = {k: v for k, v in b.items() if v > 0}
+    return b or {"CPU": 0.001}  # Ray refuses an empty bundle
+
+
+def rank_placement(opts: dict[str, Any], world: int) -> tuple[dict[str, Any], PlacementGroup | None]:
+    """A worker actor's options (`actor_options`) for a worker of `world` ranks: one bundle per
+    rank on one node (STRICT_PACK), rank 0 in bundle 0 with the pool's custom resource, detached
+    when the actor is; -> (the options, the placement group; None for one rank)."""
+    if world == 1:
+        return opts, None
+    res = opts.get("resources", {})
+    name = next(iter(res), "")
+    cpus, gpus = opts.get("num_cpus", 1.0), opts.get("num_gpus", 0.0)
+    bundles = [_bundle(cpus, gpus, name)] + [_bundle(cpus, gpus) for _ in range(world - 1)]
+    pg = placement_group(bundles, strategy="STRICT_PACK", lifetime=opts.get("lifetime"))
+    opts = {**opts, "num_cpus": bundles[0].get("CPU", 0), "num_gpus": gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+    return opts, pg
+
+
+def release_placement(pg: PlacementGroup | None) -> None:
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+@ray.remote(max_concurrency=2)
+class ShardActor:
+    """Rank r > 0: joins the worker's group, loads its shard, runs rank 0's steps (`serve`)."""
+
+    def __init__(self, rank: int, num_cpus: float):
+        setup_process(num_cpus)
+        self.rank = rank
+
+    def serve(self, engine_config, init_method: str) -> int:
+        from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
+        from tandem.engine.parallel.shard import ShardWorker  # noqa: PLC0415 (as above)
+
+        group = init_tensor_parallel(self.rank, engine_config.tensor_parallel_size, init_method, engine_config.device)
+        return ShardWorker(engine_config, group).serve()
+
+
+class TPRanks:
+    """Rank 0's view of ranks 1..N-1: starts them, joins the group with them, watches them."""
+
+    def __init__(self, engine_config, placement: PlacementGroup | None, num_cpus: float):
+        from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
+        from tandem.engine.parallel.local import free_init_method  # noqa: PLC0415 (as above)
+
+        world = engine_config.tensor_parallel_size
+        init = free_init_method(ray.util.get_node_ip_address())
+        gpus = 1 if engine_config.device.startswith("cuda") else 0
+        self.actors = []
+        for r in range(1, world):
+            strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=r)
+                        if placement is not None else None)
+            self.actors.append(ShardActor.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote(r, num_cpus))
+        self.serving = [a.serve.remote(engine_config, init) for a in self.actors]
+        self.closing = False
+        init_tensor_parallel(0, world, init, engine_config.device)
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """A thread waits for any rank's `serve` to end; unless this rank is closing, `on_lost`
+        gets why (the rank died, failed, or left its loop)."""
+        def wait() -> None:
+            done, _ = ray.wait(self.serving, num_returns=1, timeout=None)
+            if self.closing:
+                return
+            rank = 1 + self.serving.index(done[0])
+            try:
+                ray.get(done[0])
+                why = f"tensor-parallel rank {rank} left its loop"
+            except Exception as e:  # noqa: BLE001 - the reason, whatever it is
+                why = f"tensor-parallel rank {rank} is lost: {type(e).__name__}: {e}"[:500]
+            on_lost(why)
+
+        threading.Thread(target=wait, name="tp-rank-watch", daemon=True).start()
+
+    def kill(self) -> None:
+        self.closing = True
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
