@@ -37,23 +37,26 @@ class WorkerActor(PoolActorBase):
 
         self.worker_id, self.pool = worker_id, pool
         # tensor parallel: ranks 1..N-1 start first; this engine joins their group as rank 0
-        self.ranks = TPRanks(engine_config, placement, num_cpus) if engine_config.tensor_parallel_size > 1 else None
+        self.ranks = (TPRanks(engine_config, placement, num_cpus, self._rank_lost)
+                      if engine_config.tensor_parallel_size > 1 else None)
         engine = LLMEngine(engine_config)
         warmup = warm_up(engine, worker_id)   # the decode warm-up (graphs too): any worker may decode
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         self.connector = DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
         self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
                                  local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup)
-        if self.ranks is not None:
-            self.ranks.watch(self._rank_lost)
         after_startup()
 
     def _rank_lost(self, why: str) -> None:
         """Without one of its ranks the worker cannot step: it exits (no step hangs in a collective),
         the controller finds its actor dead and routers move its requests elsewhere."""
         log.error("%s: %s; the worker exits", self.worker_id, why)
-        self.ranks.kill()
         os._exit(1)
+
+    @ray.method(concurrency_group="health")
+    def rank_pids(self) -> list[int]:
+        """Process ids of this worker's ranks, rank 0 (this actor) first."""
+        return [os.getpid()] + (self.ranks.pids() if self.ranks is not None else [])
 
     def shutdown(self):
         if self.ranks is not None:

@@ -11,6 +11,7 @@ the worker-lost path every pool actor has) rather than hanging in a collective.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,9 @@ class ShardActor:
         setup_process(num_cpus)
         self.rank = rank
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def serve(self, engine_config, init_method: str) -> int:
         from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
         from tandem.engine.parallel.shard import ShardWorker  # noqa: PLC0415 (as above)
@@ -71,9 +75,13 @@ class ShardActor:
 
 
 class TPRanks:
-    """Rank 0's view of ranks 1..N-1: starts them, joins the group with them, watches them."""
+    """Rank 0's view of ranks 1..N-1: starts them, watches them, joins the group with them. From
+    the start (a rank that fails to load must not leave rank 0 waiting in the rendezvous): if
+    any rank's `serve` ends while this rank is not closing, the others are killed and `on_lost`
+    gets why (the rank died, failed, or left its loop)."""
 
-    def __init__(self, engine_config, placement: PlacementGroup | None, num_cpus: float):
+    def __init__(self, engine_config, placement: PlacementGroup | None, num_cpus: float,
+                 on_lost: Callable[[str], None]):
         from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
         from tandem.engine.parallel.local import free_init_method  # noqa: PLC0415 (as above)
 
@@ -87,24 +95,25 @@ class TPRanks:
             self.actors.append(ShardActor.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote(r, num_cpus))
         self.serving = [a.serve.remote(engine_config, init) for a in self.actors]
         self.closing = False
+        threading.Thread(target=self._watch, args=(on_lost,), name="tp-rank-watch", daemon=True).start()
         init_tensor_parallel(0, world, init, engine_config.device)
 
-    def watch(self, on_lost: Callable[[str], None]) -> None:
-        """A thread waits for any rank's `serve` to end; unless this rank is closing, `on_lost`
-        gets why (the rank died, failed, or left its loop)."""
-        def wait() -> None:
-            done, _ = ray.wait(self.serving, num_returns=1, timeout=None)
-            if self.closing:
-                return
-            rank = 1 + self.serving.index(done[0])
-            try:
-                ray.get(done[0])
-                why = f"tensor-parallel rank {rank} left its loop"
-            except Exception as e:  # noqa: BLE001 - the reason, whatever it is
-                why = f"tensor-parallel rank {rank} is lost: {type(e).__name__}: {e}"[:500]
-            on_lost(why)
+    def _watch(self, on_lost: Callable[[str], None]) -> None:
+        done, _ = ray.wait(self.serving, num_returns=1, timeout=None)
+        if self.closing:
+            return
+        rank = 1 + self.serving.index(done[0])
+        try:
+            ray.get(done[0])
+            why = f"tensor-parallel rank {rank} left its loop"
+        except Exception as e:  # noqa: BLE001 - the reason, whatever it is
+            why = f"tensor-parallel rank {rank} is lost: {type(e).__name__}: {e}"[:500]
+        self.kill()
+        on_lost(why)
 
-        threading.Thread(target=wait, name="tp-rank-watch", daemon=True).start()
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
 
     def kill(self) -> None:
         self.closing = True
