@@ -20,6 +20,7 @@ from tandem.workers.actor import WorkerActor
 from tandem.workers.tp_ranks import rank_placement, release_placement
 
 SET_ROLE_TIMEOUT_S = 5.0   # the actor answers set_role on its health threads, at once
+MOVE_OUT_TIMEOUT_S = 30.0  # move_out runs on the worker's loop: after the step in flight
 log = logging.getLogger(__name__)
 
 
@@ -68,11 +69,15 @@ class ActorMember:
                                sent_at=self._stats_sent_at)
         return ProbeResult(Probe.OK, stats, sent_at=self._stats_sent_at)
 
-    def drain(self) -> None:
+    def drain(self, move: bool = True) -> None:
         try:
-            self.handle.set_draining.remote(True)
+            self.handle.set_draining.remote(True, move=move)
         except Exception:  # noqa: BLE001 - a dead actor's checks will say so
             pass
+
+    def move_out(self, count: int | None) -> int:
+        """Pause up to `count` running sequences (None: all) for their routers to move them."""
+        return ray.get(self.handle.move_out.remote(count=count), timeout=MOVE_OUT_TIMEOUT_S)
 
     def set_role(self, role: str) -> None:
         ray.get(self.handle.set_role.remote(role), timeout=SET_ROLE_TIMEOUT_S)

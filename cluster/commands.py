@@ -61,14 +61,7 @@ def register(sub) -> None:
                          "to prefill only under prompt load (roles: section); static: the pools as configured")
     up.add_argument("--log-level", help="DEBUG, INFO, WARNING (default: $TANDEM_LOG_LEVEL or INFO)")
     _security_flags(up)
-    attach = up.add_mutually_exclusive_group()
-    attach.add_argument("--detached", action="store_true", default=None,
-                        help="the controller and its pools detached on RAY_ADDRESS's cluster, the router its own "
-                             "process: a SIGKILL of this process loses nothing, a controller crash neither (the "
-                             "restarted controller adopts the pools); `tandem down` stops the lot. The default "
-                             "when RAY_ADDRESS is set")
-    attach.add_argument("--attached", dest="detached", action="store_false",
-                        help="everything owned by this process (the default without RAY_ADDRESS: a local Ray)")
+    _attach_flags(up)
     up.add_argument("--namespace", help="the cluster's Ray namespace with --detached (default tandem)")
     up.add_argument("--drain-timeout", type=float, metavar="S",
                     help="on SIGTERM, let streams finish for up to S seconds (router.drain_timeout_s, default 90)")
@@ -101,6 +94,17 @@ def _speculative_flags(up) -> None:
                     help="speculative decoding on decode workers (speculative.method; default off)")
     up.add_argument("--num-speculative-tokens", type=int, metavar="K",
                     help="the most draft tokens per sequence per step (speculative.num_tokens)")
+
+
+def _attach_flags(up) -> None:
+    attach = up.add_mutually_exclusive_group()
+    attach.add_argument("--detached", action="store_true", default=None,
+                        help="the controller and its pools detached on RAY_ADDRESS's cluster, the router its own "
+                             "process: a SIGKILL of this process loses nothing, a controller crash neither (the "
+                             "restarted controller adopts the pools); `tandem down` stops the lot. The default "
+                             "when RAY_ADDRESS is set")
+    attach.add_argument("--attached", dest="detached", action="store_false",
+                        help="everything owned by this process (the default without RAY_ADDRESS: a local Ray)")
 
 
 def _security_flags(up) -> None:

@@ -82,8 +82,12 @@ class Controller:
     def _actor_name(self, worker_id: str) -> str:
         return f"{self.namespace}:{worker_id}"
 
-    def drain_worker(self, worker_id: str) -> WorkerEntry:
-        return replace(self.pools.drain_worker(worker_id), actor_name=self._actor_name(worker_id))
+    def drain_worker(self, worker_id: str, move: bool = True) -> WorkerEntry:
+        return replace(self.pools.drain_worker(worker_id, move), actor_name=self._actor_name(worker_id))
+
+    def move_sequences(self, worker_id: str, count: int | None = None) -> int:
+        """Move up to `count` (None: all) of a worker's running sequences elsewhere with their KV."""
+        return self.pools.move_sequences(worker_id, count)
 
     def set_pool_bounds(self, pool: str, min_size: int, max_size: int, target: int | None = None) -> PoolState:
         return self.pools.set_bounds(pool, min_size, max_size, target)

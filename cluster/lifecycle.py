@@ -1,8 +1,10 @@
 """`tandem drain-worker`: what a pool pod's preStop hook runs on Kubernetes. It finds the workers on
 this host (`--self`: the pod's name, which a worker reports as its host) or the ones named, drains
-them through the Admin API's DrainWorker (no new requests; in-flight sequences finish, then each
-worker exits), and waits until they are gone or `--deadline` passes. There is no KV migration yet:
-a sequence still running at the deadline is recomputed elsewhere when the pod dies (failover).
+them through the Admin API's DrainWorker (no new requests; running sequences move to other decode
+workers with their KV where those have room, the rest finish in place; then each worker exits),
+and waits until they are gone or `--deadline` passes. A sequence still running at the deadline is
+recomputed elsewhere when the pod dies (failover). `tandem move-sequences` moves running sequences
+off a hot worker the same way, without draining it.
 
 The waiting is pure (`wait_drained` over a `state()` callable and a clock), so it is tested without
 a cluster; `cmd_drain_worker` only wires it to gRPC."""
@@ -33,8 +35,18 @@ def register(sub, client_flags, default_target: str) -> None:
     d.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="S",
                    help="give up waiting after S seconds (keep it below the pod's terminationGracePeriodSeconds)")
     d.add_argument("--poll", type=float, default=1.0, metavar="S", help="seconds between checks")
+    d.add_argument("--finish-in-place", action="store_true",
+                   help="running sequences finish on the worker (default: they move to other decode workers "
+                        "with their KV where those have room)")
     client_flags(d)
     d.set_defaults(func=cmd_drain_worker)
+    m = sub.add_parser("move-sequences", help="move a worker's running sequences to other decode workers with "
+                                              "their KV (cool a hot worker); no recompute")
+    m.add_argument("worker", help="worker id, as `tandem status` lists it")
+    m.add_argument("--count", type=int, default=0, help="at most this many (default 0: all)")
+    m.add_argument("--target", default=default_target, help="router address")
+    client_flags(m)
+    m.set_defaults(func=cmd_move_sequences)
 
 
 def select_workers(state: admin_pb2.ClusterState, ids: Iterable[str] = (), host: str = "") -> list[str]:
@@ -79,7 +91,8 @@ def cmd_drain_worker(args) -> int:
     try:
         ids = select_workers(state(), args.workers, host)
         for wid in ids:
-            stub.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id=wid), timeout=15)
+            stub.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id=wid, finish_in_place=args.finish_in_place),
+                             timeout=15)
     except grpc.RpcError as e:
         print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -92,4 +105,18 @@ def cmd_drain_worker(args) -> int:
         print(f"tandem: deadline passed; still running: {left}", file=sys.stderr)
         return 1
     print("tandem: drained", flush=True)
+    return 0
+
+
+def cmd_move_sequences(args) -> int:
+    from tandem.cluster.commands import _channel  # noqa: PLC0415 - commands imports this module
+
+    stub = admin_pb2_grpc.AdminStub(_channel(args.target, args, admin=True))
+    try:
+        n = stub.MoveSequences(admin_pb2.MoveSequencesRequest(worker_id=args.worker, count=max(0, args.count)),
+                               timeout=40).paused
+    except grpc.RpcError as e:
+        print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"tandem: {args.worker}: {n} running sequence(s) paused to move with their KV", flush=True)
     return 0

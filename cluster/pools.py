@@ -191,9 +191,9 @@ class Pools:
                     for w in sorted(live, key=lambda w: w.started_at, reverse=True)[:extra]:
                         self._drain(w)
 
-    def _drain(self, w: WorkerRecord) -> None:
+    def _drain(self, w: WorkerRecord, move: bool = True) -> None:
         w.state, w.drained_at = "draining", self.clock()
-        w.member.drain()
+        w.member.drain(move)
 
     def check(self) -> None:
         """One round: readiness of starting workers, health of the others, then the dead and the
@@ -341,16 +341,29 @@ class Pools:
             raise RuntimeError(f"workers failed to start: {dead}")
         return False
 
-    def drain_worker(self, worker_id: str) -> WorkerEntry:
-        """Drain one worker and lower its pool's target by one (it is not replaced)."""
+    def drain_worker(self, worker_id: str, move: bool = True) -> WorkerEntry:
+        """Drain one worker and lower its pool's target by one (it is not replaced). `move`: its
+        running sequences move to other decode workers with their KV where those have room."""
         with self._lock:
             w = self.workers.get(worker_id)
             if w is None:
                 raise UnknownWorker(f"unknown worker {worker_id!r}")
             if w.state in ("starting", "ready"):
                 self.targets[w.pool] = max(0, self.targets[w.pool] - 1)
-                self._drain(w)
+                self._drain(w, move)
             return _entry(w)
+
+    def move_sequences(self, worker_id: str, count: int | None) -> int:
+        """Have a ready worker pause up to `count` running sequences (None: all) for their routers
+        to move with their KV; -> how many. UnknownWorker, or WorkerUnavailable when not ready."""
+        with self._lock:
+            w = self.workers.get(worker_id)
+            if w is None:
+                raise UnknownWorker(f"unknown worker {worker_id!r}")
+            if w.state != "ready":
+                raise WorkerUnavailable(f"{worker_id} is {w.state}, not ready")
+            member = w.member
+        return member.move_out(count)
 
     def set_role(self, worker_id: str, role: str, reason: str = "") -> WorkerEntry:
         """Change a ready worker's role in place and log it with `reason`. Blocks until the worker

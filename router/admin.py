@@ -30,8 +30,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return next(p for p in state.pools if p.name == request.pool)
 
     async def DrainWorker(self, request, context):
-        r = await self._ask(context, self.controller.drain_worker.remote(request.worker_id))
+        r = await self._ask(context, self.controller.drain_worker.remote(request.worker_id,
+                                                                        move=not request.finish_in_place))
         return admin_pb2.Worker(id=r.worker_id, pool=r.pool, state=_WORKER_STATE[r.state], role=r.role)
+
+    async def MoveSequences(self, request, context):
+        n = await self._ask(context, self.controller.move_sequences.remote(request.worker_id, request.count or None))
+        return admin_pb2.MoveSequencesResponse(paused=n)
 
     async def SetWorkerRole(self, request, context):
         r = await self._ask(context, self.controller.set_role.remote(request.worker_id, request.role, request.reason))

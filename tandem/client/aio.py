@@ -71,9 +71,13 @@ class AsyncClient:
             req.target = target
         return pool_from(await self._call(self._admin.SetPoolBounds, req))
 
-    async def drain_worker(self, worker_id: str) -> Worker:
-        return worker_from(await self._call(self._admin.DrainWorker,
-                                            admin_pb2.DrainWorkerRequest(worker_id=worker_id)))
+    async def drain_worker(self, worker_id: str, finish_in_place: bool = False) -> Worker:
+        return worker_from(await self._call(self._admin.DrainWorker, admin_pb2.DrainWorkerRequest(
+            worker_id=worker_id, finish_in_place=finish_in_place)))
+
+    async def move_sequences(self, worker_id: str, count: int = 0) -> int:
+        return (await self._call(self._admin.MoveSequences, admin_pb2.MoveSequencesRequest(
+            worker_id=worker_id, count=count))).paused
 
     async def _call(self, method, req):
         try:

@@ -78,8 +78,16 @@ class Client:
             req.target = target
         return pool_from(self._call(self._admin.SetPoolBounds, req))
 
-    def drain_worker(self, worker_id: str) -> Worker:
-        return worker_from(self._call(self._admin.DrainWorker, admin_pb2.DrainWorkerRequest(worker_id=worker_id)))
+    def drain_worker(self, worker_id: str, finish_in_place: bool = False) -> Worker:
+        """Drain a worker; its running sequences move elsewhere with their KV unless `finish_in_place`."""
+        return worker_from(self._call(self._admin.DrainWorker, admin_pb2.DrainWorkerRequest(
+            worker_id=worker_id, finish_in_place=finish_in_place)))
+
+    def move_sequences(self, worker_id: str, count: int = 0) -> int:
+        """Move up to `count` (0: all) of a worker's running sequences to others with their KV;
+        -> how many it paused to move."""
+        return self._call(self._admin.MoveSequences, admin_pb2.MoveSequencesRequest(worker_id=worker_id,
+                                                                                   count=count)).paused
 
     def _call(self, method, req):
         try:

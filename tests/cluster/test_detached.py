@@ -158,6 +158,20 @@ def _controller_pid(timeout_s: float = 90) -> int:
 _HEAD: dict = {}
 
 
+def _until(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def _ready_workers(target: str) -> dict[str, int]:
+    """Ready worker id -> its pid, from Admin."""
+    state = admin_pb2_grpc.AdminStub(grpc.insecure_channel(target)).GetClusterState(
+        admin_pb2.GetClusterStateRequest(), timeout=10)
+    return {w.id: w.pid for p in state.pools for w in p.workers if w.state == admin_pb2.WORKER_STATE_READY}
+
+
 def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
     """The detached controller is restarted by Ray and adopts its detached pools: the streams in
     flight never leave their decode worker (no migration, token-exact), the restarted controller
@@ -175,11 +189,7 @@ def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
     try:
         target = f"127.0.0.1:{port}"
         _serving(target, 240, up)
-        admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(target))
-
-        def workers():
-            state = admin.GetClusterState(admin_pb2.GetClusterStateRequest(), timeout=10)
-            return {w.id: w.pid for p in state.pools for w in p.workers if w.state == admin_pb2.WORKER_STATE_READY}
+        workers = lambda: _ready_workers(target)  # noqa: E731
         before = workers()
         assert set(before) == {"prefill-0", "decode-0"}, before
         reqs = [{"prompt": f"controller crash {i}", "max_tokens": 1200, "ignore_eos": True} for i in range(3)]
@@ -211,10 +221,7 @@ def test_a_controller_killed_under_traffic_fails_no_request(ray_head):
             t.join(240)
         assert [out[i] for i in range(len(reqs))] == ref, out
         assert _controller_pid() != pid       # Ray restarted it
-        deadline = time.monotonic() + 60      # ... which adopted the same worker processes
-        while workers() != before:
-            assert time.monotonic() < deadline, (workers(), before)
-            time.sleep(0.5)
+        _until(lambda: workers() == before, 60)       # ... which adopted the same worker processes
         after = stub.Generate(pb.GenerateRequest(prompt="after the restart", sampling=pb.SamplingParams(
             max_tokens=8, ignore_eos=True)), timeout=60)
         assert sum(len(r.token_ids) for r in after) == 8      # prefilled remotely, as before

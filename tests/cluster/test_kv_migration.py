@@ -1,6 +1,6 @@
 """KV-preserving migration on a real cluster (real Ray, controller, gRPC router, KV over gloo; the
-tiny random model on CPU): draining a decode worker that runs three streams moves them to the
-other decode worker with their KV. The streams never see an error, a gap or a duplicate; greedy
+tiny random model on CPU): of a decode worker running three streams, `tandem move-sequences` moves
+one to the other decode worker with its KV, and draining it moves the others. The streams never see an error, a gap or a duplicate; greedy
 output is token-exact and seeded sampling continues with the same draws (both against the offline
 engine); the receiving worker recomputes nothing; the counters say what moved; no KV block is left
 held."""
@@ -13,6 +13,7 @@ import time
 
 import ray
 
+from tandem.cluster.cli import main
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.protos.tandem.v1 import admin_pb2
@@ -56,7 +57,7 @@ def _wait(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_drain_moves_three_running_streams_with_their_kv(make_cluster, capsys):
+def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluster, capsys):
     c = make_cluster(CLUSTER)
     ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=512))).generate(
         [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sp} for p, sp in REQUESTS])
@@ -76,7 +77,12 @@ def test_drain_moves_three_running_streams_with_their_kv(make_cluster, capsys):
     on_source = stats[source].running
     before = [len(s.ids) for s in streams]
     handle = ray.get_actor(f"{c.cluster.namespace}:{source}", namespace=c.cluster.namespace)
-    ray.get(c.cluster.controller.drain_worker.remote(source), timeout=10)
+    # first one sequence moves off the hot worker (the operator's `tandem move-sequences`) ...
+    assert main(["move-sequences", "--target", c.target, source, "--count", "1"]) == 0
+    assert f"{source}: 1 running sequence(s) paused to move" in capsys.readouterr().out
+    _wait(lambda: c.worker_stats()[target].sequences_migrated_in == 1, 30, "the first move")
+    # ... then the drain moves the others
+    c.admin.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id=source), timeout=10)
     # the drained worker is stopped once it holds nothing: read its counters while it is there
     moved = None
     while moved is None or moved.kv_blocks_used or moved.sequences_migrated < on_source:

@@ -47,8 +47,12 @@ class FakeMember:
             return self.health
         return dataclasses.replace(self.health, sent_at=now - self.answer_lag_s)
 
-    def drain(self) -> None:
-        self.draining = True
+    def drain(self, move: bool = True) -> None:
+        self.draining, self.move = True, move
+
+    def move_out(self, count: int | None) -> int:
+        self.moved = count
+        return 2 if count is None else min(2, count)
 
     def set_role(self, role: str) -> None:
         self.role = role

@@ -26,9 +26,9 @@ class _Method:
     def __init__(self, fn):
         self.fn = fn
 
-    async def remote(self, *args):
+    async def remote(self, *args, **kw):
         try:
-            return self.fn(*args)
+            return self.fn(*args, **kw)
         except Exception as e:
             tb = "".join(traceback.format_exception(e))
             raise ray.exceptions.RayTaskError(self.fn.__name__, tb, e, proctitle="controller", pid=1,
@@ -43,13 +43,17 @@ class FakeController:
         self.drain_worker = _Method(pools.drain_worker)
         self.set_pool_bounds = _Method(pools.set_bounds)
         self.set_role = _Method(pools.set_role)
+        self.move_sequences = _Method(pools.move_sequences)
 
 
 def call_admin(method: str, request):
     """One Admin call through a real server; returns the answer or the grpc error."""
     pools, _, _ = make_pools()
     pools.check()
+    return call_admin_on(pools, method, request)
 
+
+def call_admin_on(pools, method: str, request):
     async def main():
         server = grpc.aio.server()
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(FakeController(pools)), server)
@@ -87,7 +91,9 @@ def test_each_controller_refusal_has_one_status_code_in_the_routers_table(error,
      "bounds must satisfy 0 <= min <= max, got min=3 max=1"),
     ("SetWorkerRole", admin_pb2.SetWorkerRoleRequest(worker_id="decode-0", role="both"),
      grpc.StatusCode.INVALID_ARGUMENT, "unknown role 'both'"),
-], ids=["unknown-worker", "unknown-pool", "bad-bounds", "bad-role"])
+    ("MoveSequences", admin_pb2.MoveSequencesRequest(worker_id="decode-9"), grpc.StatusCode.NOT_FOUND,
+     "unknown worker 'decode-9'"),
+], ids=["unknown-worker", "unknown-pool", "bad-bounds", "bad-role", "move-unknown-worker"])
 def test_each_controller_refusal_reaches_an_admin_client_as_its_status_code(method, request_, code, needle):
     err = call_admin(method, request_)
     assert isinstance(err, grpc.aio.AioRpcError), err
@@ -118,3 +124,16 @@ def test_a_role_change_through_admin_shows_in_the_workers_role_and_the_role_chan
                                                                         "lent to decode")
     w = call_admin("SetWorkerRole", admin_pb2.SetWorkerRoleRequest(worker_id="decode-1", role="mixed", reason="r"))
     assert (w.id, w.pool, w.role, w.state) == ("decode-1", "decode", "mixed", admin_pb2.WORKER_STATE_READY)
+
+
+def test_move_sequences_and_drain_reach_the_worker_with_what_the_operator_asked():
+    pools, fleet, _ = make_pools()
+    pools.check()
+    assert call_admin_on(pools, "MoveSequences", admin_pb2.MoveSequencesRequest(worker_id="decode-0", count=1)).paused == 1
+    assert fleet.members["decode-0"].moved == 1
+    assert call_admin_on(pools, "MoveSequences", admin_pb2.MoveSequencesRequest(worker_id="decode-0")).paused == 2
+    assert fleet.members["decode-0"].moved is None                      # 0: all of them
+    call_admin_on(pools, "DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="decode-1", finish_in_place=True))
+    assert fleet.members["decode-1"].draining and not fleet.members["decode-1"].move
+    err = call_admin_on(pools, "MoveSequences", admin_pb2.MoveSequencesRequest(worker_id="decode-1"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE          # not ready: nothing to move there

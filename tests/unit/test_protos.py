@@ -67,7 +67,7 @@ def test_service_names_are_the_contract():
     methods = generation.methods_by_name
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {
-        "GetClusterState", "SetPoolBounds", "DrainWorker", "SetWorkerRole"}
+        "GetClusterState", "SetPoolBounds", "DrainWorker", "SetWorkerRole", "MoveSequences"}
     assert hasattr(generation_pb2_grpc, "GenerationStub") and hasattr(admin_pb2_grpc, "AdminStub")
 
 

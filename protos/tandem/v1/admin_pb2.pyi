@@ -140,10 +140,26 @@ class SetPoolBoundsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "finish_in_place")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    finish_in_place: bool
+    def __init__(self, worker_id: _Optional[str] = ..., finish_in_place: _Optional[bool] = ...) -> None: ...
+
+class MoveSequencesRequest(_message.Message):
+    __slots__ = ("worker_id", "count")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    count: int
+    def __init__(self, worker_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class MoveSequencesResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: int
+    def __init__(self, paused: _Optional[int] = ...) -> None: ...
 
 class SetWorkerRoleRequest(_message.Message):
     __slots__ = ("worker_id", "role", "reason")

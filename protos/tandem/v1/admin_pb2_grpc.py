@@ -56,6 +56,11 @@ class AdminStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
                 _registered_method=True)
+        self.MoveSequences = channel.unary_unary(
+                '/tandem.v1.Admin/MoveSequences',
+                request_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -78,8 +83,10 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DrainWorker(self, request, context):
-        """Stops new admissions to a worker; its in-flight requests finish, then it exits.
-        NOT_FOUND for an unknown worker. Returns at once, with the worker's state.
+        """Stops new admissions to a worker; its running sequences move to other decode workers with
+        their KV where those have room (unless `finish_in_place`), the rest of its in-flight requests
+        finish there, then it exits. NOT_FOUND for an unknown worker. Returns at once, with the
+        worker's state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +97,16 @@ class AdminServicer:
         KV cache kept; new work of a dropped role goes elsewhere, its work in flight finishes. Logged
         with the reason. NOT_FOUND for an unknown worker, INVALID_ARGUMENT for an unknown role,
         UNAVAILABLE for a worker that is not ready. Returns the worker after the change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveSequences(self, request, context):
+        """Moves up to `count` (0: all) of a ready worker's running sequences to other decode workers
+        with their KV, no recompute (to cool a hot worker); a sequence no other worker has room for
+        stays. NOT_FOUND for an unknown worker, UNAVAILABLE for one that is not ready. Returns how
+        many it paused to move (their routers move them within milliseconds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +134,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.SetWorkerRole,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.SerializeToString,
+            ),
+            'MoveSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveSequences,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +250,33 @@ class Admin:
             '/tandem.v1.Admin/SetWorkerRole',
             protos_dot_tandem_dot_v1_dot_admin__pb2.SetWorkerRoleRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_admin__pb2.Worker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/MoveSequences',
+            protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_admin__pb2.MoveSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
