@@ -6,5 +6,5 @@ set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-TAIL=40 step gpu_tests ${TEST_LIMIT:-240} bash bench/gpu_tests.sh tests/gpu/test_fp8_gpu.py
+TAIL=40 step gpu_tests ${TEST_LIMIT:-240} bash bench/gpu_tests.sh tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py -k "fp8 or capture_while"
 cd bench && timeout ${BENCH_LIMIT:-420} python3 fp8_gpu.py --out "$OUT" ${SKIP:+--skip $SKIP} 2>&1 | tee "$OUT/fp8_gpu.log" | grep -v "^# config"

@@ -1,5 +1,6 @@
 """Weight-only FP8 GEMM: out[M, N] = x[M, K] @ dequant(w[N, K])^T (+ bias), for the small-M
-(decode) steps where `torch._scaled_mm` loses to bf16 (issue 24's table).
+(decode) steps where `torch._scaled_mm` loses to bf16 (issue 24's table); and `quantize_rows`,
+the per-token activation quantization `_scaled_mm` needs, in one kernel.
 
 The activations stay in their dtype (bf16/fp16/fp32); each [BLOCK_K, BLOCK_N] tile of the e4m3
 weight is read once (half the bytes of bf16), widened to the activation dtype in registers (exact:
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from tandem.engine.kernels.validate import FLOAT_DTYPES, require_runnable, require_same, require_tensor
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
+                                            require_tensor)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -138,3 +140,33 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
+                          MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor, min_scale: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] float8_e4m3fn, scale [M, 1] float32): each row's largest |value|
+    maps to 448 (engine.quant.fp8.quantize_fp8's rule, per token), x ~= q * scale."""
+    require_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    require_runnable(x, _quantize_rows_kernel)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = next_power_of_2(k)
+    _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k,
+                                FP8_MAX=float(torch.finfo(FP8_DTYPE).max), MIN_SCALE=min_scale, BLOCK=block,
+                                num_warps=min(16, max(1, block // 1024)))
+    return q, scale

@@ -54,16 +54,23 @@ def expand_block_scale(scale_inv: torch.Tensor, n: int, block_n: int) -> torch.T
     return scale_inv.float().repeat_interleave(block_n, dim=0)[:n].contiguous()
 
 
-def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # x [M, K] -> (fp8 [M, K], scale [M, 1] fp32): per token, on the device, no host sync
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], scale [M, 1] fp32): per token (the reference of
+    engine.kernels.fp8_gemm.quantize_rows)."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16/fp16 through torch._scaled_mm: rowwise scales (tokens x channels)."""
-    xq, xs = _quantize_tokens(x)
+    """x [M, K] bf16/fp16 through torch._scaled_mm: rowwise scales (tokens x channels), the
+    activations quantized per token by one Triton kernel (on CUDA) or plain torch."""
+    if x.device.type == "cuda" and triton_available():
+        from tandem.engine.kernels.fp8_gemm import quantize_rows  # noqa: PLC0415 (triton loads only where kernels run)
+
+        xq, xs = quantize_rows(x, _MIN_SCALE)
+    else:
+        xq, xs = quantize_tokens(x)
     out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out if bias is None else out + bias
 

@@ -43,6 +43,15 @@ def test_fp8_gemm_matches_torch_on_gpu(m, n, k, group_k):
     assert rel_err(out32, torch_linear(x.double(), q, scale.double(), None, group_k)) < 1e-5
 
 
+def test_quantize_rows_is_exactly_the_torch_rule():
+    from tandem.engine.kernels.fp8_gemm import quantize_rows
+
+    x = torch.randn(300, 14336, device="cuda").bfloat16()
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = fp8_quant.quantize_tokens(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("m", [64, 256])
 def test_scaled_mm_path_close_to_reference(m):
     x = torch.randn(m, 4096, device="cuda").bfloat16()
