@@ -14,7 +14,10 @@ sequences without recomputing them; the receiving side is an ordinary remote-pre
    recompute, as after any failure.
 3. Or no other decode actor can take it now: the router calls `resume` and the sequence continues
    here (and is not paused again).
-While `draining` is set every sequence is paused as soon as it decodes.
+While `draining` is set every sequence is paused as soon as it decodes. Before the engine would
+have to preempt a sequence for lack of KV blocks (and recompute it later), the youngest running
+one is paused to move instead (`relieve`), once per sequence: a sequence that moved in, or that
+its router resumed, is never paused for pressure again.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ class SequenceMoves:
         self._sending: dict[str, DecodeRequest] = {}   # transfer id -> the record whose KV it carries
         self._released: list[str] = []                 # sends the sender let go of, not handled yet
         self._stay: set[str] = set()                   # resumed here: never paused again
-        self.counters = {"sequences_migrated": 0, "kv_tokens_migrated": 0, "migrations_resumed": 0}
+        self.relieve = True      # move the youngest sequence out before a preemption would recompute it
+        self._moved_in: set[str] = set()               # arrived with their KV: not paused for pressure
+        self._pressured: set[str] = set()              # paused for pressure once: not again
+        self.counters = {"sequences_migrated": 0, "kv_tokens_migrated": 0, "migrations_resumed": 0,
+                         "pressure_moves": 0}
 
     # ---- on the loop thread ------------------------------------------------------------------
     def pause(self, request_id: str) -> bool:
@@ -123,10 +130,30 @@ class SequenceMoves:
             rec.state = DecodeState.GONE
             self.w.engine.drop_paused(rec.request)
             self.w.forget(rec)
-        if self._stay:
-            self._stay &= self.w.requests.keys()
+        if self._stay or self._moved_in or self._pressured:
+            live = self.w.requests.keys()
+            self._stay &= live
+            self._moved_in &= live
+            self._pressured &= live
         if self.draining:
             self.pause_some()
+        elif self.relieve:
+            self._relieve()
+
+    def moved_in(self, request_id: str) -> None:
+        self._moved_in.add(request_id)
+
+    def _relieve(self) -> None:
+        """Fewer free KV blocks than running sequences: the next steps may need one each, and the
+        engine would preempt the youngest (recomputing it later); pause it to move instead."""
+        e = self.w.engine
+        running = e.scheduler.running
+        if len(running) < 2 or e.allocator.num_free_blocks >= len(running):
+            return
+        rid = running[-1].request_id
+        if rid not in self._moved_in and rid not in self._pressured and self.pause(rid):
+            self._pressured.add(rid)
+            self.counters["pressure_moves"] += 1
 
     def holding(self) -> int:
         """Sequences paused or sending: out of the batch, their blocks still held here."""

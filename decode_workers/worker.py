@@ -211,6 +211,7 @@ class DecodeWorker:
         self.outboxes.seen(r.router_id)
         self.counters["requests"] += 1
         self.counters["sequences_migrated_in"] += 1
+        self.moves.moved_in(r.request_id)
         return self._reserve_remote(rec, r, cached)
 
     def _reserve_remote(self, rec: DecodeRequest, r: DecodeReserve, cached: int) -> DecodePlan:

@@ -92,6 +92,7 @@ class WorkerStats:
     kv_tokens_migrated: int = 0        # ... the KV positions sent for them
     sequences_migrated_in: int = 0     # taken from another decode worker with their KV
     migrations_resumed: int = 0        # paused to move, then resumed here (nowhere could take them)
+    pressure_moves: int = 0            # paused to move because the KV cache was about to preempt one
     tokens_recomputed: int = 0         # prompt positions of moved-by-recompute requests computed again
     # ---- start-up and compilation -----------------------------------------------------------
     warmup_s: float = 0.0

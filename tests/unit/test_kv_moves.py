@@ -153,3 +153,33 @@ def test_a_send_whose_link_dies_fails_the_receiver_and_frees_both_sides(net, a, 
     assert "KV transfer" in msgs[-1].error      # the router moves it on by recompute
     until(lambda: a.kv_blocks_used() == 0 and b.kv_blocks_used() == 0)
     until(lambda: a.held() == {} and b.held() == {})
+
+
+def test_before_the_engine_would_preempt_the_youngest_sequence_moves_out_instead(net, b):
+    tight = create_pool_worker(net, "a", "decode", engine=create_engine(num_blocks=8))
+    try:
+        sp = SamplingParams(max_tokens=60, ignore_eos=True)       # 11 + 60 tokens: 5 blocks each at the end
+        tight.reserve(DecodeReserve("old/1", "router", PROMPT, sp))
+        tight.reserve(DecodeReserve("young/1", "router", PROMPT, sp))
+        out: dict[str, list[int]] = {"old/1": [], "young/1": []}
+        paused = None
+
+        def poll() -> bool:
+            nonlocal paused
+            for m in tight.decode.get_outputs("router", timeout_s=0.05):
+                if isinstance(m, StepOutput):
+                    out[m.request_id] += m.token_ids
+                elif isinstance(m, SequencePaused):
+                    paused = m
+            return paused is not None
+        until(poll, 20)
+        assert paused.request_id == "young/1"          # the scheduler's victim would have been the youngest
+        move(tight, b, out["young/1"], paused, sp, rid="young/2")
+        rest, _ = collect(b, lambda m: isinstance(m, StepOutput) and m.finished)
+        until(lambda: poll() or len(out["old/1"]) == 60)
+        ref = create_engine().generate([{"prompt_token_ids": PROMPT, **dataclasses.asdict(sp)}])[0]["token_ids"]
+        assert out["old/1"] == ref and out["young/1"] + rest == ref
+        assert tight.engine.stats.preemptions == 0 and tight.stats().pressure_moves == 1
+        until(lambda: tight.kv_blocks_used() == 0 and b.kv_blocks_used() == 0)
+    finally:
+        tight.shutdown()
