@@ -16,6 +16,7 @@ import ray
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
+from tandem.wire.errors import ConfigError
 from tandem.workers.tp_ranks import TPRanks
 from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, FirstTokenReady, Output, PrefillReservation, \
     PrefillReserve, PrefillResult
@@ -68,7 +69,16 @@ class WorkerActor(PoolActorBase):
     @ray.method(concurrency_group="health")
     def set_role(self, role: str) -> str:
         """"prefill" | "decode" | "mixed", at once (no step waits); returns the role it had."""
+        if self.ranks is not None and role != "decode":
+            raise ConfigError(f"{self.worker_id} is tensor-parallel: role {role!r} would send its KV to other "
+                              "workers, which is not implemented for tensor-parallel workers (decode only)")
         return self.worker.set_role(role)
+
+    @ray.method(concurrency_group="health")
+    def set_draining(self, draining: bool = True, move: bool = True):
+        # a tensor-parallel worker's KV is spread over its ranks, and moving it is not built yet:
+        # its sequences finish here
+        return super().set_draining(draining, move=move and self.ranks is None)
 
     @ray.method(concurrency_group="health")
     def set_rendezvous(self, address: str) -> None:
@@ -99,7 +109,7 @@ class WorkerActor(PoolActorBase):
         return self.worker.decode.send_prefix(spec)
 
     def move_out(self, *, count: int | None = None) -> int:
-        return self.worker.decode.move_out(count)
+        return 0 if self.ranks is not None else self.worker.decode.move_out(count)  # TP: see set_draining
 
     def send_kv(self, *, request_id: str, spec, first_block: int = 0) -> None:
         return self.worker.decode.send_kv(request_id, spec, first_block)

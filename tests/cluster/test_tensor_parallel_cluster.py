@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import ray
 
 from tandem.engine.config import CacheConfig, EngineConfig
@@ -31,6 +32,11 @@ def test_tp2_decode_worker_over_grpc(make_cluster):
     assert stats["decode-0"].kv_blocks_total == 256
     pgs = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
     assert any(len(pg["bundles"]) == 2 for pg in pgs), "the worker's two ranks share one placement group"
+    # its KV is spread over its ranks: nothing may send it to another worker (not built yet)
+    worker = ray.get_actor(f"{c.cluster.namespace}:decode-0", namespace=c.cluster.namespace)
+    with pytest.raises(ray.exceptions.RayTaskError, match="is tensor-parallel: role 'mixed'"):
+        ray.get(worker.set_role.remote("mixed"), timeout=30)
+    assert ray.get(worker.move_out.remote(count=None), timeout=30) == 0
 
 
 def test_a_rank_killed_mid_step_fails_its_worker_and_the_streams_move(make_cluster):
