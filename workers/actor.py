@@ -46,6 +46,8 @@ class WorkerActor(PoolActorBase):
         self.connector = DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
         self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
                                  local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup)
+        if self.ranks is not None:  # its KV is spread over its ranks: never paused to move (see set_draining)
+            self.worker.decode.moves.relieve = False
         after_startup()
 
     def _rank_lost(self, why: str) -> None:
