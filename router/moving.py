@@ -58,9 +58,10 @@ async def move_with_kv(placer: Placer, flow: RequestFlow, att: Attempt, paused: 
         placer.forget(rid)
         placer.in_background(new.decode.abort.remote(rid))
         raise
-    new.marks["moved"] = time.perf_counter()
-    log.info("moved %s from %s to %s with the KV of %d positions (%d cached there) in %.1f ms", flow.request_id,
-             att.decode_id, new.decode_id, plan.num_tokens, plan.cached_tokens, 1e3 * (time.perf_counter() - t0))
+    t2 = new.marks["moved"] = time.perf_counter()
+    log.info("moved %s from %s to %s with the KV of %d positions (%d cached there): reserved in %.1f ms, "
+             "sending after %.1f ms", flow.request_id, att.decode_id, new.decode_id, plan.num_tokens,
+             plan.cached_tokens, 1e3 * (new.marks["reserved"] - t0), 1e3 * (t2 - t0))
     return new
 
 
@@ -82,5 +83,7 @@ async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, id
             log.debug("%s cannot take %s: %s", decode_id, flow.request_id, e)
             tried.add(decode_id)
             continue
-        return Attempt(rid, decode_id, decode, transfer_id=f"{rid}#move", mode="moved"), plan
+        new = Attempt(rid, decode_id, decode, transfer_id=f"{rid}#move", mode="moved")
+        new.marks["reserved"] = time.perf_counter()
+        return new, plan
 

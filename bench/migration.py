@@ -1,0 +1,133 @@
+"""The pause a running stream sees when it moves to another decode worker with its KV
+(KV-preserving migration), on a real local cluster: one prefill and two decode workers, streams
+decoding on one of them, then `MoveSequences` one at a time (the first move over a decode pair
+makes its KV link, the later ones reuse it), then a drain that moves the rest at once.
+
+For each move: the stream's longest gap between responses (the pause), its median gap (one decode
+step of the batch), the KV positions moved, and pause / (2 steps + transfer), where the transfer is
+what the receiving worker timed from registering the receive to the KV landing. The issue's aim is
+a pause of at most two decode steps plus the transfer.
+
+    python bench/migration.py                           # tiny-random, 4 streams, 600 tokens each
+    python bench/migration.py --model smollm2-135m --streams 4 --max-tokens 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.cluster.local import RunningCluster  # noqa: E402
+from tandem.protos.tandem.v1 import admin_pb2  # noqa: E402
+from tandem.protos.tandem.v1 import generation_pb2 as pb  # noqa: E402
+
+
+class Stream(threading.Thread):
+    def __init__(self, c: RunningCluster, i: int, max_tokens: int):
+        super().__init__(daemon=True)
+        self.c, self.i, self.max_tokens = c, i, max_tokens
+        self.times: list[float] = []
+        self.tokens = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        req = pb.GenerateRequest(prompt=f"stream {self.i}: " + " ".join(f"w{(self.i * 13 + k) % 89}" for k in range(40)),
+                                 sampling=pb.SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
+        try:
+            for r in self.c.stub.Generate(req, timeout=600):
+                self.tokens += len(r.token_ids)
+                self.times.append(time.perf_counter())
+        except Exception as e:  # noqa: BLE001 - reported
+            self.error = repr(e)
+
+    def gaps_since(self, t0: float) -> list[float]:
+        ts = [t for t in self.times if t >= t0]
+        return [b - a for a, b in zip(ts, ts[1:])]
+
+
+def _wait(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("timed out")
+        time.sleep(0.02)
+
+
+def _transfer_s(c: RunningCluster, wid: str) -> tuple[int, float]:
+    s = c.worker_stats()[wid]
+    return s.kv_transfer_count, s.kv_transfer_seconds
+
+
+def measure_move(c: RunningCluster, streams: list[Stream], source: str, target: str, label: str) -> dict:
+    before = {s.i: len(s.times) for s in streams}
+    n0, sec0 = _transfer_s(c, target)
+    moved_in0 = c.worker_stats()[target].sequences_migrated_in
+    t0 = time.perf_counter()
+    paused = c.admin.MoveSequences(admin_pb2.MoveSequencesRequest(worker_id=source, count=1), timeout=30).paused
+    _wait(lambda: c.worker_stats()[target].sequences_migrated_in > moved_in0, 60)
+    time.sleep(0.5)                       # a few steps after the move
+    n1, sec1 = _transfer_s(c, target)
+    transfer = (sec1 - sec0) / max(1, n1 - n0)
+    rows = []
+    for s in streams:
+        gaps = [b - a for a, b in zip(s.times[before[s.i]:], s.times[before[s.i] + 1:])]
+        if gaps:
+            rows.append((max(gaps), statistics.median(s.gaps_since(t0 - 2.0) or gaps), s.i))
+    pause, step, i = max(rows)
+    return {"move": label, "paused": paused, "stream": i, "pause_ms": 1e3 * pause, "step_ms": 1e3 * step,
+            "transfer_ms": 1e3 * transfer, "pause_over_aim": pause / (2 * step + transfer)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-random")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=600)
+    ap.add_argument("--out", default=None, help="JSON results here")
+    args = ap.parse_args(argv)
+    ray.init(num_cpus=8, resources={"tandem_prefill": 64, "tandem_decode": 64}, include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    c = RunningCluster({"model.name": args.model, "cache.num_blocks": 1024, "decode.local_prefill_threshold": 10_000,
+                        "prefill.replicas": 1, "decode.replicas": 2})
+    try:
+        # every stream on decode-0: decode-1 serves prefill only while they start
+        ray.get(c.cluster.controller.set_role.remote("decode-1", "prefill", "bench: keep new streams off"), timeout=10)
+        time.sleep(0.6)
+        streams = [Stream(c, i, args.max_tokens) for i in range(args.streams)]
+        for s in streams:
+            s.start()
+        _wait(lambda: all(s.tokens >= 30 for s in streams), 120)
+        ray.get(c.cluster.controller.set_role.remote("decode-1", "decode", "bench: the target"), timeout=10)
+        time.sleep(0.6)
+        rows = [measure_move(c, streams, "decode-0", "decode-1", "first (new link)")]
+        for k in range(1, args.streams - 1):
+            rows.append(measure_move(c, streams, "decode-0", "decode-1", f"move {k + 1} (link made)"))
+        for s in streams:
+            s.join(600)
+        errors = [s.error for s in streams if s.error]
+    finally:
+        c.close()
+        ray.shutdown()
+    print(f"\nKV-preserving moves, {args.model}, {args.streams} streams of {args.max_tokens} tokens, "
+          f"decode-0 -> decode-1 (CPU, gloo)")
+    print("| move | pause ms | step ms | transfer ms | pause / (2 steps + transfer) |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['move']} | {r['pause_ms']:.1f} | {r['step_ms']:.2f} | {r['transfer_ms']:.1f} | "
+              f"{r['pause_over_aim']:.2f} |")
+    print(f"errors: {errors or 'none'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "errors": errors}, indent=1))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
