@@ -50,6 +50,9 @@ CANDIDATES = {
     64: [(64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 64, 64, 4, 5), (64, 32, 128, 4, 4)],
     256: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 256, 64, 8, 3)],
 }
+# one token: the CUDA-core kernel, (block_n, block_k, num_warps, num_stages)
+GEMV = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3),
+        (8, 1024, 4, 2), (64, 128, 4, 4), (4, 1024, 4, 3), (32, 128, 4, 4), (16, 512, 8, 4), (8, 256, 2, 4)]
 
 
 class FP8Bench(Bench):
@@ -77,24 +80,29 @@ class FP8Bench(Bench):
         return self.gpu_ms(graph.replay, reps=10) / len(copies) * 1e3
 
     def shapes(self):
+        """name -> (N, K, token counts swept): llama3-8b's projections, then llama3-70b's."""
         if self.dry:
-            return {"qkv": (128, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}
-        return {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+            return {"qkv": (128, 64, (1, 2)), "o": (64, 64, (1, 2)), "70b-down": (64, 256, (1,))}
+        return {"qkv": (6144, 4096, M_SWEEP), "o": (4096, 4096, M_SWEEP), "gate_up": (28672, 4096, M_SWEEP),
+                "down": (4096, 14336, M_SWEEP), "70b-qkv": (10240, 8192, (1, 16, 64)),
+                "70b-o": (8192, 8192, (1, 16, 64)), "70b-gate_up": (57344, 8192, (1, 16, 64)),
+                "70b-down": (8192, 28672, (1, 16, 64))}
 
     def kernels(self):
         rows = self.results["kernels"] = []
         best = self.results["tuned"] = {}
-        for name, (n, k) in self.shapes().items():
+        for name, (n, k, ms) in self.shapes().items():
             w = torch.randn(n, k, device=self.dev, dtype=torch.bfloat16) * k ** -0.5
             ncopy = 2 if self.dry else max(2, int(2**29 // (n * k)))  # >= 512 MB of FP8 (bf16: 1 GB)
             bf = [w] + [torch.randn_like(w) for _ in range(ncopy - 1)]
             q8 = [fp8_quant.quantize_fp8(c) for c in bf]
-            for m in (M_SWEEP[:3] if self.dry else M_SWEEP):
+            for m in ms:
                 x = torch.randn(m, k, device=self.dev, dtype=torch.bfloat16)
                 r = {"weight": name, "n": n, "k": k, "m": m,
                      "bf16_us": self._graph_us(lambda c: F.linear(x, c), bf)}
-                r["triton_us"], cfg = self._best_triton(x, q8, m, n, k)
+                r["triton_us"], cfg, tried = self._best_triton(x, q8, m, n, k)
                 best.setdefault(name, {})[m] = cfg
+                self.results.setdefault("sweep", {}).setdefault(name, {})[m] = tried
                 if not self.dry:
                     r["scaled_mm_us"] = self._graph_us(lambda c: fp8_quant.scaled_mm_linear(x, c[0], c[1], None), q8)
                 r["fp8_bytes_gbs"] = n * k / r["triton_us"] / 1e3
@@ -108,9 +116,12 @@ class FP8Bench(Bench):
         """(us, config) of the fastest candidate tile config (and the committed heuristic's) at M = m."""
         bucket = next(b for b in sorted(CANDIDATES) if m <= b or b == max(CANDIDATES))
         cands = [fp8_kernel.GemmConfig(*c) for c in CANDIDATES[bucket]]
+        if m == 1:
+            cands += [fp8_kernel.GemmConfig(1, *c, gemv=True) for c in GEMV]
         cands.append(fp8_kernel.choose_config(m, n, k, 0))
         if self.dry:
-            cands = [fp8_kernel.GemmConfig(16, 16, 32, 4, 2)]
+            cands = [fp8_kernel.GemmConfig(16, 16, 32, 4, 2)] + ([fp8_kernel.GemmConfig(1, 16, 32, gemv=True)]
+                                                                 if m == 1 else [])
         out = []
         for cfg in dict.fromkeys(cands):
             try:
@@ -119,14 +130,15 @@ class FP8Bench(Bench):
                 print(f"# config {cfg} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
             out.append((us, cfg))
-        return min(out, key=lambda t: t[0])
+        us, cfg = min(out, key=lambda t: t[0])
+        return us, cfg, sorted((round(u, 2), str(c)) for u, c in out)
 
     def _pick_crossover(self, rows):
         """Tuned tiles for the rest of the run, and the token count from which _scaled_mm wins."""
         tuned = self.results["tuned"]
 
         def choose(m, n, k, group_k):
-            for name, (nn_, kk) in self.shapes().items():
+            for name, (nn_, kk, _) in self.shapes().items():
                 if (nn_, kk) == (n, k) and not group_k:
                     ms = sorted(tuned[name])
                     return tuned[name][next((b for b in ms if m <= b), ms[-1])]
@@ -136,7 +148,7 @@ class FP8Bench(Bench):
         if self.dry:
             return
         by_m = {}
-        for r in rows:
+        for r in (r for r in rows if not r["weight"].startswith("70b")):
             t, s = by_m.get(r["m"], (0.0, 0.0))
             by_m[r["m"]] = (t + r["triton_us"], s + r["scaled_mm_us"])
         wins = [m for m, (t, s) in sorted(by_m.items()) if s < t]

@@ -72,6 +72,38 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    N, K,
+    stride_wn, stride_sn,
+    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # one token: no tensor cores, no shared memory. Each program streams BLOCK_N weight rows (16-byte
+    # loads along K), widens them to fp32 in registers and reduces against x on the CUDA cores.
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        k_mask = ks < K
+        x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], axis=1)
+        if GROUP_K == 0:
+            acc += part
+        else:
+            acc += part * tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+    if GROUP_K == 0:
+        acc *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int
@@ -79,6 +111,7 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    gemv: bool = False  # one token: the CUDA-core kernel (block_m unused)
 
 
 def choose_config(m: int, n: int, k: int, group_k: int) -> GemmConfig:
@@ -130,6 +163,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     cfg = config or choose_config(m, n, k, group_k)
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
+    if cfg.gemv and m == 1:
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, scale, bias if bias is not None else scale, out, n, k, weight.stride(0), scale.stride(0),
+            GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k,

@@ -34,6 +34,7 @@ from tandem.engine.kernels.fp8_gemm import GemmConfig, fp8_gemm, quantize_rows  
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemmConfig(16, 16, 32, num_warps=4, num_stages=2)  # tiny tiles: the interpreter is slow
+GEMV = GemmConfig(1, 16, 32, gemv=True)  # the one-token kernel
 
 
 def rel_err(out, ref):
@@ -62,7 +63,8 @@ def test_dequantize_block_scales():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,group_k,bias", [(1, 48, 160, 0, False), (5, 40, 96, 0, True),
-                                                (3, 48, 160, 128, True), (20, 33, 64, 32, False)])
+                                                (3, 48, 160, 128, True), (20, 33, 64, 32, False),
+                                                (1, 33, 96, 32, True)])
 def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
     gen = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
@@ -71,10 +73,11 @@ def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
         scale = torch.rand(n, -(-k // group_k), generator=gen) + 0.5
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
     q, scale = q.to(DEVICE), scale.to(DEVICE)
-    out = fp8_gemm(x, q, scale, b, group_k=group_k, config=SMALL)
     ref = torch_linear(x.double(), q, scale.double(), None if b is None else b.double(), group_k)
-    assert out.dtype == dtype and out.shape == (m, n)
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    for cfg in (SMALL, GEMV) if m == 1 else (SMALL,):
+        out = fp8_gemm(x, q, scale, b, group_k=group_k, config=cfg)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), cfg
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

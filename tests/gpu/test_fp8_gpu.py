@@ -8,6 +8,8 @@ Bounds: the kernel in bf16 against a float64 reference on the same FP8 weights i
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def rel_err(out, ref):
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 200])
 @pytest.mark.parametrize("n,k,group_k", [(6144, 4096, 0), (4096, 14336, 0), (1536, 576, 0), (2048, 1024, 128)])
 def test_fp8_gemm_matches_torch_on_gpu(m, n, k, group_k):
-    from tandem.engine.kernels.fp8_gemm import fp8_gemm
+    from tandem.engine.kernels.fp8_gemm import GemmConfig, fp8_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
@@ -36,9 +38,9 @@ def test_fp8_gemm_matches_torch_on_gpu(m, n, k, group_k):
     if group_k:
         scale = torch.rand(n, k // group_k, device="cuda", generator=gen) + 0.5
     bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
-    out = fp8_gemm(x, q, scale, bias, group_k=group_k)
     ref = torch_linear(x.double(), q, scale.double(), bias.double(), group_k)
-    assert rel_err(out, ref) < 1e-2
+    for cfg in (None, GemmConfig(1, 16, 512, gemv=True)) if m == 1 else (None,):
+        assert rel_err(fp8_gemm(x, q, scale, bias, group_k=group_k, config=cfg), ref) < 1e-2, cfg
     out32 = fp8_gemm(x.float(), q, scale, None, group_k=group_k)  # fp32 activations: ieee dots
     assert rel_err(out32, torch_linear(x.double(), q, scale.double(), None, group_k)) < 1e-5
 
@@ -78,10 +80,11 @@ def test_quantized_engine_graphs_match_eager_and_cpu():
     path's tokens, and the CPU path's (dequantize, then matmul) on the same FP8 weights."""
     reqs = [{"prompt_token_ids": list(range(10 + i, 90 + 29 * i)), "max_tokens": 16, "ignore_eos": True}
             for i in range(5)]
+    cpu, tok, _ = load_model(MODEL, "float32", "cpu", seed=7, quantization="fp8")  # seeded draws are per device
+    gpu = copy.deepcopy(cpu).to("cuda")
+    assert gpu.layers[0].mlp.down_proj.is_fp8
     out = {}
-    for device, graphs in (("cuda", True), ("cuda", False), ("cpu", False)):
-        model, tok, _ = load_model(MODEL, "float32", device, seed=7, quantization="fp8")
-        assert model.layers[0].mlp.down_proj.is_fp8
+    for device, graphs, model in (("cuda", True, gpu), ("cuda", False, gpu), ("cpu", False, cpu)):
         e = LLMEngine(EngineConfig(model="test", device=device, cache=CacheConfig(num_blocks=256)),
                       model=model, tokenizer=tok)
         if not graphs:
@@ -89,7 +92,8 @@ def test_quantized_engine_graphs_match_eager_and_cpu():
         out[(device, graphs)] = [r["token_ids"] for r in e.generate(reqs)]
         if graphs:
             assert e.runner.graph_stats["replays"] > 0, e.runner.graph_stats
-    assert out[("cuda", True)] == out[("cuda", False)] == out[("cpu", False)]
+    assert out[("cuda", True)] == out[("cuda", False)], "graphs against eager"
+    assert out[("cuda", False)] == out[("cpu", False)], "GPU against CPU"
 
 
 def test_70b_fp8_builds_layer_by_layer_within_fp8_size():
