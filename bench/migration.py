@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.conftest; a PYTHONPATH layout wins
 
 from tandem.cluster.local import RunningCluster  # noqa: E402
 from tandem.protos.tandem.v1 import admin_pb2  # noqa: E402

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.conftest; a PYTHONPATH layout wins
 
 from tandem.cluster.local import RunningCluster  # noqa: E402
 from tandem.engine.config import CacheConfig, EngineConfig  # noqa: E402
