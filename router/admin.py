@@ -54,6 +54,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(status_code(e), client_message(e))
 
 
+_MOVE_COUNTERS = ("sequences_migrated", "kv_tokens_migrated", "sequences_migrated_in", "pressure_moves",
+                  "tokens_recomputed")
 _WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,
                  "draining": admin_pb2.WORKER_STATE_DRAINING, "dead": admin_pb2.WORKER_STATE_DEAD}
 
@@ -71,7 +73,8 @@ def cluster_state_proto(state: ClusterState) -> admin_pb2.ClusterState:
             pool.workers.add(id=w.worker_id, pool=name, pid=w.pid, node=w.node, host=w.host,
                              state=_WORKER_STATE[w.state], running_requests=s.running,
                              waiting_requests=s.waiting, kv_blocks_used=s.kv_blocks_used,
-                             kv_blocks_total=s.kv_blocks_total, role=w.role or w.pool)
+                             kv_blocks_total=s.kv_blocks_total, role=w.role or w.pool,
+                             **{k: getattr(s, k) for k in _MOVE_COUNTERS})
             totals.workers += 1
             totals.running_requests += s.running
             totals.waiting_requests += s.waiting
