@@ -56,8 +56,9 @@ GEMV = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (16, 
 
 
 class FP8Bench(Bench):
-    def __init__(self, dry: bool, out_dir: str):
+    def __init__(self, dry: bool, out_dir: str, quick: bool = False):
         super().__init__(dry, out_dir)
+        self.quick = quick  # one token only: the batch-1 kernels and decode step
         global fp8_kernel
         import tandem.engine.kernels.fp8_gemm as fp8_kernel  # noqa: PLC0415 (triton loads after main sets TRITON_INTERPRET)
 
@@ -83,6 +84,9 @@ class FP8Bench(Bench):
         """name -> (N, K, token counts swept): llama3-8b's projections, then llama3-70b's."""
         if self.dry:
             return {"qkv": (128, 64, (1, 2)), "o": (64, 64, (1, 2)), "70b-down": (64, 256, (1,))}
+        if self.quick:
+            return {"qkv": (6144, 4096, (1,)), "o": (4096, 4096, (1,)), "gate_up": (28672, 4096, (1,)),
+                    "down": (4096, 14336, (1,))}
         return {"qkv": (6144, 4096, M_SWEEP), "o": (4096, 4096, M_SWEEP), "gate_up": (28672, 4096, M_SWEEP),
                 "down": (4096, 14336, M_SWEEP), "70b-qkv": (10240, 8192, (1, 16, 64)),
                 "70b-o": (8192, 8192, (1, 16, 64)), "70b-gate_up": (57344, 8192, (1, 16, 64)),
@@ -151,6 +155,8 @@ class FP8Bench(Bench):
         for r in (r for r in rows if not r["weight"].startswith("70b")):
             t, s = by_m.get(r["m"], (0.0, 0.0))
             by_m[r["m"]] = (t + r["triton_us"], s + r["scaled_mm_us"])
+        if len(by_m) < 2:  # --quick: the committed crossover stays
+            return
         wins = [m for m, (t, s) in sorted(by_m.items()) if s < t]
         cross = wins[0] if wins and all(m in wins for m in by_m if m >= wins[0]) else max(by_m) + 1
         fp8_quant.SCALED_MM_MIN_TOKENS = cross
@@ -184,7 +190,7 @@ class FP8Bench(Bench):
     def llama8b(self):
         name = "tiny-random" if self.dry else "llama3-8b-random"
         dtype = "float32" if self.dry else "bfloat16"
-        batches, ctx = ((1, 2, 4) if self.dry else (1, 64, 256)), (64 if self.dry else 1024)
+        batches, ctx = ((1, 2, 4) if self.dry else (1,) if self.quick else (1, 64, 256)), (64 if self.dry else 1024)
         rows = self.results["decode_8b"] = []
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
             t0 = time.perf_counter()
@@ -307,13 +313,14 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,8b,quality,70b")
+    parser.add_argument("--quick", action="store_true", help="batch 1 only: the M=1 sweep and 8B decode step")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
     torch.manual_seed(0)
-    b = FP8Bench(args.dry_run, args.out)
+    b = FP8Bench(args.dry_run, args.out, args.quick)
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("8b", b.llama8b), ("quality", b.quality), ("70b", b.llama70b)):

@@ -115,16 +115,18 @@ class GemmConfig:
 
 
 def choose_config(m: int, n: int, k: int, group_k: int) -> GemmConfig:
-    """Tile shape by M. Small M is a weight stream: narrow N tiles give every SM several programs
-    (N = 4096 / 16 = 256 programs on H200's 132 SMs) and deep pipelines keep bytes in flight."""
+    """Tile shape by M (and wide N), from bench/fp8_gpu.py's sweep over llama3-8b's projections on
+    an H200 (docs/benchmarks.md). Small M is a weight stream: narrow N tiles (N = 4096 / 32 = 128
+    programs per 132 SMs, 6144 / 32 = 192) with long K tiles keep bytes in flight."""
+    wide = n >= 16384  # gate_up
     if m <= 16:
-        cfg = GemmConfig(16, 16, 256, num_warps=4, num_stages=4)
+        cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
-        cfg = GemmConfig(32, 32, 128, num_warps=4, num_stages=4)
+        cfg = GemmConfig(32, 64 if wide else 32, 128, num_warps=4, num_stages=4)
     elif m <= 64:
-        cfg = GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
+        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3) if wide else GemmConfig(64, 32, 128)
     else:
-        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3)
+        cfg = GemmConfig(128, 256, 64, num_warps=8, num_stages=3) if wide else GemmConfig(128, 64, 128)
     if group_k and group_k % cfg.block_k:
         cfg = GemmConfig(cfg.block_m, cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
     return cfg

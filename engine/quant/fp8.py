@@ -21,9 +21,10 @@ from tandem.engine.kernels import triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# tokens from which a per-channel FP8 GEMM goes to torch._scaled_mm on CUDA (bench/fp8_gpu.py
-# measures both paths per token count on the 8B projections)
-SCALED_MM_MIN_TOKENS = 64
+# tokens from which a per-channel FP8 GEMM goes to torch._scaled_mm on CUDA: bench/fp8_gpu.py on
+# an H200, the 8B projections summed: the Triton kernel 104 us at 16 tokens against 125, 158 us at
+# 32 against 120 (docs/benchmarks.md)
+SCALED_MM_MIN_TOKENS = 32
 _MIN_SCALE = 1e-12  # an all-zero row or token gets this scale instead of 0 (no 0 / 0)
 
 
