@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tandem.wire.errors import ConfigError
 
 _GROUP: TPGroup | None = None
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass
@@ -23,6 +24,11 @@ class TPGroup:
     rank: int
     world_size: int
     group: dist.ProcessGroup | None  # None only for a world of one
+    # the step messages' group: gloo on the host even when `group` is NCCL (vLLM's cpu_group), so
+    # a step's inputs never wait for the device queue nor pass through device memory; with no
+    # timeout to speak of, since ranks 1..N-1 wait in it for as long as the worker is idle (a dead
+    # rank 0 closes its sockets, and Ray ends its ranks with it)
+    cpu_group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In place: the sum over ranks of `x` (the partial outputs of a row-parallel linear)."""
@@ -41,8 +47,8 @@ class TPGroup:
 
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank (a pickled step message; rank 0 passes it, the others None)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        box, group = [obj], self.cpu_group
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return box[0]
 
 
@@ -53,17 +59,20 @@ def backend_for(device: str) -> str:
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: str = "cpu",
                          timeout_s: float = 600.0) -> TPGroup:
     """Join the worker's group (every rank calls this with the same `init_method`, e.g.
-    tcp://host:port of rank 0) and make it this process's current group."""
+    tcp://host:port of rank 0) and make it this process's current group. `timeout_s` bounds the
+    forward's collectives; the wait for the next step has none (an idle worker is fine)."""
     global _GROUP
     if not 0 <= rank < world_size:
         raise ConfigError(f"tensor parallel: rank {rank} outside a world of {world_size}")
     if world_size == 1:
         _GROUP = TPGroup(0, 1, None)
         return _GROUP
+    backend = backend_for(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    _GROUP = TPGroup(rank, world_size, dist.group.WORLD)
+    messages = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _GROUP = TPGroup(rank, world_size, dist.group.WORLD, messages)
     return _GROUP
 
 

@@ -22,10 +22,10 @@ def free_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def run_shard(configs: list[EngineConfig], rank: int, init_method: str) -> None:
+def run_shard(configs: list[EngineConfig], rank: int, init_method: str, timeout_s: float = 600.0) -> None:
     """A shard rank's whole life: join the group, then serve each config's engine in turn (rank 0
     builds an engine per config, in the same order, and closes it before the next)."""
-    group = init_tensor_parallel(rank, configs[0].tensor_parallel_size, init_method, configs[0].device)
+    group = init_tensor_parallel(rank, configs[0].tensor_parallel_size, init_method, configs[0].device, timeout_s)
     try:
         for config in configs:
             ShardWorker(config, group).serve()
@@ -33,11 +33,11 @@ def run_shard(configs: list[EngineConfig], rank: int, init_method: str) -> None:
         destroy_tensor_parallel()
 
 
-def spawn_shards(configs: list[EngineConfig], init_method: str) -> list[mp.Process]:
+def spawn_shards(configs: list[EngineConfig], init_method: str, timeout_s: float = 600.0) -> list[mp.Process]:
     """Start ranks 1..N-1 (N = configs[0].tensor_parallel_size) serving `configs` in turn; the
     caller then joins as rank 0 (init_tensor_parallel(0, N, init_method)) and builds its engines."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_shard, args=(configs, r, init_method), daemon=True,
+    procs = [ctx.Process(target=run_shard, args=(configs, r, init_method, timeout_s), daemon=True,
                          name=f"tandem-tp-rank{r}")
              for r in range(1, configs[0].tensor_parallel_size)]
     for p in procs:

@@ -9,6 +9,8 @@ one rank's FP8 model does."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -46,12 +48,14 @@ def test_tp2_matches_tp1(tmp_path):
         build_family_dir(f, path)
     configs = [_config(dirs[f], 2) for f in FAMILIES] + [_config(dirs["llama"], 2, "fp8")]
     init = free_init_method()
-    procs = spawn_shards(configs, init)
+    procs = spawn_shards(configs, init, timeout_s=3)
     try:
         init_tensor_parallel(0, 2, init, timeout_s=120)
         for f, config in zip(FAMILIES, configs):
             want_tokens, want_logits = _generate(LLMEngine(_config(dirs[f], 1)))
             engine = LLMEngine(config)
+            if f == "llama":
+                time.sleep(5)  # rank 1 waits for the next step longer than its collectives' timeout: fine
             assert engine.kv_cache.tensor.shape[-2] == 1  # this rank's KV heads: 1 of 2
             tokens, logits = _generate(engine)
             engine.shards.close()
