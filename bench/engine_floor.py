@@ -2,7 +2,7 @@
 the 512 x (1k in, 256 out) offline run, all through the public offline API (`LLMEngine.generate`).
 
 A row's step time is (t(long) - t(short)) / (long - short) for one `generate` of `batch` prompts
-of `ctx` tokens each, so the prefill cancels out. Its floor is max(memory, compute): the weights
+of `ctx` tokens each, so the prefill cancels out (after an untimed short run of the same shape). Its floor is max(memory, compute): the weights
 (without the embedding table) plus the batch's K/V at the mean context of the timed steps, over the
 copy rate measured in the same run; or the step's FLOPs over the measured bf16 matmul rate.
 `bench/engine_gpu.py` runs it as its `floor` section; `--dry-run` runs it on CPU with a tiny model.
@@ -22,6 +22,7 @@ from tandem.engine.weights import load_model
 
 ROWS = ((1, 1024), (16, 1024), (64, 1024), (128, 1024), (256, 1024), (1, 8192), (32, 8192))
 DRY_ROWS = ((1, 64), (4, 64), (1, 128))
+PLAIN_ROWS = ((64, 1024), (256, 1024), (32, 8192))  # also timed with LLMEngine.overlap off
 
 
 def floor_engine(bench, model, tok, num_blocks: int, max_seqs: int = 256, max_batched: int = 8192) -> LLMEngine:
@@ -29,8 +30,9 @@ def floor_engine(bench, model, tok, num_blocks: int, max_seqs: int = 256, max_ba
                                                       enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched))
     e = LLMEngine(cfg, model=model, tokenizer=tok)
-    if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here)
+    if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here), overlapped as on CUDA
         e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
+        e.overlap = True
     return e
 
 
@@ -46,6 +48,15 @@ def _timed_generate(bench, e: LLMEngine, reqs: list[dict]) -> float:
     bench.sync()
     assert all(len(o["token_ids"]) == reqs[0]["max_tokens"] for o in out)
     return time.perf_counter() - t0
+
+
+def _step_ms(bench, e: LLMEngine, b: int, ctx: int, short: int, long_: int) -> float:
+    vocab = e.model_config.vocab_size
+    e.runner.capture_graphs((b,), ctx + long_)
+    _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))  # this shape's compiles, untimed
+    t_short = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))
+    t_long = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, long_))
+    return (t_long - t_short) / (long_ - short) * 1e3
 
 
 def floor_ms(bench, model, batch: int, context: float) -> float:
@@ -69,18 +80,21 @@ def run_floors(bench) -> None:
     e = floor_engine(bench, model, tok, num_blocks=tokens // 16 + 2 * n_off + 64)
     vocab = cfg.vocab_size
     res = bench.results["floor"] = {"model": name, "short": short, "long": long_, "decode": []}
+    overlap = e.overlap
     _timed_generate(bench, e, _prompts(bench, 1, rows[0][1], vocab, short))   # compiles the prefill kernels
     for b, ctx in rows:
-        e.runner.capture_graphs((b,), ctx + long_)
-        t_short = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))
-        t_long = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, long_))
-        step = (t_long - t_short) / (long_ - short) * 1e3
+        r = {"batch": b, "ctx": ctx, "step_ms": _step_ms(bench, e, b, ctx, short, long_)}
         fl = floor_ms(bench, model, b, ctx + (short + long_) / 2)
-        r = {"batch": b, "ctx": ctx, "step_ms": step, "floor_ms": fl, "x_floor": step / fl,
-             "tok_s": b / step * 1e3}
+        r.update(floor_ms=fl, x_floor=r["step_ms"] / fl, tok_s=b / r["step_ms"] * 1e3)
         res["decode"].append(r)
         print(f"# floor decode {r}", flush=True)
         bench.save()
+    e.overlap = False                 # the same steps with the host's work between them
+    for r in res["decode"]:
+        if (r["batch"], r["ctx"]) in PLAIN_ROWS or bench.dry:
+            r["plain_step_ms"] = _step_ms(bench, e, r["batch"], r["ctx"], short, long_)
+            print(f"# floor decode without overlap {r}", flush=True)
+    e.overlap = overlap
     t = _timed_generate(bench, e, _prompts(bench, n_off, ctx_off, vocab, out_off))
     res["offline"] = {"requests": n_off, "prompt": ctx_off, "output": out_off, "s": t,
                       "out_tok_s": n_off * out_off / t}
@@ -94,12 +108,13 @@ def print_floors(results: dict) -> None:
         return
     print(f"\n{f['model']} decode through LLMEngine.generate (step = (t({f['long']}) - t({f['short']}) tokens) "
           f"/ {f['long'] - f['short']})")
-    print("| batch x context | step ms | floor ms | step / floor | output tok/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| batch x context | step ms | floor ms | step / floor | output tok/s | step ms, overlap off |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in f["decode"]:
         ctx = f"{r['ctx'] // 1024}k" if r["ctx"] >= 1024 else str(r["ctx"])
+        plain = f"{r['plain_step_ms']:.2f}" if "plain_step_ms" in r else ""
         print(f"| {r['batch']} x {ctx} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} | "
-              f"{r['tok_s']:,.0f} |")
+              f"{r['tok_s']:,.0f} | {plain} |")
     o = f.get("offline")
     if o:
         print(f"offline: {o['requests']} requests x ({o['prompt']} in, {o['output']} out) submitted at once: "

@@ -154,6 +154,7 @@ class Bench:
             e.step()  # ends reading the sampled tokens: a full sync
             times.append((time.perf_counter() - t0) * 1e3)
         # the forward alone: replay the next step's batch (idempotent KV writes)
+        e.settle()  # the last step's tokens on the host: the batch's inputs are all known
         sched = e.scheduler.schedule()
         batch_inputs = e.runner.prepare(sched)
         fwd = self.gpu_ms(lambda: e.runner.execute(batch_inputs), reps=10, warmup=2)
@@ -248,6 +249,7 @@ class Bench:
 
     def profile(self, e, batch, ctx, top=14):
         """GPU time by kernel of one eager decode step (the kernels a graph replays), in us."""
+        e.settle()
         reqs = self.admit(e, batch, ctx, 4, f"prof{batch}")
         batch_inputs = e.runner.prepare(e.scheduler.schedule())
         eager = lambda: e.runner.execute(batch_inputs, layer_done=lambda layer: None)  # noqa: E731

@@ -156,7 +156,8 @@ class BlockAllocator:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
-        del req.block_ids[keep:]
+        if keep < len(req.block_ids):  # a new list: engine.block_tables rewrites the row it keeps
+            req.block_ids = req.block_ids[:keep]
 
     def reset_prefix_cache(self) -> None:
         for h, block in self.cached.items():

@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MAX_GRAPH_QUERY_LEN = 16  # engine.kernels.paged_attention.MAX_DECODE_QUERY_LEN
 MIN_CONTEXT_BUCKET = 256
 
@@ -46,6 +46,16 @@ class GraphKey:
     tokens: int  # new tokens, padded
     query_len: int  # power of two >= the longest query
     context: int  # 0: any context (one pass per sequence); else the split-K context bucket
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Graph batch sizes for a scheduler that runs up to max_num_seqs sequences: the defaults up
+    to it, continued in steps of 32 past 256, and max_num_seqs itself, so every batch it can form
+    replays a graph (padded by at most 32 sequences past 128)."""
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s < max_num_seqs]
+    if sizes and sizes[-1] == DEFAULT_BATCH_SIZES[-1]:
+        sizes += range(288, max_num_seqs, 32)
+    return tuple(sizes) + (max_num_seqs,)
 
 
 def next_power_of_2(n: int) -> int:

@@ -8,7 +8,6 @@ the new token ids, the new text and, when it ends, the finish reason and usage.
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,8 @@ import torch
 from tandem.engine.stats import EngineStats
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import batch_buckets
+from tandem.engine.inflight import InFlight, feed_pending
 from tandem.engine.kv_cache import KVCache, num_blocks_for
 from tandem.engine.logprobs import step_logprobs
 from tandem.engine.model_runner import ModelRunner
@@ -28,6 +29,7 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative.speculator import build_speculator
 from tandem.engine.tokenizer import IncrementalDetokenizer
+from tandem.engine.warmup import WARMUP_SHAPES, warm_up
 from tandem.wire.errors import InvalidRequestError
 from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, TokenLogprob, Usage
 
@@ -65,7 +67,9 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, bs, config.cache.enable_prefix_caching)
         self.max_model_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache, device, cuda_graphs=None if config.tensor_parallel_size == 1 else False)
+        self.runner = ModelRunner(model, self.kv_cache, device,
+                                  cuda_graphs=None if config.tensor_parallel_size == 1 else False,
+                                  graph_batch_sizes=batch_buckets(config.scheduler.max_num_seqs))
         self.shards = start_shards(config, self.runner, num_blocks)  # tensor parallel: steps go to ranks 1..N-1
         self.sampler = Sampler()
         self.speculator = None
@@ -74,6 +78,12 @@ class LLMEngine:
                                                block_size=bs, dtype=config.dtype, seed=config.seed,
                                                draft_model=draft_model, proposer=proposer)
         self.detok: dict[str, IncrementalDetokenizer] = {}
+        # overlap the host's work with the device's (engine.inflight): on by default on CUDA, for
+        # one model on one device (tensor-parallel ranks replay the host's token ids)
+        self.overlap = device.type == "cuda" and config.tensor_parallel_size == 1
+        self._inflight: InFlight | None = None   # the launched step whose tokens are not read yet
+        self._outputs: list[RequestOutput] = []  # resolved, for the next `step` to return
+        self._post_s = 0.0                       # post-processing time since the last step's summary
         self.stats = EngineStats()
         self.last_step: tuple = ()  # what the latest step ran; last_step_summary() reads it
         self._ids = itertools.count()
@@ -144,7 +154,7 @@ class LLMEngine:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._outputs)
 
     def _release(self, rid: str) -> None:
         self.sampler.release(rid)
@@ -159,17 +169,27 @@ class LLMEngine:
         `after_launch(wait_device)` runs once the step's kernels are queued, before the host waits
         for them; `wait_device()` blocks until they are done (None on CPU, where they already
         are). On a GPU that is most of a long prefill step: time a serving loop can spend on calls
-        that do not touch the running step (see EngineLoop.call_mid_step)."""
+        that do not touch the running step (see EngineLoop.call_mid_step).
+
+        With `overlap` (default on CUDA), a plain decode step's tokens stay on the device: the
+        call returns the outputs of the step before (engine.inflight), so the host schedules,
+        prepares and post-processes while the GPU computes. Steps whose inputs need the host's
+        tokens (speculative drafts, layer_done, prefill-only requests, seeded sampling) resolve
+        within the call."""
         t0 = time.perf_counter()
         drafts = {}
         if self.speculator is not None:
+            self.settle()            # its proposals read every token
             drafts = self.speculator.propose(self.scheduler.running, self.scheduler.requests)
         sched = self.scheduler.schedule({rid: len(d) for rid, d in drafts.items()})
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
-            return []
+            self.settle()
+            return self._take_outputs()
         t1 = time.perf_counter()
         batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
+        if self._inflight is not None:
+            feed_pending(batch, sched.scheduled, self._inflight)
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
         graphs = self.runner.graphs
         captures = graphs.captures if graphs is not None else 0
@@ -177,37 +197,84 @@ class LLMEngine:
         prefill = self.stats.count_prompts(sched.scheduled)
         t2 = time.perf_counter()
         logits = self.runner.execute(batch, hook)
+        launched = None if self.speculator is not None else self._sample(sched, batch, logits)
         t3 = time.perf_counter()
-        if after_launch is not None:
-            done = None
-            if self.kv_cache.device.type == "cuda":
-                done = torch.cuda.Event()
-                done.record()
-            after_launch(done.synchronize if done is not None else None)
-        self.stats.steps += 1
-        self.stats.tokens_computed += sched.num_tokens
-        for s in sched.scheduled:
-            rid = s.request.request_id
-            self.stats.per_request_computed[rid] = self.stats.per_request_computed.get(rid, 0) + s.num_new_tokens
-        if self.speculator is None:
-            params = [(rid, self.scheduler.requests[rid].sampling) for rid, _ in batch.logits_owner]
-            tokens = self.sampler.sample(logits, params) if params else []
-            sampled = {rid: [t] for (rid, _), t in zip(batch.logits_owner, tokens)}
-            produced = self.scheduler.update_from_output(sched, sampled)
-        else:
+        self._count_step(sched)
+        prev, self._inflight = self._inflight, None
+        keep = (launched is not None and self.overlap and layer_done is None and launched.tokens is not None
+                and not any(s.request.prefill_only for s in sched.scheduled))
+        if after_launch is not None:  # serve calls until the step resolved now is done on the device
+            after_launch(prev.waiter() if prev is not None else None if keep else self._device_waiter())
+        if prev is not None:
+            self._resolve(prev)
+        if launched is None:
             produced = self._verify(sched, batch, logits, drafts)
-        t4 = time.perf_counter()
-        logprobs = step_logprobs(produced, logits, batch.logits_owner)   # {} unless a request asked
-        outs = [self._postprocess(req, new, logprobs.get(req.request_id)) for req, new in produced]
-        if self.speculator is not None:
-            for out in outs:
-                if out.finished:
-                    self.speculator.release(out.request_id)
-        # host time per phase: "sample" includes waiting for the device to finish the step
-        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
+            self._postprocess_all(produced, logits, batch.logits_owner)
+        elif keep:
+            self._inflight = launched
+        else:
+            self._resolve(launched)
+        t4, post, self._post_s = time.perf_counter(), self._post_s, 0.0
+        # host time per phase: "sample" includes waiting for the device to finish the step whose
+        # tokens are read now (overlapped: the one before); "output" is detokenizing them
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
                           graphs is not None and graphs.captures > captures, phases)
+        return self._take_outputs()
+
+    def _sample(self, sched, batch, logits) -> InFlight:
+        """Sample the step's tokens (on the device unless a row draws from its own seeded
+        generator) and advance the scheduler to count them as placeholders."""
+        params = [(rid, self.scheduler.requests[rid].sampling) for rid, _ in batch.logits_owner]
+        if params and self.sampler.needs_host(params):
+            launched = InFlight(sched, batch.logits_owner, logits, None, self.sampler.sample(logits, params))
+        else:
+            tokens = self.sampler.sample_batch(logits, params) if params else logits.new_empty(0, dtype=torch.long)
+            launched = InFlight(sched, batch.logits_owner, logits, tokens)
+        self.scheduler.advance(sched)
+        return launched
+
+    def _resolve(self, step: InFlight) -> None:
+        sampled = {rid: t for (rid, _), t in zip(step.owners, step.token_ids())}
+        produced = self.scheduler.resolve(step.sched, sampled)
+        self._postprocess_all(produced, step.logits, step.owners)
+
+    def _postprocess_all(self, produced, logits, owners) -> None:
+        t0 = time.perf_counter()
+        logprobs = step_logprobs(produced, logits, owners)   # {} unless a request asked
+        for req, new in produced:
+            out = self._postprocess(req, new, logprobs.get(req.request_id))
+            if out.finished and self.speculator is not None:
+                self.speculator.release(out.request_id)
+            self._outputs.append(out)
+        self._post_s += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Resolve a step still on the device; the next `step` returns its outputs. Callers that
+        need every request's tokens on the host between steps (pause, speculation) call this."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._resolve(step)
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outs, self._outputs = self._outputs, []
         return outs
+
+    def _count_step(self, sched) -> None:
+        self.stats.steps += 1
+        self.stats.tokens_computed += sched.num_tokens
+        per = self.stats.per_request_computed
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            per[rid] = per.get(rid, 0) + s.num_new_tokens
+
+    def _device_waiter(self):
+        """after_launch's wait_device for a step resolved now: None on CPU."""
+        if self.kv_cache.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done.synchronize
 
     def last_step_summary(self) -> dict[str, Any]:
         """What the latest step ran, for a slow-step log: sequences, tokens, prompt tokens among
@@ -338,6 +405,7 @@ class LLMEngine:
         """Between steps: take a decoding request out of the batch, keeping its KV blocks, sampler
         and detokenizer state, to move it (`handoff`, then `drop_paused`) or put it back
         (`resume`). None when it is not decoding (prefilling, waiting, finished, unknown)."""
+        self.settle()                # its last token must be on the host
         return self.scheduler.detach(request_id)
 
     def resume(self, req: Request) -> None:
@@ -382,75 +450,11 @@ class LLMEngine:
         w = self.config.warmup
         return self.kv_cache.device.type == "cuda" if w is None else w
 
-    def warmup(self, shapes: tuple[tuple[int, int], ...] = ((500, 1), (500, 4), (500, 16), (3000, 1),
-                                                             (3000, 4), (9000, 1)),
-               decode_tokens: int = 12, seed: int = 0) -> dict[str, Any]:
-        """Compile every attention kernel variant (`compile_variants`), then run synthetic requests
-        through the paths serving takes, so that Triton has compiled its kernels and the decode
-        steps' CUDA graphs are captured now rather than inside the first real requests (a compile
-        stalls the whole batch for a second or more; a capture costs two steps). `shapes`: (prompt tokens,
-        concurrent requests) pairs; each covers a prefill (chunked when longer than the step's
-        token budget), decode steps at that batch and context, and speculative verify steps (the
-        prompts repeat a phrase, so an n-gram proposer drafts). One more request extends a warm
-        prompt, for prefill over a cached prefix. Shapes that do not fit the cache or the model's
-        context are skipped. Afterwards the engine holds no request, its prefix cache is empty
-        and its stats are zero. Returns what ran and how long it took."""
-        if self.has_unfinished():
-            raise RuntimeError("warmup needs an idle engine")
-        t0 = time.perf_counter()
-        launches = self._compile_kernels()
-        ran = self._run_warmup_requests(shapes, decode_tokens, random.Random(seed))
-        self.allocator.reset_prefix_cache()
-        self.allocator.prefix_queries = self.allocator.prefix_hits = 0
-        self.stats = EngineStats()
-        if self.kv_cache.device.type == "cuda":
-            torch.cuda.synchronize(self.kv_cache.device)
-            from tandem.engine.kernels.compile_watch import watch  # noqa: PLC0415 (triton loads only where kernels run)
-
-            watch.arm()                 # a compile after this one is logged: warmup missed it
-        return {"shapes": ran, "kernel_variants": launches, "seconds": round(time.perf_counter() - t0, 3),
-                **self.runner.graph_stats}
-
-    def _compile_kernels(self) -> int:
-        """Compiles every Triton kernel variant serving can launch; returns how many were launched."""
-        launches = 0
-        if self.kv_cache.device.type == "cuda":   # from here on, every Triton compile is counted
-            from tandem.engine.kernels.compile_watch import watch  # noqa: PLC0415 (triton loads only where kernels run)
-
-            watch.install()
-        if self.runner._fused():  # the Triton ops: compile each attention variant first
-            from tandem.engine.kernels.paged_attention import compile_variants  # noqa: PLC0415 (as above)
-
-            kv = self.kv_cache.tensor[0]
-            launches = compile_variants(kv[0], kv[1], self.model_config.num_heads,
-                                        sliding_window=self.model_config.sliding_window)
-        if self.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
-            from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy  # noqa: PLC0415 (as above)
-
-            launches += compile_block_copy(self.kv_cache.tensor)
-        return launches
-
-    def _run_warmup_requests(self, shapes: tuple[tuple[int, int], ...], decode_tokens: int,
-                             rng: random.Random) -> list[tuple[int, int]]:
-        """Generates each (prompt tokens, batch) shape that fits, then one prefill over a cached
-        prefix; returns the shapes that ran."""
-        vocab = self.model_config.vocab_size
-        budget = self.allocator.num_blocks * self.allocator.block_size // 2
-        ran, requests = [], []
-        for n, batch in shapes:
-            n = min(n, self.max_model_len - decode_tokens - 1)
-            if n < 8 or batch * (n + decode_tokens) > budget:
-                continue
-            reqs = [{"prompt_token_ids": _warmup_prompt(rng, vocab, n), "max_tokens": decode_tokens,
-                     "ignore_eos": True} for _ in range(batch)]
-            out = self.generate(reqs)
-            ran.append((n, batch))
-            requests.append(reqs[0]["prompt_token_ids"] + out[0]["token_ids"])
-        if requests:  # a prefill over a cached prefix
-            ext = requests[-1] + [rng.randrange(vocab) for _ in range(300)]
-            if len(ext) + decode_tokens < self.max_model_len and len(ext) < budget:
-                self.generate([{"prompt_token_ids": ext, "max_tokens": decode_tokens, "ignore_eos": True}])
-        return ran
+    def warmup(self, shapes: tuple[tuple[int, int], ...] = WARMUP_SHAPES, decode_tokens: int = 12,
+               seed: int = 0) -> dict[str, Any]:
+        """Compile every kernel variant and capture the decode graphs before serving
+        (`engine.warmup.warm_up`, which says how); returns what ran and how long it took."""
+        return warm_up(self, shapes, decode_tokens, seed)
 
     # ---- offline ----------------------------------------------------------------------------
     def generate(self, requests: list[dict[str, Any]], arrivals: list[int] | None = None) -> list[dict[str, Any]]:
@@ -485,14 +489,3 @@ class LLMEngine:
                     res["usage"] = vars(out.usage)
             step += 1
         return [results[rid] for rid in order]
-
-
-def _warmup_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
-    """n random token ids with one 64-token phrase repeated, so an n-gram proposer finds drafts."""
-    phrase = [rng.randrange(vocab) for _ in range(64)]
-    ids = [rng.randrange(vocab) for _ in range(n)]
-    for at in range(0, n - 64, 512):
-        ids[at:at + 64] = phrase
-    if n >= 128:
-        ids[-64:] = phrase
-    return ids

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tandem.engine.attention import AttentionMetadata
+from tandem.engine.block_tables import BlockTables
 from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
                                 capture_query_lens, graph_key, token_buckets)
 from tandem.engine.kv_cache import KVCache
@@ -38,6 +39,9 @@ class BatchInputs:
     graph_key: GraphKey | None = None  # the captured shape this step pads to (None: eager)
     host: torch.Tensor | None = field(default=None, repr=False)  # packed inputs (graph steps)
     source: _HostBatch | None = field(default=None, repr=False)  # what prepare_host built it from
+    # input ids the host does not know yet (tokens a step still on the device sampled, fed in by
+    # engine.inflight.feed_pending): their positions in the step's tokens and their sequences
+    pending: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (_NONE, _NONE), repr=False)
 
 
 @dataclass
@@ -51,6 +55,10 @@ class _HostBatch:
     seq_lens: list[int]
     table: np.ndarray  # [B, max blocks] int32, rows padded with 0
     owners: list[tuple[str, int]]
+    pending: tuple[np.ndarray, np.ndarray] | None = None  # BatchInputs.pending
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _token_slice(r, start: int, end: int) -> list[int]:
@@ -75,6 +83,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
+        max_blocks = min(kv_cache.num_blocks, -(-model.config.max_position_embeddings // self.block_size))
+        self.block_tables = BlockTables(max_blocks)  # the host's, kept across steps
         # rank 0 of a tensor-parallel worker: sends each step's inputs to the other ranks, which
         # run the same forward on their shards (engine.parallel.shard)
         self.before_execute: Callable[[BatchInputs], None] | None = None
@@ -97,7 +107,6 @@ class ModelRunner:
         num_seqs = len(out.scheduled)
         pieces: list[list[int]] = []
         starts, qlens, slens, rows, owners = [], [], [], [], []
-        tables = []
         num_tokens = 0
         for s in out.scheduled:
             r = s.request
@@ -113,16 +122,13 @@ class ModelRunner:
             starts.append(start)
             qlens.append(n)
             slens.append(start + n)
-            tables.append(r.block_ids)
             num_tokens += n
             if s.samples:
                 k = 1 + s.num_draft_tokens
                 rows.append((num_tokens - k, k))
                 owners.append((r.request_id, k))
         ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=num_tokens)
-        table = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+        table = self.block_tables.gather([s.request for s in out.scheduled])
         qlens_np = np.asarray(qlens, dtype=np.int64)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(qlens_np, out=qsl[1:])
@@ -131,7 +137,9 @@ class ModelRunner:
         slots = table[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
         logits_index = (np.concatenate([np.arange(a, a + k) for a, k in rows]) if rows
                         else np.zeros(0, dtype=np.int64))
-        return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners)
+        at = np.flatnonzero(ids < 0)  # placeholders (request.PENDING): the engine feeds them
+        pending = (at, seq_of[at]) if len(at) else None
+        return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners, pending)
 
     def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> BatchInputs:
         return self.prepare_host(self._host_batch(out, drafts or {}))
@@ -141,6 +149,8 @@ class ModelRunner:
         from rank 0 and prepares its own)."""
         batch = self._device_batch(h)
         batch.source = h
+        if h.pending is not None:
+            batch.pending = h.pending
         return batch
 
     def _device_batch(self, h: _HostBatch) -> BatchInputs:

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
 
 
 _ids = itertools.count()
+PENDING = -1  # an output token a step still on the device has sampled (Request.num_pending)
 
 
 @dataclass(eq=False)
@@ -47,6 +48,9 @@ class Request:
     # speculative decoding accounting
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # output tokens sampled by a step still on the device (the overlapped step): the last
+    # `num_pending` entries of output_token_ids are placeholders until the engine resolves them
+    num_pending: int = 0
     # the most prompt tokens it computes per step (None: the step's budget); the router's cost
     # model picks it when a decode worker prefills beside its batch (tandem.placement)
     max_chunk_tokens: int | None = None

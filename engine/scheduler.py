@@ -7,7 +7,11 @@ allow, their cached prefix taken from the block allocator. When blocks run out, 
 admitted running request is preempted: its blocks are freed and it goes back to the front of the
 queue to be recomputed later (its computed prefix usually survives in the prefix cache).
 
-`schedule()` decides; `update_from_output()` applies what the model produced.
+`schedule()` decides; `update_from_output()` applies what the model produced. The overlapped
+engine splits the latter in two: `advance()` when the step is launched (positions computed, one
+placeholder output token per sampling request) and `resolve()` when its tokens reach the host, by
+which time the next step is already scheduled. A request may be aborted, stopped or preempted in
+between: `resolve` skips it, and finishing or preempting drops its placeholders.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import PENDING, Request, RequestStatus
 from tandem.wire.messages import FinishReason
 
 
@@ -97,6 +101,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.allocator.free(req)
+        _drop_pending(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -124,9 +129,7 @@ class Scheduler:
     def schedule(self, drafts: dict[str, int] | None = None) -> SchedulerOutput:
         """`drafts`: request id -> number of draft tokens appended to that running request's
         input this step (speculative decoding); they need KV slots like any other token."""
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        drafts = drafts or {}
+        out, budget, drafts = SchedulerOutput(), self.config.max_num_batched_tokens, drafts or {}
         # Free slots go in arrival order: a request whose KV was delivered joins now unless a
         # waiting one came before it (that one is admitted below, if its blocks and this step's
         # budget allow; ready ones behind it then take the slots left). Ready first always would
@@ -135,6 +138,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_when_resolved(req):
+                i += 1                # its last token is still on the device: nothing to compute
+                continue
             k = drafts.get(req.request_id, 0)
             num_new = _chunk_cap(req, req.num_tokens + k - req.num_computed_tokens)
             if num_new > budget:  # chunk a long prefill; drafts are all-or-nothing
@@ -193,6 +199,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.allocator.free(req)
+        _drop_pending(req)            # a token still on the device is recomputed with the rest
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -238,6 +245,58 @@ class Scheduler:
                 self.allocator.register_full_blocks(req)
         return produced
 
+    # ---- the overlapped step: launched, then resolved ---------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step is launched: its positions count as computed, and each request that samples
+        (but a prefill-only one) gets a placeholder output token until `resolve`. No drafts."""
+        sampling = [s.samples and not s.request.prefill_only for s in out.scheduled]
+        for s, samples in zip(out.scheduled, sampling):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if samples:
+                req.output_token_ids.append(PENDING)
+                req.num_pending += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+        """The launched step's tokens (`sampled[rid]`, one per sampling request) are known: put
+        them in place of the placeholders, finish on EOS / max_tokens / context. Requests that
+        finished or were preempted since the launch are skipped. Returns (request, new tokens) as
+        `update_from_output` does."""
+        produced: list[tuple[Request, list[int]]] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            tok = sampled.get(req.request_id)
+            if req.prefill_only:
+                if tok is not None:
+                    req.output_token_ids.append(tok)
+                self.allocator.register_full_blocks(req)
+                if req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._complete_prefill(req)
+                    produced.append((req, [tok] if tok is not None else []))
+                continue
+            if tok is None:
+                self.allocator.register_full_blocks(req)
+                continue
+            at = len(req.output_token_ids) - req.num_pending   # the oldest placeholder
+            req.output_token_ids[at] = tok
+            req.num_pending -= 1
+            produced.append((req, [tok]))
+            sp = req.sampling
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                self.finish(req, FinishReason.STOP)
+            elif at + 1 >= sp.max_tokens or req.num_prompt_tokens + at + 1 >= self.max_model_len:
+                self.finish(req, FinishReason.LENGTH)
+            else:
+                self.allocator.register_full_blocks(req)
+        return produced
+
+    def _ends_when_resolved(self, req: Request) -> bool:
+        """Its output is complete by count once the tokens on the device arrive (max_tokens or
+        the context), so it takes no further step."""
+        return len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len
+
     def _complete_prefill(self, req: Request) -> None:
         """A prefill-only request is done: it leaves the batch but keeps its blocks for the transfer."""
         self.running.remove(req)
@@ -260,6 +319,12 @@ class Scheduler:
         if req.finished and len(kept) < len(new):
             pass  # tokens past a stop are dropped; their KV is freed with the request
         return kept
+
+
+def _drop_pending(req: Request) -> None:
+    if req.num_pending:
+        del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
+        req.num_pending = 0
 
 
 def _chunk_cap(req, num_new: int) -> int:

@@ -103,12 +103,16 @@ def _generate(e):
     return [r["token_ids"] for r in e.generate(reqs, arrivals=[0, 0, 2, 3])]
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["decode", "speculative"])
-def test_static_buffer_steps_match_the_cpu_path(tiny, spec):
+@pytest.mark.parametrize("spec,overlap", [(False, False), (True, False), (False, True)],
+                         ids=["decode", "speculative", "overlapped"])
+def test_static_buffer_steps_match_the_cpu_path(tiny, spec, overlap):
+    """overlapped: each step's input ids come from the previous step's tokens on the device
+    (engine.inflight.feed_pending), written into the graphs' static buffers."""
     pytest.importorskip("triton")
     model, tok, _ = tiny
     ref = _generate(_engine(model, tok))
     e = _engine(model, tok, spec=spec, graphs=True)
+    e.overlap = overlap
     assert _generate(e) == ref
     stats = e.runner.graph_stats
     assert stats["replays"] > 0, "no step went through the static buffers"
