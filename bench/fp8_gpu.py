@@ -141,12 +141,12 @@ class FP8Bench(Bench):
         """Tuned tiles for the rest of the run, and the token count from which _scaled_mm wins."""
         tuned = self.results["tuned"]
 
-        def choose(m, n, k, group_k):
+        def choose(m, n, k, group_k, elem_bytes=2):
             for name, (nn_, kk, _) in self.shapes().items():
-                if (nn_, kk) == (n, k) and not group_k:
+                if (nn_, kk) == (n, k) and not group_k and elem_bytes == 2:
                     ms = sorted(tuned[name])
                     return tuned[name][next((b for b in ms if m <= b), ms[-1])]
-            return heuristic(m, n, k, group_k)
+            return heuristic(m, n, k, group_k, elem_bytes)
         heuristic = fp8_kernel.choose_config
         fp8_kernel.choose_config = choose
         if self.dry:

@@ -114,21 +114,25 @@ class GemmConfig:
     gemv: bool = False  # one token: the CUDA-core kernel (block_m unused)
 
 
-def choose_config(m: int, n: int, k: int, group_k: int) -> GemmConfig:
-    """Tile shape by M (and wide N), from bench/fp8_gpu.py's sweep over llama3-8b's projections on
-    an H200 (docs/benchmarks.md). Small M is a weight stream: narrow N tiles (N = 4096 / 32 = 128
-    programs per 132 SMs, 6144 / 32 = 192) with long K tiles keep bytes in flight."""
+def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> GemmConfig:
+    """Tile shape by M (and wide N), from bench/fp8_gpu.py's sweeps over llama3-8b's projections on
+    an H200 (docs/benchmarks.md). One token: the CUDA-core kernel with 4 (gate_up: 8) rows per
+    program and long K tiles, ~0.65x bf16 cuBLAS's time. Up to 64 tokens: narrow N tiles keep every
+    SM streaming weights. `elem_bytes` 4 (fp32 activations): tiles whose staged x would overflow
+    the 227 KB of shared memory are replaced by one that fits (seen compiling in fp32 there)."""
     wide = n >= 16384  # gate_up
-    if m <= 16:
+    if m == 1:
+        cfg = GemmConfig(1, 8, 512, 4, 3, gemv=True) if wide else GemmConfig(1, 4, 1024, 4, 3, gemv=True)
+    elif m <= 16:
         cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
         cfg = GemmConfig(32, 64 if wide else 32, 128, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3) if wide else GemmConfig(64, 32, 128)
+    elif m <= 64 or elem_bytes > 2:
+        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3) if wide or m > 64 else GemmConfig(64, 32, 128)
     else:
         cfg = GemmConfig(128, 256, 64, num_warps=8, num_stages=3) if wide else GemmConfig(128, 64, 128)
     if group_k and group_k % cfg.block_k:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, group_k, cfg.num_warps, cfg.num_stages, cfg.gemv)
     return cfg
 
 
@@ -162,7 +166,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or choose_config(m, n, k, group_k)
+    cfg = config or choose_config(m, n, k, group_k, x.element_size())
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     if cfg.gemv and m == 1:

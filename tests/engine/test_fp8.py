@@ -30,7 +30,7 @@ from tandem.wire.errors import ConfigError  # noqa: E402
 if not triton_available():
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
 
-from tandem.engine.kernels.fp8_gemm import GemmConfig, fp8_gemm, quantize_rows  # noqa: E402
+from tandem.engine.kernels.fp8_gemm import GemmConfig, choose_config, fp8_gemm, quantize_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemmConfig(16, 16, 32, num_warps=4, num_stages=2)  # tiny tiles: the interpreter is slow
@@ -95,6 +95,17 @@ def test_quantize_rows_matches_torch(dtype):
     # down to the previous power of two (64): allow that alone (the GPU test is exact)
     carried = (b.abs() == 2.0 ** b.abs().clamp_min(2.0 ** -9).log2().floor()) & (a == b / 2)
     assert ((a == b) | carried).all()
+
+
+def test_chosen_tiles_fit_the_kernels():
+    """One token takes the CUDA-core kernel; block scales get a K tile that divides their group."""
+    for m in (1, 2, 16, 17, 32, 64, 65, 300):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            for group_k in (0, 128):
+                for elem in (2, 4):
+                    cfg = choose_config(m, n, k, group_k, elem)
+                    assert cfg.gemv == (m == 1) and (not group_k or group_k % cfg.block_k == 0), (m, n, cfg)
+                    assert cfg.gemv or cfg.block_m >= min(m, 64) or cfg.block_m == 128
 
 
 def test_fp8_gemm_refuses_bad_input_by_name():
