@@ -40,6 +40,7 @@ from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.protos.tandem.v1 import admin_pb2  # noqa: E402
 from tandem.protos.tandem.v1 import generation_pb2 as pb  # noqa: E402
 from tandem.protos.tandem.v1 import generation_pb2_grpc  # noqa: E402
+from tandem.runtime.metrics import get_hub  # noqa: E402
 from tests.conftest import start_redis_server  # noqa: E402
 
 SCENARIOS = ("session", "greedy", "seeded", "long", "deadline", "abandon", "stop")
@@ -203,12 +204,15 @@ def main(argv=None) -> int:
     totals = collections.Counter()
     for v in books.codes.values():
         totals.update(v)
+    migrations = {s.labels["reason"]: int(s.value) for m in get_hub().migrations.collect() for s in m.samples
+                  if s.name.endswith("_total")}   # both routers (this process), by reason
     moved = {k: sum(getattr(s, k) for s in stats.values()) for k in (
         "sequences_migrated", "sequences_migrated_in", "pressure_moves", "migrations_resumed", "tokens_recomputed")}
     report = {"args": vars(args), "elapsed_s": time.monotonic() - t0, "codes": {k: dict(v) for k, v in books.codes.items()},
               "totals": dict(totals), "chaos": dict(books.chaos), "chaos_errors": books.chaos_errors,
               "leaked_blocks": used, "greedy_checked": min(args.verify, len(books.greedy)),
-              "greedy_mismatches": mismatches, "moves_on_live_workers": moved, "errors": books.errors}
+              "greedy_mismatches": mismatches, "request_migrations": migrations, "moves_on_live_workers": moved,
+              "errors": books.errors}
     print(f"\nsoak: {args.duration:.0f} s of traffic, {args.clients} clients, {args.model}, chaos every "
           f"{args.chaos_every:g} s")
     print("| scenario | " + " | ".join(sorted(totals)) + " |")
@@ -217,7 +221,8 @@ def main(argv=None) -> int:
         print(f"| {s} | " + " | ".join(str(books.codes[s].get(k, 0)) for k in sorted(totals)) + " |")
     print(f"chaos: {dict(books.chaos)}; chaos errors: {len(books.chaos_errors)}")
     print(f"KV blocks held once idle: {used}; greedy outputs checked: {report['greedy_checked']}, "
-          f"mismatches: {mismatches}; moves (live workers): {moved}")
+          f"mismatches: {mismatches}")
+    print(f"requests moved, by reason (routers): {migrations}; on the workers alive at the end: {moved}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     leaked = not used or any(v != 0 for v in used.values())
