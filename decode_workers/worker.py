@@ -134,12 +134,15 @@ class DecodeWorker:
         return self.loop.run(self.moves.pause_some, count)
 
     def send_kv(self, request_id: str, spec: TransferSpec, first_block: int = 0) -> None:
-        """Send a paused sequence's KV to the decode actor its router reserved on."""
-        self.loop.run(self.moves.send, request_id, spec, first_block)
+        """Send a paused sequence's KV to the decode actor its router reserved on. It may start
+        inside a step (the paused sequence's blocks are in no step): a GPU step in flight does not
+        delay it."""
+        self.loop.run_mid_step(self.moves.send, request_id, spec, first_block)
 
     def resume(self, request_id: str) -> bool:
-        """A paused sequence continues here (its router found nowhere to move it)."""
-        return self.loop.run(self.moves.resume, request_id)
+        """A paused sequence continues here (its router found nowhere to move it): queued for the
+        next step, as an admission is."""
+        return self.loop.run_mid_step(self.moves.resume, request_id)
 
     def sent_released(self, tid: str) -> None:
         self.moves.released(tid)
