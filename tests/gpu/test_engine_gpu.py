@@ -96,6 +96,7 @@ def test_bf16_graph_logits_match_eager_and_reference():
                       sampling=SamplingParams(max_tokens=8, ignore_eos=True))
     e.step()  # prefill
     e.step()  # first decode step: captures
+    e.settle()  # the overlapped step's tokens on the host: the next batch's inputs are all known
     sched = e.scheduler.schedule()
     batch = e.runner.prepare(sched)
     assert batch.graph_key is not None and batch.graph_key.batch == 8
