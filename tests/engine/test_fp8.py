@@ -193,3 +193,17 @@ def _last_logits(e, model, ids):
     hidden = model(batch.input_ids, batch.positions, e.kv_cache.tensor, batch.meta)
     e.abort("x")
     return model.compute_logits(hidden)[-1]
+
+
+@pytest.mark.parametrize("name,params,qkv_bias", [("llama3-70b-random", 70.55e9, False),
+                                                  ("qwen2.5-32b-random", 32.76e9, True)])
+def test_big_presets_have_the_real_shapes(name, params, qkv_bias):
+    """The published parameter counts (Meta-Llama-3-70B 70.55B; Qwen2.5-32B 32.76B), on the meta device."""
+    from tandem.engine.config import PRESETS
+    from tandem.engine.model import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(PRESETS[name], max_positions=16)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / params - 1) < 0.005, count
+    assert (model.layers[0].self_attn.qkv_proj.bias is not None) == qkv_bias
