@@ -59,6 +59,8 @@ class SequenceMoves:
         if (rec is None or rec.state is not DecodeState.IN_ENGINE or rec.router_id is None or w.sender is None
                 or request_id in self._stay):
             return False
+        w.engine.settle()          # a step still on the device (overlap): its tokens go out first
+        w.publish(w.engine.take_outputs())
         req = w.engine.pause(request_id)
         if req is None:
             return False

@@ -185,7 +185,7 @@ class LLMEngine:
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
             self.settle()
-            return self._take_outputs()
+            return self.take_outputs()
         t1 = time.perf_counter()
         batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
         if self._inflight is not None:
@@ -220,7 +220,7 @@ class LLMEngine:
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
                           graphs is not None and graphs.captures > captures, phases)
-        return self._take_outputs()
+        return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:
         """Sample the step's tokens (on the device unless a row draws from its own seeded
@@ -256,7 +256,8 @@ class LLMEngine:
             step, self._inflight = self._inflight, None
             self._resolve(step)
 
-    def _take_outputs(self) -> list[RequestOutput]:
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs resolved by `settle` (or a step) not yet returned; `step` returns them too."""
         outs, self._outputs = self._outputs, []
         return outs
 

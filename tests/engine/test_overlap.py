@@ -182,3 +182,19 @@ def test_block_tables_kept_across_steps_match_the_lists():
     new = Request("r2", [3])                      # (the same id, another request)
     new.status, new.block_ids = RequestStatus.RUNNING, [99, 98]
     check([reqs[0], new, reqs[1]])
+
+
+def test_pause_after_settle_hands_off_the_token_already_returned(make_engine, tiny_model):
+    """decode_workers/moves.py settles and publishes before pausing: the handoff token is then one
+    the router already has, not one still on the device or buffered in the engine."""
+    e = make_engine(*tiny_model)
+    e.overlap = True
+    e.add_request("a", prompt_token_ids=[5, 6, 7, 8], sampling=SamplingParams(max_tokens=10, ignore_eos=True))
+    got = [t for _ in range(3) for o in e.step() for t in o.new_token_ids]
+    assert e.scheduler.requests["a"].num_pending == 1
+    e.settle()
+    got += [t for o in e.take_outputs() for t in o.new_token_ids]
+    req = e.pause("a")
+    assert req is not None and req.num_pending == 0 and req.output_token_ids == got
+    assert e.handoff(req).token_id == got[-1]
+    e.drop_paused(req)
