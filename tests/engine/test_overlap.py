@@ -198,3 +198,14 @@ def test_pause_after_settle_hands_off_the_token_already_returned(make_engine, ti
     assert req is not None and req.num_pending == 0 and req.output_token_ids == got
     assert e.handoff(req).token_id == got[-1]
     e.drop_paused(req)
+
+
+def test_seeded_rows_resolve_within_the_step_and_match_the_plain_engine(make_engine, tiny_model):
+    """A step with a seeded sampled row samples on the host and resolves at once (its generator's
+    state travels with the request), beside greedy rows fed from the device in the steps before."""
+    reqs = _requests(3, max_tokens=(6, 9, 4))
+    reqs[1] = {**reqs[1], "temperature": 0.8, "top_p": 0.9, "seed": 11}
+    arrivals = [0, 3, 0]                          # the seeded request joins an overlapped batch
+    _, plain = _run(make_engine, tiny_model, False, reqs, arrivals)
+    _, over = _run(make_engine, tiny_model, True, reqs, arrivals)
+    assert [r["token_ids"] for r in over] == [r["token_ids"] for r in plain]
