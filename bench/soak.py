@@ -160,6 +160,31 @@ def verify(model: str, num_blocks: int, greedy: list[tuple[str, int, list[int]]]
     return sum(r["token_ids"] != ids for (_, _, ids), r in zip(picked, ref))
 
 
+def _report(args, books: Books, used: dict[str, int], stats: dict, mismatches: int, elapsed_s: float) -> dict:
+    """Print the books as a table; -> the JSON report."""
+    totals = collections.Counter()
+    for v in books.codes.values():
+        totals.update(v)
+    migrations = {s.labels["reason"]: int(s.value) for m in get_hub().migrations.collect() for s in m.samples
+                  if s.name.endswith("_total")}   # both routers (this process), by reason
+    moved = {k: sum(getattr(s, k) for s in stats.values()) for k in (
+        "sequences_migrated", "sequences_migrated_in", "pressure_moves", "migrations_resumed", "tokens_recomputed")}
+    print(f"\nsoak: {args.duration:.0f} s of traffic, {args.clients} clients, {args.model}, chaos every "
+          f"{args.chaos_every:g} s")
+    print("| scenario | " + " | ".join(sorted(totals)) + " |")
+    print("|---|" + "---:|" * len(totals))
+    for s in SCENARIOS:
+        print(f"| {s} | " + " | ".join(str(books.codes[s].get(k, 0)) for k in sorted(totals)) + " |")
+    checked = min(args.verify, len(books.greedy))
+    print(f"chaos: {dict(books.chaos)}; chaos errors: {len(books.chaos_errors)}")
+    print(f"KV blocks held once idle: {used}; greedy outputs checked: {checked}, mismatches: {mismatches}")
+    print(f"requests moved, by reason (routers): {migrations}; on the workers alive at the end: {moved}")
+    return {"args": vars(args), "elapsed_s": elapsed_s, "codes": {k: dict(v) for k, v in books.codes.items()},
+            "totals": dict(totals), "chaos": dict(books.chaos), "chaos_errors": books.chaos_errors,
+            "leaked_blocks": used, "greedy_checked": checked, "greedy_mismatches": mismatches,
+            "request_migrations": migrations, "moves_on_live_workers": moved, "errors": books.errors}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
@@ -201,28 +226,7 @@ def main(argv=None) -> int:
         ray.shutdown()
         redis["server"].stop()
     mismatches = verify(args.model, args.num_blocks, books.greedy, args.verify, args.seed)
-    totals = collections.Counter()
-    for v in books.codes.values():
-        totals.update(v)
-    migrations = {s.labels["reason"]: int(s.value) for m in get_hub().migrations.collect() for s in m.samples
-                  if s.name.endswith("_total")}   # both routers (this process), by reason
-    moved = {k: sum(getattr(s, k) for s in stats.values()) for k in (
-        "sequences_migrated", "sequences_migrated_in", "pressure_moves", "migrations_resumed", "tokens_recomputed")}
-    report = {"args": vars(args), "elapsed_s": time.monotonic() - t0, "codes": {k: dict(v) for k, v in books.codes.items()},
-              "totals": dict(totals), "chaos": dict(books.chaos), "chaos_errors": books.chaos_errors,
-              "leaked_blocks": used, "greedy_checked": min(args.verify, len(books.greedy)),
-              "greedy_mismatches": mismatches, "request_migrations": migrations, "moves_on_live_workers": moved,
-              "errors": books.errors}
-    print(f"\nsoak: {args.duration:.0f} s of traffic, {args.clients} clients, {args.model}, chaos every "
-          f"{args.chaos_every:g} s")
-    print("| scenario | " + " | ".join(sorted(totals)) + " |")
-    print("|---|" + "---:|" * len(totals))
-    for s in SCENARIOS:
-        print(f"| {s} | " + " | ".join(str(books.codes[s].get(k, 0)) for k in sorted(totals)) + " |")
-    print(f"chaos: {dict(books.chaos)}; chaos errors: {len(books.chaos_errors)}")
-    print(f"KV blocks held once idle: {used}; greedy outputs checked: {report['greedy_checked']}, "
-          f"mismatches: {mismatches}")
-    print(f"requests moved, by reason (routers): {migrations}; on the workers alive at the end: {moved}")
+    report = _report(args, books, used, stats, mismatches, time.monotonic() - t0)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     leaked = not used or any(v != 0 for v in used.values())
