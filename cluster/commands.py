@@ -38,7 +38,8 @@ def register(sub) -> None:
     up.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model.dtype (default float32)")
     up.add_argument("--device", help="model.device: cpu, cuda (default cpu)")
     up.add_argument("--tensor-parallel", type=int, metavar="N", help="ranks per worker (a pool's tensor_parallel_size in --config wins)")
-    up.add_argument("--quantization", help="weight quantization (none so far)")
+    up.add_argument("--quantization",
+                    help="weight quantization: none (default) or fp8 (FP8 e4m3 weights, per-channel scales, at load)")
     up.add_argument("--prefill", type=int, help="prefill actors")
     up.add_argument("--decode", type=int, help="decode actors")
     up.add_argument("--host")
