@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,6 +98,10 @@ def test_health_and_admin(client):
     assert client.health() == "SERVING"
     state = client.cluster_state()
     assert {p.name for p in state.pools} == {"prefill", "decode"}
+    deadline = time.monotonic() + 30      # a worker's KV size comes with its first stats (a loaded machine: seconds)
+    while state.pool("decode").workers[0].kv_blocks_total == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        state = client.cluster_state()
     decode = state.pool("decode")
     assert decode.size == 1 and decode.workers[0].state == "ready" and decode.workers[0].kv_blocks_total > 0
     pool = client.set_pool_bounds("decode", 1, 2)
