@@ -53,6 +53,14 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
                 fp8: bool = False, max_positions: int | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions).to(dtype)
+    return fill_parts(model, cfg, device, fill, fp8=fp8, max_positions=max_positions)
+
+
+def fill_parts(model: LlamaForCausalLM, cfg: ModelConfig, device: str | torch.device, fill: Fill, *,
+               fp8: bool = False, max_positions: int | None = None) -> LlamaForCausalLM:
+    """A model built on the meta device, made real part by part on `device`: each part filled
+    (and quantized) before the next is allocated; tied embeddings and the fp32 rotary table last.
+    `cfg`: the whole model's config (the rotary table's length)."""
     for prefix, part in model_parts(model):
         part.to_empty(device=device)
         fill(model, prefix, part)
@@ -60,7 +68,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
             quantize_layer(part)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
+    model.rotary = Rotary(model.config, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
     return model.eval()
 
 

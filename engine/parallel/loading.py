@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.build import CheckpointReader, Fill, checkpoint_fill, model_parts, quantize_layer, random_fill
+from tandem.engine.build import CheckpointReader, Fill, checkpoint_fill, fill_parts, model_parts, random_fill
 from tandem.engine.checkpoint import check_model_dir
 from tandem.engine.config import PRESETS, EngineConfig, ModelConfig
-from tandem.engine.model import LlamaForCausalLM, Rotary
+from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.parallel.group import TPGroup, current_group
 from tandem.engine.parallel.layers import make_parallel
 from tandem.engine.parallel.sharding import check_shardable, rank_config, shard_tensor
@@ -47,15 +47,7 @@ def build_rank_model(cfg: ModelConfig, group: TPGroup, dtype: torch.dtype, devic
     """This rank's shard of a model of config `cfg`, built and filled part by part."""
     with torch.device("meta"):
         model = make_parallel(LlamaForCausalLM(rank_config(cfg, group.world_size)).to(dtype), group)
-    for prefix, part in model_parts(model):
-        part.to_empty(device=device)
-        fill(model, prefix, part)
-        if fp8:
-            quantize_layer(part)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(model.config, cfg.max_position_embeddings).to(device)
-    return model.eval()
+    return fill_parts(model, cfg, device, fill, fp8=fp8)
 
 
 def load_rank_model(config: EngineConfig, group: TPGroup):
