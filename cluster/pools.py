@@ -353,17 +353,20 @@ class Pools:
                 self._drain(w, move)
             return _entry(w)
 
-    def move_sequences(self, worker_id: str, count: int | None) -> int:
-        """Have a ready worker pause up to `count` running sequences (None: all) for their routers
-        to move with their KV; -> how many. UnknownWorker, or WorkerUnavailable when not ready."""
+    def _ready(self, worker_id: str, why: str) -> WorkerRecord:
+        """The record of a ready worker; UnknownWorker, or WorkerUnavailable ("<id> is <state>: why")."""
         with self._lock:
             w = self.workers.get(worker_id)
             if w is None:
                 raise UnknownWorker(f"unknown worker {worker_id!r}")
             if w.state != "ready":
-                raise WorkerUnavailable(f"{worker_id} is {w.state}, not ready")
-            member = w.member
-        return member.move_out(count)
+                raise WorkerUnavailable(f"{worker_id} is {w.state}: {why}")
+            return w
+
+    def move_sequences(self, worker_id: str, count: int | None) -> int:
+        """Have a ready worker pause up to `count` running sequences (None: all) for their routers
+        to move with their KV; -> how many. UnknownWorker, or WorkerUnavailable when not ready."""
+        return self._ready(worker_id, "not ready").member.move_out(count)
 
     def set_role(self, worker_id: str, role: str, reason: str = "") -> WorkerEntry:
         """Change a ready worker's role in place and log it with `reason`. Blocks until the worker
@@ -371,12 +374,7 @@ class Pools:
         UnknownWorker, InvalidRole, or WorkerUnavailable for a worker that is not ready."""
         if role not in ROLES:
             raise InvalidRole(f"unknown role {role!r}; roles are {list(ROLES)}")
-        with self._lock:
-            w = self.workers.get(worker_id)
-            if w is None:
-                raise UnknownWorker(f"unknown worker {worker_id!r}")
-            if w.state != "ready":
-                raise WorkerUnavailable(f"{worker_id} is {w.state}: only a ready worker changes role")
+        w = self._ready(worker_id, "only a ready worker changes role")
         t0 = self.clock()
         w.member.set_role(role)          # outside the lock: the health loop goes on meanwhile
         took = self.clock() - t0
