@@ -14,6 +14,34 @@ from tandem.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, engine.mla): q through a low-rank bottleneck
+    (`q_lora_rank`) or directly (None, as V2-Lite); K and V from one compressed latent per token
+    (`kv_lora_rank`) plus one rope key shared by all heads (`qk_rope_head_dim`), which is all the
+    paged cache holds."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # DeepSeek's rope pairs (x0, x1), (x2, x3), ...; False: rotate-half
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model config: mla.{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ConfigError(f"model config: mla.q_lora_rank must be >= 1 or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model config: mla.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements per token per layer in the cache: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -40,7 +68,7 @@ class ModelConfig:
     # or channel (`weight_scale`), or per [128, 128] block (`weight_block_size`, `weight_scale_inv`)
     quant_method: str | None = None
     weight_block_size: tuple[int, int] | None = None
-
+    mla: MLAConfig | None = None  # DeepSeek: latent attention (head_dim is qk_nope + qk_rope)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -74,14 +102,32 @@ class ModelConfig:
             d["quantization_config"] = {"quant_method": self.quant_method, "activation_scheme": "dynamic"}
             if self.weight_block_size is not None:
                 d["quantization_config"]["weight_block_size"] = list(self.weight_block_size)
+        if self.mla is not None:
+            d.update(_mla_to_hf(self))
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Per element byte count is the cache dtype's; this is elements per token (K and V, all layers)."""
+        """Per element byte count is the cache dtype's; this is elements per token (K and V, all layers;
+        with latent attention one latent + rope vector per layer)."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """DeepSeek's config.json keys for latent attention (transformers sets head_dim to the rope part)."""
+    m = cfg.mla
+    d: dict[str, Any] = {
+        "model_type": {"DeepseekV2ForCausalLM": "deepseek_v2"}.get(cfg.architecture, "deepseek_v3"),
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim,
+        "rope_interleave": m.rope_interleave}
+    if getattr(cfg, "moe", None) is None:  # every layer dense
+        d["first_k_dense_replace"] = cfg.num_layers
+    return d
 
 
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
