@@ -42,6 +42,63 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (engine.moe): each token's `top_k` of `num_experts` routed experts
+    (each a SiLU MLP of width `intermediate_size`), weighted by the router, plus `num_shared_experts`
+    always-on experts fused into one MLP of `num_shared_experts * intermediate_size` (DeepSeek).
+
+    Routing: `scoring` softmax (Qwen3-MoE, DeepSeek-V2) or sigmoid (DeepSeek-V3); `topk_method`
+    greedy (plain top-k), group_limited_greedy (V2: top-k inside the `topk_group` of `n_group` groups
+    with the highest best score) or noaux_tc (V3: groups ranked by the sum of their two best
+    bias-corrected scores, experts chosen on the corrected scores and weighted by the raw ones);
+    `norm_topk_prob` renormalises the chosen weights to sum to one, then all are multiplied by
+    `routed_scaling_factor`. `dense_layers`: the layers that keep the dense MLP."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int = 0
+    scoring: str = "softmax"  # softmax | sigmoid
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model config: moe.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ConfigError(f"model config: moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.scoring not in MOE_SCORING:
+            raise ConfigError(f"model config: moe.scoring {self.scoring!r} is not implemented "
+                              f"({', '.join(MOE_SCORING)})")
+        if self.topk_method not in MOE_TOPK_METHODS:
+            raise ConfigError(f"model config: moe.topk_method {self.topk_method!r} is not implemented "
+                              f"({', '.join(MOE_TOPK_METHODS)})")
+        if self.topk_method == "noaux_tc" and self.scoring != "sigmoid":
+            raise ConfigError("model config: moe.topk_method noaux_tc needs sigmoid scoring")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ConfigError(f"model config: moe needs n_group ({self.n_group}) to divide num_experts "
+                              f"({self.num_experts}) and topk_group ({self.topk_group}) <= n_group")
+        if self.top_k > self.num_experts or self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(f"model config: moe.top_k {self.top_k} is more than the experts it may choose from")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def uses_score_bias(self) -> bool:
+        """The router holds `e_score_correction_bias` (DeepSeek-V3's aux-loss-free balancing)."""
+        return self.topk_method == "noaux_tc"
+
+
+MOE_SCORING = ("softmax", "sigmoid")
+MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -69,6 +126,7 @@ class ModelConfig:
     quant_method: str | None = None
     weight_block_size: tuple[int, int] | None = None
     mla: MLAConfig | None = None  # DeepSeek: latent attention (head_dim is qk_nope + qk_rope)
+    moe: MoEConfig | None = None  # Qwen3-MoE, DeepSeek: mixture-of-experts MLPs (engine.moe)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -104,6 +162,8 @@ class ModelConfig:
                 d["quantization_config"]["weight_block_size"] = list(self.weight_block_size)
         if self.mla is not None:
             d.update(_mla_to_hf(self))
+        if self.moe is not None:
+            d.update(_moe_to_hf(self))
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
@@ -128,6 +188,22 @@ def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if getattr(cfg, "moe", None) is None:  # every layer dense
         d["first_k_dense_replace"] = cfg.num_layers
     return d
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of the MoE layers, in the family's names (engine.architectures reads
+    them back): Qwen3-MoE lists its dense layers; DeepSeek's are the first `first_k_dense_replace`."""
+    m = cfg.moe
+    if cfg.architecture.startswith("Deepseek"):
+        return {"n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                "moe_intermediate_size": m.intermediate_size, "n_shared_experts": m.num_shared_experts,
+                "scoring_func": m.scoring, "topk_method": m.topk_method, "n_group": m.n_group,
+                "topk_group": m.topk_group, "norm_topk_prob": m.norm_topk_prob,
+                "routed_scaling_factor": m.routed_scaling_factor, "first_k_dense_replace": len(m.dense_layers),
+                "moe_layer_freq": 1}
+    return {"model_type": "qwen3_moe", "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.intermediate_size, "norm_topk_prob": m.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(m.dense_layers)}
 
 
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
