@@ -47,6 +47,9 @@ class LayerStreamReceiver(KVReceiver):
         loop, idle between polls, can wake and admit it at once (it must only signal)."""
         self.store = store
         self.connector = connector
+        # peer actor id -> the store its data comes from / lands in (kv_transfer.reshard: the
+        # heads a rank of another tensor-parallel size gets); None: the whole cache
+        self.peer_stores: Callable[[str], BlockStore] | None = None
         self.config = config
         self._on_release = on_release
         self._table = TransferTable(self._release, releases_on=(TransferState.FAILED,
@@ -101,6 +104,9 @@ class LayerStreamReceiver(KVReceiver):
                 self._loops[spec.sender_id] = PeerRecvLoop(self, spec.sender_id)
             if spec.sender_id in self._loops:
                 self._loops[spec.sender_id].prepare(spec)
+
+    def store_for(self, peer: str) -> BlockStore:
+        return self.store if self.peer_stores is None else self.peer_stores(peer)
 
     def poll(self, request_id: str) -> TransferState:
         state = self._table.state(request_id)

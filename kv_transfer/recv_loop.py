@@ -48,7 +48,7 @@ class PeerRecvLoop:
         self.receiver = receiver
         self.peer = peer
         self.table = receiver._table
-        self.store = receiver.store
+        self.store = receiver.store_for(peer)   # a peer of another TP size: a head slice
         self.link: PeerLink | None = None
         self.stopping = False
         self.broken = False

@@ -47,7 +47,7 @@ class PeerSendWorker:
         self.sender = sender
         self.peer = peer
         self.table = sender._table
-        self.store = sender.store
+        self.store = sender.store_for(peer)   # a peer of another TP size: a head slice
         self.connector = sender.connector
         self.link: PeerLink | None = None
         self.queue = SendQueue()

@@ -55,6 +55,9 @@ class LayerStreamSender(KVSender):
         only signal."""
         self.store = store
         self.connector = connector
+        # peer actor id -> the store its data comes from / lands in (kv_transfer.reshard: the
+        # heads a rank of another tensor-parallel size gets); None: the whole cache
+        self.peer_stores: Callable[[str], BlockStore] | None = None
         self.config = config
         self._table = TransferTable(on_release, releases_on=(TransferState.DONE, TransferState.FAILED,
                                                              TransferState.ABORTED), clock=clock,
@@ -124,6 +127,9 @@ class LayerStreamSender(KVSender):
             worker.put(BeginItem(spec.request_id, True))
             worker.put(LayerItem(spec.request_id, 0, ready, spec.num_layers))
         self._table.run_releases()
+
+    def store_for(self, peer: str) -> BlockStore:
+        return self.store if self.peer_stores is None else self.peer_stores(peer)
 
     def poll(self, request_id: str) -> TransferState:
         state = self._table.state(request_id)
