@@ -8,6 +8,8 @@ turns on there:
 - `MistralForCausalLM`: + sliding-window attention when config.json sets `sliding_window`.
 - `Qwen2ForCausalLM` (Qwen2, Qwen2.5): + biases on the q/k/v projections.
 - `Qwen3ForCausalLM`: + a per-head RMSNorm on q and on k before rotary; head_dim from the config.
+- `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`: multi-head latent attention (engine.mla; DeepSeek's
+  interleaved rope, YaRN scaling) and MoE layers after `first_k_dense_replace` (engine.moe).
 
 `config_from_hf` turns a config.json dict into a `ModelConfig` (`ModelConfig.to_hf` is its
 inverse) and `expected_tensors` lists the
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.config import ModelConfig
+from tandem.engine.config import MLAConfig, ModelConfig, MoEConfig
 from tandem.engine.quant.scheme import FP8Scheme, QuantConfigError, fp8_scheme
 from tandem.wire.errors import ConfigError
 
@@ -40,6 +42,7 @@ class Architecture:
     sliding_window: bool = False  # honours config.json's `sliding_window`
     # config keys this family reads as "off"; true there means a feature the decoder lacks
     must_be_off: tuple[str, ...] = ()
+    mla: bool = False  # multi-head latent attention and DeepSeek's MoE keys (engine.mla, engine.moe)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -48,8 +51,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True, must_be_off=("use_sliding_window",)),
     Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True,
                  must_be_off=("attention_bias", "use_sliding_window")),
+    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", mla=True, must_be_off=("attention_bias", "mlp_bias")),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", mla=True, must_be_off=("attention_bias",)),
 )}
 ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN (DeepSeek): needed keys, then the optional ones carried along
+_YARN_ROPE_KEYS = ("factor", "original_max_position_embeddings")
+_YARN_OPTIONAL_KEYS = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor", "truncate")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # checkpoint tensors transformers itself drops on load (old Llama exports carry rotary buffers)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -104,21 +112,68 @@ def _rope(cfg: dict[str, Any], arch: Architecture, source: str) -> tuple[float, 
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = dict(cfg.get("rope_scaling") or params)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise _refuse(source, arch, f"rope_scaling type {kind!r} (implemented: {', '.join(ROPE_TYPES)})")
+    kinds = ("default", "yarn") if arch.mla else ROPE_TYPES
+    if kind not in kinds:
+        raise _refuse(source, arch, f"rope_scaling type {kind!r} (implemented: {', '.join(kinds)})")
     if kind == "default":
         return theta, None
-    needed = _LLAMA3_ROPE_KEYS if kind == "llama3" else ("factor",)
-    missing = [k for k in needed if k not in scaling]
+    needed = {"llama3": _LLAMA3_ROPE_KEYS, "yarn": _YARN_ROPE_KEYS}.get(kind, ("factor",))
+    missing = [k for k in needed if scaling.get(k) is None]
     if missing:
         raise UnsupportedModelError(f"{source}: rope_scaling type {kind!r} lacks {missing}")
-    return theta, {"rope_type": kind, **{k: scaling[k] for k in needed}}
+    optional = {k: scaling[k] for k in _YARN_OPTIONAL_KEYS if kind == "yarn" and scaling.get(k) is not None}
+    return theta, {"rope_type": kind, **{k: scaling[k] for k in needed}, **optional}
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: Architecture, source: str) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek config.json: the latent attention and the MoE layers, refusing
+    what transformers' deepseek_v2/v3 would not compute as written."""
+    heads = cfg["num_attention_heads"]
+    if (cfg.get("num_key_value_heads") or heads) != heads:
+        raise _refuse(source, arch, f"num_key_value_heads={cfg['num_key_value_heads']} != num_attention_heads")
+    keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise UnsupportedModelError(f"{source}: lacks {missing}")
+    mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), **{k: cfg[k] for k in keys},
+                    rope_interleave=arch.name == "DeepseekV2ForCausalLM" or cfg.get("rope_interleave", True) is not False)
+    if cfg.get("quantization_config"):
+        raise _refuse(source, arch, "quantization_config (FP8) with latent attention")
+    return {"mla": mla, "moe": _deepseek_moe(cfg, arch, source)}
+
+
+def _deepseek_moe(cfg: dict[str, Any], arch: Architecture, source: str) -> MoEConfig | None:
+    layers, first_dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0) or 0
+    if not cfg.get("n_routed_experts") or first_dense >= layers:
+        return None
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise _refuse(source, arch, f"moe_layer_freq={cfg['moe_layer_freq']!r} (only 1)")
+    v3 = arch.name == "DeepseekV3ForCausalLM"
+    scoring, method = cfg.get("scoring_func", "sigmoid" if v3 else "softmax"), cfg.get("topk_method", "greedy")
+    # transformers' routers: V2 softmax, greedy or group-limited, no renormalisation; V3 sigmoid noaux_tc
+    allowed = {"sigmoid": ("noaux_tc",)} if v3 else {"softmax": ("greedy", "group_limited_greedy")}
+    if method not in allowed.get(scoring, ()):
+        raise _refuse(source, arch, f"scoring_func={scoring!r} with topk_method={method!r}")
+    if not v3 and cfg.get("norm_topk_prob"):
+        raise _refuse(source, arch, "norm_topk_prob=true")
+    return MoEConfig(
+        num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"], num_shared_experts=cfg.get("n_shared_experts") or 0,
+        scoring=scoring, topk_method=method, n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob")) and v3,
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0), dense_layers=tuple(range(first_dense)))
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _head_dim(cfg: dict[str, Any], mla: MLAConfig | None) -> int:
+    if mla is not None:  # q and k heads (config.json's head_dim is the rope part, as transformers sets it)
+        return mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -134,17 +189,19 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     heads = cfg["num_attention_heads"]
     window = cfg.get("sliding_window") if arch.sliding_window else None
     try:
+        family = _deepseek_fields(cfg, arch, source) if arch.mla else {}
         return ModelConfig(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_heads=heads, num_kv_heads=heads if arch.mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=_head_dim(cfg, family.get("mla")),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids(cfg.get("eos_token_id")), architecture=arch.name,
             qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, sliding_window=window,
-            quant_method=None if quant is None else "fp8", weight_block_size=None if quant is None else quant.block_size)
+            quant_method=None if quant is None else "fp8", weight_block_size=None if quant is None else quant.block_size,
+            **family)
     except (ConfigError, TypeError) as e:  # shapes that do not fit together, or a value of the wrong type
         raise UnsupportedModelError(f"{source}: {e}") from None
 
@@ -158,9 +215,11 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        attn = (latent_tensor_shapes(cfg, p + "self_attn.") if cfg.mla is not None else
+                {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                 p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        out.update(attn)
+        out.update({p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
                     p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
                     p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
                     p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
@@ -170,6 +229,19 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return out
+
+
+def latent_tensor_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one layer's latent attention (engine.mla) under `prefix` ("model.layers.{i}.self_attn.")."""
+    m, h, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    out = ({"q_proj.weight": (heads * qk, h)} if m.q_lora_rank is None else
+           {"q_a_proj.weight": (m.q_lora_rank, h), "q_a_layernorm.weight": (m.q_lora_rank,),
+            "q_b_proj.weight": (heads * qk, m.q_lora_rank)})
+    out.update({"kv_a_proj_with_mqa.weight": (m.latent_dim, h), "kv_a_layernorm.weight": (m.kv_lora_rank,),
+                "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                "o_proj.weight": (h, heads * m.v_head_dim)})
+    return {prefix + k: v for k, v in out.items()}
 
 
 def check_tensors(cfg: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]]) -> None:

@@ -23,9 +23,10 @@ from tandem.engine.architectures import UnsupportedModelError
 from tandem.engine.checkpoint import tensor_index
 from tandem.engine.config import ModelConfig
 from tandem.engine.linear import Linear
-from tandem.engine.model import DecoderLayer, LlamaForCausalLM, Rotary
+from tandem.engine.model import DecoderLayer, LlamaForCausalLM
 from tandem.engine.quant.checkpoint import ScaleError, fused_projections, load_fp8_linear
 from tandem.engine.quant.fp8 import FP8_DTYPE
+from tandem.wire.errors import ConfigError
 
 # fill(model, prefix, part): write every tensor of `part` (prefix: its Hugging Face name prefix)
 Fill = Callable[[LlamaForCausalLM, str, nn.Module], None]
@@ -61,6 +62,9 @@ def fill_parts(model: LlamaForCausalLM, cfg: ModelConfig, device: str | torch.de
     """A model built on the meta device, made real part by part on `device`: each part filled
     (and quantized) before the next is allocated; tied embeddings and the fp32 rotary table last.
     `cfg`: the whole model's config (the rotary table's length)."""
+    if fp8 and cfg.mla is not None:
+        raise ConfigError("engine: quantization fp8 with latent attention is not implemented "
+                          "(kv_b_proj is folded into the query in the model dtype); serve it unquantized")
     for prefix, part in model_parts(model):
         part.to_empty(device=device)
         fill(model, prefix, part)
@@ -68,7 +72,8 @@ def fill_parts(model: LlamaForCausalLM, cfg: ModelConfig, device: str | torch.de
             quantize_layer(part)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(model.config, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
+    rotary = type(model.rotary)  # Rotary, or engine.mla's LatentRotary
+    model.rotary = rotary(model.config, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
     return model.eval()
 
 

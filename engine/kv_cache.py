@@ -1,5 +1,7 @@
 """The KV cache tensor of one actor, shaped by the model (`model.kv_cache_shape`), and the block
-gather/scatter the KV transport uses. Llama: [num_layers, 2, num_blocks, block_size, Hkv, head_dim].
+gather/scatter the KV transport uses. Llama: [num_layers, 2, num_blocks, block_size, Hkv, head_dim];
+latent attention (engine.mla): [num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope].
+Everything here works per block over the planes it finds (dim 1), so both move the same way.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class KVCache:
 
     # ---- BlockStore (kv_transfer) -----------------------------------------------------------
     def block_payload_shape(self, n_blocks: int) -> tuple[int, ...]:
-        """[2, n, block_size, Hkv, D]: K and V of n blocks of one layer."""
-        return (2, n_blocks, *self.tensor.shape[3:])
+        """[P, n, block_size, Hkv, D]: K and V (P = 2) of n blocks of one layer; with latent
+        attention its one plane (P = 1, Hkv = 1, D = kv_lora_rank + qk_rope_head_dim)."""
+        return (self.tensor.shape[1], n_blocks, *self.tensor.shape[3:])
 
     def block_index(self, block_ids) -> torch.Tensor:
         """Block ids as a long tensor on the cache's device, copied on the current stream. From

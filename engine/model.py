@@ -155,10 +155,23 @@ class MLP(nn.Module):
         return self.reduce_output(self.down_proj(F.silu(gate) * up))
 
 
+def latent_attention(cfg: ModelConfig, layer: int) -> nn.Module:
+    """DeepSeek's multi-head latent attention (engine.mla, which builds on this module's RMSNorm)."""
+    from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (engine.mla imports this module)
+
+    return LatentAttention(cfg, layer)
+
+
+def latent_rotary(cfg: ModelConfig, max_positions: int) -> nn.Module:
+    from tandem.engine.mla import LatentRotary  # noqa: PLC0415 (engine.mla imports this module)
+
+    return LatentRotary(cfg, max_positions)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = latent_attention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -217,7 +230,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        rotary = latent_rotary if cfg.mla is not None else Rotary
+        self.rotary = rotary(cfg, max_positions or cfg.max_position_embeddings)
         # None: TorchOps on the CPU, TritonOps on CUDA (default_ops); set it to force one
         self.ops: TorchOps | TritonOps | None = None
         self._auto_ops: dict[torch.device, TorchOps | TritonOps] = {}
@@ -231,9 +245,12 @@ class LlamaForCausalLM(nn.Module):
             ops = self._auto_ops[device] = default_ops(device)
         return ops
 
-    # The cache layout is the model's: Llama keeps K and V per layer. [L, 2, blocks, block_size, Hkv, D]
+    # The cache layout is the model's: Llama keeps K and V per layer. [L, 2, blocks, block_size, Hkv, D];
+    # latent attention one vector per token: [L, 1, blocks, block_size, 1, kv_lora_rank + qk_rope]
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
+        if c.mla is not None:
+            return (c.num_layers, 1, num_blocks, block_size, 1, c.mla.latent_dim)
         return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -276,12 +293,14 @@ class LlamaForCausalLM(nn.Module):
             out["lm_head.weight"] = self.lm_head.weight.detach()
         for i, layer in enumerate(self.layers):
             p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            qkv = {"weight": attn.qkv_proj.weight, "bias": attn.qkv_proj.bias}
+            qkv = {} if cfg.mla is not None else {"weight": attn.qkv_proj.weight, "bias": attn.qkv_proj.bias}
+            if cfg.mla is not None:
+                out.update(attn.hf_tensors(p + "self_attn."))
             for kind, fused in qkv.items():
                 if fused is not None:
                     for n, part in zip("qkv", fused.detach().split([q, kv, kv], 0)):
                         out[f"{p}self_attn.{n}_proj.{kind}"] = part
-            if attn.q_norm is not None:
+            if getattr(attn, "q_norm", None) is not None:
                 out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
                 out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
             gate, up = mlp.gate_up_proj.weight.detach().split(cfg.intermediate_size, 0)

@@ -1,0 +1,236 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of one vector per token per layer.
+
+The cache of a layer is `[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`: the
+normalised latent c (kv_lora_rank) and the rotated rope key k_pe shared by every head. K and V are
+never stored per head. Two forms read it, with the same result (up to rounding):
+
+- expanded (prefill, chunked prefill, prefix hits: any step with a query longer than
+  BATCHED_MAX_QUERY_LEN): each sequence's latents are gathered and expanded by kv_b_proj into
+  per-head K_nope and V; ordinary attention with head dim qk_nope + qk_rope.
+- absorbed (decode and speculative verify steps): W_UK (kv_b_proj's K rows) is folded into the
+  query, so each head scores [q_nope W_UK, q_pe] against the cached [c, k_pe] directly and its
+  output is a weighted sum of latents, to which W_UV (kv_b_proj's V rows) is applied afterwards.
+  The CPU reads the cache with `latent_attention_torch`; CUDA with the Triton kernel of
+  engine.kernels.mla_decode (no host read of a device value: CUDA graphs capture it).
+
+Rope is DeepSeek's: applied to the rope part only, with pairs (x0, x1), (x2, x3), ... rotated by one
+frequency (`rope_interleave`, the default; rotate-half otherwise), and YaRN scaling (the frequency
+ramp, cos/sin times the attention factor, and the softmax scale times mscale(mscale_all_dim)^2, as
+transformers' deepseek_v2/v3). Rotated q_pe and k_pe come out de-interleaved; only their dot
+product is ever used, which the permutation does not change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from tandem.engine.attention import BATCHED_MAX_QUERY_LEN, AttentionMetadata
+from tandem.engine.config import ModelConfig
+from tandem.engine.linear import Linear
+from tandem.engine.model import RMSNorm, no_reduce
+
+ROPE_TYPES = ("default", "yarn")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def latent_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """-> (inverse frequencies [qk_rope_head_dim / 2], attention factor on cos and sin)."""
+    dim, base = cfg.mla.qk_rope_head_dim, cfg.rope_theta
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return 1.0 / pos, 1.0
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} for latent attention (supported: {ROPE_TYPES})")
+    factor, old = rs["factor"], rs["original_max_position_embeddings"]
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    factor_attn = rs.get("attention_factor")
+    if factor_attn is None:
+        factor_attn = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                       if mscale and mscale_all else _yarn_mscale(factor))
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
+    return inv, float(factor_attn)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """(qk_nope + qk_rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type", "default")) != "default" and rs.get("mscale_all_dim"):
+        scale *= _yarn_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
+    return scale
+
+
+class LatentRotary(nn.Module):
+    """cos_sin [P, R]: cos (times the attention factor) in the first half, sin in the second."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv, factor = latent_rope(cfg)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, R/2]
+        cos_sin = torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.interleave = cfg.mla.rope_interleave
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (apply_latent_rope(q, positions, self.cos_sin, self.interleave),
+                apply_latent_rope(k, positions, self.cos_sin, self.interleave))
+
+
+def apply_latent_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      interleave: bool) -> torch.Tensor:
+    """x: [T, H, R] (rope part) -> rotated, de-interleaved, in x's dtype, computed in fp32."""
+    cs = cos_sin[positions][:, None, :]  # [T, 1, R]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[..., :half], cs[..., half:]
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else (xf[..., :half], xf[..., half:])
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def write_latent_torch(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent [T, D] -> its slots of one layer's cache [num_blocks, block_size, 1, D], in place."""
+    num_blocks, block_size = cache.shape[:2]
+    cache.view(num_blocks * block_size, cache.shape[-1])[slot_mapping] = latent
+
+
+def _gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """-> [length, D]: one sequence's cached latents, in position order."""
+    n = (length + cache.shape[1] - 1) // cache.shape[1]
+    return cache[block_table[:n].long()].flatten(0, 2)[:length]
+
+
+def latent_attention_torch(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The absorbed form's attention (the Triton kernel's reference). q: [T, H, D] (latent part
+    already through W_UK, then the rotated rope part) against the cached [c, k_pe] of each
+    sequence, causal with each sequence's offset -> [T, H, kv_lora_rank], weighted sums of c."""
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    start = 0
+    for b in range(meta.num_seqs):
+        q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        kv = _gather_latent(cache, meta.block_tables[b], kv_len).float()  # [L, D]
+        s = torch.einsum("thd,ld->htl", q[start:start + q_len].float(), kv) * scale
+        qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos, float("-inf"))
+        o = torch.einsum("htl,lr->thr", s.softmax(-1), kv[:, :kv_lora_rank])
+        out[start:start + q_len] = o.to(q.dtype)
+        start += q_len
+    return out
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's attention block under Hugging Face names (`self_attn.`: q_proj or q_a_proj +
+    q_a_layernorm + q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        m = cfg.mla
+        self.layer, self.num_heads = layer, cfg.num_heads
+        self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.interleave = m.rope_interleave
+        qk = self.nope + self.rope
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * qk)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(m.q_lora_rank, cfg.num_heads * qk)
+        self.q_lora = m.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = Linear(self.rank, cfg.num_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(cfg.num_heads * self.v_dim, cfg.hidden_size)
+        self.reduce_output = no_reduce
+        self.scale = softmax_scale(cfg)
+
+    def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        names = (["q_a_proj", "q_b_proj"] if self.q_lora else ["q_proj"]) + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        out = {f"{prefix}{n}.weight": getattr(self, n).weight.detach() for n in names}
+        for n in (["q_a_layernorm"] if self.q_lora else []) + ["kv_a_layernorm"]:
+            out[f"{prefix}{n}.weight"] = getattr(self, n).weight.detach()
+        return out
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight split per head: W_UK [H, nope, rank], W_UV [H, v, rank] (views)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x, positions, rotary, kv_cache, meta, ops) -> torch.Tensor:
+        return self._attend(x, positions, rotary.cos_sin, kv_cache, meta, kernel=None)
+
+    def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+        from tandem.engine.kernels.mla_decode import mla_decode  # noqa: PLC0415 (triton loads only where kernels run)
+
+        return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode)
+
+    def _attend(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, kernel) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_pe = q.view(T, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        q_pe = apply_latent_rope(q_pe, positions, cos_sin, self.interleave)
+        k_pe = apply_latent_rope(k_pe[:, None], positions, cos_sin, self.interleave)[:, 0]
+        cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
+        write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
+        if meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
+            o = self._absorbed(q_nope, q_pe, cache, meta, kernel)
+        else:
+            o = self._expanded(q_nope, q_pe, cache, meta)
+        return self.reduce_output(self.o_proj(o.reshape(T, self.num_heads * self.v_dim)))
+
+    def _absorbed(self, q_nope, q_pe, cache, meta, kernel) -> torch.Tensor:
+        """-> [T, H, v]: scores and values in latent space, then W_UV per head."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, rank + rope]
+        if kernel is None:
+            o_lat = latent_attention_torch(q_full, cache, self.rank, meta, self.scale)
+        else:
+            o_lat = kernel(q_full, cache, meta, self.rank, self.scale)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """-> [T, H, v]: each sequence's latents expanded to per-head K and V, causal with its offset."""
+        H, out, start = self.num_heads, [], 0
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, T, nope + rope]
+        pad = self.nope + self.rope - self.v_dim  # V padded to the q/k head dim: SDPA's flash kernel needs it
+        for b in range(meta.num_seqs):
+            q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+            lat = _gather_latent(cache, meta.block_tables[b], kv_len)  # [L, rank + rope]
+            kv = self.kv_b_proj(lat[:, :self.rank]).view(kv_len, H, self.nope + self.v_dim)
+            k = torch.cat([kv[..., :self.nope], lat[:, None, self.rank:].expand(kv_len, H, self.rope)], dim=-1)
+            v = F.pad(kv[..., self.nope:], (0, pad)) if pad > 0 else kv[..., self.nope:]
+            qs = q[:, start:start + q_len]
+            if q_len == kv_len:
+                o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                                   scale=self.scale)
+            else:
+                qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+                mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                                   scale=self.scale)
+            out.append(o[..., :self.v_dim].transpose(0, 1))  # [q_len, H, v]
+            start += q_len
+        return torch.cat(out, dim=0)

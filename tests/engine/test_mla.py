@@ -1,0 +1,143 @@
+"""Latent attention (engine.mla) against transformers' deepseek_v2/v3 on tiny random checkpoints
+(tests/engine/mla_models.py): logits within tolerance through both forms (a short prompt takes
+the absorbed form, a long one the expanded form), greedy tokens equal to transformers' `generate`
+in fp32 with chunked prefill, decode in a batch and a prefix-cache hit; the two forms against each
+other; the latent cache's shape and its block moves; the config's round trip and refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tandem.engine.architectures import UnsupportedModelError, config_from_hf
+from tandem.engine.attention import BATCHED_MAX_QUERY_LEN
+from tandem.engine.kv_cache import KVCache
+from tests.engine.families import hf_greedy
+from tests.engine.mla_models import VERSIONS, build_deepseek_dir
+from tests.engine.test_model_vs_hf import _close, _our_logits
+
+every_version = pytest.mark.parametrize("version", list(VERSIONS))
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """version -> (directory, our model, our tokenizer, transformers' model), built once."""
+    from tandem.engine.weights import load_model
+
+    built = {}
+
+    def get(version):
+        if version not in built:
+            path = tmp_path_factory.mktemp(f"tiny-deepseek-{version}")
+            hf = build_deepseek_dir(version, path)
+            model, tok, _ = load_model(str(path))
+            built[version] = (path, model, tok, hf)
+        return built[version]
+
+    return get
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@every_version
+@pytest.mark.parametrize("n", [40, 90])  # absorbed (<= BATCHED_MAX_QUERY_LEN tokens), expanded
+@torch.inference_mode()
+def test_logits_match_transformers(version, n, deepseek, make_engine):
+    _, model, tok, hf = deepseek(version)
+    assert (n <= BATCHED_MAX_QUERY_LEN) == (n == 40)
+    ids = _prompt(n, 1)  # 90: past V3's YaRN original context (32)
+    _close(_our_logits(make_engine, model, tok, ids), hf(torch.tensor([ids])).logits[0].float())
+
+
+@every_version
+def test_greedy_batch_matches_transformers(version, deepseek, make_engine):
+    """Three prompts in one batch (chunked prefill of the longest, then decode together), 16 tokens
+    each; then the longest again with a longer one: its blocks come from the prefix cache and the
+    rest prefills in the expanded form."""
+    _, model, tok, hf = deepseek(version)
+    e = make_engine(model, tok, max_num_batched_tokens=32)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((5, 23, 41))]
+    results = e.generate([{"prompt_token_ids": p, "max_tokens": 16, "ignore_eos": True} for p in prompts])
+    for p, res in zip(prompts, results):
+        assert res["token_ids"] == hf_greedy(hf, p, 16, eos=None), f"{version}, prompt of {len(p)}"
+    e = make_engine(model, tok)
+    long = prompts[2] + _prompt(80, 7)
+    e.generate([{"prompt_token_ids": long[:48], "max_tokens": 4, "ignore_eos": True}])
+    res = e.generate([{"prompt_token_ids": long, "max_tokens": 8, "ignore_eos": True}])[0]
+    assert e.allocator.prefix_hits == 48  # three blocks of the first request's prompt
+    assert res["token_ids"] == hf_greedy(hf, long, 8, eos=None)
+
+
+@torch.inference_mode()
+def test_absorbed_and_expanded_forms_agree(deepseek, make_engine):
+    """The same step through both forms: a decode token after a prefix gives the same output."""
+    _, model, tok, _ = deepseek("v3")
+    e = make_engine(model, tok)
+    req = e.add_request("x", prompt_token_ids=_prompt(20, 3))
+    batch = e.runner.prepare(e.scheduler.schedule())
+    x = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    attn = model.layers[0].self_attn
+    cache = e.kv_cache.tensor
+    attn._attend(x, batch.positions, model.rotary.cos_sin, cache, batch.meta, kernel=None)
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_nope, q_pe = q.view(20, attn.num_heads, -1).split([attn.nope, attn.rope], dim=-1)
+    from tandem.engine.mla import apply_latent_rope
+
+    q_pe = apply_latent_rope(q_pe, batch.positions, model.rotary.cos_sin, attn.interleave)
+    layer_cache = cache[0, 0]
+    absorbed = attn._absorbed(q_nope, q_pe, layer_cache, batch.meta, None)
+    expanded = attn._expanded(q_nope, q_pe, layer_cache, batch.meta)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-4, atol=1e-5)
+    e.abort(req.request_id)
+
+
+def test_latent_cache_shape_and_block_moves(deepseek):
+    _, model, _, _ = deepseek("v2")
+    cfg = model.config
+    shape = model.kv_cache_shape(6, 4)
+    assert shape == (cfg.num_layers, 1, 6, 4, 1, 32 + 8)
+    assert cfg.kv_bytes_per_token == cfg.num_layers * 40  # one latent + rope vector per layer
+    src, dst = KVCache(shape, torch.float32, "cpu"), KVCache(shape, torch.float32, "cpu")
+    src.tensor.copy_(torch.randn(shape))
+    assert src.bytes_per_block == cfg.num_layers * 4 * 40 * 4
+    data = src.gather_layers(range(0, cfg.num_layers), [1, 4])
+    assert data.shape == (cfg.num_layers, *src.block_payload_shape(2)) == (cfg.num_layers, 1, 2, 4, 1, 40)
+    dst.scatter_layers(range(0, cfg.num_layers), [0, 5], data)
+    assert torch.equal(dst.tensor[:, :, [0, 5]], src.tensor[:, :, [1, 4]])
+
+
+@every_version
+def test_config_round_trip(version, deepseek):
+    path, model, _, _ = deepseek(version)
+    cfg = model.config
+    assert cfg.mla is not None and cfg.num_kv_heads == cfg.num_heads and cfg.head_dim == 16 + 8
+    assert config_from_hf(cfg.to_hf()) == cfg
+
+
+def test_refusals(deepseek):
+    _, model, _, _ = deepseek("v3")
+    hf = model.config.to_hf()
+
+    def refused(match, **change):
+        with pytest.raises(UnsupportedModelError, match=match):
+            config_from_hf({**hf, **change})
+
+    refused("rope_scaling type 'dynamic'", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    refused("num_key_value_heads=2", num_key_value_heads=2)
+    refused("quantization_config", quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    refused("moe_layer_freq=2", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, moe_layer_freq=2)
+    refused("scoring_func='softmax' with topk_method='noaux_tc'", n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, first_k_dense_replace=1, scoring_func="softmax", topk_method="noaux_tc")
+    v2 = {**hf, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "n_routed_experts": 8,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob=true"):
+        config_from_hf({**v2, "norm_topk_prob": True})
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
+        from tandem.engine.mla import latent_rope
+
+        latent_rope(dataclasses.replace(model.config, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
