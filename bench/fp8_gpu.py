@@ -15,7 +15,12 @@ One run measures, in order:
 - quality, FP8 against bf16 on 256 random 64-token prompts: max and mean |logit difference| at
   the last position, greedy first-token agreement, and the share of 32 greedy tokens that match;
 - llama3-70b-random FP8 (built and quantized layer by layer) decode at batch 1 and 64 against
-  its floor.
+  its floor; qwen2.5-32b-random bf16 and FP8 at batch 1 and 64 against theirs.
+- at batch 1, where each step goes: the host's phases (engine.last_step) and the GPU time of
+  each kernel of an eager forward (torch.profiler; the graph replays the same kernels).
+
+`--tuned fp8_sweep.json` (bench/fp8_sweep.py's output, same run) replaces the committed one-token
+configs by the sweep's best per weight shape for the whole run.
 
     python3 bench/fp8_gpu.py            # on the GPU; JSON under $OUT (or ./out)
     python3 bench/fp8_gpu.py --dry-run  # CPU, tiny model and sizes: checks the script's logic
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import statistics
 import time
 
 import torch
@@ -175,12 +182,30 @@ class FP8Bench(Bench):
         for b in batches:
             r = self.decode(e, b, ctx, warmup, steps, f"{label}-{b}", wb, kvb)
             r.update(model=label, weight_bytes=wb)
+            if b == 1:
+                r["host_phases_ms"] = self.phases(e, ctx, label)
+                self.results.setdefault("profile", {})[label] = self.profile(e, 1, ctx, top=24)
             rows.append(r)
             print(f"# decode {r}", flush=True)
         self.results.setdefault("graphs", {})[label] = e.runner.graph_stats
         del e
         self.free()
         return rows
+
+    def phases(self, e, ctx, tag):
+        """Median host ms per phase of a batch-1 decode step (engine.step's last_step: schedule,
+        prepare, launch, sample + wait, output)."""
+        reqs = self.admit(e, 1, ctx, 32, f"{tag}-phases")
+        for _ in range(3):
+            e.step()
+        seen = []
+        for _ in range(12):
+            e.step()
+            seen.append(e.last_step[5])
+        for r in reqs:
+            e.abort(r.request_id)
+        e.settle()
+        return [statistics.median(p[i] for p in seen) * 1e3 for i in range(len(seen[0]))]
 
     def free(self):
         gc.collect()
@@ -263,6 +288,35 @@ class FP8Bench(Bench):
         self.free()
 
 
+    def qwen32b(self):
+        name = "tiny-random" if self.dry else "qwen2.5-32b-random"
+        dtype = "float32" if self.dry else "bfloat16"
+        rows = self.results["decode_32b"] = []
+        for label, quant in (("32b-bf16", None), ("32b-fp8", "fp8")):
+            model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
+            if self.dry:
+                model.ops = TritonOps()
+            rows += self.decode_rows(label, model, tok, (1, 2) if self.dry else (1, 64), 64 if self.dry else 1024)
+            del model
+            self.free()
+
+
+def apply_tuned(path: str) -> dict:
+    """Make fp8_gemm take bench/fp8_sweep.py's best one-token config for each weight shape it
+    swept (the committed choose_config elsewhere). -> {"N,K": config}."""
+    with open(path) as f:
+        best = json.load(f)["best"]
+    base = fp8_kernel.choose_config
+
+    def choose(m, n, k, group_k, elem_bytes=2):
+        c = best.get(f"{n},{k}")
+        if m == 1 and c is not None and not group_k:
+            return fp8_kernel.GemmConfig(1, c[0], c[1], c[2], c[3], gemv=True, split_k=c[4])
+        return base(m, n, k, group_k, elem_bytes)
+    fp8_kernel.choose_config = choose
+    return best
+
+
 def weight_bytes(model) -> int:
     """Bytes a decode step reads: parameters and buffers (FP8 scales) once, the embedding table not."""
     seen, total = set(), 0
@@ -289,18 +343,33 @@ def print_table(R):
             print(f"{r['weight']:>8} {r['m']:>4} {r['bf16_us']:>8.1f} {r['triton_us']:>10.1f} {sm:>9.1f} "
                   f"{r['triton_us'] / r['bf16_us']:>11.2f} {r['fp8_bytes_gbs']:>8.0f}")
         print(f"_scaled_mm from {R.get('scaled_mm_min_tokens')} tokens; tuned tiles: {R.get('tuned')}")
-    rows = R.get("decode_8b", []) + R.get("decode_70b", [])
+    rows = R.get("decode_8b", []) + R.get("decode_32b", []) + R.get("decode_70b", [])
     if rows:
         print("\ndecode step, context 1k (engine step: schedule + prepare + graph replay + sampling)")
         print(f"{'model':>8} {'batch':>5} {'step ms':>8} {'gpu ms':>7} {'floor ms':>8} {'x floor':>7} {'tok/s':>7} "
               f"{'vs bf16':>7}")
-        bf = {r["batch"]: r["step_ms"] for r in rows if r["model"] == "8b-bf16"}
+        bf = {(r["model"][:-5], r["batch"]): r["step_ms"] for r in rows if r["model"].endswith("-bf16")}
         for r in rows:
-            rel = r["step_ms"] / bf[r["batch"]] if r["model"] == "8b-fp8" and r["batch"] in bf else float("nan")
+            base = bf.get((r["model"][:-4], r["batch"])) if r["model"].endswith("-fp8") else None
+            rel = r["step_ms"] / base if base else float("nan")
             print(f"{r['model']:>8} {r['batch']:>5} {r['step_ms']:>8.2f} {r['gpu_ms']:>7.2f} {r['floor_ms']:>8.2f} "
                   f"{r['x_floor']:>7.2f} {r['tok_s']:>7.0f} {rel:>7.2f}")
-    if R.get("quality"):
-        print(f"\nFP8 vs bf16 (8B): {R['quality']}")
+    for label, p in R.get("profile", {}).items():
+        r = next(r for r in rows if r["model"] == label and r["batch"] == 1)
+        print(f"\n{label} batch 1: step {r['step_ms']:.2f} ms, graph replay {r['gpu_ms']:.2f} ms, kernels "
+              f"(eager) {p['total_us'] / 1e3:.2f} ms; host ms (schedule, prepare, launch, sample+wait, "
+              f"output) {[round(x, 3) for x in r.get('host_phases_ms', [])]}")
+        for k in p["kernels"][:12]:
+            print(f"  {k['us']:8.1f} us {k['count']:4d}x  {k['name'][:70]}")
+    q = R.get("quality")
+    if q:
+        print(f"\nFP8 vs bf16 (8B), {q['prompts']} random {q['prompt_tokens']}-token prompts: logits max |diff| "
+              f"{q['max_abs_logit_diff']:.3f}, mean {q['mean_abs_logit_diff']:.3f} (bf16 std "
+              f"{q['logit_std_bf16']:.3f}); greedy first token {q['greedy_first_token_agreement']:.1%}, "
+              f"{q['new_tokens']} greedy tokens {q['greedy_token_agreement']:.1%} equal, matched prefix "
+              f"{q['matched_prefix_share']:.1%}")
+    if R.get("tuned_gemv"):
+        print(f"one-token configs from the sweep: {R['tuned_gemv']}")
     for k in ("load_s_8b-bf16", "load_s_8b-fp8", "load_s_70b", "load_peak_gib_70b"):
         if k in R:
             print(f"{k}: {R[k]:.1f}")
@@ -312,7 +381,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,8b,quality,70b")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,8b,quality,70b,32b")
+    parser.add_argument("--tuned", default="", help="bench/fp8_sweep.py's JSON: its one-token configs for this run")
     parser.add_argument("--quick", action="store_true", help="batch 1 only: the M=1 sweep and 8B decode step")
     args = parser.parse_args()
     if args.dry_run:
@@ -321,9 +391,12 @@ def main():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
     torch.manual_seed(0)
     b = FP8Bench(args.dry_run, args.out, args.quick)
+    if args.tuned:
+        b.results["tuned_gemv"] = apply_tuned(args.tuned)
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
-    for name, fn in (("kernels", b.kernels), ("8b", b.llama8b), ("quality", b.quality), ("70b", b.llama70b)):
+    for name, fn in (("kernels", b.kernels), ("8b", b.llama8b), ("quality", b.quality), ("70b", b.llama70b),
+                     ("32b", b.qwen32b)):
         if name not in skip:
             b.section(name, fn)
     print_table(b.results)

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200, ~7 min): the FP8 GPU tests (tests/gpu/test_fp8_gpu.py), then
-# bench/fp8_gpu.py (kernels, 8B bf16 vs FP8 decode, quality, 70B FP8 decode). Logs and JSON in $OUT.
-#   bash bench/gpu_session_fp8.sh            # carry .devbundle
-#   QUICK=1 SKIP=quality,70b bash bench/gpu_session_fp8.sh   # batch 1 only (~2 min)
+# FP8 on one H200 (issue 24), one device call each; logs and JSON in $OUT. Carry .devbundle.
+#   SWEEP=1 bash bench/gpu_session_fp8.sh   # ~3 min: the one-token GEMV sweep over every projection
+#        shape (bench/fp8_sweep.py), then 8B bf16 vs FP8 at batch 1 with the sweep's best configs
+#        and the step's breakdown
+#   bash bench/gpu_session_fp8.sh           # ~5 min: the FP8 GPU tests, the committed GEMV configs per
+#        shape, then bench/fp8_gpu.py (8B bf16 vs FP8 at batch 1/64/256, quality, 70B FP8, 32B)
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-TAIL=40 step gpu_tests ${TEST_LIMIT:-240} bash bench/gpu_tests.sh tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py -k "fp8 or capture_while"
-cd bench && timeout ${BENCH_LIMIT:-420} python3 fp8_gpu.py --out "$OUT" ${SKIP:+--skip $SKIP} ${QUICK:+--quick} 2>&1 | tee "$OUT/fp8_gpu.log" | grep -v "^# config"
+if [ -n "${SWEEP:-}" ]; then
+  (cd bench && timeout ${SWEEP_LIMIT:-200} python3 fp8_sweep.py --out "$OUT" 2>&1 | tee "$OUT/fp8_sweep.log" | grep -v "failed:")
+  cd bench && timeout ${BENCH_LIMIT:-200} python3 fp8_gpu.py --out "$OUT" --quick --skip kernels,quality,70b,32b \
+    --tuned "$OUT/fp8_sweep.json" 2>&1 | tee "$OUT/fp8_gpu.log" | grep -v "^# config"
+  exit
+fi
+TAIL=15 step gpu_tests ${TEST_LIMIT:-150} bash bench/gpu_tests.sh tests/gpu/test_fp8_gpu.py
+(cd bench && timeout 60 python3 fp8_sweep.py --committed --out "$OUT" 2>&1 | tee "$OUT/fp8_sweep.log" | tail -17)
+cd bench && timeout ${BENCH_LIMIT:-330} python3 fp8_gpu.py --out "$OUT" --skip kernels${SKIP:+,$SKIP} 2>&1 \
+  | tee "$OUT/fp8_gpu.log" | grep -v "^# config"

@@ -4,10 +4,11 @@ form larger than the finished model's.
 The model is made on the meta device (no memory). Then, in parameter order (the embeddings, each
 decoder layer, the final norm, the LM head) each part is allocated on the device in the model
 dtype, filled (`random_fill`: the seeded values of a `*-random` preset; `checkpoint_fill`: a
-directory's tensors, read one at a time), and with `fp8` its projections are quantized before the
-next part is allocated. Peak memory is the finished parts plus one part in the model dtype: a 70B
-model quantized at load fits one H200. A filler sees whatever the part holds, so a tensor-parallel
-loader can fill a shard, which is then quantized ("shard, then quantize").
+directory's tensors, read one at a time), and with `fp8` its projections (and an untied LM head)
+are quantized before the next part is allocated. Peak memory is the finished parts plus one part
+in the model dtype: a 70B model quantized at load fits one H200. A filler sees whatever the part
+holds, so a tensor-parallel loader can fill a shard, which is then quantized ("shard, then
+quantize").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from tandem.engine.architectures import UnsupportedModelError
 from tandem.engine.checkpoint import tensor_index
 from tandem.engine.config import ModelConfig
-from tandem.engine.linear import Linear
+from tandem.engine.linear import Linear, fp8_head
 from tandem.engine.model import DecoderLayer, LlamaForCausalLM
 from tandem.engine.quant.checkpoint import ScaleError, fused_projections, load_fp8_linear
 from tandem.engine.quant.fp8 import FP8_DTYPE
@@ -43,8 +44,8 @@ def model_parts(model: LlamaForCausalLM) -> list[tuple[str, nn.Module]]:
 
 
 def quantize_layer(part: nn.Module) -> None:
-    """Every projection of `part` to FP8 per output channel (the LM head and embeddings are no
-    engine.linear.Linear, so they stay in the model dtype)."""
+    """Every projection of `part` to FP8 per output channel (the embeddings stay in the model
+    dtype; fill_parts turns an untied LM head into FP8 too)."""
     for module in part.modules():
         if isinstance(module, Linear):
             module.to_fp8()
@@ -70,6 +71,8 @@ def fill_parts(model: LlamaForCausalLM, cfg: ModelConfig, device: str | torch.de
         fill(model, prefix, part)
         if fp8:
             quantize_layer(part)
+    if fp8 and not cfg.tie_word_embeddings:
+        model.lm_head = fp8_head(model.lm_head)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     rotary = type(model.rotary)  # Rotary, or engine.mla's LatentRotary

@@ -6,7 +6,8 @@ output channel) or `make_fp8` (an empty FP8 weight that a checkpoint's FP8 tenso
 into) turn it into an FP8 e4m3 layer: `weight` [N, K] float8_e4m3fn and `weight_scale` [N, G]
 float32 (engine.quant.fp8 says what G means), run by `engine.quant.fp8.fp8_linear`. The bias, if
 any, stays in the model dtype. Quantization acts on whatever weight the layer holds, so a
-tensor-parallel shard is quantized after it is cut.
+tensor-parallel shard is quantized after it is cut. `fp8_head` does the same to an untied LM head
+(a decode step reads its vocab x hidden weight whole: 1 GB of bf16 at Llama 3's 128k vocabulary).
 """
 
 from __future__ import annotations
@@ -59,3 +60,16 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         fp8 = f", fp8 group_k={self.group_k}" if self.is_fp8 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{fp8}"
+
+
+@torch.no_grad()
+def fp8_head(head: nn.Module) -> nn.Module:
+    """An untied `nn.Linear` LM head as an FP8 `Linear` (per output channel, quantized from the
+    weight it holds, which is then released). Any other head (a vocab-parallel shard) comes back
+    unchanged; a caller leaves a head tied to the embeddings alone (the lookup table stays)."""
+    if type(head) is not nn.Linear:
+        return head
+    out = Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    out.weight, out.bias = head.weight, head.bias
+    out.to_fp8()
+    return out

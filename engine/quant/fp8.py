@@ -26,6 +26,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # 32 against 120 (docs/benchmarks.md)
 SCALED_MM_MIN_TOKENS = 32
 _MIN_SCALE = 1e-12  # an all-zero row or token gets this scale instead of 0 (no 0 / 0)
+_CHUNK_BYTES = 256 << 20
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,9 +34,16 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channel: each row's largest |value| maps to 448."""
     if w.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a 2-D weight, got shape {tuple(w.shape)}")
-    # one fp32 temporary of w's size at most (w / scale promotes): a 70B layer quantizes in place
-    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
-    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+    # by row chunks: the temporaries (|w| and the fp32 w / scale) stay under ~_CHUNK_BYTES, so a
+    # 70B layer or LM head (4.2 GB in fp32) quantizes beside the finished model
+    rows = max(1, _CHUNK_BYTES // max(1, 4 * w.shape[1]))
+    for i in range(0, w.shape[0], rows):
+        part = w[i:i + rows]
+        s = scale[i:i + rows]
+        torch.div(part.abs().amax(dim=1, keepdim=True).float(), FP8_MAX, out=s).clamp_min_(_MIN_SCALE)
+        q[i:i + rows] = (part / s).clamp_(-FP8_MAX, FP8_MAX)
     return q, scale
 
 

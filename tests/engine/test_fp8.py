@@ -35,6 +35,7 @@ from tandem.engine.kernels.fp8_gemm import GemmConfig, choose_config, fp8_gemm, 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemmConfig(16, 16, 32, num_warps=4, num_stages=2)  # tiny tiles: the interpreter is slow
 GEMV = GemmConfig(1, 16, 32, gemv=True)  # the one-token kernel
+SPLIT = GemmConfig(1, 8, 32, gemv=True, split_k=3)  # ... with K in 3 ranges, the last program adding them
 
 
 def rel_err(out, ref):
@@ -74,10 +75,26 @@ def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
     q, scale = q.to(DEVICE), scale.to(DEVICE)
     ref = torch_linear(x.double(), q, scale.double(), None if b is None else b.double(), group_k)
-    for cfg in (SMALL, GEMV) if m == 1 else (SMALL,):
+    for cfg in (SMALL, GEMV, SPLIT) if m == 1 else (SMALL,):
         out = fp8_gemm(x, q, scale, b, group_k=group_k, config=cfg)
         assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), cfg
+
+
+def test_split_k_gemv_leaves_its_counters_at_zero_and_sums_in_order():
+    """Each split-K launch resets the arrival counters it used (the next launch, or a CUDA graph
+    replay, starts from 0), and the partial sums are added in split order, not arrival order: two
+    calls give the same bits, also when some splits get no K tile (6 splits of 5 tiles)."""
+    from tandem.engine.kernels import fp8_gemm as kernel
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 160, generator=gen).to(DEVICE)
+    q, scale = (t.to(DEVICE) for t in quantize_fp8(torch.randn(40, 160, generator=gen)))
+    cfg = GemmConfig(1, 8, 32, gemv=True, split_k=6)
+    a, b = (fp8_gemm(x, q, scale, config=cfg) for _ in range(2))
+    assert torch.equal(a, b) and rel_err(a, torch_linear(x.double(), q, scale.double(), None)) < 1e-5
+    counters = [ws[1] for key, ws in kernel._WORKSPACES.items() if key[0] == x.device]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,18 +167,37 @@ def test_quantization_option_is_checked():
 
 
 @torch.inference_mode()
-def test_quantized_at_load_keeps_head_and_embeddings(make_engine):
+def test_quantized_at_load_quantizes_projections_and_head_keeps_embeddings(make_engine):
     ref, tok, _ = load_model("tiny-random", seed=1234)
     model, _, _ = load_model("tiny-random", seed=1234, quantization="fp8")
-    assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.float32
-    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
-    for layer, layer_ref in zip(model.layers, ref.layers):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            lin, lin_ref = layer.get_submodule(name), layer_ref.get_submodule(name)
-            assert lin.is_fp8
-            q, scale = quantize_fp8(lin_ref.weight)  # what quantization at load must have produced
-            assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8))
-            assert torch.equal(lin.weight_scale, scale)
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.embed_tokens.weight, ref.embed_tokens.weight)
+    pairs = [(model.lm_head, ref.lm_head)] + [
+        (layer.get_submodule(name), layer_ref.get_submodule(name)) for layer, layer_ref in zip(model.layers, ref.layers)
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    for lin, lin_ref in pairs:
+        assert isinstance(lin, Linear) and lin.is_fp8
+        q, scale = quantize_fp8(lin_ref.weight)  # what quantization at load must have produced
+        assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(lin.weight_scale, scale)
+
+
+@torch.inference_mode()
+def test_tied_and_vocab_parallel_heads_stay_in_the_model_dtype():
+    """A head tied to the embeddings stays the lookup table (the table stays in the model dtype);
+    fp8_head leaves a head that is no plain nn.Linear (engine.parallel's shard) as it is."""
+    from dataclasses import replace
+
+    from tandem.engine.build import build_model, random_fill
+    from tandem.engine.config import PRESETS
+    from tandem.engine.linear import fp8_head
+
+    cfg = replace(PRESETS["tiny-random"], tie_word_embeddings=True, num_layers=1)
+    model = build_model(cfg, "cpu", torch.float32, random_fill(0, "cpu"), fp8=True)
+    assert model.layers[0].mlp.down_proj.is_fp8
+    assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32
+    other = torch.nn.Bilinear(4, 4, 4)
+    assert fp8_head(other) is other
 
 
 @torch.inference_mode()
