@@ -39,7 +39,7 @@ run: setup
 # Tests marked `isolated` start Ray nodes of their own: they run in a second pytest process, after
 # every in-process Ray of the first has gone.
 test: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not isolated" tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not isolated" tests
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m isolated tests
 
 # Lint: ruff (pyflakes, imports at the top, no bare `engine`/`router` imports), the layer contract
