@@ -8,6 +8,8 @@ turns on there:
 - `MistralForCausalLM`: + sliding-window attention when config.json sets `sliding_window`.
 - `Qwen2ForCausalLM` (Qwen2, Qwen2.5): + biases on the q/k/v projections.
 - `Qwen3ForCausalLM`: + a per-head RMSNorm on q and on k before rotary; head_dim from the config.
+- `Qwen3MoeForCausalLM`: Qwen3's attention, and a mixture of experts (engine.moe: softmax top-k,
+  `norm_topk_prob`) as the MLP of every layer that `decoder_sparse_step` / `mlp_only_layers` make sparse.
 - `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`: multi-head latent attention (engine.mla; DeepSeek's
   interleaved rope, YaRN scaling) and MoE layers after `first_k_dense_replace` (engine.moe).
 
@@ -51,6 +53,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True, must_be_off=("use_sliding_window",)),
     Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True,
                  must_be_off=("attention_bias", "use_sliding_window")),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True,
+                 must_be_off=("attention_bias", "use_sliding_window", "shared_expert_intermediate_size")),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", mla=True, must_be_off=("attention_bias", "mlp_bias")),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", mla=True, must_be_off=("attention_bias",)),
 )}
@@ -164,6 +168,27 @@ def _deepseek_moe(cfg: dict[str, Any], arch: Architecture, source: str) -> MoECo
         routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0), dense_layers=tuple(range(first_dense)))
 
 
+def _qwen3_moe_fields(cfg: dict[str, Any], arch: Architecture, source: str) -> dict[str, Any]:
+    """Qwen3-MoE's experts (transformers 5 writes `num_local_experts` where the Hub's configs say
+    `num_experts`); a layer is sparse unless listed in `mlp_only_layers` or off `decoder_sparse_step`."""
+    if arch.name != "Qwen3MoeForCausalLM":
+        return {}
+    missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in cfg]
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if missing or experts is None:
+        raise UnsupportedModelError(f"{source}: lacks {missing or ['num_experts']}")
+    step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+    dense_layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i in dense or (i + 1) % step)
+    return {"moe": MoEConfig(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                             intermediate_size=cfg["moe_intermediate_size"],
+                             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers)}
+
+
+def _refuse_fp8_experts(cfg: dict[str, Any], arch: Architecture, source: str) -> None:
+    if any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise _refuse(source, arch, "an FP8 quantization_config with mixture-of-experts layers")
+
+
 def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -183,13 +208,15 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     _check_features(cfg, arch, source)
     theta, scaling = _rope(cfg, arch, source)
     quant = _quantization(cfg, source)
+    if quant is not None:
+        _refuse_fp8_experts(cfg, arch, source)
     missing = [k for k in _REQUIRED_KEYS if k not in cfg]
     if missing:
         raise UnsupportedModelError(f"{source}: lacks {missing}")
     heads = cfg["num_attention_heads"]
     window = cfg.get("sliding_window") if arch.sliding_window else None
     try:
-        family = _deepseek_fields(cfg, arch, source) if arch.mla else {}
+        family = _deepseek_fields(cfg, arch, source) if arch.mla else _qwen3_moe_fields(cfg, arch, source)
         return ModelConfig(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -206,6 +233,26 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
         raise UnsupportedModelError(f"{source}: {e}") from None
 
 
+def mlp_tensor_shapes(cfg: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s MLP tensors under `prefix` (`model.layers.{i}.mlp.`): gate/up/down, or the
+    router, each routed expert's gate/up/down and the shared experts' (engine.moe.build_mlp)."""
+    h, moe = cfg.hidden_size, cfg.moe
+
+    def swiglu(p: str, width: int) -> dict[str, tuple[int, ...]]:
+        return {p + "gate_proj.weight": (width, h), p + "up_proj.weight": (width, h), p + "down_proj.weight": (h, width)}
+
+    if moe is None or not moe.is_sparse(layer):
+        return swiglu(prefix, cfg.intermediate_size)
+    out = {prefix + "gate.weight": (moe.num_experts, h)}
+    if moe.uses_score_bias:
+        out[prefix + "gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        out.update(swiglu(f"{prefix}experts.{e}.", moe.intermediate_size))
+    if moe.num_shared_experts:
+        out.update(swiglu(prefix + "shared_experts.", moe.num_shared_experts * moe.intermediate_size))
+    return out
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the decoder loads for `cfg`, under its Hugging Face name, with its shape."""
     h, d = cfg.hidden_size, cfg.head_dim
@@ -219,10 +266,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                  p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         out.update(attn)
-        out.update({p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-                    p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-                    p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        out.update(mlp_tensor_shapes(cfg, i, p + "mlp."))
         if cfg.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})

@@ -63,6 +63,9 @@ def fill_parts(model: LlamaForCausalLM, cfg: ModelConfig, device: str | torch.de
     """A model built on the meta device, made real part by part on `device`: each part filled
     (and quantized) before the next is allocated; tied embeddings and the fp32 rotary table last.
     `cfg`: the whole model's config (the rotary table's length)."""
+    if fp8 and cfg.moe is not None:
+        raise ConfigError("engine: quantization fp8 with mixture-of-experts layers is not implemented "
+                          "(the experts would stay in the model dtype); serve it unquantized")
     if fp8 and cfg.mla is not None:
         raise ConfigError("engine: quantization fp8 with latent attention is not implemented "
                           "(kv_b_proj is folded into the query in the model dtype); serve it unquantized")

@@ -223,6 +223,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=(151645, 151643),
         architecture="Qwen2ForCausalLM", qkv_bias=True),
+    # Qwen3-30B-A3B's shapes: every layer 128 experts of width 768, 8 per token (30.5B total, 3.3B
+    # active; bf16 ~61 GB: one H200)
+    "qwen3-30b-a3b-random": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        architecture="Qwen3MoeForCausalLM", qk_norm=True,
+        moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True)),
     "llama3-8b-random": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,

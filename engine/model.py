@@ -1,6 +1,7 @@
 """The decoder every served family runs on (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), over a
 paged cache. The family's switches come from ModelConfig (engine.architectures sets them): q/k/v
 biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), a sliding attention window (Mistral).
+Each layer's MLP comes from engine.moe (`build_mlp`: dense, or a mixture of experts).
 
 Every projection is an engine.linear.Linear (the model dtype, or FP8 weights with scales); the
 embeddings and the LM head stay in the model dtype.
@@ -24,18 +25,12 @@ import math
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kernels import triton_available
 from tandem.engine.linear import Linear
-
-
-def no_reduce(x: torch.Tensor) -> torch.Tensor:
-    """A row-parallel output's sum over tensor-parallel ranks, on one rank (engine.parallel sets
-    the all-reduce in its place)."""
-    return x
+from tandem.engine.moe import build_mlp, no_reduce
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -142,19 +137,6 @@ class Attention(nn.Module):
         return self.reduce_output(self.o_proj(o.view(T, self.q_size)))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.reduce_output = no_reduce  # down_proj is row-parallel under tensor parallelism
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.reduce_output(self.down_proj(F.silu(gate) * up))
-
-
 def latent_attention(cfg: ModelConfig, layer: int) -> nn.Module:
     """DeepSeek's multi-head latent attention (engine.mla, which builds on this module's RMSNorm)."""
     from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (engine.mla imports this module)
@@ -172,7 +154,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = latent_attention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = build_mlp(cfg, layer)  # engine.moe: the dense MLP or a mixture of experts
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -187,8 +169,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
-        mlp = self.mlp
-        return mlp.reduce_output(mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(h)))), residual
+        return self.mlp.forward_fused(h, ops), residual
 
 
 class TorchOps:
@@ -303,10 +284,8 @@ class LlamaForCausalLM(nn.Module):
             if getattr(attn, "q_norm", None) is not None:
                 out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
                 out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
-            gate, up = mlp.gate_up_proj.weight.detach().split(cfg.intermediate_size, 0)
+            out.update(mlp.hf_tensors(p + "mlp."))
             out.update({p + "self_attn.o_proj.weight": attn.o_proj.weight.detach(),
-                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                        p + "mlp.down_proj.weight": mlp.down_proj.weight.detach(),
                         p + "input_layernorm.weight": layer.input_layernorm.weight.detach(),
                         p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach()})
         return out

@@ -35,6 +35,9 @@ def check_shardable(cfg: ModelConfig, world: int, model: str) -> None:
     the MLP."""
     if world < 1:
         raise ConfigError(f"engine: tensor_parallel_size must be >= 1, got {world}")
+    if world > 1 and cfg.moe is not None:
+        raise ConfigError(f"engine: tensor_parallel_size {world} with the mixture-of-experts model {model!r} is "
+                          "not implemented (neither expert nor tensor parallelism of the experts)")
     if cfg.num_kv_heads % world:
         raise ConfigError(f"engine: tensor_parallel_size {world} does not divide the {cfg.num_kv_heads} "
                           f"KV heads of model {model!r} (each rank holds whole KV heads; replicating "

@@ -5,7 +5,7 @@ engine is checked against transformers' own reading of the same directory.
 Each family turns on what sets it apart from Llama: Llama-3 rope scaling (in transformers 5's
 `rope_parameters` layout), Qwen2's q/k/v biases with tied embeddings, Qwen3's per-head q/k norms
 with a head_dim that is not hidden / heads, Mistral's sliding window (16, shorter than the
-prompts). Weights are redrawn with trained-like scales (transformers initialises biases to 0 and
+prompts), Qwen3-MoE's experts (one sparse layer, one dense). Weights are redrawn with trained-like scales (transformers initialises biases to 0 and
 norms to 1, which would hide a bias or a norm the engine dropped)."""
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    # layer 0 a mixture of 8 experts (2 per token), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                            "mlp_only_layers": [1]}),
 }
 SLIDING_WINDOW = 16
 

@@ -1,0 +1,245 @@
+"""Issue 29's MoE figures on one GPU: the grouped expert GEMM (engine.kernels.moe) against the
+plain-torch path (engine.moe.experts_torch) and against its memory floor, on Qwen3-30B-A3B's
+expert shapes (H 2048, I 768, 128 experts, 8 per token) at 1, 64 and 256 tokens; then
+qwen3-30b-a3b-random decode steps at batch 1 and 64 against their floor, if time allows.
+
+Kernel floor: the bytes of the experts the routing actually chose (each distinct expert's gate, up
+and down weights, read once) over the device-to-device copy rate measured in the same run (read
+plus write counted, as bench/engine_floor.py does). The Triton path is timed eagerly (its align
+step is ~10 small torch launches) and replayed from a CUDA graph (what a decode step runs; the
+capture also shows it has no host sync). Decode floor: every weight a step reads (attention,
+routers, norms, the LM head, and the experts a batch of that size chooses in expectation under
+uniform routing, 128 * (1 - (1 - 8/128)^b) per layer) plus the batch's KV, over the copy rate.
+
+    python bench/moe_gpu.py --out DIR [--skip decode] [--decode-limit-s 60]
+    python bench/moe_gpu.py --dry-run     # CPU, tiny shapes, Triton's interpreter: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from tandem.engine.engine import LLMEngine  # noqa: E402
+from tandem.engine.kernels.moe import MoEKernelConfig, default_config, fused_experts  # noqa: E402
+from tandem.engine.model import TritonOps  # noqa: E402
+from tandem.engine.moe import experts_torch  # noqa: E402
+from tandem.engine.weights import load_model  # noqa: E402
+
+SHAPES = dict(hidden=2048, inter=768, experts=128, top_k=8)
+DRY_SHAPES = dict(hidden=64, inter=48, experts=8, top_k=2)
+TOKENS, DRY_TOKENS = (1, 64, 256), (1, 5)
+# tried besides the default per token count: (block_m, block_n, block_k, warps, stages)
+ALTERNATES = ((16, 32, 128, 4, 4), (16, 128, 64, 4, 3), (64, 64, 64, 4, 3))
+
+
+def timed_us(fn, dev, reps: int) -> float:
+    """Median of `reps` timings of fn() in microseconds (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn, dev, reps: int) -> float | None:
+    """fn() captured in a CUDA graph and replayed 20 times per timing (None on CPU)."""
+    if dev.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replay():
+        for _ in range(20):
+            graph.replay()
+    return timed_us(replay, dev, reps) / 20
+
+
+def copy_gbs(dev) -> float:
+    """Device-to-device copy rate, read plus write counted, GB/s."""
+    n = (1 << 28) if dev.type == "cuda" else (1 << 20)
+    a, b = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
+    us = timed_us(lambda: b.copy_(a), dev, 10)
+    return 2 * a.numel() * 4 / us / 1e3
+
+
+def kernel_rows(dev, dtype, shapes, tokens_list, rate_gbs, reps) -> list[dict]:
+    h, i, e, k = shapes["hidden"], shapes["inter"], shapes["experts"], shapes["top_k"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen, device=dev) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen, device=dev) * i ** -0.5).to(dtype)
+    rows = []
+    for t in tokens_list:
+        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        weights, ids = torch.randn(t, e, generator=gen, device=dev).softmax(-1).topk(k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
+        ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+        out = fused_experts(x, w13, w2, weights, ids)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        hit = int(ids.unique().numel())
+        floor_us = hit * 3 * i * h * w13.element_size() / (rate_gbs * 1e3)
+        r = {"tokens": t, "experts_hit": hit, "rel_err_vs_fp32_torch": err, "floor_us": floor_us,
+             "torch_us": timed_us(lambda: experts_torch(x, w13, w2, weights, ids), dev, reps),
+             "default": default_config(t * k, e, dtype).__dict__}
+        r["triton_us"] = timed_us(lambda: fused_experts(x, w13, w2, weights, ids), dev, reps)
+        r["triton_graph_us"] = graph_us(lambda: fused_experts(x, w13, w2, weights, ids), dev, reps)
+        r["alternates_graph_us"] = {}
+        for alt in ALTERNATES if dev.type == "cuda" else ():
+            cfg = MoEKernelConfig(*alt)
+            r["alternates_graph_us"][str(alt)] = graph_us(lambda: fused_experts(x, w13, w2, weights, ids, cfg), dev, reps)
+        print(f"# kernel {json.dumps(r)}", flush=True)
+        rows.append(r)
+    return rows
+
+
+def decode_rows(dev, batches, ctx, rate_gbs, deadline) -> list[dict]:
+    """Decode step time of a `*-random` MoE preset: (t(long) - t(short)) / (long - short) over one
+    generate of `batch` prompts of `ctx` tokens each (the prefill cancels out)."""
+    name, dtype = ("tiny-moe", "float32") if DRY else ("qwen3-30b-a3b-random", "bfloat16")
+    model, tok, cfg = load_model(name, dtype, str(dev), seed=0) if not DRY else _dry_model(dev)
+    short, long_ = (2, 4) if DRY else (4, 36)
+    blocks = max(batches) * (ctx + long_ + 16) // 16 + 16
+    e = LLMEngine(EngineConfig(model="bench", cache=CacheConfig(block_size=16, num_blocks=blocks,
+                                                               enable_prefix_caching=False),
+                               scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)),
+                  model=model, tokenizer=tok)
+    gen = torch.Generator().manual_seed(1)
+
+    def run(b, n):
+        reqs = [{"prompt_token_ids": torch.randint(3, cfg.vocab_size, (ctx,), generator=gen).tolist(),
+                 "max_tokens": n, "ignore_eos": True} for _ in range(b)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        e.generate(reqs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    rows = []
+    for b in batches:
+        if time.monotonic() > deadline:
+            break
+        if dev.type == "cuda":
+            e.runner.capture_graphs((b,), ctx + long_ + 16)
+        run(b, short)  # compiles, untimed
+        step_ms = (run(b, long_) - run(b, short)) / (long_ - short) * 1e3
+        floor = decode_floor_ms(model, cfg, b, ctx + (short + long_) / 2, rate_gbs)
+        r = {"model": name, "batch": b, "ctx": ctx, "step_ms": step_ms, **floor}
+        r["x_floor"] = step_ms / r["floor_ms"]
+        print(f"# decode {json.dumps(r)}", flush=True)
+        rows.append(r)
+    return rows
+
+
+def decode_floor_ms(model, cfg, batch: int, context: float, rate_gbs: float) -> dict:
+    m, elem = cfg.moe, model.lm_head.weight.element_size()
+    per_expert = 3 * m.intermediate_size * cfg.hidden_size
+    sparse = sum(m.is_sparse(i) for i in range(cfg.num_layers))
+    all_params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+    experts_hit = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
+    read = (all_params - sparse * (m.num_experts - experts_hit) * per_expert) * elem
+    kv = batch * context * cfg.kv_bytes_per_token * elem
+    return {"experts_hit_expected": experts_hit, "weight_gb_read": read / 1e9,
+            "floor_ms": (read + kv) / (rate_gbs * 1e9) * 1e3}
+
+
+def _dry_model(dev):
+    from tandem.engine.build import build_model, random_fill  # noqa: PLC0415 (the dry run only)
+    from tandem.engine.config import PRESETS, ModelConfig, MoEConfig  # noqa: PLC0415 (as above)
+    from tandem.engine.tokenizer import ByteTokenizer  # noqa: PLC0415 (as above)
+
+    cfg = ModelConfig(**{**PRESETS["tiny-random"].__dict__, "architecture": "Qwen3MoeForCausalLM", "qk_norm": True,
+                         "moe": MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)})
+    model = build_model(cfg, dev, torch.float32, random_fill(0, dev))
+    model.ops = TritonOps()  # the GPU path (the grouped GEMM) under the interpreter
+    return model, ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids), cfg
+
+
+def print_table(res: dict, kernels: bool = True) -> None:
+    if kernels:
+        print_kernels(res)
+    if res.get("decode"):
+        print("\n| model | batch x ctx | step ms | experts read / layer (expected) | weights read GB | floor ms "
+              "| step / floor |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in res["decode"]:
+            print(f"| {r['model']} | {r['batch']} x {r['ctx']} | {r['step_ms']:.2f} | {r['experts_hit_expected']:.1f} "
+                  f"| {r['weight_gb_read']:.2f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} |")
+
+
+def print_kernels(res: dict) -> None:
+    print(f"\ncopy rate {res['copy_gbs']:.0f} GB/s (read + write); {res['dtype']}; shapes {res['shapes']}")
+    print("| tokens | experts hit | floor us | torch us | Triton us (eager) | Triton us (graph) | graph / floor "
+          "| torch / Triton graph | best alternate tile (graph us) | rel. err vs fp32 |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for r in res["kernels"]:
+        g = r["triton_graph_us"]
+        alts = {k: v for k, v in r["alternates_graph_us"].items() if v is not None}
+        best = min(alts.items(), key=lambda kv: kv[1]) if alts else None
+        gs = f"{g:.1f}" if g else "-"
+        ratio = f"{g / r['floor_us']:.2f}" if g else "-"
+        speed = f"{r['torch_us'] / g:.1f}x" if g else "-"
+        print(f"| {r['tokens']} | {r['experts_hit']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} "
+              f"| {gs} | {ratio} | {speed} | {best[0] + f' {best[1]:.1f}' if best else '-'} "
+              f"| {r['rel_err_vs_fp32_torch']:.1e} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--decode-limit-s", type=float, default=90.0)
+    args = ap.parse_args()
+    dev = torch.device("cpu" if DRY else "cuda")
+    dtype = torch.float32 if DRY else torch.bfloat16
+    rate = copy_gbs(dev)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_gbs": rate,
+           "dtype": str(dtype), "shapes": DRY_SHAPES if DRY else SHAPES}
+    res["kernels"] = kernel_rows(dev, dtype, res["shapes"], DRY_TOKENS if DRY else TOKENS, rate, 3 if DRY else 30)
+    save(res, args.out)
+    print_table(res)
+    if "decode" not in args.skip:
+        deadline = time.monotonic() + args.decode_limit_s
+        res["decode"] = decode_rows(dev, (1, 4) if DRY else (1, 64), 64 if DRY else 512, rate, deadline)
+        save(res, args.out)
+        print_table(res, kernels=False)
+
+
+def save(res: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "moe_gpu.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The routed experts of a mixture-of-experts layer as a grouped GEMM in Triton (vLLM's fused_moe
+scheme), the CUDA path of engine.moe (whose `experts_torch` is the reference).
+
+Each token's k (token, slot) pairs are sorted by expert and every expert's run is padded to a
+multiple of BLOCK_M (`align_by_expert`: torch ops on the device, no host sync, fixed-size outputs,
+so a step with it can be captured in a CUDA graph). Then one launch computes, for every pair,
+silu(x @ gate.T) * (x @ up.T) (a program: BLOCK_M pairs of one expert x BLOCK_N columns of both
+its gate and its up rows), a second multiplies by down.T and by the pair's routing weight, and the
+k slots of each token are summed in fp32. Programs past the padded total exit at once; padding
+rows are masked out. Each expert's weights are read once per BLOCK_M of its pairs, so at decode
+the launches read only the experts the batch chose: the memory floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.engine.kernels.validate import FLOAT_DTYPES, INDEX_DTYPES, require_runnable, require_same, require_tensor
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
+    """Tiles by the mean pairs per expert: 16-row tiles while experts see few tokens (decode),
+    64-row tiles once each sees many (prefill); fp32 takes half the K tile (shared memory)."""
+    per_expert = num_pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    block_k = 32 if dtype == torch.float32 else 64
+    return MoEKernelConfig(block_m=block_m, block_n=64 if block_m < 64 else 128, block_k=block_k)
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (pairs [P] int32: pair indices t * k + slot grouped by expert, each expert's
+    run padded with the value T * k to a multiple of block_m; block_expert [P / block_m] int32: the
+    expert of each block of rows; num_padded [1] int32: the rows in use). P is the most rows any
+    routing can need, T * k + min(T * k, E) * (block_m - 1), rounded up to block_m."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)  # pair indices grouped by expert, in pair order within one
+    experts_sorted = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - (counts.cumsum(0) - counts)[experts_sorted]
+    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[(ends - padded)[experts_sorted] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
+                    num_pairs, K, N, stride_x, stride_we, stride_wn, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    # out[pair, n] = silu(x[pair // TOP_K] . w[e, n]) * (x[pair // TOP_K] . w[e, N + n]), e the pair's expert
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = (pairs // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # the projections round to the model dtype before the activation, as the torch path's do
+    gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr,
+                 num_pairs, K, N, stride_h, stride_we, stride_wn, stride_o,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # out[pair, n] = weights[pair] * (h[pair] . w[e, n]) in fp32
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(h_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0), acc,
+                     input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # down_proj's output in the model dtype
+    acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=valid[:, None] & n_mask[None, :])
+
+
+def _check(x, w13, w2, weights, ids) -> None:
+    require_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    require_tensor("w13", w13, ndim=3, dtypes=FLOAT_DTYPES)
+    require_tensor("w2", w2, ndim=3, dtypes=FLOAT_DTYPES)
+    require_tensor("weights", weights, ndim=2, dtypes=(torch.float32,))
+    require_tensor("ids", ids, ndim=2, dtypes=INDEX_DTYPES)
+    require_same("w13", w13, "x", x)
+    require_same("w2", w2, "x", x)
+    require_same("weights", weights, "x", x, dtype=False)
+    require_same("ids", ids, "x", x, dtype=False)
+    experts, two_i, hidden = w13.shape
+    if hidden != x.shape[1] or two_i % 2 or w2.shape != (experts, hidden, two_i // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}: "
+                         f"need w13 [E, 2I, H] and w2 [E, H, I] with H = {x.shape[1]}")
+    if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k] "
+                         f"with T = {x.shape[0]}")
+    if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("x, w13 and w2 must be contiguous")
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, config: MoEKernelConfig | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, k] fp32;
+    ids [T, k] expert ids (each in [0, E)). -> [T, H] in x's dtype: for each token the sum over its
+    k experts of weight * down(silu(gate(x)) * up(x)), as engine.moe.experts_torch."""
+    _check(x, w13, w2, weights, ids)
+    require_runnable(x, _gate_up_kernel)
+    (tokens, hidden), (experts, two_i, _), top_k = x.shape, w13.shape, ids.shape[1]
+    inter, pairs = two_i // 2, tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_config(pairs, experts, x.dtype)
+    sorted_pairs, block_expert, num_padded = align_by_expert(ids, experts, cfg.block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = {} if x.device.type != "cuda" else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    m_blocks = block_expert.numel()
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(m_blocks * triton.cdiv(inter, cfg.block_n),)](
+        x, w13, h, sorted_pairs, block_expert, num_padded, pairs, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+    out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _down_kernel[(m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        h, w2, out, weights.reshape(-1).contiguous(), sorted_pairs, block_expert, num_padded, pairs, inter, hidden,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
+    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)

@@ -1,0 +1,71 @@
+"""engine.kernels.moe's grouped GEMM against engine.moe.experts_torch, on small shapes under
+Triton's interpreter on CPU (tests/engine/conftest.py sets TRITON_INTERPRET=1 before triton loads;
+tests/gpu/test_moe_gpu.py runs the same comparison compiled, in bf16 too).
+
+Shapes are chosen to break what the kernels index: an intermediate size and a hidden size that
+are no multiple of the tiles (masks), experts no token chose and experts chosen by many (padding
+and skipped blocks), one token (decode) and more tokens than one tile. fp32 with full-precision
+dots: the error against the reference is ~1e-7 relative, so 1e-5 still catches any O(1) slip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.kernels.moe import MoEKernelConfig, align_by_expert, fused_experts
+from tandem.engine.moe import experts_torch
+
+
+def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int, skew: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    logits = torch.randn(tokens, experts, generator=gen)
+    if skew:  # most tokens pick experts 0 and 1: runs longer than one tile, most experts unused
+        logits[:, :2] += 4.0
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return x, w13, w2, weights.contiguous(), ids
+
+
+def _rel(out, ref):
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("tokens,skew", [(1, False), (7, False), (40, True)])
+def test_grouped_gemm_matches_the_torch_path(tokens, skew):
+    x, w13, w2, weights, ids = _case(tokens, experts=8, top_k=2, hidden=48, inter=40, seed=tokens, skew=skew)
+    ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
+    out = fused_experts(x, w13, w2, weights, ids, MoEKernelConfig(block_m=16, block_n=32, block_k=32))
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert _rel(out, ref) < 1e-5
+
+
+def test_default_tiles_and_top_k_one():
+    x, w13, w2, weights, ids = _case(20, experts=4, top_k=1, hidden=32, inter=16, seed=3)
+    ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
+    assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-5
+
+
+def test_align_by_expert_groups_and_pads_each_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]])  # expert 3: 4 pairs, 0: 2, 1 and 2: 1
+    pairs, block_expert, num_padded = align_by_expert(ids, num_experts=5, block_m=2)
+    n = ids.numel()
+    used = int(num_padded)
+    assert used == 2 + 2 + 2 + 4  # each expert's run rounded up to 2 rows; expert 4 has none
+    assert (pairs[used:] == n).all() and pairs.numel() % 2 == 0
+    for block, expert in enumerate(block_expert[:used // 2].tolist()):
+        rows = pairs[2 * block:2 * block + 2]
+        real = rows[rows < n].long()
+        assert (ids.reshape(-1)[real] == expert).all()
+    assert sorted(pairs[pairs < n].tolist()) == list(range(n))  # every pair once
+
+
+def test_bad_input_is_refused_by_name():
+    x, w13, w2, weights, ids = _case(3, experts=4, top_k=2, hidden=32, inter=16, seed=0)
+    with pytest.raises(ValueError, match="w2"):
+        fused_experts(x, w13, w2[:, :, :8].contiguous(), weights, ids)
+    with pytest.raises(ValueError, match="weights"):
+        fused_experts(x, w13, w2, weights.half(), ids)
+    with pytest.raises(ValueError, match="ids"):
+        fused_experts(x, w13, w2, weights, ids[:2])
