@@ -1,0 +1,152 @@
+"""Latent attention's absorbed form over the paged latent cache (the Triton twin of
+`engine.mla.latent_attention_torch`): decode steps and speculative verify steps, any number of
+query tokens per sequence, each causal at its own position.
+
+q: [T, H, rank + rope] (the latent part already through W_UK, then the rotated rope part);
+cache: one layer's [num_blocks, block_size, 1, rank + rope]. Each head scores its query against
+every cached [c, k_pe] and sums the latents c: out [T, H, rank]. All heads of a token share the
+cache rows, so one program takes a block of BLOCK_H heads (the scores are one [BLOCK_H, BLOCK_N]
+matrix product) and one of `splits` slices of the context; a second kernel merges the slices'
+partial softmax sums. Which sequence a token belongs to, and how many positions it sees, are
+worked out on the device from query_start_loc and seq_lens: nothing reads a device value on the
+host, so a CUDA graph captures the call (`splits` is fixed by the host-side lengths)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
+                                            require_same, require_tensor)
+
+BLOCK_H = 16  # heads per program (tl.dot needs 16 rows)
+MIN_SPLIT = 256  # positions a context slice covers at least
+
+
+@triton.jit
+def _mla_partial_kernel(
+    q_ptr, cache_ptr, tables_ptr, tok_seq_ptr, kv_len_ptr, acc_ptr, ml_ptr,
+    scale, block_size, num_heads,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_tb,
+    RANK: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tok_seq_ptr + t).to(tl.int64)
+    kv_len = tl.load(kv_len_ptr + t)
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    heads = head_block * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    hmask = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=hmask[:, None] & (r[None, :] < RANK), other=0.0)  # [BH, BR]
+    q_pe = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & (p[None, :] < ROPE), other=0.0)
+
+    m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_HEADS], tl.float32)
+    acc = tl.zeros([BLOCK_HEADS, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        block = tl.load(tables_ptr + seq * stride_tb + pos // block_size, mask=pmask, other=0).to(tl.int64)
+        row = cache_ptr + block * stride_cb + (pos % block_size) * stride_cs  # [BN]
+        k_lat = tl.load(row[:, None] + r[None, :], mask=pmask[:, None] & (r[None, :] < RANK), other=0.0)
+        k_pe = tl.load(row[:, None] + RANK + p[None, :], mask=pmask[:, None] & (p[None, :] < ROPE), other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.where(pmask[None, :], s * scale, float("-inf"))  # [BH, BN]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(prob, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, k_lat, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(k_lat.dtype), k_lat)
+        m = m_new
+
+    # partials: acc [T, H, SPLITS, BLOCK_R], (m, l) [T, H, SPLITS, 2]
+    slot = (t * num_heads + heads) * SPLITS + split  # [BH]
+    tl.store(acc_ptr + slot[:, None] * BLOCK_R + r[None, :], acc, mask=hmask[:, None])
+    tl.store(ml_ptr + slot * 2, m, mask=hmask)
+    tl.store(ml_ptr + slot * 2 + 1, denom, mask=hmask)
+
+
+@triton.jit
+def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                      RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < SPLITS
+    base = (t * num_heads + h) * SPLITS
+    m = tl.load(ml_ptr + (base + sp) * 2, mask=smask, other=float("-inf"))
+    denom = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty slice weighs nothing
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_R + r[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
+
+
+def choose_splits(num_tokens: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Context slices per token: enough programs to fill the GPU twice over, each slice at least
+    MIN_SPLIT positions; a power of two, so few graph variants differ."""
+    programs = num_tokens * triton.cdiv(num_heads, BLOCK_H)
+    want = max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, MIN_SPLIT)))
+    return min(64, next_power_of_2(want))
+
+
+def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (sequence of each query token [T] int32, KV positions it sees [T] int32), on the device.
+    Rows past the batch's tokens (graph padding) are clamped into the last sequence."""
+    starts = meta.query_start_loc.long()
+    tok = torch.arange(num_tokens, device=starts.device)
+    seq = torch.searchsorted(starts[1:], tok, right=True).clamp_(max=starts.shape[0] - 2)
+    kv_len = meta.seq_lens.long()[seq] - (starts[seq + 1] - tok) + 1
+    return seq.to(torch.int32), kv_len.clamp_(min=1).to(torch.int32)
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, rank: int, scale: float,
+               splits: int | None = None) -> torch.Tensor:
+    """q [T, H, rank + rope] against one layer's latent cache [num_blocks, block_size, 1, rank + rope]
+    (the new tokens' latents already written) -> [T, H, rank] in q's dtype. `splits`: None chooses."""
+    require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    require_tensor("cache", cache, ndim=4, dtypes=FLOAT_DTYPES)
+    require_same("cache", cache, "q", q)
+    require_tensor("meta.block_tables", meta.block_tables, ndim=2, dtypes=INDEX_DTYPES, last_dim_contiguous=False)
+    require_runnable(q, _mla_partial_kernel)
+    T, H, D = q.shape
+    if cache.shape[2] != 1 or cache.shape[3] != D or not 0 < rank < D:
+        raise ValueError(f"cache {tuple(cache.shape)} must be [num_blocks, block_size, 1, {D}] for q "
+                         f"{tuple(q.shape)}, with 0 < rank ({rank}) < {D}")
+    if cache.stride(3) != 1 or cache.stride(2) != D:
+        raise ValueError(f"cache rows must be contiguous, got strides {cache.stride()}")
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = choose_splits(T, H, meta.max_seq_len, sms)
+    tok_seq, kv_len = token_positions(meta, T)
+    block_r, block_p = next_power_of_2(rank), next_power_of_2(D - rank)
+    acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
+    ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, H, rank, dtype=q.dtype, device=q.device)
+    _mla_partial_kernel[(T, triton.cdiv(H, BLOCK_H), splits)](
+        q, cache, meta.block_tables, tok_seq, kv_len, acc, ml, scale, cache.shape[1], H,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        BLOCK_HEADS=BLOCK_H, BLOCK_N=32, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4, num_stages=2)
+    _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,
+                              BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_R=block_r, num_warps=4)
+    return out
