@@ -1,6 +1,6 @@
-"""A served family other than Llama through the whole cluster: a tiny Qwen3 checkpoint written by
-transformers (per-head q/k norms, head_dim 32 != hidden / heads; tests/engine/families.py), one
-prefill and one decode actor with every prompt prefilled remotely (KV over gloo), tokens streamed
+"""A served family other than Llama through the whole cluster: a tiny Qwen3-MoE checkpoint written by
+transformers (Qwen3's per-head q/k norms with head_dim 32 != hidden / heads, and a mixture of
+experts in one of its two layers; tests/engine/families.py), one prefill and one decode actor with every prompt prefilled remotely (KV over gloo), tokens streamed
 over gRPC, equal to transformers' own greedy `generate` on the same directory."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from tests.engine.families import EOS, IM_END, build_family_dir, hf_greedy
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    return path, build_family_dir("qwen3", path)
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    return path, build_family_dir("qwen3_moe", path)
 
 
-def test_qwen3_over_grpc_matches_transformers(make_cluster, qwen3):
-    path, hf = qwen3
+def test_qwen3_moe_over_grpc_matches_transformers(make_cluster, qwen3_moe):
+    path, hf = qwen3_moe
     c = make_cluster({"model.name": str(path), "cache.num_blocks": 256, "prefill.replicas": 1,
                       "decode.replicas": 1, "decode.local_prefill_threshold": 0})
     prompts = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n", "Q: 2 + 2?\nA:"]
