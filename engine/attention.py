@@ -9,6 +9,11 @@ call serves prefill with a cached prefix, decode (one query token per sequence) 
 verifier (1 + k query tokens per sequence), in any mix. With a sliding window W (Mistral), the
 token at position p sees only KV positions (p - W, p]: the W most recent, itself included, as
 transformers' sliding-window mask.
+
+Tree drafts (`meta.tree_mask`, engine.speculative.tree): a verify step's query tokens are the
+nodes of a draft tree, not a run. Token j still writes and is read at KV index
+seq_lens[b] - query_lens[b] + j, but it sees only the context and the query tokens whose bits its
+mask sets (its ancestors and itself); its rotary position comes from `positions` as usual.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # tree drafts (engine.speculative.tree): [T] int64 per query token, bit s set where it may see
+    # its sequence's query token s (all of the context it sees); None, or -1 for a row: causal
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -67,6 +75,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    tree = meta.tree_mask
+    if tree is not None and sliding_window is not None:
+        raise ValueError("tree drafts (meta.tree_mask) with a sliding window are not supported")
     if meta.num_seqs > 1 and meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
         return _short_queries_batched(q, k_cache, v_cache, meta, scale, sliding_window)
     start = 0
@@ -76,7 +87,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = _gather_kv(k_cache, meta.block_tables[b], kv_len).transpose(0, 1)
         v = _gather_kv(v_cache, meta.block_tables[b], kv_len).transpose(0, 1)
         gqa = group > 1
-        if q_len == 1 and sliding_window is None:
+        if q_len == 1 and sliding_window is None and tree is None:
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
         else:
             # causal with an offset: query j may see keys [0, kv_len - q_len + j] (the window's last W)
@@ -85,10 +96,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
+            if tree is not None:
+                mask &= tree_visible(tree[start:start + q_len, None], kpos - (kv_len - q_len))
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
+
+
+def tree_visible(bits: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """Whether a key at `rel` = KV index - the sequence's first query index is visible under the
+    query's ancestor bits (broadcast together): keys of the context always, query token s when bit
+    s is set. A -1 mask sees every query token (the causal mask decides)."""
+    return (rel < 0) | ((bits >> rel.clamp(0, 63)) & 1).bool()
 
 
 def _short_queries_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,6 +132,10 @@ def _short_queries_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
     if sliding_window is not None:
         mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    if meta.tree_mask is not None:
+        bits = torch.full((B, Q), -1, dtype=torch.int64, device=q.device)
+        bits[real] = meta.tree_mask
+        mask &= tree_visible(bits[:, :, None], (kpos[None, :] - (lens - qlens)[:, None])[:, None, :])
     mask &= real[:, :, None]
     mask[:, :, 0] |= ~real  # a padded row attends to one key, so it stays finite
     if Q == 1:

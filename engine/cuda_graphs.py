@@ -15,9 +15,11 @@ reads host-side lengths every step). It is padded to a `GraphKey`:
 - context: 0 when the decode kernel reads each context in one pass (batch x KV heads already fill
   the GPU); else the context bucket (next power of two), because the split-K launch grid has one
   program per partition. Such a graph serves every step whose contexts fit its bucket.
+- tree: the step verifies draft trees (AttentionMetadata.tree_mask): its graph was captured with
+  the kernels' tree-mask variant reading the static tree-mask buffer.
 
 Static buffers (`StaticInputs`): one int32 device buffer holding the header [ids | positions |
-slots | logits rows | query_start_loc | seq_lens], sized for the largest bucket, then a staging
+slots | logits rows | query_start_loc | seq_lens | tree mask (int64: two words a token)], sized for the largest bucket, then a staging
 area for the compact block table; and the block table itself [max batch, max blocks per sequence].
 Graphs read prefixes of these. A step fills one pinned host buffer with the same layout and uploads
 it with one copy, then scatters the table with one device copy: no host synchronisation.
@@ -46,6 +48,7 @@ class GraphKey:
     tokens: int  # new tokens, padded
     query_len: int  # power of two >= the longest query
     context: int  # 0: any context (one pass per sequence); else the split-K context bucket
+    tree: bool = False  # tree drafts: the attention reads the static tree mask
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -83,7 +86,7 @@ def token_buckets(batch_sizes: tuple[int, ...], max_tokens: int) -> tuple[int, .
 
 def graph_key(query_lens: list[int], max_seq_len: int, *, batch_sizes: tuple[int, ...],
               token_sizes: tuple[int, ...], max_context: int,
-              splits: Callable[[int, int], bool]) -> GraphKey | None:
+              splits: Callable[[int, int], bool], tree: bool = False) -> GraphKey | None:
     """The captured shape a step pads to, or None if it runs eagerly. `splits(batch, context)`:
     whether the decode kernel would split contexts of that length into partitions at that batch."""
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
@@ -102,7 +105,7 @@ def graph_key(query_lens: list[int], max_seq_len: int, *, batch_sizes: tuple[int
             return None
         tokens = min(tokens, batch * q)
     context = min(max(MIN_CONTEXT_BUCKET, next_power_of_2(max_seq_len)), max_context)
-    return GraphKey(batch, tokens, q, context if splits(batch, context) else 0)
+    return GraphKey(batch, tokens, q, context if splits(batch, context) else 0, tree)
 
 
 def capture_query_lens(key: GraphKey) -> list[int]:
@@ -136,8 +139,9 @@ class StaticInputs:
         self.max_batch, self.max_tokens, self.max_blocks = max_batch, max_tokens, max_blocks
         self.device = device
         T, B = max_tokens, max_batch
-        # header offsets: ids, positions, slots, logits rows [T each]; query_start_loc [B + 1]; seq_lens [B]
-        self.offsets = tuple(packed_starts([T, T, T, T, B + 1, B]))
+        # header offsets: ids, positions, slots, logits rows [T each]; query_start_loc [B + 1];
+        # seq_lens [B]; tree mask [T] int64 as 2T int32 words (16-byte aligned, so an int64 view)
+        self.offsets = tuple(packed_starts([T, T, T, T, B + 1, B, 2 * T]))
         self.header_len = self.offsets[-1]
         self.buffer = torch.zeros(self.header_len + B * max_blocks, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)
@@ -146,13 +150,15 @@ class StaticInputs:
         view = lambda i: self.buffer[o[i]:o[i] + sizes[i]]  # noqa: E731
         self.input_ids, self.positions, self.slots, self.logits_rows = (view(i) for i in range(4))
         self.query_start_loc, self.seq_lens = view(4), view(5)
-        # what the header holds with no step in it: no tokens, nothing written or read
+        self.tree_mask = self.buffer[o[6]:o[6] + 2 * T].view(torch.int64)  # [T]
+        # what the header holds with no step in it: no tokens, nothing written or read, masks causal
         self.empty_header = np.zeros(self.header_len, dtype=np.int32)
         self.empty_header[o[2]:o[3]] = -1
+        self.empty_header[o[6]:o[7]] = -1
         self.pin = device.type == "cuda"
 
     def pack(self, ids, positions, slots, logits_rows, query_start_loc, seq_lens,
-             table: np.ndarray) -> torch.Tensor:
+             table: np.ndarray, tree_mask: np.ndarray | None = None) -> torch.Tensor:
         """A host buffer (pinned on CUDA) holding one step in this layout: header, then the table
         [B, W] compact. Entries past the step are the empty values (padding)."""
         B, W = table.shape
@@ -168,6 +174,8 @@ class StaticInputs:
         h[o[4]:o[4] + B_ + 1] = query_start_loc
         h[o[4] + B_ + 1:o[5]] = T  # padded sequences start (and end) after the last real token
         h[o[5]:o[5] + B_] = seq_lens
+        if tree_mask is not None:
+            h[o[6]:o[6] + 2 * T] = np.ascontiguousarray(tree_mask, dtype=np.int64).view(np.int32)
         h[self.header_len:] = table.reshape(-1)
         return host
 

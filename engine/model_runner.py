@@ -27,6 +27,7 @@ from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphK
                                 capture_query_lens, graph_key, token_buckets)
 from tandem.engine.kv_cache import KVCache
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.speculative.tree import ancestor_masks, check_tree, depths
 
 
 @dataclass
@@ -56,6 +57,7 @@ class _HostBatch:
     table: np.ndarray  # [B, max blocks] int32, rows padded with 0
     owners: list[tuple[str, int]]
     pending: tuple[np.ndarray, np.ndarray] | None = None  # BatchInputs.pending
+    tree_mask: np.ndarray | None = None  # [T] int64: AttentionMetadata.tree_mask (tree drafts only)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -70,6 +72,27 @@ def _token_slice(r, start: int, end: int) -> list[int]:
     if start >= n:
         return out[start - n:end - n]
     return prompt[start:] + out[:end - n]
+
+
+def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarray,
+               positions: np.ndarray) -> np.ndarray:
+    """Tree-draft sequences' rows: rotary positions root + depth (set in `positions`) and the
+    ancestor bitmasks; every other row -1 (causal). -> [T] int64 tree mask."""
+    mask = np.full(len(positions), -1, dtype=np.int64)
+    for i, s in enumerate(out.scheduled):
+        parents = trees.get(s.request.request_id)
+        if parents is None:
+            continue
+        parents = parents[:s.num_draft_tokens]
+        check_tree(parents)
+        if s.num_new_tokens != 1 + len(parents):
+            raise ValueError(f"request {s.request.request_id}: a tree of {len(parents)} drafts needs "
+                             f"{1 + len(parents)} new tokens, {s.num_new_tokens} scheduled")
+        a = int(qsl[i])
+        positions[a + 1:a + 1 + len(parents)] = positions[a] + np.asarray(depths(parents), dtype=np.int64)
+        bits = ancestor_masks(parents)
+        mask[a:a + len(bits)] = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # bit 63: the sign
+    return mask
 
 
 class ModelRunner:
@@ -102,7 +125,8 @@ class ModelRunner:
             self._split_plans: dict[tuple[int, int], bool] = {}
 
     # ---- inputs -----------------------------------------------------------------------------
-    def _host_batch(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> _HostBatch:
+    def _host_batch(self, out: SchedulerOutput, drafts: dict[str, list[int]],
+                    trees: dict[str, list[int]]) -> _HostBatch:
         bs = self.block_size
         num_seqs = len(out.scheduled)
         pieces: list[list[int]] = []
@@ -139,10 +163,14 @@ class ModelRunner:
                         else np.zeros(0, dtype=np.int64))
         at = np.flatnonzero(ids < 0)  # placeholders (request.PENDING): the engine feeds them
         pending = (at, seq_of[at]) if len(at) else None
-        return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners, pending)
+        tree_mask = _tree_rows(out, trees, qsl, positions) if trees else None
+        return _HostBatch(ids, positions, slots, logits_index, qsl, qlens, slens, table, owners, pending, tree_mask)
 
-    def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> BatchInputs:
-        return self.prepare_host(self._host_batch(out, drafts or {}))
+    def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None,
+                trees: dict[str, list[int]] | None = None) -> BatchInputs:
+        """`trees`: request id -> parents of its drafts, where they form a tree
+        (engine.speculative.tree); other drafts are chains."""
+        return self.prepare_host(self._host_batch(out, drafts or {}, trees or {}))
 
     def prepare_host(self, h: _HostBatch) -> BatchInputs:
         """The step's device inputs from its host arrays (a tensor-parallel shard rank gets these
@@ -161,7 +189,8 @@ class ModelRunner:
                 slot_mapping=torch.from_numpy(h.slots), query_start_loc=torch.from_numpy(h.query_start_loc.astype(np.int32)),
                 seq_lens=torch.tensor(h.seq_lens, dtype=torch.int32), block_tables=torch.from_numpy(h.table),
                 query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens,
-                max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+                max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens),
+                tree_mask=None if h.tree_mask is None else torch.from_numpy(h.tree_mask))
             return BatchInputs(input_ids=torch.from_numpy(h.ids), positions=torch.from_numpy(h.positions), meta=meta,
                                logits_index=torch.from_numpy(h.logits_index), logits_owner=h.owners)
         key = self._graph_key(h)
@@ -180,7 +209,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=v[2], query_start_loc=v[4], seq_lens=v[5], block_tables=v[6].view(B, -1),
             query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens,
-            max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+            max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens),
+            tree_mask=None if h.tree_mask is None else torch.from_numpy(h.tree_mask).to(dev))
         assert len(v[0]) == T and len(v[3]) == N
         return BatchInputs(input_ids=v[0], positions=v[1], meta=meta, logits_index=v[3], logits_owner=h.owners)
 
@@ -189,7 +219,8 @@ class ModelRunner:
             return None
         key = graph_key(h.query_lens, max(h.seq_lens), batch_sizes=self.batch_sizes,
                         token_sizes=self.token_sizes,
-                        max_context=self.static.max_blocks * self.block_size, splits=self._splits)
+                        max_context=self.static.max_blocks * self.block_size, splits=self._splits,
+                        tree=h.tree_mask is not None)
         if key is None or h.table.shape[1] > self.static.max_blocks or not self.graphs.can_run(key):
             return None
         return key
@@ -211,12 +242,14 @@ class ModelRunner:
 
     def _prepare_static(self, h: _HostBatch, key: GraphKey) -> BatchInputs:
         s = self.static
-        host = s.pack(h.ids, h.positions, h.slots, h.logits_index, h.query_start_loc, h.seq_lens, h.table)
+        host = s.pack(h.ids, h.positions, h.slots, h.logits_index, h.query_start_loc, h.seq_lens, h.table,
+                      h.tree_mask)
         T, N, B = len(h.ids), len(h.logits_index), len(h.seq_lens)
         meta = AttentionMetadata(
             slot_mapping=s.slots[:T], query_start_loc=s.query_start_loc[:B + 1], seq_lens=s.seq_lens[:B],
             block_tables=s.block_tables[:B, :h.table.shape[1]], query_lens_cpu=h.query_lens,
-            seq_lens_cpu=h.seq_lens, max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens))
+            seq_lens_cpu=h.seq_lens, max_query_len=max(h.query_lens), max_seq_len=max(h.seq_lens),
+            tree_mask=s.tree_mask[:T] if key.tree else None)
         batch = BatchInputs(input_ids=s.input_ids[:T], positions=s.positions[:T], meta=meta,
                             logits_index=s.logits_rows[:N], logits_owner=h.owners, graph_key=key, host=host)
         self._upload(batch)
@@ -233,7 +266,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=s.slots[:T], query_start_loc=s.query_start_loc[:B + 1], seq_lens=s.seq_lens[:B],
             block_tables=s.block_tables[:B], query_lens_cpu=capture_query_lens(key),
-            seq_lens_cpu=seq_lens_cpu, max_query_len=key.query_len, max_seq_len=max(seq_lens_cpu))
+            seq_lens_cpu=seq_lens_cpu, max_query_len=key.query_len, max_seq_len=max(seq_lens_cpu),
+            tree_mask=s.tree_mask[:T] if key.tree else None)
         hidden = self.model(s.input_ids[:T], s.positions[:T], self.kv_cache.tensor, meta)
         return self.model.compute_logits(hidden.index_select(0, s.logits_rows[:T]))
 

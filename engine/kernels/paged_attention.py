@@ -17,6 +17,10 @@ positions [0, that position]; with a sliding window W (`sliding_window`, Mistral
   fills the GPU; a second kernel merges the partitions' softmax states.
 - A sliding window (constexpr SLIDING, the window a runtime int) starts each program's key loop at
   the first tile its earliest query can see and masks every tile (no unmasked fast path).
+- Tree drafts (`meta.tree_mask`, constexpr TREE; engine.speculative.tree): each query token's
+  int64 ancestor bitmask over its sequence's query tokens; the masked tiles also hide query key s
+  from rows without bit s. The context and the root (query token 0, every node's ancestor) stay
+  unmasked, so the decode kernel's tile split is unchanged; the prefill kernel masks from the root.
 - `paged_attention`: the decode kernel when every sequence has at most MAX_DECODE_QUERY_LEN new
   tokens, else the prefill kernel; a mixed batch whose short sequences come first runs as two
   launches (decode kernel on those, prefill kernel on the rest).
@@ -58,11 +62,13 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                  k_cache_ptr, v_cache_ptr,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2, window,
+                 tree_bits, ctx_len,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr):
+                 PRECISION: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) for rows q [M, D] at
     positions q_pos [M]. MASKED: apply the causal and length masks (else all keys are visible);
-    SLIDING (with MASKED): also hide keys at or before q_pos - window."""
+    SLIDING (with MASKED): also hide keys at or before q_pos - window; TREE (with MASKED): also
+    hide query key s (KV index ctx_len + s) from rows whose tree_bits [M] lack bit s."""
     kv_pos = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_ok = kv_pos < seq_len
@@ -80,6 +86,10 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if SLIDING:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+        if TREE:
+            rel = kv_pos[None, :] - ctx_len
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+            visible = visible & ((rel < 0) | (bit != 0))
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -96,13 +106,14 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
 @triton.jit(do_not_specialize=['first_seq', 'stride_bt', 'window'])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_mask_ptr,
     scale_log2, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     # heads vary fastest, so the programs of one KV group run together and share K/V in L2
     head = tl.program_id(0)
@@ -124,15 +135,16 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     q_pos = ctx_len + rows  # padded rows get positions >= seq_len: they see every key, never NaN
-
+    tree_bits = tl.load(tree_mask_ptr + tokens, mask=row_ok, other=-1) if TREE else 0  # padded: all
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # keys below the tile's first position are visible to all its rows: no mask needed there
+    # (TREE: only the context and the root, the first query token, every node's ancestor)
     first_pos = ctx_len + m_block * BLOCK_M
-    unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    unmasked_end = (((ctx_len if TREE else first_pos) + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
     masked_start = unmasked_end
     if SLIDING:  # every tile masked, from the first one the tile's first row can see
@@ -141,13 +153,13 @@ def _prefill_kernel(
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING, TREE)
     for start_n in range(masked_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING, TREE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -172,14 +184,14 @@ def _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N: tl.constex
 @triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_bt', 'stride_pt', 'stride_ph', 'window'])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_mask_ptr,
     scale_log2, partition_size, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -204,6 +216,9 @@ def _decode_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     q_pos = ctx_len + t
+    tree_bits = 0
+    if TREE:  # keys up to ctx_len (context + root) are every tree row's: the unmasked tiles hold
+        tree_bits = tl.load(tree_mask_ptr + tokens, mask=row_ok, other=-1)
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
@@ -214,13 +229,13 @@ def _decode_kernel(
     for start_n in range(part_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SLIDING, TREE)
     for start_n in range(masked_start, part_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, part_end, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_vb, stride_vs, stride_vh, scale_log2, window,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING)
+                                     stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING, TREE)
 
     _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
                   out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
@@ -317,6 +332,14 @@ def _check_attention_args(q, k_cache, v_cache, meta, out, kernel, sliding_window
             raise ValueError(f"{name} has {t.shape[0]} rows, expected {rows} for {num_seqs} sequences")
     if meta.query_start_loc.stride(0) != 1 or meta.seq_lens.stride(0) != 1:
         raise ValueError("meta.query_start_loc and meta.seq_lens must be contiguous")
+    if meta.tree_mask is not None:
+        if sliding_window is not None:
+            raise ValueError("tree drafts (meta.tree_mask) with a sliding window are not supported")
+        require_tensor("meta.tree_mask", meta.tree_mask, ndim=1, dtypes=(torch.int64,))
+        require_same("meta.tree_mask", meta.tree_mask, "q", q, dtype=False)
+        if meta.tree_mask.shape[0] != num_tokens or meta.tree_mask.stride(0) != 1:
+            raise ValueError(f"meta.tree_mask must be contiguous with one entry per query token "
+                             f"({num_tokens}), got {tuple(meta.tree_mask.shape)}")
     if len(meta.query_lens_cpu) != num_seqs or sum(meta.query_lens_cpu) != num_tokens:
         raise ValueError(f"meta.query_lens_cpu sums to {sum(meta.query_lens_cpu)} over "
                          f"{len(meta.query_lens_cpu)} sequences; q has {num_tokens} tokens, "
@@ -370,8 +393,10 @@ def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num
     seqs = seqs or _SeqRange(meta)
     num_heads = q.shape[1]
     grid = (num_heads, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
+    tree = meta.tree_mask
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        tree if tree is not None else meta.seq_lens,
         scale * _LOG2E, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -379,7 +404,7 @@ def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num
         meta.block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SLIDING=sliding_window is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        TREE=tree is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -463,16 +488,17 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
     else:
         part_out = part_ml = out  # unused by the kernel
     common = dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim)
+    tree = meta.tree_mask
     _decode_kernel[(seqs.count, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, part_out, part_ml,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, tree if tree is not None else meta.seq_lens,
         scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), num_heads * num_parts, num_parts,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
-        SLIDING=sliding_window is not None,
+        SLIDING=sliding_window is not None, TREE=tree is not None,
         num_warps=num_warps, num_stages=num_stages, **common,
     )
     if split:
