@@ -15,7 +15,7 @@ where the wall clock also counts others' load); tokens per verify step (1 + acce
 the sequence-steps that verified drafts); tokens per decode step (over all sequence-steps, drafts
 or not: the real gain); the draft acceptance rate; and whether the tokens equal the plain run's.
 
-    python -m bench.speculative [--methods off,ngram,suffix,draft] [--workloads agent] [--num-tokens 5]
+    python -m bench.speculative [--methods off,ngram,suffix,suffix-tree,draft] [--workloads agent] [--num-tokens 5]
 
 GPU (`--gpu`): the cost of one target forward with 1 + k query tokens per sequence against a plain
 decode step (k = 0), for k = 1..8 at batch 1, 8, 32, 64, `llama3-8b-random` in bf16 with ~1k tokens
@@ -150,8 +150,10 @@ def build_engines(args, methods: list[str]) -> dict[tuple[str, int], LLMEngine]:
     model, tok, _ = load_model(args.model)
     engines = {}
     for method in methods:
-        spec = SpeculativeConfig(method=method, num_tokens=args.num_tokens,
-                                 draft_num_layers=args.draft_layers if method == "draft" else None)
+        tree = method == "suffix-tree"  # suffix drafts as trees of up to --tree-nodes nodes
+        spec = SpeculativeConfig(method="suffix" if tree else method, num_tokens=args.num_tokens,
+                                 draft_num_layers=args.draft_layers if method == "draft" else None,
+                                 suffix_tree_nodes=args.tree_nodes if tree else 0)
         for conc in args.concurrency:
             cfg = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks),
                                scheduler=SchedulerConfig(max_num_seqs=conc), speculative=spec)
@@ -361,8 +363,9 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="time verify steps on a CUDA GPU instead")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default="off,ngram,suffix",
-                   help="comma-separated: off, ngram, suffix, draft (off first)")
+                   help="comma-separated: off, ngram, suffix, suffix-tree (suffix drafts as trees), draft (off first)")
     p.add_argument("--num-tokens", type=int, default=5, help="k: most drafts per sequence per step")
+    p.add_argument("--tree-nodes", type=int, default=24, help="method suffix-tree: most nodes per draft tree")
     p.add_argument("--draft-layers", type=int, default=24, help="draft method: the target's first N layers")
     p.add_argument("--max-tokens", type=int, default=128, help="code edits")
     p.add_argument("--chat-max-tokens", type=int, default=64)

@@ -236,6 +236,18 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    # DeepSeek-V2-Lite's shapes (15.7B total, 2.4B active; bf16 ~31 GB): latent attention with no q
+    # LoRA, 64 routed experts (6 active) + 2 shared after one dense layer, YaRN rope (factor 40)
+    "deepseek-v2-lite-random": ModelConfig(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27, num_heads=16,
+        num_kv_heads=16, head_dim=192, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        tie_word_embeddings=False, bos_token_id=100000, eos_token_ids=(100001,),
+        architecture="DeepseekV2ForCausalLM",
+        mla=MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(num_experts=64, top_k=6, intermediate_size=1408, num_shared_experts=2, scoring="softmax",
+                      topk_method="greedy", dense_layers=(0,))),
     "smollm2-135m-random": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -304,6 +316,8 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1  # a draft stops where its path's frequency falls below this
     suffix_max_spec_factor: float = 2.0  # drafts at most this many times the match length
     suffix_max_global_tokens: int = 1 << 18  # finished requests' outputs kept for drafting (LRU)
+    # 0: suffix drafts are chains; n in [2, 63]: trees of up to n nodes, verified in one pass
+    suffix_tree_nodes: int = 0
     # length policy (engine.speculative.policy). The knee: up to this many tokens (1 + k per
     # sequence, plus prefill chunks) a forward costs about one decode step; past it, about
     # tokens / max_verify_tokens steps. None: 256 on GPUs, 8 on CPUs (bench/speculative.py).
@@ -345,6 +359,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative: ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.probe_interval < 1:
             raise ConfigError(f"speculative: probe_interval must be >= 1, got {self.probe_interval}")
+        if self.suffix_tree_nodes and (self.method != "suffix" or not 2 <= self.suffix_tree_nodes <= 63):
+            raise ConfigError("speculative: suffix_tree_nodes is 0 (chains) or in [2, 63] with method "
+                              f"'suffix', got {self.suffix_tree_nodes} with {self.method!r}")
 
     @property
     def enabled(self) -> bool:
@@ -379,6 +396,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.speculative.method == "draft":
             raise ConfigError("engine: speculative method 'draft' is not implemented with tensor_parallel_size > 1 "
                               "(ngram and suffix are)")
+        if self.tensor_parallel_size > 1 and self.speculative.suffix_tree_nodes:
+            raise ConfigError("engine: tree drafts (speculative suffix_tree_nodes) are not implemented with "
+                              "tensor_parallel_size > 1 (the accepted path's KV is moved on rank 0 only)")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"engine: quantization {self.quantization!r} is not implemented "
                               "(none: weights in --dtype; fp8: FP8 e4m3 weights, per-channel scales)")

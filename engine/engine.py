@@ -187,7 +187,8 @@ class LLMEngine:
             self.settle()
             return self.take_outputs()
         t1 = time.perf_counter()
-        batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()})
+        batch = self.runner.prepare(sched, {rid: d.token_ids for rid, d in drafts.items()},
+                                    {rid: d.parents for rid, d in drafts.items() if d.is_tree})
         if self._inflight is not None:
             feed_pending(batch, sched.scheduled, self._inflight)
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
@@ -295,7 +296,8 @@ class LLMEngine:
         strings as one-token-at-a-time decoding would, roll back rejected KV, count usage."""
         granted = {s.request.request_id: drafts[s.request.request_id].head(s.num_draft_tokens)
                    for s in sched.scheduled if s.num_draft_tokens}
-        sampled, accepted = self.speculator.verify(logits, batch.logits_owner, granted, self.scheduler.requests)
+        sampled, accepted, moves = self.speculator.verify(logits, batch.logits_owner, granted, self.scheduler.requests)
+        self.speculator.move_kv(self.kv_cache.tensor, self.scheduler.requests, moves)  # tree drafts
         for rid, new in sampled.items():
             sampled[rid] = self._cut_at_stop(self.scheduler.requests[rid], new)
         produced = self.scheduler.update_from_output(sched, sampled)

@@ -17,7 +17,11 @@ bound by reading the weights), and T / max_verify_tokens steps past it (bound by
   cost = 1 + r * (tokens in the step);
 - a sequence whose estimate falls below `min_acceptance` (its drafts keep failing) gets none, but
   every `probe_interval` steps it gets a full-length probe from what the knee leaves free, to
-  re-measure.
+  re-measure;
+- tree drafts (`choose_nodes`): `choose` bounds each tree's depth, then every node of every
+  sequence's tree competes under the same knee and cost rule, worth a**depth x the proposer's
+  probability for it (the share of earlier continuations through it): a second branch is
+  verified only where it pays as a position would.
 """
 
 from __future__ import annotations
@@ -100,14 +104,9 @@ class SpeculationLengthPolicy:
         # a == 1 are broken by position for the same reason
         ranked.sort()
         out: dict[str, int] = {}
-        r = self.token_cost
-        tokens, cost = float(len(caps)), 1.0 + r * (len(caps) + num_other_tokens)
-        for neg_worth, _j, rid in ranked[:max(0, spare)]:
-            if r > 0 and -neg_worth * cost <= r * tokens:  # this position would lower tokens per cost
-                break
+        for _worth, _j, rid in self._take(ranked, spare, len(caps), num_other_tokens):
             out[rid] = out.get(rid, 0) + 1
             spare -= 1
-            tokens, cost = tokens - neg_worth, cost + r
         for rid in probes:  # probes come last: only what the knee leaves free pays for them
             k = min(caps[rid], spare)
             if k <= 0:
@@ -115,6 +114,43 @@ class SpeculationLengthPolicy:
             out[rid] = k
             spare -= k
             self.state[rid].off_steps = 0
+        return out
+
+    def _take(self, ranked: list[tuple], spare: int, num_seqs: int, num_other_tokens: int) -> list[tuple]:
+        """The leading entries of `ranked` ((-worth, ...), most valuable first) that fit below the
+        knee and, with a token cost, raise the step's tokens per cost."""
+        r = self.token_cost
+        tokens, cost = float(num_seqs), 1.0 + r * (num_seqs + num_other_tokens)
+        taken = []
+        for entry in ranked[:max(0, spare)]:
+            worth = -entry[0]
+            if worth < self.min_draft_gain or (r > 0 and worth * cost <= r * tokens):
+                break  # this position would lower tokens per cost
+            taken.append(entry)
+            tokens, cost = tokens + worth, cost + r
+        return taken
+
+    def choose_nodes(self, trees: dict[str, tuple[list[float], list[int]]], num_seqs: int,
+                     num_other_tokens: int = 0) -> dict[str, list[int]]:
+        """Tree drafts (after `choose` and the proposer): trees[rid] = (each node's probability by
+        the proposer, its depth), parents first. Node worth: a**depth x its probability, a the
+        sequence's acceptance; nodes are taken most valuable first under `choose`'s budget and
+        cost rule, across the step's `num_seqs` decoding sequences. A worth never exceeds its
+        parent's, so what is kept is a tree. Probes (a below min_acceptance) keep every node.
+        -> rid -> the nodes kept."""
+        spare = self.max_verify_tokens - num_seqs - num_other_tokens
+        ranked: list[tuple[float, int, str, int]] = []  # (-worth, depth, rid, node)
+        out: dict[str, list[int]] = {}
+        for rid, (probs, depth) in trees.items():
+            a = self._acceptance(rid).rate
+            if a < self.min_acceptance:
+                out[rid] = list(range(len(probs)))
+                spare -= len(probs)
+                continue
+            ranked.extend((-(a ** d) * p, d, rid, i) for i, (p, d) in enumerate(zip(probs, depth)))
+        ranked.sort()
+        for _worth, _d, rid, node in self._take(ranked, spare, num_seqs, num_other_tokens):
+            out.setdefault(rid, []).append(node)
         return out
 
     def observe(self, rid: str, proposed: int, accepted: int) -> None:

@@ -22,7 +22,8 @@ from tandem.engine.speculative.ngram import NgramProposer
 from tandem.engine.speculative.policy import SpeculationLengthPolicy
 from tandem.engine.speculative.proposer import Draft, Proposer
 from tandem.engine.speculative.suffix import SuffixProposer
-from tandem.engine.speculative.verify import accept_greedy, accept_sampled
+from tandem.engine.speculative.tree import accept_tree_greedy, depths, kv_moves
+from tandem.engine.speculative.verify import accept_greedy, accept_sampled, accept_tree_sampled
 from tandem.engine.weights import load_model
 
 
@@ -61,32 +62,85 @@ class Speculator:
         by_id = {r.request_id: r for r in running}
         wanted = [(by_id[rid], k) for rid, k in ks.items()]
         drafts = self.proposer.propose(wanted)
-        return {rid: d.head(ks[rid]) for rid, d in drafts.items() if len(d) and rid in ks}
+        drafts = {rid: d if d.parents is not None else d.head(ks[rid]) for rid, d in drafts.items()
+                  if len(d) and rid in ks}
+        trees = {rid: (d.worth or [1.0] * len(d), depths(d.parents))
+                 for rid, d in drafts.items() if d.parents is not None}
+        if trees:  # the proposer's trees, cut to the nodes that pay (k bounded their depth)
+            kept = self.policy.choose_nodes(trees, len(caps), other)
+            for rid in trees:
+                drafts[rid] = drafts[rid].select(kept[rid]) if kept.get(rid) else None
+            drafts = {rid: d for rid, d in drafts.items() if d is not None}
+        return drafts
 
     def verify(self, logits: torch.Tensor, owners: list[tuple[str, int]], drafts: dict[str, Draft],
-               requests: dict[str, Request]) -> tuple[dict[str, list[int]], dict[str, int]]:
+               requests: dict[str, Request]) -> tuple[dict[str, list[int]], dict[str, int], dict[str, list[tuple[int, int]]]]:
         """logits [N, V]: `owners` lists (request id, rows) in order, rows = 1 + its drafts.
-        -> (request id -> new tokens: accepted drafts + one, request id -> drafts accepted)."""
+        -> (request id -> new tokens: accepted drafts + one, request id -> drafts accepted,
+        request id -> the KV rows to copy (source, destination) to put a tree's accepted path in
+        place: engine.speculative.tree.kv_moves)."""
         target_ids = logits.argmax(-1).tolist()
         sampled: dict[str, list[int]] = {}
         accepted: dict[str, int] = {}
+        moves: dict[str, list[tuple[int, int]]] = {}
         row = 0
         for rid, rows in owners:
             sp = requests[rid].sampling
             draft = drafts.get(rid)
-            ids = draft.token_ids[:rows - 1] if draft is not None else []
-            if sp.greedy:
-                new = accept_greedy(target_ids[row:row + rows], ids)
+            if draft is not None and draft.is_tree:
+                new = self._verify_tree(logits[row:row + rows], target_ids[row:row + rows], draft, rid, sp, moves)
             else:
-                p = probs_for(logits[row:row + rows].cpu(), sp)  # [1 + k, V]
-                q = None if draft is None or draft.probs is None else draft.probs[:rows - 1].to(p.device)
-                new = accept_sampled(p, ids, q, self.sampler.generator(rid, sp.seed))
-            if ids:
+                ids = draft.token_ids[:rows - 1] if draft is not None else []
+                if sp.greedy:
+                    new = accept_greedy(target_ids[row:row + rows], ids)
+                else:
+                    p = probs_for(logits[row:row + rows].cpu(), sp)  # [1 + k, V]
+                    q = None if draft is None or draft.probs is None else draft.probs[:rows - 1].to(p.device)
+                    new = accept_sampled(p, ids, q, self.sampler.generator(rid, sp.seed))
+                if ids:
+                    self.policy.observe(rid, len(ids), len(new) - 1)
+            if draft is not None and len(draft):
                 accepted[rid] = len(new) - 1
-                self.policy.observe(rid, len(ids), len(new) - 1)
             sampled[rid] = new
             row += rows
-        return sampled, accepted
+        return sampled, accepted, moves
+
+    def _verify_tree(self, logits, target_ids, draft: Draft, rid, sp, moves) -> list[int]:
+        if draft.probs is not None:
+            raise ValueError("tree drafts must be deterministic (Draft.probs None): sampled drafts "
+                             "in a tree are not verified")
+        if sp.greedy:
+            path, new = accept_tree_greedy(target_ids, draft.token_ids, draft.parents)
+        else:
+            p = probs_for(logits.cpu(), sp)  # [1 + n, V]
+            path, new = accept_tree_sampled(p, draft.token_ids, draft.parents, self.sampler.generator(rid, sp.seed))
+        # the walk stopped at a rejection unless it reached a leaf: that is one more depth tried
+        end = path[-1] if path else -1
+        rejected = any(p == end for p in draft.parents)
+        self.policy.observe(rid, len(path) + rejected, len(path))
+        if kv_moves(path):
+            moves[rid] = kv_moves(path)
+        return new
+
+    @staticmethod
+    def move_kv(kv_cache: torch.Tensor, requests: dict[str, Request],
+                moves: dict[str, list[tuple[int, int]]]) -> None:
+        """Copy each tree's accepted nodes' K/V to the sequence's next positions, before the
+        scheduler counts them computed: `moves[rid]` rows are relative to the verify step's first
+        position (the sequence's computed tokens). kv_cache: [layers, 2, blocks, block_size, Hkv, D]."""
+        if not moves:
+            return
+        bs = kv_cache.shape[3]
+        src, dst = [], []
+        for rid, pairs in moves.items():
+            req = requests[rid]
+            for a, b in pairs:
+                for rows, row in ((src, a), (dst, b)):
+                    pos = req.num_computed_tokens + row
+                    rows.append(req.block_ids[pos // bs] * bs + pos % bs)
+        flat = kv_cache.flatten(2, 3)  # [layers, 2, slots, Hkv, D] (a view)
+        index = [torch.tensor(x, dtype=torch.long).to(kv_cache.device, non_blocking=True) for x in (src, dst)]
+        flat[:, :, index[1]] = flat[:, :, index[0]]  # gathered first: sources never overlap later writes
 
     def release(self, request_id: str) -> None:
         self._tracked.discard(request_id)
@@ -123,7 +177,8 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
             proposer = SuffixProposer(min_match=cfg.min_n, max_match=cfg.suffix_max_match,
                                       min_token_prob=cfg.suffix_min_token_prob,
                                       max_spec_factor=cfg.suffix_max_spec_factor,
-                                      max_global_tokens=cfg.suffix_max_global_tokens)
+                                      max_global_tokens=cfg.suffix_max_global_tokens,
+                                      tree_nodes=cfg.suffix_tree_nodes)
         elif cfg.method == "draft":
             if draft_model is None:
                 if cfg.draft_model is not None:

@@ -13,7 +13,11 @@ backwards to its match length (up to `max_match`); the occurrences sharing the l
 the node a suffix tree would reach, and their continuations, counted as a trie, give each next
 token a frequency: count(child) / count(node). The draft follows the most frequent child while
 the path's probability (the product of those frequencies) stays at least `min_token_prob`, for at
-most `max_spec_factor` x the match length tokens and the k the length policy granted. Between the
+most `max_spec_factor` x the match length tokens and the k the length policy granted. With
+`tree_nodes` > 0 the draft is a tree instead (engine.speculative.tree): the trie's nodes of
+probability at least `min_token_prob`, most probable first, up to `tree_nodes` nodes and that
+depth, so where earlier occurrences went on in several ways (an edited and an unedited copy of a
+file), several branches are verified at once. Between the
 two corpora the draft with the higher score (expected accepted tokens: the sum of the path's
 probabilities; then the longer match) wins. Seeded sampled requests draft from their own tokens
 only: their output then depends on nothing but their input and seed (greedy output never depends
@@ -27,16 +31,19 @@ from dataclasses import dataclass, field
 
 from tandem.engine.request import Request
 from tandem.engine.speculative.proposer import Draft
+from tandem.engine.speculative.tree import MAX_TREE_ROWS
 
 MAX_CANDIDATES = 64  # most recent occurrences examined per lookup (bounds the cost on repetitive text)
 
 
 @dataclass
 class Candidate:
-    """A draft from one corpus: its tokens, the probability of each prefix, the match length."""
+    """A draft from one corpus: its tokens, the probability of each prefix (node), the match
+    length, and for a tree each node's parent."""
     token_ids: list[int]
     probs: list[float]
     match_len: int
+    parents: list[int] | None = None
 
     @property
     def score(self) -> float:
@@ -89,7 +96,7 @@ class SuffixCorpus:
         self.stale = 0
 
     def lookup(self, context: list[int], k: int, max_match: int, min_token_prob: float,
-               max_spec_factor: float) -> tuple[Candidate | None, object]:
+               max_spec_factor: float, tree_nodes: int = 0) -> tuple[Candidate | None, object]:
         """The draft following the longest earlier match of `context`'s suffix (see module doc),
         and the key of the most recent sequence it matched in. An occurrence at the end of its
         sequence (`context` itself, when it is in the corpus) has nothing after it and is skipped."""
@@ -112,10 +119,14 @@ class SuffixCorpus:
         if not matches:
             return None, None
         length = min(k, max(1, int(max_spec_factor * best)))
-        ids, probs = _frequent_path([toks[e:e + length] for toks, e, _ in matches], min_token_prob)
+        continuations = [toks[e:e + length] for toks, e, _ in matches]
+        if tree_nodes:
+            ids, parents, probs = _frequent_tree(continuations, min_token_prob, tree_nodes)
+        else:
+            (ids, probs), parents = _frequent_path(continuations, min_token_prob), None
         if not ids:
             return None, None
-        return Candidate(ids, probs, best), matches[0][2]
+        return Candidate(ids, probs, best, parents), matches[0][2]
 
 
 def _match_len(tokens: list[int], e: int, context: list[int], n: int, max_match: int) -> int:
@@ -152,11 +163,46 @@ def _frequent_path(continuations: list[list[int]], min_token_prob: float) -> tup
     return ids, probs
 
 
+def _frequent_tree(continuations: list[list[int]], min_token_prob: float,
+                   max_nodes: int) -> tuple[list[int], list[int], list[float]]:
+    """The continuations' trie, cut to its `max_nodes` most probable nodes of probability >=
+    min_token_prob (a node's probability: the share of continuations through it, the product of
+    the frequencies on its path). -> (tokens, parents, probabilities), most probable first; a child
+    is never more probable than its parent and ties go to the shallower, then earlier, node, so
+    every node comes after its parent."""
+    total = len(continuations)
+    node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; nodes in first-seen order
+    count: list[int] = []
+    parent: list[int] = []
+    depth: list[int] = []
+    token: list[int] = []
+    for c in continuations:
+        at = -1
+        for tok in c:
+            node = node_of.get((at, tok))
+            if node is None:
+                node = node_of[at, tok] = len(count)
+                count.append(0)
+                parent.append(at)
+                depth.append(1 if at < 0 else depth[at] + 1)
+                token.append(tok)
+            count[node] += 1
+            at = node
+    ranked = sorted((i for i in range(len(count)) if count[i] >= min_token_prob * total),
+                    key=lambda i: (-count[i], depth[i], i))[:max_nodes]
+    index = {node: i for i, node in enumerate(ranked)}
+    return ([token[i] for i in ranked], [-1 if parent[i] < 0 else index[parent[i]] for i in ranked],
+            [count[i] / total for i in ranked])
+
+
 class SuffixProposer:
     def __init__(self, *, min_match: int = 2, max_match: int = 32, min_token_prob: float = 0.1,
-                 max_spec_factor: float = 2.0, max_global_tokens: int = 1 << 18):
+                 max_spec_factor: float = 2.0, max_global_tokens: int = 1 << 18, tree_nodes: int = 0):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        if tree_nodes and not 2 <= tree_nodes < MAX_TREE_ROWS:
+            raise ValueError(f"tree_nodes must be 0 (chains) or in [2, {MAX_TREE_ROWS - 1}], got {tree_nodes}")
+        self.tree_nodes = tree_nodes
         self.max_match = max_match
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
@@ -174,7 +220,8 @@ class SuffixProposer:
                 continue
             c = self.candidate(req, k)
             if c is not None:
-                out[req.request_id] = Draft(c.token_ids)
+                out[req.request_id] = Draft(c.token_ids, parents=c.parents,
+                                            worth=c.probs if c.parents is not None else None)
         return out
 
     def candidate(self, req: Request, k: int) -> Candidate | None:
@@ -186,7 +233,7 @@ class SuffixProposer:
             self.requests[rid] = req
         tokens = req.all_token_ids
         local.extend(rid, tokens)
-        args = (k, self.max_match, self.min_token_prob, self.max_spec_factor)
+        args = (k, self.max_match, self.min_token_prob, self.max_spec_factor, self.tree_nodes)
         mine, _ = local.lookup(tokens, *args)
         if req.sampling.seed is not None and not req.sampling.greedy:
             # a seeded sample's draws depend on its drafts: only its own tokens may shape them,

@@ -8,12 +8,21 @@ distribution for sampled ones.
   min(1, p_i(d) / q_i(d)); at the first rejection draw from normalize(max(0, p_i - q_i)) and stop;
   if all k are kept, draw the bonus token from p_k. With deterministic drafts (n-gram) q_i is
   one-hot at d: keep it with probability p_i(d), else draw from p_i with d removed.
+- trees (deterministic drafts: engine.speculative.tree): at a node, try its children in order:
+  keep child c with probability p'(c), p' being the target's distribution at the node with the
+  siblings rejected before c zeroed and renormalised; the kept child becomes the node; when every
+  child is rejected (or the node is a leaf) draw the next token from p' and stop. The chain rule
+  above is the one-child case. Each rejection removes exactly the mass the draft would have
+  claimed, so every step's token is distributed as p (multi-draft speculative sampling with
+  one-hot drafts, as SpecInfer).
 Every random draw comes from the request's own generator, so a seeded request is reproducible.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tandem.engine.speculative.tree import children
 
 
 def accept_greedy(target_ids: list[int], draft: list[int]) -> list[int]:
@@ -70,3 +79,29 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     n = int(accepted.item())
     tok = int(torch.multinomial(next_probs[0], 1, generator=generator).item())
     return draft[:n] + [tok]
+
+
+def accept_tree_sampled(p: torch.Tensor, token_ids: list[int], parents: list[int],
+                        generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """One sequence's tree of deterministic drafts: p [1 + n, V] (CPU; row 0 the root, row 1 + i
+    node i). -> (accepted nodes root to leaf, new tokens: theirs and then one drawn token)."""
+    kids = children(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        dist = p[row].clone()  # p': the siblings rejected so far zeroed (unnormalised)
+        for c in kids[row]:
+            tok = token_ids[c]
+            total = float(dist.sum())
+            if total <= 0:  # rounding removed everything: the target's own row is the right law
+                dist, total = p[row].clone(), float(p[row].sum())
+            if float(torch.rand((), generator=generator)) * total < float(dist[tok]):
+                path.append(c)
+                row = c + 1
+                break
+            dist[tok] = 0.0
+        else:
+            if float(dist.sum()) <= 0:
+                dist = p[row]
+            tok = int(torch.multinomial(dist, 1, generator=generator).item())
+            return path, [token_ids[c] for c in path] + [tok]
