@@ -311,7 +311,7 @@ def apply_tuned(path: str) -> dict:
     def choose(m, n, k, group_k, elem_bytes=2):
         c = best.get(f"{n},{k}")
         if m == 1 and c is not None and not group_k:
-            return fp8_kernel.GemmConfig(1, c[0], c[1], c[2], c[3], gemv=True, split_k=c[4])
+            return fp8_kernel.GemmConfig(1, c[0], c[1], c[2], c[3], gemv=True)
         return base(m, n, k, group_k, elem_bytes)
     fp8_kernel.choose_config = choose
     return best

@@ -2,10 +2,10 @@
 shape of llama3-8b, qwen2.5-32b and llama3-70b (with the LM heads), in one device call.
 
 For each shape [N, K]: bf16 F.linear (cuBLAS), the committed config (`choose_config(1, N, K)`) and
-every candidate (rows per program, K tile, warps, pipeline stages, K splits), each replayed from a
+every candidate (rows per program, K tile, warps, pipeline stages), each replayed from a
 CUDA graph over enough weight copies to be well past the L2 (>= 512 MB of FP8). Prints, per shape,
 the best config, its us and GB/s of FP8 weight, against the device copy rate, and writes
-`fp8_sweep.json` ({"best": {"N,K": [block_n, block_k, warps, stages, split_k]}, ...}), which
+`fp8_sweep.json` ({"best": {"N,K": [block_n, block_k, warps, stages]}, ...}), which
 `bench/fp8_gpu.py --tuned` applies for the rest of its run.
 
     python3 bench/fp8_sweep.py               # on the GPU; JSON under $OUT (or ./out)
@@ -33,15 +33,13 @@ SHAPES = {
     "70b-qkv": (10240, 8192), "70b-o": (8192, 8192), "70b-gate_up": (57344, 8192), "70b-down": (8192, 28672),
     "70b-head": (128256, 8192),
 }
-# (block_n, block_k, num_warps, num_stages, split_k)
+# (block_n, block_k, num_warps, num_stages). Run 5 (commit 9ca8e1a) also tried split-K variants
+# (K in 2-8 ranges, the last program adding the partials): slower on every shape, so gone.
 CANDIDATES = [
-    (4, 1024, 4, 3, 1), (8, 512, 4, 3, 1), (4, 1024, 4, 1, 1), (8, 1024, 4, 2, 1), (8, 1024, 8, 2, 1),
-    (4, 2048, 4, 1, 1), (4, 2048, 8, 2, 1), (2, 2048, 4, 2, 1), (2, 1024, 2, 3, 1), (16, 512, 4, 3, 1),
-    (16, 512, 8, 3, 1), (16, 1024, 8, 2, 1), (32, 256, 4, 3, 1), (8, 256, 2, 4, 1), (4, 512, 2, 4, 1),
-    (2, 4096, 4, 1, 1), (4, 4096, 8, 1, 1), (1, 2048, 2, 2, 1), (32, 512, 8, 2, 1),
-    (8, 1024, 4, 2, 2), (8, 1024, 4, 2, 4), (16, 512, 4, 3, 4), (16, 1024, 8, 2, 4), (32, 512, 8, 2, 8),
-    (16, 512, 4, 3, 8), (32, 256, 4, 3, 8), (8, 512, 4, 3, 2), (4, 1024, 4, 3, 2), (16, 1024, 8, 2, 2),
-    (32, 1024, 8, 2, 4), (64, 256, 8, 3, 8), (16, 2048, 8, 1, 4),
+    (4, 512, 2, 4), (4, 1024, 4, 3), (8, 512, 4, 3), (4, 1024, 4, 1), (8, 1024, 4, 2), (8, 1024, 8, 2),
+    (4, 2048, 4, 1), (4, 2048, 8, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (16, 512, 4, 3), (16, 512, 8, 3),
+    (16, 1024, 8, 2), (32, 256, 4, 3), (8, 256, 2, 4), (2, 4096, 4, 1), (4, 4096, 8, 1), (1, 2048, 2, 2),
+    (32, 512, 8, 2), (2, 512, 1, 4), (4, 256, 1, 4), (8, 512, 2, 4), (4, 512, 2, 6), (2, 1024, 2, 4),
 ]
 
 
@@ -96,7 +94,7 @@ def sweep_shape(kernel, quant, n, k, dev, candidates, dry):
     del bf
     ref = F.linear(x.float(), quant.dequantize_fp8(*q8[0]))
     for c in candidates:
-        cfg = kernel.GemmConfig(1, c[0], c[1], c[2], c[3], gemv=True, split_k=c[4])
+        cfg = kernel.GemmConfig(1, c[0], c[1], c[2], c[3], gemv=True)
         try:
             out = kernel.fp8_gemm(x, *q8[0], config=cfg)
             err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -125,14 +123,14 @@ def main():
     shapes = {"8b-o": (64, 96), "8b-down": (40, 256)} if args.dry_run else SHAPES
     prefixes = tuple(filter(None, args.shapes.split(",")))
     shapes = {k: v for k, v in shapes.items() if not prefixes or k.startswith(prefixes)}
-    cands = [(16, 32, 4, 2, 1), (8, 32, 4, 2, 3)] if args.dry_run else CANDIDATES
+    cands = [(16, 32, 4, 2), (8, 64, 2, 3)] if args.dry_run else CANDIDATES
     copy = copy_gbs(dev, 1 << 16 if args.dry_run else 1 << 30)
     R = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_gbs": copy,
          "shapes": {}, "best": {}}
     print(f"# {R['device']}: copy {copy:.0f} GB/s (read + write)", flush=True)
     for name, (n, k) in shapes.items():
         c = kernel.choose_config(1, n, k, 0)
-        committed = (c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k)
+        committed = (c.block_n, c.block_k, c.num_warps, c.num_stages)
         tried = [committed] if args.committed else list(dict.fromkeys([committed] + cands))
         res = sweep_shape(kernel, quant, n, k, dev, tried, args.dry_run)
         timed = {cfg: us for cfg, us in res.items() if cfg != "bf16"}
@@ -147,7 +145,7 @@ def main():
             json.dump(R, f, indent=1)
     print(f"\none-token GEMV, us per call (graph replay past the L2); copy {copy:.0f} GB/s")
     print(f"{'shape':>12} {'N':>6} {'K':>6} {'bf16':>7} {'committed':>9} {'best':>7} {'best/bf16':>9} "
-          f"{'GB/s':>6} best config (block_n, block_k, warps, stages, split_k)")
+          f"{'GB/s':>6} best config (block_n, block_k, warps, stages)")
     for name, s in R["shapes"].items():
         cu = s["committed_us"] or float("nan")
         print(f"{name:>12} {s['n']:>6} {s['k']:>6} {s['bf16_us']:>7.1f} {cu:>9.1f} {s['best_us']:>7.1f} "

@@ -73,46 +73,31 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _gemv_epilogue(acc, rn, n_mask, s_ptr, b_ptr, out_ptr, stride_sn, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    if GROUP_K == 0:
-        acc *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     N, K,
     stride_wn, stride_sn,
     GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    # one token: no tensor cores, no shared memory. Program (n, s) streams BLOCK_N weight rows over
-    # its K range (16-byte loads along K), widens them to fp32 in registers and accumulates
-    # w * x elementwise into a [BLOCK_N, BLOCK_K] tile, reduced once at the end (no shuffle or
-    # barrier inside the loop, so the next tile's loads issue while this one is multiplied).
-    # SPLIT_K > 1: K is cut into SPLIT_K ranges (more programs in flight for tall-skinny weights);
-    # each writes its fp32 partial sums to part[s, N], and the last of a row block to arrive (an
-    # acq_rel counter) adds them in order, applies the epilogue and resets the counter to 0.
+    # one token: no tensor cores, no shared memory. Each program streams BLOCK_N weight rows (16-byte
+    # loads along K), widens them to fp32 in registers and accumulates w * x elementwise into a
+    # [BLOCK_N, BLOCK_K] tile, reduced once at the end (no shuffle or barrier inside the loop, so
+    # the next tile's loads issue while this one is multiplied). Splitting K over more programs
+    # (split-K, the last program adding the partials) lost on every swept shape (docs/benchmarks.md).
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
-    tiles = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K tiles per split
-    k_lo = pid_k * tiles * BLOCK_K
-    k_hi = tl.minimum(K, k_lo + tiles * BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             x = tl.load(x_ptr + ks).to(tl.float32)
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
         else:
-            k_mask = ks < k_hi
+            k_mask = ks < K
             x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if GROUP_K == 0:
@@ -120,19 +105,19 @@ def _fp8_gemv_kernel(
         else:
             s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
             acc += w * x[None, :] * s[:, None]
-    part = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if SPLIT_K == 1:
-        _gemv_epilogue(part, rn, n_mask, s_ptr, b_ptr, out_ptr, stride_sn, GROUP_K, HAS_BIAS)
-    else:
-        tl.store(part_ptr + pid_k * N + rn, part, mask=n_mask)
-        tl.debug_barrier()  # every thread's partials written before the counter moves (release)
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(SPLIT_K):  # in split order: the sum does not depend on who came last
-                total += tl.load(part_ptr + s * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
-            _gemv_epilogue(total, rn, n_mask, s_ptr, b_ptr, out_ptr, stride_sn, GROUP_K, HAS_BIAS)
-            tl.store(count_ptr + pid_n, 0)
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if GROUP_K == 0:
+        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# one-token (block_n, block_k, num_warps, num_stages) where bench/fp8_sweep.py's best beat the
+# default (4, 512, 2, 4): llama3-8b o 7.4 us against 8.6, down 21.6 against 27.5; qwen2.5-32b down
+# 48.2 against 55.4; llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
+_GEMV_TUNED = {(4096, 4096): (4, 1024, 4, 1), (4096, 14336): (4, 1024, 4, 3), (5120, 27648): (2, 4096, 4, 1),
+               (10240, 8192): (4, 1024, 4, 3)}
 
 
 @dataclass(frozen=True)
@@ -143,18 +128,19 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # one token: the CUDA-core kernel (block_m unused)
-    split_k: int = 1  # the GEMV's K cut into this many ranges, one program each
 
 
 def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> GemmConfig:
-    """Tile shape by M (and wide N), from bench/fp8_gpu.py's sweeps over llama3-8b's projections on
-    an H200 (docs/benchmarks.md). One token: the CUDA-core kernel with 4 (gate_up: 8) rows per
-    program and long K tiles, ~0.65x bf16 cuBLAS's time. Up to 64 tokens: narrow N tiles keep every
-    SM streaming weights. `elem_bytes` 4 (fp32 activations): tiles whose staged x would overflow
-    the 227 KB of shared memory are replaced by one that fits (seen compiling in fp32 there)."""
+    """Tile shape by M (and wide N), from bench/fp8_gpu.py's and bench/fp8_sweep.py's sweeps on an
+    H200 (docs/benchmarks.md). One token: the CUDA-core kernel, 4 rows per program of 2 warps and
+    512-column K tiles (the best on 11 of the 15 llama3-8b / qwen2.5-32b / llama3-70b projection and
+    head shapes), or the sweep's best where that differs by more than 2%. Up to 64 tokens: narrow N
+    tiles keep every SM streaming weights. `elem_bytes` 4 (fp32 activations): tiles whose staged x
+    would overflow the 227 KB of shared memory are replaced by one that fits (seen compiling in
+    fp32 there)."""
     wide = n >= 16384  # gate_up
     if m == 1:
-        cfg = GemmConfig(1, 8, 512, 4, 3, gemv=True) if wide else GemmConfig(1, 4, 1024, 4, 3, gemv=True)
+        cfg = GemmConfig(1, *_GEMV_TUNED.get((n, k), (4, 512, 2, 4)), gemv=True)
     elif m <= 16:
         cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
@@ -202,7 +188,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     if cfg.gemv and m == 1:
-        _gemv(x, weight, scale, bias, out, group_k, cfg)
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, scale, bias if bias is not None else scale, out, n, k, weight.stride(0), scale.stride(0),
+            GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
@@ -214,36 +203,6 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-def _gemv(x, weight, scale, bias, out, group_k: int, cfg: GemmConfig) -> None:
-    n, k = weight.shape
-    blocks = triton.cdiv(n, cfg.block_n)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    part, count = _split_workspace(x.device, split * n, blocks) if split > 1 else (scale, scale)
-    _fp8_gemv_kernel[(blocks, split)](
-        x, weight, scale, bias if bias is not None else scale, out, part, count, n, k,
-        weight.stride(0), scale.stride(0),
-        GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-# (device, stream) -> (fp32 partial sums, int32 arrival counters, all 0 between launches): one per
-# stream, since launches on one stream run one after another
-_WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_MIN_WORKSPACE = 1 << 16  # floats / counters: the llama3 shapes' splits fit, allocated once
-
-
-def _split_workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < counters:
-        size = max(_MIN_WORKSPACE, floats, counters)
-        ws = _WORKSPACES[key] = (torch.empty(size, dtype=torch.float32, device=device),
-                                 torch.zeros(size, dtype=torch.int32, device=device))
-    return ws
 
 
 @triton.jit

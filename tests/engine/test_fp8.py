@@ -35,7 +35,7 @@ from tandem.engine.kernels.fp8_gemm import GemmConfig, choose_config, fp8_gemm, 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemmConfig(16, 16, 32, num_warps=4, num_stages=2)  # tiny tiles: the interpreter is slow
 GEMV = GemmConfig(1, 16, 32, gemv=True)  # the one-token kernel
-SPLIT = GemmConfig(1, 8, 32, gemv=True, split_k=3)  # ... with K in 3 ranges, the last program adding them
+GEMV_RAGGED = GemmConfig(1, 8, 64, num_warps=2, gemv=True)  # K tiles that do not divide K (160, 96)
 
 
 def rel_err(out, ref):
@@ -75,26 +75,10 @@ def test_fp8_gemm_matches_torch(dtype, m, n, k, group_k, bias):
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
     q, scale = q.to(DEVICE), scale.to(DEVICE)
     ref = torch_linear(x.double(), q, scale.double(), None if b is None else b.double(), group_k)
-    for cfg in (SMALL, GEMV, SPLIT) if m == 1 else (SMALL,):
+    for cfg in (SMALL, GEMV, GEMV_RAGGED if group_k != 32 else GEMV) if m == 1 else (SMALL,):
         out = fp8_gemm(x, q, scale, b, group_k=group_k, config=cfg)
         assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), cfg
-
-
-def test_split_k_gemv_leaves_its_counters_at_zero_and_sums_in_order():
-    """Each split-K launch resets the arrival counters it used (the next launch, or a CUDA graph
-    replay, starts from 0), and the partial sums are added in split order, not arrival order: two
-    calls give the same bits, also when some splits get no K tile (6 splits of 5 tiles)."""
-    from tandem.engine.kernels import fp8_gemm as kernel
-
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 160, generator=gen).to(DEVICE)
-    q, scale = (t.to(DEVICE) for t in quantize_fp8(torch.randn(40, 160, generator=gen)))
-    cfg = GemmConfig(1, 8, 32, gemv=True, split_k=6)
-    a, b = (fp8_gemm(x, q, scale, config=cfg) for _ in range(2))
-    assert torch.equal(a, b) and rel_err(a, torch_linear(x.double(), q, scale.double(), None)) < 1e-5
-    counters = [ws[1] for key, ws in kernel._WORKSPACES.items() if key[0] == x.device]
-    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -204,8 +188,9 @@ def test_tied_and_vocab_parallel_heads_stay_in_the_model_dtype():
 def test_quantized_tiny_model_greedy_agrees_with_fp32(make_engine):
     """Agreement stated, over 32 random prompts x 8 greedy tokens against the fp32 model: at least
     75% of the first tokens and 40% of all tokens match, and the last-position logits of one
-    prompt are within 20% relative. Observed: 29/32 first tokens, 59% of tokens, logits 11%
-    (e4m3 per channel: 2.6% relative error per projection, compounded over the 8 projections).
+    prompt are within 20% relative. Observed: 28/32 first tokens, 56% of tokens (with the LM head
+    in FP8 too; 29/32 and 59% with it in fp32), logits ~11% (e4m3 per channel: 2.6% relative error
+    per projection, compounded over the 8 projections).
     tiny-random's logits are nearly flat (LM head std 0.02), so that error flips greedy picks
     often (bf16 against fp32 here: 100% of first tokens, 92% of tokens); a broken scale or a
     transposed weight gives ~1/512 agreement and O(1) logit errors."""

@@ -39,10 +39,25 @@ def test_fp8_gemm_matches_torch_on_gpu(m, n, k, group_k):
         scale = torch.rand(n, k // group_k, device="cuda", generator=gen) + 0.5
     bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
     ref = torch_linear(x.double(), q, scale.double(), bias.double(), group_k)
-    for cfg in (None, GemmConfig(1, 16, group_k or 512, gemv=True)) if m == 1 else (None,):
+    gemvs = (GemmConfig(1, 16, group_k or 512, gemv=True), GemmConfig(1, 4, group_k or 256, 2, 4, gemv=True))
+    for cfg in (None, *gemvs) if m == 1 else (None,):
         assert rel_err(fp8_gemm(x, q, scale, bias, group_k=group_k, config=cfg), ref) < 1e-2, cfg
     out32 = fp8_gemm(x.float(), q, scale, None, group_k=group_k)  # fp32 activations: ieee dots
     assert rel_err(out32, torch_linear(x.double(), q, scale.double(), None, group_k)) < 1e-5
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                 (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648), (152064, 5120),
+                                 (10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (128256, 8192)])
+def test_committed_one_token_config_is_right_on_every_swept_shape(n, k):
+    """choose_config's one-token pick for each projection and LM head shape bench/fp8_sweep.py
+    tunes (llama3-8b, qwen2.5-32b, llama3-70b) compiles and computes the reference's result."""
+    from tandem.engine.kernels.fp8_gemm import choose_config, fp8_gemm
+
+    assert choose_config(1, n, k, 0).gemv
+    q, scale = quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    assert rel_err(fp8_gemm(x, q, scale), torch_linear(x.double(), q, scale.double(), None)) < 1e-2
 
 
 def test_quantize_rows_is_exactly_the_torch_rule():
@@ -98,8 +113,9 @@ def test_quantized_engine_graphs_match_eager_and_cpu():
 
 def test_70b_fp8_builds_layer_by_layer_within_fp8_size():
     """Building part by part keeps the peak near the FP8 model's size: 12 of llama3-70b's 80
-    layers with the real shapes, quantized at load. Peak < the finished model + its largest fp32
-    draw (the 4.2 GB LM head) + 1 GiB; building whole in bf16 first would need ~25 GB here."""
+    layers with the real shapes, quantized at load, the LM head too. Peak < the finished model +
+    the largest part in bf16 beside its fp32 draw (the LM head: 2.1 + 4.2 GB) + 1 GiB; building
+    whole in bf16 first would need ~25 GB here."""
     from dataclasses import replace
 
     from tandem.engine.build import build_model, random_fill
@@ -111,8 +127,9 @@ def test_70b_fp8_builds_layer_by_layer_within_fp8_size():
     base = torch.cuda.memory_allocated()
     model = build_model(cfg, "cuda", torch.bfloat16, random_fill(0, "cuda"), fp8=True)
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    draw = max(p.numel() for p in model.parameters()) * 4
+    draw = max(p.numel() for p in model.parameters()) * (4 + 2)
     peak = torch.cuda.max_memory_allocated() - base
-    assert model.layers[11].mlp.gate_up_proj.is_fp8 and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.layers[11].mlp.gate_up_proj.is_fp8 and model.lm_head.is_fp8
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert peak < total + draw + (1 << 30), (peak / 2**30, total / 2**30, draw / 2**30)
     del model
