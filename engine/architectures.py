@@ -153,7 +153,8 @@ def _deepseek_moe(cfg: dict[str, Any], arch: Architecture, source: str) -> MoECo
     if cfg.get("moe_layer_freq", 1) != 1:
         raise _refuse(source, arch, f"moe_layer_freq={cfg['moe_layer_freq']!r} (only 1)")
     v3 = arch.name == "DeepseekV3ForCausalLM"
-    scoring, method = cfg.get("scoring_func", "sigmoid" if v3 else "softmax"), cfg.get("topk_method", "greedy")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")  # transformers' defaults
     # transformers' routers: V2 softmax, greedy or group-limited, no renormalisation; V3 sigmoid noaux_tc
     allowed = {"sigmoid": ("noaux_tc",)} if v3 else {"softmax": ("greedy", "group_limited_greedy")}
     if method not in allowed.get(scoring, ()):

@@ -186,6 +186,9 @@ class LatentAttention(nn.Module):
         return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode)
 
     def _attend(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, kernel) -> torch.Tensor:
+        if getattr(meta, "tree_mask", None) is not None:
+            raise NotImplementedError("tree speculation with latent attention is not implemented "
+                                      "(chain drafts are: ngram, suffix and draft without trees)")
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(T, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)

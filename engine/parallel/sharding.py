@@ -38,6 +38,9 @@ def check_shardable(cfg: ModelConfig, world: int, model: str) -> None:
     if world > 1 and cfg.moe is not None:
         raise ConfigError(f"engine: tensor_parallel_size {world} with the mixture-of-experts model {model!r} is "
                           "not implemented (neither expert nor tensor parallelism of the experts)")
+    if world > 1 and cfg.mla is not None:
+        raise ConfigError(f"engine: tensor_parallel_size {world} with the latent-attention model {model!r} is "
+                          "not implemented (the latent cache is not split over heads)")
     if cfg.num_kv_heads % world:
         raise ConfigError(f"engine: tensor_parallel_size {world} does not divide the {cfg.num_kv_heads} "
                           f"KV heads of model {model!r} (each rank holds whole KV heads; replicating "

@@ -40,6 +40,11 @@ def build_deepseek_dir(version: str, path: Path, *, moe: bool = False, seed: int
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     _redraw(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # V3's router bias: a zero bias would hide one the engine dropped
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     write_tokenizer(path)

@@ -13,7 +13,11 @@ import torch
 
 from tandem.engine.architectures import UnsupportedModelError, config_from_hf
 from tandem.engine.attention import BATCHED_MAX_QUERY_LEN
+from tandem.engine.build import build_model, random_fill
+from tandem.engine.config import PRESETS
 from tandem.engine.kv_cache import KVCache
+from tandem.engine.parallel.sharding import check_shardable
+from tandem.wire.errors import ConfigError
 from tests.engine.families import hf_greedy
 from tests.engine.mla_models import VERSIONS, build_deepseek_dir
 from tests.engine.test_model_vs_hf import _close, _our_logits
@@ -31,7 +35,7 @@ def deepseek(tmp_path_factory):
     def get(version):
         if version not in built:
             path = tmp_path_factory.mktemp(f"tiny-deepseek-{version}")
-            hf = build_deepseek_dir(version, path)
+            hf = build_deepseek_dir(version, path, moe=True)  # layer 0 dense, layer 1 MoE
             model, tok, _ = load_model(str(path))
             built[version] = (path, model, tok, hf)
         return built[version]
@@ -134,10 +138,34 @@ def test_refusals(deepseek):
     refused("scoring_func='softmax' with topk_method='noaux_tc'", n_routed_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, first_k_dense_replace=1, scoring_func="softmax", topk_method="noaux_tc")
     v2 = {**hf, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "n_routed_experts": 8,
-          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+          "scoring_func": "softmax", "topk_method": "greedy"}
     with pytest.raises(UnsupportedModelError, match="norm_topk_prob=true"):
         config_from_hf({**v2, "norm_topk_prob": True})
+    with pytest.raises(ConfigError, match="latent-attention"):
+        check_shardable(dataclasses.replace(model.config, moe=None), 2, "tiny-v3")
+    with pytest.raises(ConfigError, match="fp8 with latent attention"):
+        build_model(dataclasses.replace(model.config, moe=None), "cpu", torch.float32, random_fill(0, "cpu"), fp8=True)
     with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
         from tandem.engine.mla import latent_rope
 
         latent_rope(dataclasses.replace(model.config, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_deepseek_v2_lite_preset_counts():
+    """15.7B parameters, 2.4B active per token (V2-Lite's published figures), on the meta device;
+    the latent cache is 27 x 576 elements a token."""
+    from tandem.engine.model import LlamaForCausalLM
+
+    cfg = PRESETS["deepseek-v2-lite-random"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions=16)
+    total = sum(p.numel() for p in model.parameters())
+    m = cfg.moe
+    per_expert = 3 * cfg.hidden_size * m.intermediate_size
+    routed_total = per_expert * m.num_experts * (cfg.num_layers - 1)
+    active = total - routed_total + per_expert * m.top_k * (cfg.num_layers - 1) - cfg.vocab_size * cfg.hidden_size
+    assert abs(total / 15.7e9 - 1) < 0.01, total
+    assert abs(active / 2.4e9 - 1) < 0.03, active  # the embedding lookup not counted
+    assert cfg.kv_bytes_per_token == 27 * 576
+    assert config_from_hf(cfg.to_hf()) == cfg
