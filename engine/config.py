@@ -248,18 +248,6 @@ PRESETS: dict[str, ModelConfig] = {
         mla=MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEConfig(num_experts=64, top_k=6, intermediate_size=1408, num_shared_experts=2, scoring="softmax",
                       topk_method="greedy", dense_layers=(0,))),
-    # DeepSeek-V2-Lite's shapes (15.7B total, 2.4B active; bf16 ~31 GB): latent attention with no q
-    # LoRA, 64 routed experts (6 active) + 2 shared after one dense layer, YaRN rope (factor 40)
-    "deepseek-v2-lite-random": ModelConfig(
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27, num_heads=16,
-        num_kv_heads=16, head_dim=192, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-        tie_word_embeddings=False, bos_token_id=100000, eos_token_ids=(100001,),
-        architecture="DeepseekV2ForCausalLM",
-        mla=MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-        moe=MoEConfig(num_experts=64, top_k=6, intermediate_size=1408, num_shared_experts=2, scoring="softmax",
-                      topk_method="greedy", dense_layers=(0,))),
     "smollm2-135m-random": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
