@@ -17,7 +17,7 @@ from tandem.cluster.controller import Controller
 from tandem.cluster.reaper import start_reaper
 from tandem.engine.parallel.sharding import check_shardable
 from tandem.engine.weights import load_tokenizer, resolve_model_dir
-from tandem.wire.errors import ConfigError
+from tandem.kv_transfer.reshard import check_reshardable
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +62,14 @@ def init_ray(config: ClusterConfig, namespace: str) -> bool:
 
 
 def check_tensor_parallel(config: ClusterConfig) -> None:
-    """Refuse, before anything starts, a pool whose ranks cannot split the model, and a layout that
-    would move KV to or from a tensor-parallel worker (resharding KV between workers of different
-    tensor_parallel_size is not built yet: such a cluster serves colocated, one decode pool)."""
+    """Refuse, before anything starts, a pool whose ranks cannot split the model, and pools whose
+    KV cannot be resharded by whole heads between them (KV moves between any two workers: a
+    remote prefill, a prefix pull, a sequence moved with its KV, a worker in another role)."""
     model_cfg = load_tokenizer(config.engine.model)[1]
     sizes = {p: config.engine_for(p).tensor_parallel_size for p in ("prefill", "decode")}
     for pool, tp in sizes.items():
         check_shardable(model_cfg, tp, config.engine.model)
-    if max(sizes.values()) > 1 and (config.prefill.replicas > 0 or config.roles.enabled
-                                    or config.decode.role in ("prefill", "mixed")):
-        raise ConfigError(f"tensor_parallel_size {sizes} needs the colocated layout for now (KV transfer between "
-                          "tensor-parallel workers is not implemented): prefill.replicas 0, decode workers "
-                          "in the decode role, no role policy")
+    check_reshardable(model_cfg.num_kv_heads, sizes["prefill"], sizes["decode"])
 
 
 def start_cluster(config: ClusterConfig, namespace: str | None = None, wait_s: float = 600.0) -> Cluster:

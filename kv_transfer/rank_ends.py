@@ -25,6 +25,7 @@ OPS = ("expect", "redirect", "begin", "send", "send_when_stepped", "abort", "set
 
 class RankTransport:
     def __init__(self, cache, connector, config, layout: TPLayout):
+        self.connector = connector
         self.sender = LayerStreamSender(cache, connector, config)
         self.receiver = LayerStreamReceiver(cache, connector, config)
         self.sender.peer_stores = layout.stores(cache, sending=True)

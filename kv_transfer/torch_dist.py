@@ -81,14 +81,18 @@ class DistConnector:
     """One per actor process; owns its pair groups. Thread-safe."""
 
     def __init__(self, self_id: str, store: dist.Store | str, device: torch.device | str,
-                 config: KVTransferConfig = KVTransferConfig()):
+                 config: KVTransferConfig = KVTransferConfig(), tp_size: int = 1):
+        """`tp_size`: this worker's tensor_parallel_size, published for its peers (`peer_tp`)."""
         self.self_id = self_id
+        self.tp_size = tp_size
+        self._peer_tp: dict[str, int] = {}
         self.config = config
         self.store = connect_store(store, config.connect_timeout_s) if isinstance(store, str) else store
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.nonce = uuid.uuid4().hex[:12]
         self.store.set(f"kv/nonce/{self_id}", self.nonce)
+        self.store.set(f"kv/tp/{self_id}", str(tp_size))
         self._bump_epoch()                     # a restart: senders check this pair afresh
         self.links_created = 0
         self._joined: dict[str, int] = {}     # receiver: peer -> last generation joined
@@ -104,7 +108,15 @@ class DistConnector:
             self.store = store
             self._joined.clear()       # the new store's offers start again from 1
         store.set(f"kv/nonce/{self.self_id}", self.nonce)
+        store.set(f"kv/tp/{self.self_id}", str(self.tp_size))
         self._bump_epoch()
+
+    def peer_tp(self, worker_id: str) -> int:
+        """A peer worker's tensor_parallel_size (as it published it; a worker id keeps its pool's)."""
+        size = self._peer_tp.get(worker_id)
+        if size is None:
+            size = self._peer_tp[worker_id] = int(self._get(f"kv/tp/{worker_id}", self.config.connect_timeout_s))
+        return size
 
     def group_count(self) -> int:
         """Pairs currently connected (each is one gloo group, plus one NCCL group on GPU)."""

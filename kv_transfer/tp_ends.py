@@ -98,6 +98,13 @@ class _Fanout:
                                   "are not reachable from here")
         return local, remote
 
+    @staticmethod
+    def _direct(spec: TransferSpec, local: list[TransferSpec], remote: dict) -> bool:
+        """One rank-level transfer, the worker-level one itself (two single-rank workers, or a
+        worker's rank 0 talking to its peer's rank 0 only): the ends it wraps take it as it is,
+        with their own ids, callbacks and states."""
+        return not remote and local == [spec]
+
     def _add(self, spec: TransferSpec, local: list[TransferSpec], remote: dict[int, list[TransferSpec]]) -> None:
         x = _Transfer(spec, [s.request_id for s in local], {r: [s.request_id for s in subs] for r, subs in remote.items()})
         self._xfers[spec.request_id] = x
@@ -105,18 +112,20 @@ class _Fanout:
             self._by_local[rid] = spec.request_id
 
     def _sub_released(self, rid: str) -> None:
-        x = self._xfers.get(self._by_local.get(rid, ""))
-        if x is not None:
-            x.quiet.add(rid)
+        parent = self._by_local.get(rid)
+        if parent is None:
+            self._on_release(rid)          # a direct one
+        elif parent in self._xfers:
+            self._xfers[parent].quiet.add(rid)
 
-    def _get(self, request_id: str) -> _Transfer:
-        x = self._xfers.get(request_id) or self._ended.get(request_id)
-        if x is None:
-            raise KeyError(f"unknown transfer {request_id!r}")
-        return x
+    def _get(self, request_id: str) -> _Transfer | None:
+        """The fanned-out transfer; None: a direct one (or unknown: the inner end says so)."""
+        return self._xfers.get(request_id) or self._ended.get(request_id)
 
     def poll(self, request_id: str) -> TransferState:
         x = self._get(request_id)
+        if x is None:
+            return self.inner.poll(request_id)
         if x.state is not None:
             return x.state
         states = [self.inner.poll(rid) for rid in x.local]
@@ -124,10 +133,14 @@ class _Fanout:
 
     def progress(self, request_id: str) -> tuple[int, int]:
         x = self._get(request_id)
+        if x is None:
+            return self.inner.progress(request_id)
         return min(self.inner.progress(rid) for rid in x.local)
 
     def wait(self, request_id: str, timeout: float) -> TransferState:
         x = self._get(request_id)
+        if x is None:
+            return self.inner.wait(request_id, timeout)
         if x.state is None:
             for rid in x.local:
                 try:
@@ -141,7 +154,10 @@ class _Fanout:
 
     def abort(self, request_id: str) -> None:
         x = self._xfers.get(request_id)
-        if x is None or x.state is not None:
+        if x is None:
+            self.inner.abort(request_id)
+            return
+        if x.state is not None:
             return
         for rid in x.local:
             self.inner.abort(rid)
@@ -149,14 +165,16 @@ class _Fanout:
             self.ranks.call(rank, "abort", rids, self.sending)
 
     def reap(self) -> list[tuple[str, TransferState]]:
+        out = []
         for rid, state in self.inner.reap():
             parent = self._by_local.get(rid)
-            if parent is not None:
+            if parent is None:
+                out.append((rid, state))       # a direct one
+            else:
                 x = self._xfers[parent]
                 x.ended[rid] = state
                 if state is not TransferState.DONE:
                     self.abort(parent)         # the others cannot make it whole any more
-        out = []
         for x in list(self._xfers.values()):
             if x.state is None and len(x.ended) == len(x.local):
                 self._settle(x)
@@ -220,6 +238,8 @@ class ReshardingSender(_Fanout):
 
     def begin(self, spec: TransferSpec) -> None:
         local, remote = self._split(spec)
+        if self._direct(spec, local, remote):
+            return self.inner.begin(spec)
         for rank, subs in remote.items():
             self.ranks.call(rank, "begin", subs)
         self._add(spec, local, remote)
@@ -227,7 +247,9 @@ class ReshardingSender(_Fanout):
             self.inner.begin(sub)
 
     def send_layer(self, request_id: str, layer: int, ready_event=None) -> None:
-        x = self._xfers[request_id]
+        x = self._xfers.get(request_id)
+        if x is None:
+            return self.inner.send_layer(request_id, layer, ready_event)
         for rid in x.local:
             self.inner.send_layer(rid, layer, ready_event)
         if layer == x.spec.layers[-1]:
@@ -236,6 +258,8 @@ class ReshardingSender(_Fanout):
 
     def send(self, spec: TransferSpec) -> None:
         local, remote = self._split(spec)
+        if self._direct(spec, local, remote):
+            return self.inner.send(spec)
         for rank, subs in remote.items():
             self.ranks.call(rank, "send", subs, self.step())
         self._add(spec, local, remote)
@@ -253,6 +277,8 @@ class ReshardingReceiver(_Fanout):
 
     def expect(self, spec: TransferSpec) -> None:
         local, remote = self._split(spec)
+        if self._direct(spec, local, remote):
+            return self.inner.expect(spec)
         for rank, subs in remote.items():
             self.ranks.call(rank, "expect", subs)
         self._add(spec, local, remote)
@@ -264,6 +290,8 @@ class ReshardingReceiver(_Fanout):
         transfers would not pair up with the ones registered)."""
         x = self._xfers.get(spec.request_id)
         local, remote = self._split(spec)
+        if x is None and self._direct(spec, local, remote):
+            return self.inner.redirect(spec)
         if x is None or [s.request_id for s in local] != x.local or \
                 {r: [s.request_id for s in subs] for r, subs in remote.items()} != x.remote:
             raise KVTransferError(f"transfer {spec.request_id!r} cannot be redirected to {spec.sender_id!r} "
@@ -273,3 +301,17 @@ class ReshardingReceiver(_Fanout):
         for sub in local:
             self.inner.redirect(sub)
         x.spec = spec
+
+
+def make_ends(store, connector, config, *, on_sent_release, on_received_release, on_transition,
+              layout: TPLayout | None = None, ranks: RankEnds | None = None, step: Callable[[], int] = lambda: 0):
+    """A worker's sender and receiver: the plain ones, or with a `layout` the resharding ones
+    (which hand a transfer between single-rank workers to the plain ones unchanged)."""
+    if layout is None:
+        return (LayerStreamSender(store, connector, config, on_release=on_sent_release, on_transition=on_transition),
+                LayerStreamReceiver(store, connector, config, on_release=on_received_release,
+                                    on_transition=on_transition))
+    return (ReshardingSender(store, connector, config, layout, ranks, on_release=on_sent_release,
+                             on_transition=on_transition, step=step),
+            ReshardingReceiver(store, connector, config, layout, ranks, on_release=on_received_release,
+                               on_transition=on_transition))

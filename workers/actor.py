@@ -16,7 +16,6 @@ import ray
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
-from tandem.wire.errors import ConfigError
 from tandem.workers.tp_ranks import TPRanks
 from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, FirstTokenReady, Output, PrefillReservation, \
     PrefillReserve, PrefillResult
@@ -34,18 +33,25 @@ class WorkerActor(PoolActorBase):
         from tandem.decode_workers.worker import warm_up  # noqa: PLC0415
         from tandem.engine.engine import LLMEngine  # noqa: PLC0415
         from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415
+        from tandem.kv_transfer.tp_ends import TPLayout  # noqa: PLC0415
         from tandem.workers.worker import PoolWorker  # noqa: PLC0415
 
         self.worker_id, self.pool = worker_id, pool
-        # tensor parallel: ranks 1..N-1 start first; this engine joins their group as rank 0
-        self.ranks = (TPRanks(engine_config, placement, num_cpus, self._rank_lost)
-                      if engine_config.tensor_parallel_size > 1 else None)
+        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
+        tp = engine_config.tensor_parallel_size
+        # tensor parallel: ranks 1..N-1 start first (each with its own KV transport); this engine
+        # joins their group as rank 0
+        self.ranks = (TPRanks(engine_config, placement, num_cpus, self._rank_lost, kv=(worker_id, rendezvous, tcfg))
+                      if tp > 1 else None)
         engine = LLMEngine(engine_config)
         warmup = warm_up(engine, worker_id)   # the decode warm-up (graphs too): any worker may decode
-        tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
-        self.connector = DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg)
+        self.connector = DistConnector(worker_id, rendezvous, engine.kv_cache.device, tcfg, tp_size=tp)
+        # KV moves by head to and from workers of other tensor-parallel sizes (kv_transfer.tp_ends);
+        # a rank's model config holds its share of the KV heads
+        layout = TPLayout(worker_id, 0, tp, engine.model_config.num_kv_heads * tp, self.connector.peer_tp)
         self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
-                                 local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup)
+                                 local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup,
+                                 tp_layout=layout, tp_ranks=self.ranks)
         if self.ranks is not None:  # its KV is spread over its ranks: never paused to move (see set_draining)
             self.worker.decode.moves.relieve = False
         after_startup()
@@ -71,9 +77,6 @@ class WorkerActor(PoolActorBase):
     @ray.method(concurrency_group="health")
     def set_role(self, role: str) -> str:
         """"prefill" | "decode" | "mixed", at once (no step waits); returns the role it had."""
-        if self.ranks is not None and role != "decode":
-            raise ConfigError(f"{self.worker_id} is tensor-parallel: role {role!r} would send its KV to other "
-                              "workers, which is not implemented for tensor-parallel workers (decode only)")
         return self.worker.set_role(role)
 
     @ray.method(concurrency_group="health")
@@ -86,6 +89,8 @@ class WorkerActor(PoolActorBase):
     def set_rendezvous(self, address: str) -> None:
         """A restarted controller adopts this worker: KV links meet through its store from now on."""
         self.connector.set_store(address)
+        if self.ranks is not None:
+            self.ranks.set_rendezvous(address)
 
     def reserve(self, req: PrefillReserve | DecodeReserve) -> PrefillReservation | DecodePlan:
         return self.worker.reserve(req)

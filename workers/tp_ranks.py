@@ -24,6 +24,8 @@ from tandem.runtime.process import setup_process
 
 log = logging.getLogger(__name__)
 
+_KV_CALL_TIMEOUT_S = 120.0   # a settle waits up to tp_ends.SETTLE_TIMEOUT_S (60 s) on the rank
+
 
 def _bundle(num_cpus: float, num_gpus: float, resource_name: str = "") -> dict[str, float]:
     b = {"CPU": num_cpus, "GPU": num_gpus, **({resource_name: 1} if resource_name else {})}
@@ -55,23 +57,61 @@ def release_placement(pg: PlacementGroup | None) -> None:
             pass
 
 
-@ray.remote(max_concurrency=2)
+@ray.remote(max_concurrency=4)
 class ShardActor:
-    """Rank r > 0: joins the worker's group, loads its shard, runs rank 0's steps (`serve`)."""
+    """Rank r > 0: joins the worker's group, loads its shard, runs rank 0's steps (`serve`), and
+    moves its KV heads to and from other workers' ranks as rank 0 asks (`kv`)."""
 
     def __init__(self, rank: int, num_cpus: float):
         setup_process(num_cpus)
         self.rank = rank
+        self.transport = None
+        self._ready = threading.Event()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, engine_config, init_method: str) -> int:
+    def serve(self, engine_config, init_method: str, kv: tuple | None = None) -> int:
+        """`kv`: (worker id, rendezvous address, KVTransferConfig) for this rank's KV transport."""
         from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
         from tandem.engine.parallel.shard import ShardWorker  # noqa: PLC0415 (as above)
 
         group = init_tensor_parallel(self.rank, engine_config.tensor_parallel_size, init_method, engine_config.device)
-        return ShardWorker(engine_config, group).serve()
+        shard = ShardWorker(engine_config, group)
+        try:
+            if kv is not None:
+                self.transport = _rank_transport(shard, self.rank, *kv)
+                shard.after_step = self.transport.stepped
+        finally:
+            self._ready.set()
+        try:
+            return shard.serve()
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+
+    def kv(self, op: str, *args):
+        """One call of this rank's KV transport (kv_transfer.rank_ends.RankTransport)."""
+        if not self._ready.wait(600) or self.transport is None:
+            raise RuntimeError(f"tensor-parallel rank {self.rank} has no KV transport")
+        return self.transport.call(op, *args)
+
+    def set_rendezvous(self, address: str) -> None:
+        if self.transport is not None:
+            self.transport.connector.set_store(address)
+
+
+def _rank_transport(shard, rank: int, worker_id: str, rendezvous: str, transfer_config):
+    from tandem.kv_transfer.rank_ends import RankTransport  # noqa: PLC0415 (torch after setup_process)
+    from tandem.kv_transfer.reshard import rank_actor_id  # noqa: PLC0415 (as above)
+    from tandem.kv_transfer.torch_dist import DistConnector  # noqa: PLC0415 (as above)
+    from tandem.kv_transfer.tp_ends import TPLayout  # noqa: PLC0415 (as above)
+
+    tp = shard.group.world_size
+    connector = DistConnector(rank_actor_id(worker_id, rank), rendezvous, shard.kv_cache.device, transfer_config,
+                              tp_size=tp)
+    layout = TPLayout(worker_id, rank, tp, shard.model_config.num_kv_heads, connector.peer_tp)
+    return RankTransport(shard.kv_cache, connector, transfer_config, layout)
 
 
 class TPRanks:
@@ -81,7 +121,9 @@ class TPRanks:
     gets why (the rank died, failed, or left its loop)."""
 
     def __init__(self, engine_config, placement: PlacementGroup | None, num_cpus: float,
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], kv: tuple | None = None):
+        """`kv`: (worker id, rendezvous address, KVTransferConfig): each rank gets its own KV
+        transport, which rank 0 drives (`call`) to move the rank's heads to and from other workers."""
         from tandem.engine.parallel.group import init_tensor_parallel  # noqa: PLC0415 (torch after setup_process)
         from tandem.engine.parallel.local import free_init_method  # noqa: PLC0415 (as above)
 
@@ -93,7 +135,7 @@ class TPRanks:
             strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=r)
                         if placement is not None else None)
             self.actors.append(ShardActor.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote(r, num_cpus))
-        self.serving = [a.serve.remote(engine_config, init) for a in self.actors]
+        self.serving = [a.serve.remote(engine_config, init, kv) for a in self.actors]
         self.closing = False
         threading.Thread(target=self._watch, args=(on_lost,), name="tp-rank-watch", daemon=True).start()
         init_tensor_parallel(0, world, init, engine_config.device)
@@ -110,6 +152,13 @@ class TPRanks:
             why = f"tensor-parallel rank {rank} is lost: {type(e).__name__}: {e}"[:500]
         self.kill()
         on_lost(why)
+
+    def call(self, rank: int, op: str, *args):
+        """One call of rank `rank`'s KV transport (kv_transfer.tp_ends.RankEnds), waited for."""
+        return ray.get(self.actors[rank - 1].kv.remote(op, *args), timeout=_KV_CALL_TIMEOUT_S)
+
+    def set_rendezvous(self, address: str) -> None:
+        ray.get([a.set_rendezvous.remote(address) for a in self.actors], timeout=_KV_CALL_TIMEOUT_S)
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""

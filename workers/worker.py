@@ -22,9 +22,8 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.serving_loop import EngineLoop
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.link import Connector
-from tandem.kv_transfer.receiver import LayerStreamReceiver
-from tandem.kv_transfer.sender import LayerStreamSender
 from tandem.kv_transfer.shared import SharedEngine
+from tandem.kv_transfer.tp_ends import RankEnds, TPLayout, make_ends
 from tandem.prefill_workers.worker import PrefillWorker
 from tandem.wire.errors import InvalidRole
 from tandem.wire.messages import DecodeReserve, PrefillReserve
@@ -40,19 +39,23 @@ class PoolWorker:
     def __init__(self, worker_id: str, pool: str, engine: LLMEngine, connector: Connector, role: str | None = None,
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  reservation_timeout_s: float = 120.0, router_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None):
-        """`pool`: where it started ("prefill" | "decode"), its role unless `role` is given. The
-        rest as `PrefillWorker` and `DecodeWorker` take them."""
+                 clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
+                 tp_layout: TPLayout | None = None, tp_ranks: RankEnds | None = None):
+        """`pool`: where it started ("prefill" | "decode"), its role unless `role` is given.
+        `tp_layout`: its transfers reshard KV by head for peers of other tensor-parallel sizes,
+        `tp_ranks` its own ranks 1..N-1 (kv_transfer.tp_ends). The rest as `PrefillWorker` and
+        `DecodeWorker` take them."""
         self.worker_id, self.pool, self.engine = worker_id, pool, engine
         self.role = _checked(role or pool)
         self._draining = False
         tcfg = transfer_config or KVTransferConfig(start_timeout_s=600.0)
         self.loop = EngineLoop(engine, on_step=self._on_step, before_step=self._before_step,
                                on_step_error=self._fail_step, name=f"{worker_id}-loop")
-        self.sender = LayerStreamSender(engine.kv_cache, connector, tcfg, on_release=self._sent_released,
-                                        on_transition=self.loop.wake)
-        self.receiver = LayerStreamReceiver(engine.kv_cache, connector, tcfg, on_release=self._received_released,
-                                            on_transition=self.loop.wake)
+        shards = getattr(engine, "shards", None)   # tensor parallel: its step count
+        self.sender, self.receiver = make_ends(
+            engine.kv_cache, connector, tcfg, on_sent_release=self._sent_released,
+            on_received_release=self._received_released, on_transition=self.loop.wake, layout=tp_layout,
+            ranks=tp_ranks, step=(lambda: shards.steps) if shards is not None else (lambda: 0))
         shared = SharedEngine(self.loop, self.sender, self.receiver)
         self.prefill = PrefillWorker(worker_id, engine, connector, transfer_config=tcfg,
                                      reservation_timeout_s=reservation_timeout_s, clock=clock, warmup=warmup,

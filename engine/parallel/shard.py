@@ -12,6 +12,7 @@ each row-parallel projection's all-reduce, the logits' all-gather) keep them in 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class ShardWorker:
         self.kv_cache = KVCache(shape, DTYPES[config.dtype], config.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device, cuda_graphs=False)
         self.steps = 0
+        # after each step, with the steps run so far (this rank's KV transport starts the sends
+        # that waited for the step: kv_transfer.rank_ends)
+        self.after_step: Callable[[int], None] | None = None
 
     @torch.inference_mode()
     def serve(self) -> int:
@@ -79,5 +83,7 @@ class ShardWorker:
         while (h := self.group.broadcast_object()) is not None:
             self.runner.execute(self.runner.prepare_host(h))
             self.steps += 1
+            if self.after_step is not None:
+                self.after_step(self.steps)
         log.info("tensor-parallel rank %d: stopped after %d steps", self.group.rank, self.steps)
         return self.steps

@@ -115,7 +115,7 @@ def _reap_until(end, rid, timeout=10.0):
     raise AssertionError(f"{rid} did not end")
 
 
-@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (2, 2), (4, 2)])
+@pytest.mark.parametrize("src_tp,dst_tp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
 def test_a_transfer_between_tp_sizes_lands_every_head_on_its_rank(src_tp, dst_tp):
     full = torch.randn(LAYERS, 2, BLOCKS, 4, H, D, generator=torch.Generator().manual_seed(1))
     net, tps = FakeNetwork(), {"prefill-0": src_tp, "decode-0": dst_tp}

@@ -1,6 +1,6 @@
 """Per-pool tensor parallelism in the cluster config: a pool's own size or the model section's,
 through YAML and `config_to_dict`; refusals before anything starts (a size the model's KV heads
-cannot split, a layout that would move KV to or from a tensor-parallel worker)."""
+cannot split); pools of different sizes are served, their KV resharded by head."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def test_bad_sizes_and_layouts_are_refused_by_name():
         load_config(None, {"decode.tensor_parallel_size": 0})
     with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide the 2 KV heads of model 'tiny-random'"):
         check_tensor_parallel(load_config(None, {**COLOCATED, "decode.tensor_parallel_size": 4}))
-    with pytest.raises(ConfigError, match="needs the colocated layout"):
-        check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "decode.tensor_parallel_size": 2}))
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide the 2 KV heads"):
+        check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "prefill.tensor_parallel_size": 4}))
     check_tensor_parallel(load_config(None, {**COLOCATED, "decode.tensor_parallel_size": 2}))
+    # a prefill pool and a decode pool of different sizes: the KV is resharded by head
+    check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "decode.tensor_parallel_size": 2}))
+    check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "prefill.tensor_parallel_size": 2,
+                                             "roles.enabled": True, "router.placement": "cost"}))

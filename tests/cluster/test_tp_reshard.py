@@ -1,0 +1,75 @@
+"""KV resharded by head between workers of different tensor-parallel sizes, through a real local
+cluster (one for the module: gloo, real gRPC): a prefill worker of 2 ranks and a decode worker of
+1. Every prompt is prefilled remotely; greedy fp32 tokens equal a single-rank engine's, first with
+prefill TP=2 -> decode TP=1, then, the two workers' roles swapped, prefill TP=1 -> decode TP=2.
+tiny-random has 2 KV heads, so each rank of the TP=2 worker holds one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from tandem.cluster.local import RunningCluster
+from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+
+CLUSTER = {"model.name": "tiny-random", "cache.num_blocks": 256, "decode.local_prefill_threshold": 0,
+           "prefill.replicas": 1, "prefill.tensor_parallel_size": 2, "prefill.num_cpus": 0.5,
+           "decode.replicas": 1, "decode.tensor_parallel_size": 1, "decode.num_cpus": 0.5}
+# two prompts per direction, none sharing a block with another (each transfer carries a whole prompt)
+PROMPTS = {"2->1": [[5, 17, 99, 3, 250, 41, 7, 8, 300, 12, 77, 1, 2, 90, 45, 33, 18], list(range(40, 75))],
+           "1->2": [[9, 180, 27, 64, 3, 3, 121, 44, 200, 16, 8, 91, 130, 7, 56, 240, 2, 19], list(range(100, 131))]}
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = RunningCluster(CLUSTER)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=256)))
+    return {k: [r["token_ids"] for r in ref.generate([{"prompt_token_ids": p, "max_tokens": MAX_TOKENS,
+                                                       "ignore_eos": True} for p in prompts])]
+            for k, prompts in PROMPTS.items()}
+
+
+def _generate_all(c, prompts) -> list[list[int]]:
+    return [c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)[0] for p in prompts]
+
+
+def _received_not_recomputed(before, after, decoder: str, prefiller: str, prompts) -> None:
+    """The decoding worker took every prompt's KV from the prefilling one: no transfer failed, and
+    it computed no prompt position itself (a failed transfer falls back to a local prefill, which
+    would be token-exact too)."""
+    d0, d1, p0, p1 = before[decoder], after[decoder], before[prefiller], after[prefiller]
+    assert d1.remote_prefills == d0.remote_prefills + len(prompts), "meant to prefill remotely"
+    assert (d1.local_prefills, d1.prompt_tokens_computed) == (d0.local_prefills, d0.prompt_tokens_computed)
+    assert (d1.transfer_failures, p1.transfer_failures) == (d0.transfer_failures, p0.transfer_failures)
+    assert p1.prefills == p0.prefills + len(prompts)
+    assert p1.prompt_tokens_computed - p0.prompt_tokens_computed == sum(map(len, prompts))
+
+
+def test_prefill_tp2_to_decode_tp1_is_token_exact(cluster, reference):
+    before = cluster.worker_stats()
+    assert _generate_all(cluster, PROMPTS["2->1"]) == reference["2->1"]
+    _received_not_recomputed(before, cluster.worker_stats(), "decode-0", "prefill-0", PROMPTS["2->1"])
+    used = cluster.wait_idle()
+    assert used and all(v == 0 for v in used.values()), used
+
+
+def test_prefill_tp1_to_decode_tp2_is_token_exact(cluster, reference):
+    """The same two workers, roles swapped: the TP=2 worker decodes, the TP=1 one prefills."""
+    for wid, role in (("prefill-0", "decode"), ("decode-0", "prefill")):
+        assert ray.get(cluster.cluster.controller.set_role.remote(wid, role, "test: swap"), timeout=30).role == role
+    time.sleep(0.6)                           # the routers' views refresh every 0.25 s
+    before = cluster.worker_stats()
+    assert _generate_all(cluster, PROMPTS["1->2"]) == reference["1->2"]
+    _received_not_recomputed(before, cluster.worker_stats(), "prefill-0", "decode-0", PROMPTS["1->2"])
+    used = cluster.wait_idle()
+    assert used and all(v == 0 for v in used.values()), used
