@@ -114,6 +114,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.uses_score_bias else None
 
+    def _apply(self, fn, recurse=True):
+        # the bias stays fp32 whatever the model dtype, as DeepSeek-V3's checkpoints hold it: in bf16
+        # it would round by up to 0.4% and could flip the choice between near-tied experts
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()

@@ -23,7 +23,8 @@ from tandem.engine.config import PRESETS, ModelConfig, MoEConfig
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.moe import MLP, SparseMoE, build_mlp
 from tandem.engine.parallel.sharding import check_shardable
-from tandem.engine.weights import load_model, resolve_model_dir
+from tandem.engine.build import build_model, random_fill
+from tandem.engine.weights import hf_state_dict, load_model, resolve_model_dir
 from tandem.wire.errors import ConfigError
 from tests.engine.families import build_family_dir
 
@@ -92,6 +93,19 @@ def test_block_matches_transformers(kind):
         plain = _ours(MoEConfig(**{**moe.__dict__, "topk_method": method, "n_group": 1, "topk_group": 1}))
         plain.load_state_dict(ours.state_dict())
         assert not torch.allclose(plain(x[0]), want, atol=1e-4)
+
+
+def test_the_score_bias_stays_fp32_in_a_bf16_model():
+    moe = MoEConfig(num_experts=E, top_k=2, intermediate_size=I, scoring="sigmoid", topk_method="noaux_tc",
+                    n_group=4, topk_group=2)
+    cfg = ModelConfig(vocab_size=32, hidden_size=H, intermediate_size=48, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, moe=moe)
+    model = build_model(cfg, "cpu", torch.bfloat16, random_fill(0, "cpu"))  # the serving path: meta, then filled
+    gate = model.layers[0].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.e_score_correction_bias.abs().sum() > 0
+    bias = hf_state_dict(model)["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, gate.e_score_correction_bias.detach())
 
 
 def test_sparse_layers_follow_the_config():
