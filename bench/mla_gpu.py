@@ -1,0 +1,198 @@
+"""Issue 29's latent-attention figures on one GPU (deepseek-v2-lite-random, bf16):
+
+- the Triton decode kernel (engine.kernels.mla_decode) at batch 1 and 64, contexts 1k and 8k, against
+  its floor (the latent cache it reads, over the copy rate measured in the same run);
+- decode steps through LLMEngine (CUDA graphs) at batch 1 and 64, context 1k, against the step's
+  floor: every weight a step reads (attention, routers, the dense layer, shared experts, the LM head,
+  and the routed experts a batch of b tokens hits in expectation under uniform routing,
+  64 * (1 - (1 - 6/64)^b) per layer) plus the batch's latent KV, over the copy rate;
+- one 8k-token prefill against the bf16 matmul rate, counting active FLOPs (each token's 6 routed +
+  2 shared experts, attention in the expanded form, causal);
+- KV bytes per token and an 8k prompt's transfer against llama3-8b-random's, and the transfer time
+  that saves at the NCCL rates measured between two H200s (docs/benchmarks.md: not measurable on one GPU).
+
+    python3 bench/mla_gpu.py --out DIR      # on the GPU
+    python3 bench/mla_gpu.py --dry-run      # CPU, a tiny DeepSeek, Triton's interpreter: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine_gpu import Bench  # noqa: E402  (a sibling file: bench scripts run as files)
+from tandem.engine.attention import AttentionMetadata  # noqa: E402
+from tandem.engine.build import build_model, random_fill  # noqa: E402
+from tandem.engine.config import PRESETS, MLAConfig, ModelConfig, MoEConfig  # noqa: E402
+from tandem.engine.model import TritonOps  # noqa: E402
+from tandem.engine.model_runner import ModelRunner  # noqa: E402
+from tandem.engine.tokenizer import ByteTokenizer  # noqa: E402
+
+# NCCL send/recv between two Ray actors on two H200s (docs/benchmarks.md, ../shared/device/README.md)
+NCCL_GBS = {16 << 20: 267.0, 128 << 20: 348.0, 1 << 30: 368.0}
+
+
+def nccl_gbs(nbytes: int) -> float:
+    """The measured rate of the nearest message size at or below `nbytes`."""
+    return NCCL_GBS[max([s for s in NCCL_GBS if s <= nbytes] or [min(NCCL_GBS)])]
+
+
+def dry_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
+        head_dim=24, max_position_embeddings=4096, rope_scaling=PRESETS["deepseek-v2-lite-random"].rope_scaling,
+        eos_token_ids=(2,), architecture="DeepseekV2ForCausalLM",
+        mla=MLAConfig(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2, dense_layers=(0,)))
+
+
+class MLABench(Bench):
+    def kernel(self):
+        from tandem.engine.kernels.mla_decode import mla_decode  # noqa: PLC0415 (Triton, after the env is set)
+
+        rank, rope, heads, bs = (32, 8, 4, 16) if self.dry else (512, 64, 16, 16)
+        rows = self.results["kernel"] = []
+        for batch, ctx in ((1, 256), (2, 512)) if self.dry else ((1, 1024), (64, 1024), (1, 8192), (64, 8192)):
+            nb = batch * ctx // bs
+            cache = torch.randn(nb, bs, 1, rank + rope, device=self.dev, dtype=self.dtype)
+            tables = torch.arange(nb, device=self.dev, dtype=torch.int32).view(batch, -1)
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(batch, dtype=torch.long, device=self.dev),
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=self.dev),
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=self.dev), block_tables=tables,
+                query_lens_cpu=[1] * batch, seq_lens_cpu=[ctx] * batch, max_query_len=1, max_seq_len=ctx)
+            q = torch.randn(batch, heads, rank + rope, device=self.dev, dtype=self.dtype)
+            us = self.gpu_ms(lambda: mla_decode(q, cache, meta, rank, 0.1), reps=3 if self.dry else 50) * 1e3
+            floor = cache.numel() * cache.element_size() / (self.results["ceilings"]["copy_gbs"] * 1e3)
+            rows.append({"batch": batch, "ctx": ctx, "us": us, "floor_us": floor, "x_floor": us / floor})
+            print(f"# kernel {rows[-1]}", flush=True)
+
+    def load(self):
+        t0 = time.perf_counter()
+        cfg = dry_config() if self.dry else PRESETS["deepseek-v2-lite-random"]
+        self.model = build_model(cfg, self.dev, self.dtype, random_fill(0, self.dev), max_positions=16384)
+        if self.dry:
+            self.model.ops = TritonOps()
+        self.cfg, self.tok = cfg, ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids)
+        self.sync()
+        total = sum(p.numel() for p in self.model.parameters())
+        self.results["model"] = {"params": total, "load_s": time.perf_counter() - t0,
+                                 "kv_bytes_per_token": self.kv_bytes_per_token(self.model)}
+        print(f"# model {self.results['model']}", flush=True)
+
+    def weights_read(self, batch: int) -> tuple[float, float]:
+        """-> (bytes of weights a decode step of `batch` tokens reads, routed experts hit per layer)."""
+        cfg, m = self.cfg, self.cfg.moe
+        per_expert = 3 * cfg.hidden_size * m.intermediate_size * self.model.lm_head.weight.element_size()
+        sparse = sum(m.is_sparse(i) for i in range(cfg.num_layers))
+        hit = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
+        return self.model_bytes(self.model) - sparse * (m.num_experts - hit) * per_expert, hit
+
+    def decode_rows(self):
+        ctx, batches = (64, (1, 2)) if self.dry else (1024, (1, 64))
+        e = self.engine(self.model, self.tok, num_blocks=max(batches) * (ctx + 64) // 16 + 64, max_batched=8192)
+        if self.dry:
+            e.runner = ModelRunner(self.model, e.kv_cache, self.dev, cuda_graphs=True, capture=False)
+        kvb = self.kv_bytes_per_token(self.model)
+        rows = self.results["decode"] = []
+        for b in batches:
+            wbytes, hit = self.weights_read(b)
+            r = self.decode(e, b, ctx, 2 if self.dry else 4, 3 if self.dry else 16, f"d{b}", wbytes, kvb)
+            rows.append({**r, "weight_gb_read": wbytes / 1e9, "experts_hit_per_layer": hit})
+            print(f"# decode {rows[-1]}", flush=True)
+        self.results["graphs"] = e.runner.graph_stats
+        n = 128 if self.dry else 8192
+        self._prefill_one(e, 256 if not self.dry else 32, self.cfg.vocab_size)  # compile
+        s = statistics.median(self._prefill_one(e, n, self.cfg.vocab_size) for _ in range(2 if self.dry else 3))
+        flops = self.prefill_flops(n)
+        tf = flops / s / 1e12
+        self.results["prefill"] = {"tokens": n, "s": s, "tflops": tf, "active_flops": flops,
+                                   "of_matmul": tf / self.results["ceilings"]["matmul_tflops"]}
+        print(f"# prefill {self.results['prefill']}", flush=True)
+
+    def prefill_flops(self, n: int) -> float:
+        """Active FLOPs of an n-token prefill: 2 x active weights x n (the expanded form: kv_b_proj on
+        every latent), the causal attention at head dims 192 (scores) and 128 (values), the LM head once."""
+        c, m, a = self.cfg, self.cfg.moe, self.cfg.mla
+        h, heads = c.hidden_size, c.num_heads
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        attn_w = h * heads * qk + h * a.latent_dim + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) \
+            + heads * a.v_head_dim * h
+        sparse = sum(m.is_sparse(i) for i in range(c.num_layers))
+        mlp_w = (c.num_layers - sparse) * 3 * h * c.intermediate_size \
+            + sparse * (3 * h * m.intermediate_size * (m.top_k + m.num_shared_experts) + m.num_experts * h)
+        attn = 2 * c.num_layers * heads * (qk + a.v_head_dim) * n * (n + 1) // 2
+        return 2 * (c.num_layers * attn_w + mlp_w) * n + attn + 2 * h * c.vocab_size
+
+    def transfer(self):
+        elem = 2  # bf16
+        llama = PRESETS["llama3-8b-random"].kv_bytes_per_token * elem
+        ours = self.cfg.kv_bytes_per_token * elem if not self.dry else PRESETS["deepseek-v2-lite-random"].kv_bytes_per_token * elem
+        n = 8192
+        rows = []
+        for name, per in (("llama3-8b-random", llama), ("deepseek-v2-lite-random", ours)):
+            size = per * n
+            rows.append({"model": name, "kv_bytes_per_token": per, "transfer_8k_mb": size / 1e6,
+                         "nccl_gbs": nccl_gbs(size), "transfer_8k_ms": size / (nccl_gbs(size) * 1e9) * 1e3})
+        self.results["transfer"] = rows
+
+    def table(self):
+        r = self.results
+        c = r["ceilings"]
+        print(f"\n{c['device']}: copy {c['copy_gbs']:.0f} GB/s (read + write), bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s")
+        print("\n| kernel: batch x ctx | us | latent-cache floor us | x floor |\n|---|---:|---:|---:|")
+        for k in r.get("kernel", []):
+            print(f"| {k['batch']} x {k['ctx']} | {k['us']:.1f} | {k['floor_us']:.1f} | {k['x_floor']:.2f} |")
+        print("\n| decode: batch x ctx | step ms | GPU ms (forward) | experts hit / layer | weights read GB | floor ms "
+              "| step / floor | tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        for d in r.get("decode", []):
+            print(f"| {d['batch']} x {d['ctx']} | {d['step_ms']:.2f} | {d['gpu_ms']:.2f} | {d['experts_hit_per_layer']:.1f} "
+                  f"| {d['weight_gb_read']:.2f} | {d['floor_ms']:.2f} | {d['x_floor']:.2f} | {d['tok_s']:.0f} |")
+        if "prefill" in r:
+            p = r["prefill"]
+            print(f"\nprefill {p['tokens']} tokens: {p['s'] * 1e3:.1f} ms, {p['active_flops'] / 1e12:.1f} active TFLOP, "
+                  f"{p['tflops']:.0f} TFLOP/s = {p['of_matmul']:.2f} of the matmul rate")
+        print("\n| model | KV bytes / token | 8k prompt's KV MB | NCCL GB/s (two H200s) | 8k transfer ms |\n"
+              "|---|---:|---:|---:|---:|")
+        for t in r.get("transfer", []):
+            print(f"| {t['model']} | {t['kv_bytes_per_token']:,} | {t['transfer_8k_mb']:.0f} | {t['nccl_gbs']:.0f} "
+                  f"| {t['transfer_8k_ms']:.2f} |")
+        if r.get("errors"):
+            print(f"\nerrors: {r['errors']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    b = MLABench(DRY, args.out)
+    b.dtype = torch.float32 if DRY else torch.bfloat16
+    b.save = lambda: _save(b)
+    b.section("ceilings", b.ceilings)
+    b.section("kernel", b.kernel)
+    b.section("load", b.load)
+    b.section("decode", b.decode_rows)
+    b.section("transfer", b.transfer)
+    b.table()
+
+
+def _save(b: Bench) -> None:
+    import json  # noqa: PLC0415 (only here)
+
+    os.makedirs(b.out_dir, exist_ok=True)
+    with open(os.path.join(b.out_dir, "mla_gpu.json"), "w") as f:
+        json.dump(b.results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
