@@ -60,9 +60,8 @@ def test_tiny_deepseek_v3_on_the_gpu_path_matches_transformers(tmp_path):
     model, tok, _ = load_model(str(tmp_path), "float32", "cuda")
     e = LLMEngine(EngineConfig(model="t", dtype="float32", device="cuda",
                                cache=CacheConfig(block_size=16, num_blocks=64),
-                               scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)),
+                               scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128)),
                   model=model, tokenizer=tok)
-    e.warmup()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23, 90)]
     results = e.generate([{"prompt_token_ids": p, "max_tokens": 12, "ignore_eos": True} for p in prompts])
