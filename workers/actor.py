@@ -52,8 +52,6 @@ class WorkerActor(PoolActorBase):
         self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
                                  local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup,
                                  tp_layout=layout, tp_ranks=self.ranks)
-        if self.ranks is not None:  # its KV is spread over its ranks: never paused to move (see set_draining)
-            self.worker.decode.moves.relieve = False
         after_startup()
 
     def _rank_lost(self, why: str) -> None:
@@ -78,12 +76,6 @@ class WorkerActor(PoolActorBase):
     def set_role(self, role: str) -> str:
         """"prefill" | "decode" | "mixed", at once (no step waits); returns the role it had."""
         return self.worker.set_role(role)
-
-    @ray.method(concurrency_group="health")
-    def set_draining(self, draining: bool = True, move: bool = True):
-        # a tensor-parallel worker's KV is spread over its ranks, and moving it is not built yet:
-        # its sequences finish here
-        return super().set_draining(draining, move=move and self.ranks is None)
 
     @ray.method(concurrency_group="health")
     def set_rendezvous(self, address: str) -> None:
@@ -116,7 +108,7 @@ class WorkerActor(PoolActorBase):
         return self.worker.decode.send_prefix(spec)
 
     def move_out(self, *, count: int | None = None) -> int:
-        return 0 if self.ranks is not None else self.worker.decode.move_out(count)  # TP: see set_draining
+        return self.worker.decode.move_out(count)
 
     def send_kv(self, *, request_id: str, spec, first_block: int = 0) -> None:
         return self.worker.decode.send_kv(request_id, spec, first_block)

@@ -2,10 +2,13 @@
 cluster (one for the module: gloo, real gRPC): a prefill worker of 2 ranks and a decode worker of
 1. Every prompt is prefilled remotely; greedy fp32 tokens equal a single-rank engine's, first with
 prefill TP=2 -> decode TP=1, then, the two workers' roles swapped, prefill TP=1 -> decode TP=2.
+Then both decode, and running streams move with their KV from one to the other and back
+(KV-preserving moves, issue 27: TP=2 -> TP=1 and TP=1 -> TP=2), token-exact, nothing recomputed.
 tiny-random has 2 KV heads, so each rank of the TP=2 worker holds one."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,6 +17,7 @@ import ray
 from tandem.cluster.local import RunningCluster
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 CLUSTER = {"model.name": "tiny-random", "cache.num_blocks": 256, "decode.local_prefill_threshold": 0,
            "prefill.replicas": 1, "prefill.tensor_parallel_size": 2, "prefill.num_cpus": 0.5,
@@ -71,5 +75,68 @@ def test_prefill_tp1_to_decode_tp2_is_token_exact(cluster, reference):
     before = cluster.worker_stats()
     assert _generate_all(cluster, PROMPTS["1->2"]) == reference["1->2"]
     _received_not_recomputed(before, cluster.worker_stats(), "prefill-0", "decode-0", PROMPTS["1->2"])
+    used = cluster.wait_idle()
+    assert used and all(v == 0 for v in used.values()), used
+
+
+class _Stream(threading.Thread):
+    def __init__(self, c, prompt: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.c, self.prompt, self.max_tokens = c, prompt, max_tokens
+        self.ids: list[int] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            req = pb.GenerateRequest(prompt_token_ids=self.prompt, sampling=pb.SamplingParams(
+                max_tokens=self.max_tokens, ignore_eos=True))
+            for r in self.c.stub.Generate(req, timeout=240):
+                self.ids.extend(r.token_ids)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            self.error = repr(e)
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_running_streams_move_with_their_kv_between_tp_sizes_and_back(cluster):
+    """Both workers decode (the TP=1 one also prefills): every running stream is moved off the
+    worker that holds it, then off the other one, so each crosses 2 -> 1 or 1 -> 2 and back."""
+    for wid, role in (("prefill-0", "decode"), ("decode-0", "mixed")):
+        ray.get(cluster.cluster.controller.set_role.remote(wid, role, "test: both decode"), timeout=30)
+    time.sleep(0.6)
+    prompts, n = [list(range(3, 24)), [7, 7, 200, 31, 64, 90, 12, 5, 250, 41, 18]], 400
+    ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=256))).generate(
+        [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for p in prompts])
+    streams = [_Stream(cluster, p, n) for p in prompts]
+    for s in streams:
+        s.start()
+    _wait(lambda: all(len(s.ids) >= 20 for s in streams), 120, "every stream to be decoding")
+    handles = {w: ray.get_actor(f"{cluster.cluster.namespace}:{w}", namespace=cluster.cluster.namespace)
+               for w in ("prefill-0", "decode-0")}
+    before = cluster.worker_stats()
+    moved = {w: 0 for w in handles}
+    for hop in range(2):
+        stats = cluster.worker_stats()
+        source = max(handles, key=lambda w: stats[w].running)
+        count = stats[source].running
+        assert count > 0 and ray.get(handles[source].move_out.remote(count=None), timeout=30) == count
+        moved[source] += count
+        _wait(lambda: cluster.worker_stats()[source].sequences_migrated
+              == before[source].sequences_migrated + moved[source], 120, f"hop {hop} off {source}")
+    for s in streams:
+        s.join(240)
+    assert [s.error for s in streams] == [None, None]
+    assert [s.ids for s in streams] == [r["token_ids"] for r in ref], "no gap, no duplicate, the same tokens"
+    after = cluster.worker_stats()
+    assert all(moved.values()), f"meant to move off both workers: {moved}"
+    for w in handles:
+        assert after[w].sequences_migrated_in - before[w].sequences_migrated_in == sum(moved.values()) - moved[w]
+        assert after[w].tokens_recomputed == before[w].tokens_recomputed
+        assert after[w].transfer_failures == before[w].transfer_failures
     used = cluster.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
