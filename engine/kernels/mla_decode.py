@@ -9,7 +9,9 @@ cache rows, so one program takes a block of BLOCK_H heads (the scores are one [B
 matrix product) and one of `splits` slices of the context; a second kernel merges the slices'
 partial softmax sums. Which sequence a token belongs to, and how many positions it sees, are
 worked out on the device from query_start_loc and seq_lens: nothing reads a device value on the
-host, so a CUDA graph captures the call (`splits` is fixed by the host-side lengths)."""
+host, so a CUDA graph captures the call. `splits` depends on the token count alone (not on the
+contexts, which a graph captured at one context replays at others): slices past a token's context
+are empty programs that return at once."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_pow
                                             require_same, require_tensor)
 
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows)
-MIN_SPLIT = 256  # positions a context slice covers at least
+MAX_SPLITS = 32
 
 
 @triton.jit
@@ -101,12 +103,11 @@ def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
     tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
 
 
-def choose_splits(num_tokens: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Context slices per token: enough programs to fill the GPU twice over, each slice at least
-    MIN_SPLIT positions; a power of two, so few graph variants differ."""
+def choose_splits(num_tokens: int, num_heads: int, num_sms: int) -> int:
+    """Context slices per token: enough programs to fill the GPU twice over (a power of two, at most
+    MAX_SPLITS)."""
     programs = num_tokens * triton.cdiv(num_heads, BLOCK_H)
-    want = max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, MIN_SPLIT)))
-    return min(64, next_power_of_2(want))
+    return min(MAX_SPLITS, next_power_of_2(triton.cdiv(2 * num_sms, programs)))
 
 
 def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +137,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         raise ValueError(f"cache rows must be contiguous, got strides {cache.stride()}")
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(T, H, meta.max_seq_len, sms)
+        splits = choose_splits(T, H, sms)
     tok_seq, kv_len = token_positions(meta, T)
     block_r, block_p = next_power_of_2(rank), next_power_of_2(D - rank)
     acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
