@@ -17,7 +17,7 @@ from tandem.cluster.config import ClusterConfig, PoolConfig
 from tandem.cluster.members import Probe, ProbeResult
 from tandem.wire.cluster import WORKER_NAME
 from tandem.workers.actor import WorkerActor
-from tandem.workers.tp_ranks import rank_placement, release_placement
+from tandem.workers.tp_ranks import find_placement, rank_placement, release_placement
 
 SET_ROLE_TIMEOUT_S = 5.0   # the actor answers set_role on its health threads, at once
 MOVE_OUT_TIMEOUT_S = 30.0  # move_out runs on the worker's loop: after the step in flight
@@ -147,13 +147,14 @@ class ActorStarter:
             if entry.get("namespace") != self.namespace or m is None or m["ns"] != self.namespace:
                 continue
             handle = ray.get_actor(name, namespace=self.namespace)
+            placement = find_placement(name)   # a tensor-parallel worker's ranks: released with it
             try:
                 ray.get(handle.set_rendezvous.remote(self.rendezvous), timeout=timeout_s)
                 info, stats = ray.get([handle.ready.remote(), handle.stats.remote()], timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - gone or stuck: not adopted
                 log.warning("not adopting %s: %s", name, e)
-                ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s).kill()
+                ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s, placement).kill()
                 continue
-            found.append((ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s), info, stats))
+            found.append((ActorMember(m["wid"], m["pool"], handle, self.health_timeout_s, placement), info, stats))
         return found
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.runtime.process import setup_process
@@ -43,10 +43,25 @@ def rank_placement(opts: dict[str, Any], world: int) -> tuple[dict[str, Any], Pl
     name = next(iter(res), "")
     cpus, gpus = opts.get("num_cpus", 1.0), opts.get("num_gpus", 0.0)
     bundles = [_bundle(cpus, gpus, name)] + [_bundle(cpus, gpus) for _ in range(world - 1)]
-    pg = placement_group(bundles, strategy="STRICT_PACK", lifetime=opts.get("lifetime"))
+    # named after the actor, so a controller that adopts the worker finds it (`find_placement`)
+    pg = placement_group(bundles, strategy="STRICT_PACK", lifetime=opts.get("lifetime"),
+                         name=placement_name(opts["name"]) if opts.get("name") else "")
     opts = {**opts, "num_cpus": bundles[0].get("CPU", 0), "num_gpus": gpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
     return opts, pg
+
+
+def placement_name(actor_name: str) -> str:
+    return f"{actor_name}/ranks"
+
+
+def find_placement(actor_name: str) -> PlacementGroup | None:
+    """The placement group `rank_placement` made for the worker actor `actor_name` (None: a
+    single-rank worker, or gone)."""
+    try:
+        return get_placement_group(placement_name(actor_name))
+    except ValueError:
+        return None
 
 
 def release_placement(pg: PlacementGroup | None) -> None:

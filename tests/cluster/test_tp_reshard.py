@@ -18,6 +18,7 @@ from tandem.cluster.local import RunningCluster
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.protos.tandem.v1 import generation_pb2 as pb
+from tandem.workers.tp_ranks import find_placement
 
 CLUSTER = {"model.name": "tiny-random", "cache.num_blocks": 256, "decode.local_prefill_threshold": 0,
            "prefill.replicas": 1, "prefill.tensor_parallel_size": 2, "prefill.num_cpus": 0.5,
@@ -140,3 +141,12 @@ def test_running_streams_move_with_their_kv_between_tp_sizes_and_back(cluster):
         assert after[w].transfer_failures == before[w].transfer_failures
     used = cluster.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
+
+
+def test_a_tp_workers_placement_group_is_found_by_its_actor_name(cluster):
+    """What a controller that adopts a detached TP worker needs to release its ranks' bundles with
+    it (ActorStarter.adopt): its placement group, looked up by the worker's actor name."""
+    ns = cluster.cluster.namespace
+    pg = find_placement(f"{ns}:prefill-0")
+    assert pg is not None and len(pg.bundle_specs) == 2
+    assert find_placement(f"{ns}:decode-0") is None         # one rank: no placement group
