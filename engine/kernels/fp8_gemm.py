@@ -9,6 +9,10 @@ do. Scales: `scale[N, G]` fp32. G == 1 is per-output-channel, applied once in th
 G == ceil(K / group_k) is a block layout (DeepSeek/Qwen FP8: [128, 128] blocks, expanded along N
 to one row per output channel at load), applied to each K tile's partial sum, so BLOCK_K must
 divide group_k. Accumulation is fp32; the output is rounded once to x's dtype.
+
+One token (a batch-1 decode step) takes `_fp8_gemv_kernel` instead: no tensor cores, the weight
+rows streamed with 16-byte loads and reduced on the CUDA cores, with a tile config per weight
+shape from bench/fp8_sweep.py (`choose_config`); ~0.6-0.7x bf16 cuBLAS's time on H200.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> 
     """Tile shape by M (and wide N), from bench/fp8_gpu.py's and bench/fp8_sweep.py's sweeps on an
     H200 (docs/benchmarks.md). One token: the CUDA-core kernel, 4 rows per program of 2 warps and
     512-column K tiles (the best on 11 of the 15 llama3-8b / qwen2.5-32b / llama3-70b projection and
-    head shapes), or the sweep's best where that differs by more than 2%. Up to 64 tokens: narrow N
+    head shapes), on the other 4 the sweep's best (10-27% faster there). Up to 64 tokens: narrow N
     tiles keep every SM streaming weights. `elem_bytes` 4 (fp32 activations): tiles whose staged x
     would overflow the 227 KB of shared memory are replaced by one that fits (seen compiling in
     fp32 there)."""
