@@ -59,7 +59,8 @@ def _compile_kernels(engine) -> int:
 
         kv = engine.kv_cache.tensor[0]
         launches = compile_variants(kv[0], kv[1], engine.model_config.num_heads,
-                                    sliding_window=engine.model_config.sliding_window)
+                                    sliding_window=engine.model_config.sliding_window,
+                                    trees=bool(engine.config.speculative.suffix_tree_nodes))
     if engine.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
         from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy  # noqa: PLC0415 (as above)
 

@@ -534,12 +534,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                     sliding_window: int | None = None) -> int:
+                     sliding_window: int | None = None, trees: bool = False) -> int:
     """Launch every kernel variant the dispatch above can pick for this cache (each prefill tile
     shape; each decode query tile, with and without split-K) on a small problem, so Triton has
     compiled them (or loaded them from its cache) before serving needs one: a first compile takes
     a second or more, and inside a step it stalls every sequence of the batch. Reads blocks 0..15
-    of the cache and writes nothing to it. Returns the number of launches."""
+    of the cache and writes nothing to it. `trees`: the tree-mask variants too (tree drafts on).
+    Returns the number of launches."""
     device, dtype = k_cache.device, k_cache.dtype
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     context = 256
@@ -548,25 +549,28 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         return 0
     table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
 
-    def meta(q_len: int) -> AttentionMetadata:
+    def meta(q_len: int, tree: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([context], dtype=torch.int32, device=device), block_tables=table,
-            query_lens_cpu=[q_len], seq_lens_cpu=[context], max_query_len=q_len, max_seq_len=context)
+            query_lens_cpu=[q_len], seq_lens_cpu=[context], max_query_len=q_len, max_seq_len=context,
+            tree_mask=torch.full((q_len,), -1, dtype=torch.int64, device=device) if tree else None)
 
     def q(n: int) -> torch.Tensor:
         return torch.randn(n, num_heads, head_dim, dtype=dtype, device=device)
 
     launches = 0
-    for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
-        paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, sliding_window=sliding_window)
-        launches += 1
     block_g = next_power_of_2(num_heads // num_kv_heads)
     tiles = {max(next_power_of_2(n), triton.cdiv(16, block_g)): n for n in range(MAX_DECODE_QUERY_LEN, 0, -1)}
-    for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
-        for partition in (None, _DECODE_BLOCK_N):
-            paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len), 1.0, partition_size=partition,
-                                   sliding_window=sliding_window)
+    for tree in (False, True) if trees and sliding_window is None else (False,):
+        for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
+            paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0, sliding_window=sliding_window)
             launches += 1
+        for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
+            q_len = max(q_len, 2) if tree else q_len  # a tree step: the root and a node at least
+            for partition in (None, _DECODE_BLOCK_N):
+                paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0,
+                                       partition_size=partition, sliding_window=sliding_window)
+                launches += 1
     return launches

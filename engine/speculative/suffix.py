@@ -19,7 +19,8 @@ probability at least `min_token_prob`, most probable first, up to `tree_nodes` n
 depth, so where earlier occurrences went on in several ways (an edited and an unedited copy of a
 file), several branches are verified at once. Between the
 two corpora the draft with the higher score (expected accepted tokens: the sum of the path's
-probabilities; then the longer match) wins. Seeded sampled requests draft from their own tokens
+probabilities; then the longer match) wins; with trees, both are merged into one tree (each
+path at the higher of its two probabilities, cut to `tree_nodes`). Seeded sampled requests draft from their own tokens
 only: their output then depends on nothing but their input and seed (greedy output never depends
 on the drafts).
 """
@@ -195,6 +196,22 @@ def _frequent_tree(continuations: list[list[int]], min_token_prob: float,
             [count[i] / total for i in ranked])
 
 
+def merge_trees(a: Candidate, b: Candidate, max_nodes: int) -> Candidate:
+    """One tree of both candidates' paths, each node at the higher of its two probabilities, cut
+    to the `max_nodes` most probable as `_frequent_tree` cuts (ties: shallower, then a's first)."""
+    prob: dict[tuple[int, ...], float] = {}
+    for c in (a, b):
+        paths: list[tuple[int, ...]] = []
+        for tok, parent, p in zip(c.token_ids, c.parents or range(-1, len(c.token_ids) - 1), c.probs):
+            paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+            prob[paths[-1]] = max(prob.get(paths[-1], 0.0), p)
+    order = {path: i for i, path in enumerate(prob)}
+    ranked = sorted(prob, key=lambda path: (-prob[path], len(path), order[path]))[:max_nodes]
+    index = {path: i for i, path in enumerate(ranked)}
+    return Candidate([path[-1] for path in ranked], [prob[path] for path in ranked], max(a.match_len, b.match_len),
+                     [index[path[:-1]] if len(path) > 1 else -1 for path in ranked])
+
+
 class SuffixProposer:
     def __init__(self, *, min_match: int = 2, max_match: int = 32, min_token_prob: float = 0.1,
                  max_spec_factor: float = 2.0, max_global_tokens: int = 1 << 18, tree_nodes: int = 0):
@@ -240,10 +257,15 @@ class SuffixProposer:
             # so the same seed gives the same output whatever else this engine served
             return mine
         theirs, key = self.shared.lookup(tokens, *args)
-        if theirs is not None and (mine is None or (theirs.score, theirs.match_len) > (mine.score, mine.match_len)):
-            self.shared.touch(key)
+        if theirs is None:
+            return mine
+        self.shared.touch(key)  # a hit: that output stays in the corpus longer
+        if mine is None:
             return theirs
-        return mine
+        if self.tree_nodes:  # a tree holds both corpora's guesses where they differ
+            first, second = (theirs, mine) if (theirs.score, theirs.match_len) > (mine.score, mine.match_len) else (mine, theirs)
+            return merge_trees(first, second, self.tree_nodes)
+        return theirs if (theirs.score, theirs.match_len) > (mine.score, mine.match_len) else mine
 
     def clear(self) -> None:
         """Forget the finished requests' outputs (benchmarks: each run starts from none)."""

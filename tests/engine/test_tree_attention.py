@@ -209,3 +209,25 @@ def test_tree_steps_run_through_the_graph_buffers(tiny):
     assert [r["token_ids"] for r in e.generate([dict(r) for r in reqs])] == [r["token_ids"] for r in plain]
     assert any(k is not None and k.tree for k in keys), keys
     assert e.stats.accepted_draft_tokens > 0
+
+
+def test_warmup_compiles_the_tree_variants_too(monkeypatch):
+    import tandem.engine.kernels.paged_attention as pa  # noqa: PLC0415 (triton after TRITON_INTERPRET)
+
+    seen = []
+    for name in ("_prefill_kernel", "_decode_kernel"):
+        kernel = getattr(pa, name)
+
+        class Spy:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid, kernel=kernel):
+                return lambda *a, **kw: seen.append(kw["TREE"])
+        monkeypatch.setattr(pa, name, Spy(kernel))
+    kv = torch.randn(2, 20, 16, 2, 32)
+    plain = pa.compile_variants(kv[0], kv[1], num_heads=8)
+    assert plain == len(seen) and not any(seen)
+    seen.clear()
+    assert pa.compile_variants(kv[0], kv[1], num_heads=8, trees=True) == 2 * plain == len(seen)
+    assert sum(seen) == plain

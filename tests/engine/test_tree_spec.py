@@ -12,7 +12,7 @@ import torch
 
 from tandem.engine.speculative.policy import SpeculationLengthPolicy
 from tandem.engine.speculative.proposer import Draft
-from tandem.engine.speculative.suffix import SuffixProposer, _frequent_tree
+from tandem.engine.speculative.suffix import Candidate, SuffixProposer, _frequent_tree, merge_trees
 from tandem.engine.speculative.tree import (accept_tree_greedy, ancestor_masks, check_tree, depths,
                                             kv_moves)
 from tandem.engine.speculative.verify import accept_tree_sampled
@@ -64,6 +64,11 @@ def test_suffix_trie_branches_where_continuations_differ():
     assert (8, 9) in paths and (8, 20) in paths
     chains = SuffixProposer(min_match=2, max_match=8).propose([(req, 6)])["r"]
     assert chains.parents is None
+    # the request's own guess and the shared corpus' guess, merged where they differ
+    a = Candidate([1, 2, 3], [1.0, 1.0, 1.0], 4, [-1, 0, 1])
+    b = Candidate([1, 2, 9, 8], [1.0, 0.5, 0.5, 0.5], 3, None)
+    m = merge_trees(a, b, 4)
+    assert (m.token_ids, m.parents, m.probs) == ([1, 2, 3, 9], [-1, 0, 1, 1], [1.0, 1.0, 1.0, 0.5])
 
 
 def _path(d: Draft, node: int) -> list[int]:
