@@ -118,10 +118,10 @@ class HeadSliceStore:
 
     def gather_layers(self, layers: range, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         idx = self.block_index(block_ids)
-        src = self.tensor[layers.start:layers.stop].index_select(2, idx)  # [layers, 2, n, bs, h, D]
+        src = self.tensor[layers.start:layers.stop]   # [layers, 2, blocks, bs, h, D], strided in h
         if out is None:
-            return src.contiguous()
-        out.copy_(src)
+            return src.index_select(2, idx)
+        torch.index_select(src, 2, idx, out=out)      # one pass: strided reads, contiguous writes
         return out
 
     def scatter_layers(self, layers: range, block_ids, data: torch.Tensor) -> None:
