@@ -15,6 +15,7 @@ does. On one thread: the owner's (the serving loop's), as the ends it wraps.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -24,6 +25,8 @@ from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.reshard import HeadSliceStore, rank_specs, route_between, split_actor_id
 from tandem.kv_transfer.sender import LayerStreamSender
 from tandem.kv_transfer.spec import TransferSpec
+
+log = logging.getLogger(__name__)
 
 SETTLE_TIMEOUT_S = 60.0
 _KEEP_ENDED = 4096
@@ -162,7 +165,10 @@ class _Fanout:
         for rid in x.local:
             self.inner.abort(rid)
         for rank, rids in x.remote.items():
-            self.ranks.call(rank, "abort", rids, self.sending)
+            try:
+                self.ranks.call(rank, "abort", rids, self.sending)
+            except Exception as e:  # noqa: BLE001 - a rank gone takes its worker with it (tp_ranks)
+                log.warning("transfer %s: abort on rank %d: %s", request_id, rank, e)
 
     def reap(self) -> list[tuple[str, TransferState]]:
         out = []

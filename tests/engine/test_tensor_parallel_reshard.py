@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.kv_transfer import tp_ends
-from tandem.kv_transfer.base import TransferState
+from tandem.kv_transfer.base import KVTransferError, TransferState
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.kv_transfer.rank_ends import RankTransport
@@ -163,5 +163,39 @@ def test_a_rank_that_cannot_send_fails_the_whole_transfer_and_releases_once(monk
     assert _reap_until(receiver, spec.request_id) in (TransferState.FAILED, TransferState.ABORTED)
     assert sender.released == [spec.request_id] and receiver.released == [spec.request_id]
     send_ranks[1].close()
+    sender.close()
+    receiver.close()
+
+
+class _GoneRanks(_Ranks):
+    """Rank 1 dies once its transfers are registered: every later call fails (as a Ray call to a
+    dead actor does)."""
+
+    def call(self, rank, op, *args):
+        if op in ("expect", "begin"):
+            return super().call(rank, op, *args)
+        raise RuntimeError(f"rank {rank} is gone")
+
+
+def test_a_rank_gone_mid_transfer_fails_it_with_the_reason_and_releases_once():
+    """TP=1 -> TP=2 where receiver rank 1 dies: rank 0's half lands, the worker-level receive
+    fails naming the rank, and its blocks are released once (the decode part frees them and its
+    router moves the request)."""
+    full = torch.randn(LAYERS, 2, BLOCKS, 4, H, D, generator=torch.Generator().manual_seed(3))
+    net, tps = FakeNetwork(), {"prefill-0": 1, "decode-0": 2}
+    sender, _, _ = _worker(net, "prefill-0", 1, True, full, tps)
+    receiver, _, recv_ranks = _worker(net, "decode-0", 2, False, None, tps)
+    receiver.ranks = _GoneRanks(recv_ranks)
+    spec = TransferSpec("req-3#0", "prefill-0", "decode-0", tuple(range(LAYERS)), (4, 5), (0, 1), 8)
+    receiver.expect(spec)
+    sender.begin(spec)
+    for layer in range(LAYERS):
+        sender.send_layer(spec.request_id, layer)
+    assert _reap_until(receiver, spec.request_id) is TransferState.FAILED
+    with pytest.raises(KVTransferError, match="rank 1 is gone"):
+        receiver.wait(spec.request_id, 0)
+    assert receiver.released == [spec.request_id]
+    for t in recv_ranks.values():
+        t.close()
     sender.close()
     receiver.close()
