@@ -45,7 +45,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     run padded with the value T * k to a multiple of block_m; block_expert [P / block_m] int32: the
     expert of each block of rows; num_padded [1] int32: the rows in use). P is the most rows any
     routing can need, T * k + min(T * k, E) * (block_m - 1), rounded up to block_m."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))

@@ -41,10 +41,10 @@ def test_grouped_gemm_matches_the_torch_path(tokens, skew):
     assert _rel(out, ref) < 1e-5
 
 
-def test_default_tiles_and_top_k_one():
+def test_default_tiles_top_k_one_and_int32_ids():
     x, w13, w2, weights, ids = _case(20, experts=4, top_k=1, hidden=32, inter=16, seed=3)
     ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
-    assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-5
+    assert _rel(fused_experts(x, w13, w2, weights, ids.int()), ref) < 1e-5
 
 
 def test_align_by_expert_groups_and_pads_each_expert():
