@@ -193,8 +193,9 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(T, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        q_pe = apply_latent_rope(q_pe, positions, cos_sin, self.interleave)
-        k_pe = apply_latent_rope(k_pe[:, None], positions, cos_sin, self.interleave)[:, 0]
+        # q's heads and the shared rope key rotated in one pass: [T, H + 1, rope]
+        pe = apply_latent_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), positions, cos_sin, self.interleave)
+        q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
         cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
         write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
         if meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
@@ -211,7 +212,7 @@ class LatentAttention(nn.Module):
         if kernel is None:
             o_lat = latent_attention_torch(q_full, cache, self.rank, meta, self.scale)
         else:
-            o_lat = kernel(q_full, cache, meta, self.rank, self.scale)
+            o_lat = kernel(q_full, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -110,20 +110,30 @@ def choose_splits(num_tokens: int, num_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, next_power_of_2(triton.cdiv(2 * num_sms, programs)))
 
 
-def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_positions(meta: AttentionMetadata, num_tokens: int, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (sequence of each query token [T] int32, KV positions it sees [T] int32), on the device.
-    Rows past the batch's tokens (graph padding) are clamped into the last sequence."""
+    Rows past the batch's tokens (graph padding) are clamped into the last sequence. `reuse`: the
+    last call's, if it had this metadata object (a forward's later layers: the first works them out;
+    a step whose buffers were refilled in place starts with reuse False)."""
+    if reuse and _last_positions[0] is meta and _last_positions[1] == num_tokens:
+        return _last_positions[2]
     starts = meta.query_start_loc.long()
     tok = torch.arange(num_tokens, device=starts.device)
     seq = torch.searchsorted(starts[1:], tok, right=True).clamp_(max=starts.shape[0] - 2)
     kv_len = meta.seq_lens.long()[seq] - (starts[seq + 1] - tok) + 1
-    return seq.to(torch.int32), kv_len.clamp_(min=1).to(torch.int32)
+    out = seq.to(torch.int32), kv_len.clamp_(min=1).to(torch.int32)
+    _last_positions[:] = [meta, num_tokens, out]
+    return out
+
+
+_last_positions: list = [None, 0, None]  # [metadata, num_tokens, (seq, kv_len)]
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, rank: int, scale: float,
-               splits: int | None = None) -> torch.Tensor:
+               splits: int | None = None, reuse_positions: bool = False) -> torch.Tensor:
     """q [T, H, rank + rope] against one layer's latent cache [num_blocks, block_size, 1, rank + rope]
-    (the new tokens' latents already written) -> [T, H, rank] in q's dtype. `splits`: None chooses."""
+    (the new tokens' latents already written) -> [T, H, rank] in q's dtype. `splits`: None chooses.
+    `reuse_positions`: see token_positions (the model sets it past its first layer)."""
     require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     require_tensor("cache", cache, ndim=4, dtypes=FLOAT_DTYPES)
     require_same("cache", cache, "q", q)
@@ -138,7 +148,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = choose_splits(T, H, sms)
-    tok_seq, kv_len = token_positions(meta, T)
+    tok_seq, kv_len = token_positions(meta, T, reuse_positions)
     block_r, block_p = next_power_of_2(rank), next_power_of_2(D - rank)
     acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
     ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)

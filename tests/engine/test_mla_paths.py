@@ -27,10 +27,13 @@ def _generate(e):
     return [r["token_ids"] for r in e.generate(reqs, arrivals=[0, 0, 2])]
 
 
-def test_triton_path_matches_the_cpu_path(v3):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_triton_path_matches_the_cpu_path(v3, overlap):
+    """overlapped: each step's input ids come from the previous step's tokens on the device."""
     pytest.importorskip("triton")
     model, tok = v3
     ref = _generate(_engine(model, tok))
     e = _engine(model, tok, graphs=True)
+    e.overlap = overlap
     assert _generate(e) == ref
     assert e.runner.graph_stats["replays"] > 0, "no step went through the static buffers"
