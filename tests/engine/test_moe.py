@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from tandem.engine.architectures import UnsupportedModelError, config_from_hf
 from tandem.engine.config import PRESETS, ModelConfig, MoEConfig
-from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.model import LlamaForCausalLM, TritonOps
 from tandem.engine.moe import MLP, SparseMoE, build_mlp
 from tandem.engine.parallel.sharding import check_shardable
 from tandem.engine.build import build_model, random_fill
@@ -106,6 +106,18 @@ def test_the_score_bias_stays_fp32_in_a_bf16_model():
     assert gate.e_score_correction_bias.abs().sum() > 0
     bias = hf_state_dict(model)["model.layers.0.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and torch.equal(bias, gate.e_score_correction_bias.detach())
+
+
+@torch.inference_mode()
+def test_fused_path_matches_the_torch_path_with_shared_experts():
+    """forward_fused (the CUDA path: the grouped GEMM, Triton SiLU-and-mul in the shared experts),
+    under the interpreter, equals forward on a DeepSeek-V3-style block."""
+    hf, moe = _hf_blocks()["v3-noaux-tc"]
+    ours = _ours(moe)
+    _copy_from_hf(ours, hf.float().eval(), seed=5)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    got = ours.forward_fused(x, TritonOps())
+    assert torch.allclose(got, ours(x), rtol=1e-5, atol=1e-6)
 
 
 def test_sparse_layers_follow_the_config():
