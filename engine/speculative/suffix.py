@@ -19,8 +19,8 @@ probability at least `min_token_prob`, most probable first, up to `tree_nodes` n
 depth, so where earlier occurrences went on in several ways (an edited and an unedited copy of a
 file), several branches are verified at once. Between the
 two corpora the draft with the higher score (expected accepted tokens: the sum of the path's
-probabilities; then the longer match) wins; with trees, both are merged into one tree (each
-path at the higher of its two probabilities, cut to `tree_nodes`). Seeded sampled requests draft from their own tokens
+probabilities; then the longer match) wins; with trees, both are merged into one tree (a mixture
+of the two, weighted by their scores, cut to `tree_nodes`). Seeded sampled requests draft from their own tokens
 only: their output then depends on nothing but their input and seed (greedy output never depends
 on the drafts).
 """
@@ -197,14 +197,17 @@ def _frequent_tree(continuations: list[list[int]], min_token_prob: float,
 
 
 def merge_trees(a: Candidate, b: Candidate, max_nodes: int) -> Candidate:
-    """One tree of both candidates' paths, each node at the higher of its two probabilities, cut
-    to the `max_nodes` most probable as `_frequent_tree` cuts (ties: shallower, then a's first)."""
+    """One tree of both candidates' paths as a mixture of the two guesses, weighted by their scores:
+    a node's probability is w_a p_a + w_b p_b (0 where a candidate lacks the path), so where they
+    disagree the two branches share the mass instead of each claiming all of it. Cut to the
+    `max_nodes` most probable as `_frequent_tree` cuts (ties: shallower, then a's nodes first)."""
+    weights = (a.score / (a.score + b.score), b.score / (a.score + b.score))
     prob: dict[tuple[int, ...], float] = {}
-    for c in (a, b):
+    for c, w in zip((a, b), weights):
         paths: list[tuple[int, ...]] = []
         for tok, parent, p in zip(c.token_ids, c.parents or range(-1, len(c.token_ids) - 1), c.probs):
             paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
-            prob[paths[-1]] = max(prob.get(paths[-1], 0.0), p)
+            prob[paths[-1]] = prob.get(paths[-1], 0.0) + w * p
     order = {path: i for i, path in enumerate(prob)}
     ranked = sorted(prob, key=lambda path: (-prob[path], len(path), order[path]))[:max_nodes]
     index = {path: i for i, path in enumerate(ranked)}

@@ -67,8 +67,9 @@ def test_suffix_trie_branches_where_continuations_differ():
     # the request's own guess and the shared corpus' guess, merged where they differ
     a = Candidate([1, 2, 3], [1.0, 1.0, 1.0], 4, [-1, 0, 1])
     b = Candidate([1, 2, 9, 8], [1.0, 0.5, 0.5, 0.5], 3, None)
-    m = merge_trees(a, b, 4)
-    assert (m.token_ids, m.parents, m.probs) == ([1, 2, 3, 9], [-1, 0, 1, 1], [1.0, 1.0, 1.0, 0.5])
+    m = merge_trees(a, b, 4)  # weights 3 / 5.5 and 2.5 / 5.5 (the scores: sums of probabilities)
+    assert (m.token_ids, m.parents) == ([1, 2, 3, 9], [-1, 0, 1, 1])
+    assert m.probs == pytest.approx([1.0, 4.25 / 5.5, 3 / 5.5, 1.25 / 5.5])
 
 
 def _path(d: Draft, node: int) -> list[int]:
