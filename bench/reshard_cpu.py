@@ -42,6 +42,8 @@ class _Ranks:
     def call(self, rank, op, *args):
         return self.transports[rank].call(op, *args)
 
+    post = call
+
 
 def _worker(net, wid, tp, sending, layers, blocks, tps):
     caches = [TensorBlockStore(layers, blocks, BLOCK, HEADS // tp, HEAD_DIM) for _ in range(tp)]

@@ -8,9 +8,9 @@ A worker-level transfer ends when all of its rank-level ones have: DONE when all
 first failure, and then the rest are aborted. Rank 0 learns of its ranks' ends by asking them
 (`RankEnds.settle`, which waits) only once its own have ended, so it waits for them only about as
 long as their transfers outlast its own. The blocks are released (the callbacks) only once every
-rank lets go of them. Ranks 1..N-1 of a sending worker send their layers when the step that wrote
-them has run on them (`send_layer` of the last layer asks them), not layer by layer as rank 0
-does. On one thread: the owner's (the serving loop's), as the ends it wraps.
+rank lets go of them. Ranks 1..N-1 of a sending worker send each layer as their own step writes
+it, as rank 0 does (`send_layer` of the first layer asks them, not waiting for the answer; one
+that comes after the step sends them all at once). On one thread: the owner's (the serving loop's), as the ends it wraps.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ _KEEP_ENDED = 4096
 class RankEnds(Protocol):
     """Ranks 1..N-1 of this worker, each with its own sender and receiver (`RankTransport`)."""
 
-    def call(self, rank: int, op: str, *args): ...
+    def call(self, rank: int, op: str, *args):
+        """Rank `rank`'s answer to `op`, waited for."""
+
+    def post(self, rank: int, op: str, *args) -> None:
+        """`op` on rank `rank`, not waited for (inside a step: a failure shows at `settle`)."""
 
 
 @dataclass
@@ -258,9 +262,9 @@ class ReshardingSender(_Fanout):
             return self.inner.send_layer(request_id, layer, ready_event)
         for rid in x.local:
             self.inner.send_layer(rid, layer, ready_event)
-        if layer == x.spec.layers[-1]:
+        if layer == x.spec.layers[0]:     # the step that writes them runs: its ranks send as they write
             for rank, rids in x.remote.items():
-                self.ranks.call(rank, "send_when_stepped", rids, self.step())
+                self.ranks.post(rank, "send_when_written", rids, self.step())
 
     def send(self, spec: TransferSpec) -> None:
         local, remote = self._split(spec)

@@ -97,6 +97,7 @@ class ShardActor:
             if kv is not None:
                 self.transport = _rank_transport(shard, self.rank, *kv)
                 shard.after_step = self.transport.stepped
+                shard.layer_done = self.transport.layer_written
         finally:
             self._ready.set()
         try:
@@ -171,6 +172,10 @@ class TPRanks:
     def call(self, rank: int, op: str, *args):
         """One call of rank `rank`'s KV transport (kv_transfer.tp_ends.RankEnds), waited for."""
         return ray.get(self.actors[rank - 1].kv.remote(op, *args), timeout=_KV_CALL_TIMEOUT_S)
+
+    def post(self, rank: int, op: str, *args) -> None:
+        """The same, not waited for (a failure shows when rank 0 settles the transfer)."""
+        self.actors[rank - 1].kv.remote(op, *args)
 
     def set_rendezvous(self, address: str) -> None:
         ray.get([a.set_rendezvous.remote(address) for a in self.actors], timeout=_KV_CALL_TIMEOUT_S)

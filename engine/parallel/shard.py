@@ -76,12 +76,13 @@ class ShardWorker:
         # after each step, with the steps run so far (this rank's KV transport starts the sends
         # that waited for the step: kv_transfer.rank_ends)
         self.after_step: Callable[[int], None] | None = None
+        self.layer_done: Callable[[int], None] | None = None   # per layer written (the same transport)
 
     @torch.inference_mode()
     def serve(self) -> int:
         """Run rank 0's steps until it stops; -> steps run."""
         while (h := self.group.broadcast_object()) is not None:
-            self.runner.execute(self.runner.prepare_host(h))
+            self.runner.execute(self.runner.prepare_host(h), layer_done=self.layer_done)
             self.steps += 1
             if self.after_step is not None:
                 self.after_step(self.steps)

@@ -84,6 +84,8 @@ class _Ranks:
     def call(self, rank, op, *args):
         return self.transports[rank].call(op, *args)
 
+    post = call
+
 
 def _worker(net, worker_id, tp, sending, full, tps):
     """A worker of `tp` ranks whose rank r cache holds its heads of `full` (None: zeros), ->
@@ -197,5 +199,43 @@ def test_a_rank_gone_mid_transfer_fails_it_with_the_reason_and_releases_once():
     assert receiver.released == [spec.request_id]
     for t in recv_ranks.values():
         t.close()
+    sender.close()
+    receiver.close()
+
+
+def test_a_sending_rank_sends_each_layer_as_its_step_writes_it():
+    """TP=2 -> TP=1: rank 1 sends layer L once its own step wrote layer L (`layer_written`),
+    before the step ends, and the rest when it ends."""
+    full = torch.randn(LAYERS, 2, BLOCKS, 4, H, D, generator=torch.Generator().manual_seed(4))
+    net, tps = FakeNetwork(), {"prefill-0": 2, "decode-0": 1}
+    sender, _, send_ranks = _worker(net, "prefill-0", 2, True, full, tps)
+    receiver, _, _ = _worker(net, "decode-0", 1, False, None, tps)
+    spec = TransferSpec("req-4#0", "prefill-0", "decode-0", tuple(range(LAYERS)), (2, 3), (5, 6), 8)
+    receiver.expect(spec)
+    sender.begin(spec)
+    sender.step = lambda: 1
+    sender.send_layer(spec.request_id, 0)          # asks rank 1 to send as its step 1 writes
+    rank1, half = send_ranks[1], "req-4#0@1.0"
+
+    def landed():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done = receiver.inner.progress(half)[0]
+            if done == want:
+                return done
+            time.sleep(0.005)
+        return receiver.inner.progress(half)[0]
+    want = 0
+    assert landed() == 0                           # nothing written on rank 1 yet
+    rank1.layer_written(0)
+    rank1.layer_written(1)
+    want = 2
+    assert landed() == 2                           # the layers written so far, not the last one
+    for layer in range(1, LAYERS):
+        sender.send_layer(spec.request_id, layer)
+    rank1.stepped(1)
+    assert _reap_until(receiver, spec.request_id) is TransferState.DONE
+    assert torch.equal(receiver.inner.store.tensor[:, :, [5, 6]], full[:, :, [2, 3]])
+    rank1.close()
     sender.close()
     receiver.close()
