@@ -56,7 +56,8 @@ def cmd_generate(args) -> int:
             r.setdefault("seed", args.seed)
     cache = CacheConfig(num_blocks=args.num_blocks) if args.num_blocks else CacheConfig()
     spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
-                             draft_model=args.draft_model, draft_num_layers=args.draft_layers)
+                             draft_model=args.draft_model, draft_num_layers=args.draft_layers,
+                             suffix_tree_nodes=args.speculative_tree_nodes)
     engine = start_local_engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
                                     speculative=spec, tensor_parallel_size=args.tensor_parallel,
                                     quantization=args.quantization))
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same as without")
     g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="the most draft tokens per sequence per step (default 5)")
+    g.add_argument("--speculative-tree-nodes", type=int, default=0, metavar="N",
+                   help="with --speculative suffix: draft trees of up to N nodes (2-63), verified in one "
+                        "pass, instead of single continuations (default 0: chains)")
     g.add_argument("--draft-model", help="with --speculative draft: a model with the same vocabulary")
     g.add_argument("--draft-layers", type=int, metavar="N",
                    help="with --speculative draft: draft with the model's own first N layers")
