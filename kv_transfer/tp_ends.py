@@ -74,6 +74,7 @@ class _Transfer:
     quiet: set[str] = field(default_factory=set)       # local ids whose blocks are let go of
     state: TransferState | None = None                 # the verdict, once every rank has ended
     error: str = ""
+    aborted: bool = False                              # every rank was told to stop
     released: bool = False
 
 
@@ -164,8 +165,9 @@ class _Fanout:
         if x is None:
             self.inner.abort(request_id)
             return
-        if x.state is not None:
+        if x.state is not None or x.aborted:
             return
+        x.aborted = True
         for rid in x.local:
             self.inner.abort(rid)
         for rank, rids in x.remote.items():

@@ -5,6 +5,7 @@ compared with the full model's KV it must hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -237,5 +238,37 @@ def test_a_sending_rank_sends_each_layer_as_its_step_writes_it():
     assert _reap_until(receiver, spec.request_id) is TransferState.DONE
     assert torch.equal(receiver.inner.store.tensor[:, :, [5, 6]], full[:, :, [2, 3]])
     rank1.close()
+    sender.close()
+    receiver.close()
+
+
+def test_redirect_and_abort_act_on_every_rank_level_transfer():
+    """A receive registered from one TP=2 sender is redirected to another of the same size (which
+    delivers it), refused toward one of another size; an aborted one is reported and released once."""
+    full = torch.randn(LAYERS, 2, BLOCKS, 4, H, D, generator=torch.Generator().manual_seed(5))
+    net, tps = FakeNetwork(), {"prefill-0": 2, "prefill-1": 2, "prefill-2": 1, "decode-0": 2}
+    sender, _, send_ranks = _worker(net, "prefill-1", 2, True, full, tps)
+    receiver, dst_caches, recv_ranks = _worker(net, "decode-0", 2, False, None, tps)
+    spec = TransferSpec("req-5#0", "prefill-0", "decode-0", tuple(range(LAYERS)), (), (7, 8), 8)
+    receiver.expect(spec)
+    with pytest.raises(KVTransferError, match="another tensor-parallel size"):
+        receiver.redirect(dataclasses.replace(spec, sender_id="prefill-2"))
+    moved = dataclasses.replace(spec, sender_id="prefill-1", src_block_ids=(1, 2))
+    receiver.redirect(moved)
+    sender.begin(moved)
+    for layer in range(LAYERS):
+        sender.send_layer(moved.request_id, layer)
+    send_ranks[1].stepped(1)
+    assert _reap_until(receiver, spec.request_id) is TransferState.DONE
+    for r, c in enumerate(dst_caches):
+        assert torch.equal(c.tensor[:, :, [7, 8]], full[:, :, [1, 2], :, r * 2:(r + 1) * 2])
+    gone = dataclasses.replace(spec, request_id="req-6#0", sender_id="prefill-1")
+    receiver.expect(gone)
+    receiver.abort(gone.request_id)
+    assert _reap_until(receiver, gone.request_id) is TransferState.ABORTED
+    assert receiver.released == [gone.request_id]
+    assert recv_ranks[1].receiver.poll(gone.request_id) is TransferState.ABORTED
+    for t in [*send_ranks.values(), *recv_ranks.values()]:
+        t.close()
     sender.close()
     receiver.close()
