@@ -26,7 +26,7 @@ def test_warmup_drives_every_serving_path():
     seen = {"max_batch": 0, "drafts": 0, "chunk_after_chunk": 0, "cached_prefix": 0}
     prepare = e.runner.prepare
 
-    def spy(sched, drafts=None):
+    def spy(sched, drafts=None, trees=None):
         seen["max_batch"] = max(seen["max_batch"], len(sched.scheduled))
         seen["drafts"] += sum(s.num_draft_tokens for s in sched.scheduled)
         for s in sched.scheduled:
@@ -36,7 +36,7 @@ def test_warmup_drives_every_serving_path():
                     seen["cached_prefix"] += 1
                 else:
                     seen["chunk_after_chunk"] += 1
-        return prepare(sched, drafts)
+        return prepare(sched, drafts, trees)
 
     e.runner.prepare = spy
     report = e.warmup(shapes=((100, 1), (100, 4), (600, 1)))
