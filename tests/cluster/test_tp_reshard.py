@@ -68,6 +68,27 @@ def test_prefill_tp2_to_decode_tp1_is_token_exact(cluster, reference):
     assert used and all(v == 0 for v in used.values()), used
 
 
+def test_a_second_turn_pulls_the_prefix_from_tp1_into_tp2(cluster):
+    """A session's second turn: the TP=1 decode worker holds the first turn's prompt and output,
+    the TP=2 prefill worker only the prompt, so the decode worker sends it the rest (a prefix
+    pull, 1 -> 2 by head) and the prefill worker computes only the new tokens; token-exact."""
+    first = [(7 * k + 3) % 500 for k in range(40)]
+    ids1 = cluster.generate(prompt_token_ids=first, max_tokens=24, ignore_eos=True, session_id="tp-pull")[0]
+    second = first + ids1 + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=256))).generate(
+        [{"prompt_token_ids": second, "max_tokens": MAX_TOKENS, "ignore_eos": True}])[0]["token_ids"]
+    before = cluster.worker_stats()
+    ids2, _, last = cluster.generate(prompt_token_ids=second, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                     session_id="tp-pull")
+    after = cluster.worker_stats()
+    assert ids2 == ref
+    assert after["prefill-0"].pulled_tokens > before["prefill-0"].pulled_tokens, "meant to pull the prefix"
+    assert after["decode-0"].remote_prefills == before["decode-0"].remote_prefills + 1
+    assert after["prefill-0"].computed_tokens - before["prefill-0"].computed_tokens == \
+        last.usage.prompt_tokens - last.usage.cached_prompt_tokens
+    assert [after[w].transfer_failures for w in after] == [before[w].transfer_failures for w in after]
+
+
 def test_prefill_tp1_to_decode_tp2_is_token_exact(cluster, reference):
     """The same two workers, roles swapped: the TP=2 worker decodes, the TP=1 one prefills."""
     for wid, role in (("prefill-0", "decode"), ("decode-0", "prefill")):
