@@ -2,9 +2,11 @@
 cluster (one for the module: gloo, real gRPC): a prefill worker of 2 ranks and a decode worker of
 1. Every prompt is prefilled remotely; greedy fp32 tokens equal a single-rank engine's, first with
 prefill TP=2 -> decode TP=1, then, the two workers' roles swapped, prefill TP=1 -> decode TP=2.
+Between them, a session's second turn pulls its prefix from the TP=1 worker into the TP=2 one.
 Then both decode, and running streams move with their KV from one to the other and back
 (KV-preserving moves, issue 27: TP=2 -> TP=1 and TP=1 -> TP=2), token-exact, nothing recomputed.
-tiny-random has 2 KV heads, so each rank of the TP=2 worker holds one."""
+Last, the TP=2 worker's placement group is found by its actor name (what an adopting controller
+needs to release it). tiny-random has 2 KV heads, so each rank of the TP=2 worker holds one."""
 
 from __future__ import annotations
 
