@@ -44,6 +44,27 @@ class _Ranks:
 
     post = call
 
+    def ask(self, rank, op, *args, then=None):
+        return _Answered(self.call, rank, op, *args)
+
+
+class _Answered:
+    """An answer computed at once (ranks in this process)."""
+
+    def __init__(self, call, *args):
+        try:
+            self.value, self.error = call(*args), None
+        except Exception as e:  # noqa: BLE001 - raised again by get, as a Ray call's error is
+            self.value, self.error = None, e
+
+    def ready(self):
+        return True
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
 
 def _worker(net, wid, tp, sending, layers, blocks, tps):
     caches = [TensorBlockStore(layers, blocks, BLOCK, HEADS // tp, HEAD_DIM) for _ in range(tp)]

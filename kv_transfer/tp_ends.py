@@ -6,8 +6,8 @@ same API, ids, states and release callbacks as `LayerStreamSender` / `LayerStrea
 
 A worker-level transfer ends when all of its rank-level ones have: DONE when all are, else the
 first failure, and then the rest are aborted. Rank 0 learns of its ranks' ends by asking them
-(`RankEnds.settle`, which waits) only once its own have ended, so it waits for them only about as
-long as their transfers outlast its own. The blocks are released (the callbacks) only once every
+(`settle` on each rank, answered in the background: the answer wakes the owner, whose next reap
+gives the verdict) only once its own have ended, so the owner's loop never waits on its ranks. The blocks are released (the callbacks) only once every
 rank lets go of them. Ranks 1..N-1 of a sending worker send each layer as their own step writes
 it, as rank 0 does (`send_layer` of the first layer asks them, not waiting for the answer; one
 that comes after the step sends them all at once). On one thread: the owner's (the serving loop's), as the ends it wraps.
@@ -40,6 +40,15 @@ class RankEnds(Protocol):
 
     def post(self, rank: int, op: str, *args) -> None:
         """`op` on rank `rank`, not waited for (inside a step: a failure shows at `settle`)."""
+
+    def ask(self, rank: int, op: str, *args, then: Callable[[], None] | None = None) -> "Answer":
+        """`op` on rank `rank`, answered later; `then` is called (from any thread) once it is."""
+
+
+class Answer(Protocol):
+    def ready(self) -> bool: ...
+
+    def get(self): ...
 
 
 @dataclass
@@ -74,6 +83,7 @@ class _Transfer:
     quiet: set[str] = field(default_factory=set)       # local ids whose blocks are let go of
     state: TransferState | None = None                 # the verdict, once every rank has ended
     error: str = ""
+    answers: dict[int, Answer] | None = None           # each rank's `settle`, once asked
     aborted: bool = False                              # every rank was told to stop
     released: bool = False
 
@@ -82,8 +92,10 @@ class _Fanout:
     """What the sender and the receiver share: the split, the bookkeeping, the verdict."""
     sending: bool
 
-    def __init__(self, inner, layout: TPLayout, ranks: RankEnds | None, on_release: Callable[[str], None]):
+    def __init__(self, inner, layout: TPLayout, ranks: RankEnds | None, on_release: Callable[[str], None],
+                 on_transition: Callable[[], None] | None = None):
         self.inner, self.layout, self.ranks, self._on_release = inner, layout, ranks, on_release
+        self._wake = on_transition or (lambda: None)
         self.store, self.connector = inner.store, inner.connector
         inner.peer_stores = layout.stores(inner.store, self.sending)
         self._xfers: dict[str, _Transfer] = {}
@@ -188,7 +200,7 @@ class _Fanout:
                 if state is not TransferState.DONE:
                     self.abort(parent)         # the others cannot make it whole any more
         for x in list(self._xfers.values()):
-            if x.state is None and len(x.ended) == len(x.local):
+            if x.state is None and len(x.ended) == len(x.local) and self._ranks_answered(x):
                 self._settle(x)
             if x.state is not None and not x.released and self._let_go(x):
                 x.released = True
@@ -207,12 +219,21 @@ class _Fanout:
         self.inner.close()
 
     # ---- the verdict ---------------------------------------------------------------------------
+    def _ranks_answered(self, x: _Transfer) -> bool:
+        """This rank's part of `x` ended: ask the others how theirs end (not waiting: their
+        answers wake the owner, whose next reap settles it); -> whether all have answered."""
+        if x.answers is None:
+            x.answers = {rank: self.ranks.ask(rank, "settle", rids, self.sending, SETTLE_TIMEOUT_S, then=self._wake)
+                         for rank, rids in x.remote.items()}
+        return all(a.ready() for a in x.answers.values())
+
     def _settle(self, x: _Transfer) -> None:
         """Every rank's end of `x` (the others waited for), -> x.state and x.error."""
         states = {rid: (self.inner.poll(rid), "") for rid in x.local}
         for rank, rids in x.remote.items():
             try:
-                got = self.ranks.call(rank, "settle", rids, self.sending, SETTLE_TIMEOUT_S)
+                got = (x.answers[rank].get() if x.answers is not None
+                       else self.ranks.call(rank, "settle", rids, self.sending, SETTLE_TIMEOUT_S))
             except Exception as e:  # noqa: BLE001 - a rank that cannot answer fails the transfer
                 got = {rid: ("failed", f"rank {rank}: {type(e).__name__}: {e}") for rid in rids}
             states.update({rid: (TransferState(s), why) for rid, (s, why) in got.items()})
@@ -245,7 +266,7 @@ class ReshardingSender(_Fanout):
                  step: Callable[[], int] = lambda: 0):
         """`step`: the number of the step rank 0 runs now (its ranks send once they ran it)."""
         inner = LayerStreamSender(store, connector, config, on_release=self._sub_released, on_transition=on_transition)
-        super().__init__(inner, layout, ranks, on_release)
+        super().__init__(inner, layout, ranks, on_release, on_transition)
         self.step = step
 
     def begin(self, spec: TransferSpec) -> None:
@@ -285,7 +306,7 @@ class ReshardingReceiver(_Fanout):
     def __init__(self, store, connector, config, layout: TPLayout, ranks: RankEnds | None = None,
                  on_release: Callable[[str], None] = lambda _rid: None, on_transition=None):
         inner = LayerStreamReceiver(store, connector, config, on_release=self._sub_released, on_transition=on_transition)
-        super().__init__(inner, layout, ranks, on_release)
+        super().__init__(inner, layout, ranks, on_release, on_transition)
 
     def expect(self, spec: TransferSpec) -> None:
         local, remote = self._split(spec)

@@ -130,6 +130,17 @@ def _rank_transport(shard, rank: int, worker_id: str, rendezvous: str, transfer_
     return RankTransport(shard.kv_cache, connector, transfer_config, layout)
 
 
+class _Answer:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def ready(self) -> bool:
+        return bool(ray.wait([self.ref], timeout=0)[0])
+
+    def get(self):
+        return ray.get(self.ref, timeout=_KV_CALL_TIMEOUT_S)
+
+
 class TPRanks:
     """Rank 0's view of ranks 1..N-1: starts them, watches them, joins the group with them. From
     the start (a rank that fails to load must not leave rank 0 waiting in the rendezvous): if
@@ -176,6 +187,16 @@ class TPRanks:
     def post(self, rank: int, op: str, *args) -> None:
         """The same, not waited for (a failure shows when rank 0 settles the transfer)."""
         self.actors[rank - 1].kv.remote(op, *args)
+
+    def ask(self, rank: int, op: str, *args, then: Callable[[], None] | None = None) -> "_Answer":
+        """The same, answered later; `then` runs on a thread of its own once the answer is in."""
+        ref = self.actors[rank - 1].kv.remote(op, *args)
+        if then is not None:
+            def wait() -> None:
+                ray.wait([ref], timeout=_KV_CALL_TIMEOUT_S)
+                then()
+            threading.Thread(target=wait, name=f"tp-kv-answer-{rank}", daemon=True).start()
+        return _Answer(ref)
 
     def set_rendezvous(self, address: str) -> None:
         ray.get([a.set_rendezvous.remote(address) for a in self.actors], timeout=_KV_CALL_TIMEOUT_S)

@@ -87,6 +87,27 @@ class _Ranks:
 
     post = call
 
+    def ask(self, rank, op, *args, then=None):
+        return _Answered(self.call, rank, op, *args)
+
+
+class _Answered:
+    """An answer computed at once (ranks in this process)."""
+
+    def __init__(self, call, *args):
+        try:
+            self.value, self.error = call(*args), None
+        except Exception as e:  # noqa: BLE001 - raised again by get, as a Ray call's error is
+            self.value, self.error = None, e
+
+    def ready(self):
+        return True
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
 
 def _worker(net, worker_id, tp, sending, full, tps):
     """A worker of `tp` ranks whose rank r cache holds its heads of `full` (None: zeros), ->
