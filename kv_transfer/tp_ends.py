@@ -118,6 +118,13 @@ class _Fanout:
                                   "are not reachable from here")
         return local, remote
 
+    def _on_ranks(self, op: str, remote: dict[int, list[TransferSpec]], *args) -> None:
+        """`op` with each rank's rank-level transfers, on all ranks at once; waits for every answer
+        (registrations must be in place before any data can come)."""
+        answers = [self.ranks.ask(rank, op, subs, *args) for rank, subs in remote.items()]
+        for a in answers:
+            a.get()
+
     @staticmethod
     def _direct(spec: TransferSpec, local: list[TransferSpec], remote: dict) -> bool:
         """One rank-level transfer, the worker-level one itself (two single-rank workers, or a
@@ -273,8 +280,7 @@ class ReshardingSender(_Fanout):
         local, remote = self._split(spec)
         if self._direct(spec, local, remote):
             return self.inner.begin(spec)
-        for rank, subs in remote.items():
-            self.ranks.call(rank, "begin", subs)
+        self._on_ranks("begin", remote)
         self._add(spec, local, remote)
         for sub in local:
             self.inner.begin(sub)
@@ -293,8 +299,7 @@ class ReshardingSender(_Fanout):
         local, remote = self._split(spec)
         if self._direct(spec, local, remote):
             return self.inner.send(spec)
-        for rank, subs in remote.items():
-            self.ranks.call(rank, "send", subs, self.step())
+        self._on_ranks("send", remote, self.step())
         self._add(spec, local, remote)
         for sub in local:
             self.inner.send(sub)
@@ -312,8 +317,7 @@ class ReshardingReceiver(_Fanout):
         local, remote = self._split(spec)
         if self._direct(spec, local, remote):
             return self.inner.expect(spec)
-        for rank, subs in remote.items():
-            self.ranks.call(rank, "expect", subs)
+        self._on_ranks("expect", remote)
         self._add(spec, local, remote)
         for sub in local:
             self.inner.expect(sub)
@@ -329,8 +333,7 @@ class ReshardingReceiver(_Fanout):
                 {r: [s.request_id for s in subs] for r, subs in remote.items()} != x.remote:
             raise KVTransferError(f"transfer {spec.request_id!r} cannot be redirected to {spec.sender_id!r} "
                                   "(unknown, or a sender of another tensor-parallel size)")
-        for rank, subs in remote.items():
-            self.ranks.call(rank, "redirect", subs)
+        self._on_ranks("redirect", remote)
         for sub in local:
             self.inner.redirect(sub)
         x.spec = spec
