@@ -5,12 +5,14 @@ on its ranks 1..N-1 (`RankEnds`, over Ray: workers.tp_ranks). The owner sees one
 same API, ids, states and release callbacks as `LayerStreamSender` / `LayerStreamReceiver`.
 
 A worker-level transfer ends when all of its rank-level ones have: DONE when all are, else the
-first failure, and then the rest are aborted. Rank 0 learns of its ranks' ends by asking them
-(`settle` on each rank, answered in the background: the answer wakes the owner, whose next reap
-gives the verdict) only once its own have ended, so the owner's loop never waits on its ranks. The blocks are released (the callbacks) only once every
-rank lets go of them. Ranks 1..N-1 of a sending worker send each layer as their own step writes
-it, as rank 0 does (`send_layer` of the first layer asks them, not waiting for the answer; one
-that comes after the step sends them all at once). On one thread: the owner's (the serving loop's), as the ends it wraps.
+first failure, and then the rest are aborted. Once its own parts ended, rank 0 asks its ranks how
+theirs end (`settle`, answered in the background: the answer wakes the owner, whose next reap
+gives the verdict), so the owner's loop never waits on them for that; registering a transfer
+(`expect`, `begin`, `send`) waits for every rank's answer, one round trip for all. The blocks
+are released (the callbacks) only once every rank lets go of them. Ranks 1..N-1 of a sending
+worker send each layer as their own step writes it, as rank 0 does (`send_layer` of the first
+layer asks them, not waiting for the answer; one that comes after the step sends them all at
+once). On one thread: the owner's (the serving loop's), as the ends it wraps.
 """
 
 from __future__ import annotations
