@@ -65,9 +65,10 @@ def up_detached(args, config) -> int:
     beside it, and wait; SIGTERM/SIGINT stop the lot, SIGKILL leaves it serving."""
     import ray  # noqa: PLC0415 - Ray only when a cluster starts
 
-    from tandem.cluster.bootstrap import init_ray  # noqa: PLC0415
+    from tandem.cluster.bootstrap import check_tensor_parallel, init_ray  # noqa: PLC0415
     from tandem.cluster.controller import Controller  # noqa: PLC0415
 
+    check_tensor_parallel(config)   # before anything starts, as a local `tandem up` does
     address = os.environ.get("RAY_ADDRESS")
     if not address:
         raise ValueError("--detached needs a Ray cluster that outlives this process: `ray start --head` (or "

@@ -8,6 +8,7 @@ import pytest
 
 from tandem.cluster.bootstrap import check_tensor_parallel
 from tandem.cluster.config import config_to_dict, load_config
+from tandem.cluster.launch import up_detached
 from tandem.wire.errors import ConfigError
 
 COLOCATED = {"model.name": "tiny-random", "prefill.replicas": 0}
@@ -36,3 +37,9 @@ def test_bad_sizes_and_layouts_are_refused_by_name():
     check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "decode.tensor_parallel_size": 2}))
     check_tensor_parallel(load_config(None, {"model.name": "tiny-random", "prefill.tensor_parallel_size": 2,
                                              "roles.enabled": True, "router.placement": "cost"}))
+
+
+def test_a_detached_up_refuses_sizes_the_kv_heads_cannot_split_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")      # nothing listens there: nothing may be reached
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide the 2 KV heads"):
+        up_detached(None, load_config(None, {"model.name": "tiny-random", "decode.tensor_parallel_size": 4}))
