@@ -21,6 +21,7 @@ from tandem.engine.cuda_graphs import batch_buckets
 from tandem.engine.inflight import InFlight, feed_pending
 from tandem.engine.kv_cache import KVCache, num_blocks_for
 from tandem.engine.logprobs import step_logprobs
+from tandem.engine.mla import check_engine_config
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel.loading import load_engine_model
 from tandem.engine.parallel.shard import start_shards
@@ -57,6 +58,7 @@ class LLMEngine:
             model, tokenizer, _ = load_engine_model(config)
         self.model, self.tokenizer = model, tokenizer
         self.model_config = model.config
+        check_engine_config(model.config, config)  # what latent attention does not serve
         # the cache follows the model's own dtype and device (a caller may hand in a model)
         weight = model.embed_tokens.weight
         dtype, device = weight.dtype, weight.device

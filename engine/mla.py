@@ -29,11 +29,20 @@ from torch import nn
 import torch.nn.functional as F
 
 from tandem.engine.attention import BATCHED_MAX_QUERY_LEN, AttentionMetadata
-from tandem.engine.config import ModelConfig
+from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.linear import Linear
 from tandem.engine.model import RMSNorm, no_reduce
+from tandem.wire.errors import ConfigError
 
 ROPE_TYPES = ("default", "yarn")
+
+
+def check_engine_config(cfg: ModelConfig, engine: EngineConfig) -> None:
+    """Refuse, by name, what latent attention does not serve (tensor parallelism and FP8 are refused
+    where those are built: engine.parallel.sharding, engine.build)."""
+    if cfg.mla is not None and engine.speculative.suffix_tree_nodes:
+        raise ConfigError("engine: tree drafts (speculative suffix_tree_nodes) with latent attention are not "
+                          "implemented (the absorbed kernel has no tree mask); chain drafts are")
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

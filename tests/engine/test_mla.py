@@ -14,8 +14,9 @@ import torch
 from tandem.engine.architectures import UnsupportedModelError, config_from_hf
 from tandem.engine.attention import BATCHED_MAX_QUERY_LEN
 from tandem.engine.build import build_model, random_fill
-from tandem.engine.config import PRESETS
+from tandem.engine.config import PRESETS, EngineConfig, SpeculativeConfig
 from tandem.engine.kv_cache import KVCache
+from tandem.engine.mla import check_engine_config
 from tandem.engine.parallel.sharding import check_shardable
 from tandem.wire.errors import ConfigError
 from tests.engine.families import hf_greedy
@@ -146,6 +147,9 @@ def test_refusals(deepseek):
         check_shardable(dataclasses.replace(model.config, moe=None), 2, "tiny-v3")
     with pytest.raises(ConfigError, match="fp8 with latent attention"):
         build_model(dataclasses.replace(model.config, moe=None), "cpu", torch.float32, random_fill(0, "cpu"), fp8=True)
+    with pytest.raises(ConfigError, match="tree drafts"):
+        check_engine_config(model.config, EngineConfig(speculative=SpeculativeConfig(method="suffix",
+                                                                                     suffix_tree_nodes=8)))
     with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
         from tandem.engine.mla import latent_rope
 
