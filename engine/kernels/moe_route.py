@@ -1,0 +1,171 @@
+"""The MoE layer's small steps in one launch each (the decode-size fixes for issue 29): the router's
+choice (`route_fused`: scores, group restriction, top-k, renormalisation and scaling, one program per
+token) and the sort of (token, slot) pairs by expert (`align_fused`: counts, prefix sums, the padded
+order and each tile's expert, one program). Both replace chains of small torch kernels (about 10 for
+the router, 25 for the align step) and read no device value on the host, so a step with them can be
+captured in a CUDA graph. engine.moe.route and engine.kernels.moe.align_by_expert are the references.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.engine.config import MoEConfig
+from tandem.engine.kernels.validate import INDEX_DTYPES, next_power_of_2, require_runnable, require_tensor
+
+GREEDY, GROUP_MAX, GROUP_TOP2 = 0, 1, 2
+_GROUP_RANKING = {"greedy": GREEDY, "group_limited_greedy": GROUP_MAX, "noaux_tc": GROUP_TOP2}
+
+
+@triton.jit
+def _first_max(values, index, big: tl.constexpr):
+    """The lowest index holding the maximum of a 2-D block (ties go to the lower expert)."""
+    best = tl.max(tl.max(values, 1), 0)
+    return tl.min(tl.min(tl.where(values == best, index, big), 1), 0)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
+                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr):
+    # one token's experts seen as [group, expert in group]: expert id = g * GROUP_SIZE + j
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)[:, None]
+    j = tl.arange(0, S_PAD)[None, :]
+    idx = g * GROUP_SIZE + j
+    valid = (g < N_GROUP) & (j < GROUP_SIZE)
+    big: tl.constexpr = G_PAD * S_PAD * 4
+    logit = tl.load(logits_ptr + t * stride_l + idx, mask=valid, other=float("-inf"))
+    if SOFTMAX:
+        e = tl.exp(logit - tl.max(tl.max(logit, 1), 0))
+        scores = e / tl.sum(tl.sum(e, 1), 0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + idx, mask=valid, other=0.0)
+    # NaN (a padding row of a static batch holds whatever was in memory) ranks lowest: every id
+    # written stays in [0, E), as torch.topk's do, so no other token's rows can be overwritten
+    choice = tl.where(valid & (choice == choice), choice, float("-inf"))
+    if RANKING != 0:
+        group_score = tl.max(choice, 1)  # [G_PAD]: a group's best (group_limited_greedy)
+        if RANKING == 2:  # noaux_tc: its two best (one if a group holds one expert)
+            first = tl.min(tl.where(choice == group_score[:, None], j, S_PAD), 1)
+            second = tl.max(tl.where(j == first[:, None], float("-inf"), choice), 1)
+            if GROUP_SIZE > 1:
+                group_score += second
+        gi = tl.arange(0, G_PAD)
+        group_score = tl.where(gi < N_GROUP, group_score, float("-inf"))
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == best, gi, G_PAD), 0)
+            keep = keep | (gi == pick)
+            group_score = tl.where(gi == pick, float("-inf"), group_score)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    slots = tl.arange(0, K_PAD)
+    chosen = tl.zeros((K_PAD,), dtype=tl.int32)
+    weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        pick = _first_max(tl.where(valid, choice, float("-inf")), tl.where(valid, idx, big), big)
+        w = tl.sum(tl.sum(tl.where(idx == pick, scores, 0.0), 1), 0)
+        chosen = tl.where(slots == s, pick, chosen)
+        weights = tl.where(slots == s, w, weights)
+        choice = tl.where(idx == pick, float("-inf"), choice)
+    if RENORM:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    out = t * TOP_K + slots
+    tl.store(weights_ptr + out, weights * scale, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, chosen, mask=slots < TOP_K)
+
+
+def route_fused(logits: torch.Tensor, moe: MoEConfig,
+                score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.moe.route in one launch: logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k]
+    int32). Among tied scores the lower expert id is chosen (torch.topk leaves that order open)."""
+    require_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
+    require_runnable(logits, _route_kernel)
+    tokens, experts = logits.shape
+    if experts != moe.num_experts:
+        raise ValueError(f"logits have {experts} experts but the config has num_experts {moe.num_experts}")
+    if moe.uses_score_bias != (score_bias is not None):
+        raise ValueError(f"score_bias must be given exactly when topk_method is noaux_tc (got "
+                         f"{'one' if score_bias is not None else 'none'} for {moe.topk_method})")
+    if score_bias is not None:
+        require_tensor("score_bias", score_bias, ndim=1, dtypes=(torch.float32,))
+        if score_bias.shape[0] != experts or score_bias.device != logits.device:
+            raise ValueError(f"score_bias must be [{experts}] on {logits.device}, got "
+                             f"{tuple(score_bias.shape)} on {score_bias.device}")
+    ranking = _GROUP_RANKING[moe.topk_method]
+    n_group = 1 if ranking == GREEDY else moe.n_group
+    group_size = experts // n_group
+    weights = torch.empty((tokens, moe.top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, moe.top_k), dtype=torch.int32, device=logits.device)
+    if tokens == 0:
+        return weights, ids
+    _route_kernel[(tokens,)](
+        logits, score_bias if score_bias is not None else logits, weights, ids, logits.stride(0),
+        float(moe.routed_scaling_factor), N_GROUP=n_group, GROUP_SIZE=group_size,
+        TOPK_GROUP=moe.topk_group if ranking != GREEDY else 1, TOP_K=moe.top_k,
+        G_PAD=next_power_of_2(n_group), S_PAD=next_power_of_2(group_size), K_PAD=next_power_of_2(moe.top_k),
+        SOFTMAX=moe.scoring == "softmax", HAS_BIAS=score_bias is not None, RANKING=ranking,
+        RENORM=moe.norm_topk_prob)
+    return weights, ids
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts, rows,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        e = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
+    # every row's expert (experts whose run ends at or before it); rows past an expert's pairs are padding
+    for r0 in range(0, rows, CHUNK):
+        r = r0 + offs
+        e_row = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)
+        one_hot = e_row[:, None] == experts[None, :]
+        in_run = r - tl.sum(tl.where(one_hot, starts[None, :], 0), 1) < tl.sum(tl.where(one_hot, counts[None, :], 0), 1)
+        tl.store(sorted_ptr + r, num_pairs + 0 * r, mask=(r < rows) & ~((r < total) & in_run))
+        tl.store(block_expert_ptr + r // BLOCK_M, tl.minimum(e_row, num_experts - 1),
+                 mask=(r < rows) & (r % BLOCK_M == 0))
+    # each pair's row: its expert's start + the pairs of that expert before it (pair order kept)
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        p = start + offs
+        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        one_hot = e[:, None] == experts[None, :]
+        base = tl.sum(tl.where(one_hot, (starts + seen)[None, :], 0), 1)
+        rank = tl.sum(((e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])).to(tl.int32), 1)
+        tl.store(sorted_ptr + base + rank, p, mask=(p < num_pairs) & (e >= 0) & (e < num_experts))
+        seen += tl.sum(one_hot.to(tl.int32), 0)
+
+
+def align_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """engine.kernels.moe.align_by_expert in one launch (the same outputs, element for element).
+    One program walks the pairs twice, so it suits decode and small prefills (a few thousand pairs)."""
+    require_tensor("ids", ids, ndim=2, dtypes=INDEX_DTYPES)
+    require_runnable(ids, _align_kernel)
+    if not ids.is_contiguous():
+        raise ValueError("ids must be contiguous")
+    pairs = ids.numel()
+    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.empty((rows,), dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty((rows // block_m,), dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=ids.device)
+    e_pad = next_power_of_2(num_experts)
+    chunk = max(16, min(128, 8192 // e_pad))
+    launch = {"num_warps": 8 if e_pad >= 256 else 4} if ids.device.type == "cuda" else {}
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_padded, pairs, num_experts, rows,
+                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, **launch)
+    return sorted_pairs, block_expert, num_padded
