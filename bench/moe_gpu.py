@@ -1,13 +1,13 @@
 """Issue 29's MoE figures on one GPU: the grouped expert GEMM (engine.kernels.moe) against the
 plain-torch path (engine.moe.experts_torch) and against its memory floor, on Qwen3-30B-A3B's
-expert shapes (H 2048, I 768, 128 experts, 8 per token) at 1, 64 and 256 tokens; then
+expert shapes (H 2048, I 768, 128 experts, 8 per token) at 1, 8, 64 and 256 tokens (the default
+path, each path forced, and the whole layer with its router); then
 qwen3-30b-a3b-random decode steps at batch 1 and 64 against their floor, if time allows.
 
 Kernel floor: the bytes of the experts the routing actually chose (each distinct expert's gate, up
 and down weights, read once) over the device-to-device copy rate measured in the same run (read
-plus write counted, as bench/engine_floor.py does). The Triton path is timed eagerly (its align
-step is ~10 small torch launches) and replayed from a CUDA graph (what a decode step runs; the
-capture also shows it has no host sync). Decode floor: every weight a step reads (attention,
+plus write counted, as bench/engine_floor.py does). The Triton path is timed eagerly and replayed
+from a CUDA graph (what a decode step runs; the capture also shows it has no host sync). Decode floor: every weight a step reads (attention,
 routers, norms, the LM head, and the experts a batch of that size chooses in expectation under
 uniform routing, 128 * (1 - (1 - 8/128)^b) per layer) plus the batch's KV, over the copy rate.
 
@@ -30,18 +30,18 @@ DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, MoEConfig, SchedulerConfig  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.engine.kernels.moe import MoEKernelConfig, default_config, fused_experts  # noqa: E402
 from tandem.engine.model import TritonOps  # noqa: E402
-from tandem.engine.moe import experts_torch  # noqa: E402
+from tandem.engine.moe import SparseMoE, experts_torch  # noqa: E402
 from tandem.engine.weights import load_model  # noqa: E402
 
 SHAPES = dict(hidden=2048, inter=768, experts=128, top_k=8)
 DRY_SHAPES = dict(hidden=64, inter=48, experts=8, top_k=2)
-TOKENS, DRY_TOKENS = (1, 64, 256), (1, 5)
-# tried besides the default per token count: (block_m, block_n, block_k, warps, stages)
-ALTERNATES = ((16, 32, 128, 4, 4), (16, 128, 64, 4, 3), (64, 64, 64, 4, 3))
+TOKENS, DRY_TOKENS = (1, 8, 64, 256), (1, 5)
+# tried besides the default per token count on the grouped path: (block_m, block_n, block_k, warps, stages)
+ALTERNATES = ((16, 32, 128, 4, 4), (64, 64, 64, 4, 3))
 
 
 def timed_us(fn, dev, reps: int) -> float:
@@ -95,6 +95,7 @@ def kernel_rows(dev, dtype, shapes, tokens_list, rate_gbs, reps) -> list[dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
     w13 = (torch.randn(e, 2 * i, h, generator=gen, device=dev) * h ** -0.5).to(dtype)
     w2 = (torch.randn(e, h, i, generator=gen, device=dev) * i ** -0.5).to(dtype)
+    layer = moe_layer(w13, w2, k, gen)
     rows = []
     for t in tokens_list:
         x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
@@ -110,13 +111,34 @@ def kernel_rows(dev, dtype, shapes, tokens_list, rate_gbs, reps) -> list[dict]:
              "default": default_config(t * k, e, dtype).__dict__}
         r["triton_us"] = timed_us(lambda: fused_experts(x, w13, w2, weights, ids), dev, reps)
         r["triton_graph_us"] = graph_us(lambda: fused_experts(x, w13, w2, weights, ids), dev, reps)
+        for path in ("gemv", "grouped"):
+            r[f"{path}_graph_us"] = graph_us(lambda: fused_experts(x, w13, w2, weights, ids, path=path), dev, reps)
+            r[f"{path}_err"] = ((fused_experts(x, w13, w2, weights, ids, path=path).float() - ref).norm()
+                                / ref.norm()).item()
+        r["layer_graph_us"] = graph_us(lambda: layer.forward_fused(x, None), dev, reps)
         r["alternates_graph_us"] = {}
         for alt in ALTERNATES if dev.type == "cuda" else ():
             cfg = MoEKernelConfig(*alt)
-            r["alternates_graph_us"][str(alt)] = graph_us(lambda: fused_experts(x, w13, w2, weights, ids, cfg), dev, reps)
+            r["alternates_graph_us"][str(alt)] = graph_us(
+                lambda: fused_experts(x, w13, w2, weights, ids, cfg, path="grouped"), dev, reps)
         print(f"# kernel {json.dumps(r)}", flush=True)
         rows.append(r)
     return rows
+
+
+def moe_layer(w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen) -> SparseMoE:
+    """A Qwen3-MoE layer (softmax top-k, renormalised) on these experts and a random router: the
+    whole layer as a decode step runs it (router GEMM, routing kernel, experts)."""
+    e, two_i, h = w13.shape
+    cfg = ModelConfig(vocab_size=32, hidden_size=h, intermediate_size=two_i // 2, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=h // 4,
+                      moe=MoEConfig(num_experts=e, top_k=top_k, intermediate_size=two_i // 2, norm_topk_prob=True))
+    with torch.device(w13.device):
+        layer = SparseMoE(cfg).to(w13.dtype)
+    with torch.no_grad():
+        layer.w13.copy_(w13), layer.w2.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(e, h, generator=gen, device=w13.device) * h ** -0.5)
+    return layer.requires_grad_(False)
 
 
 def decode_rows(dev, batches, ctx, rate_gbs, deadline) -> list[dict]:
@@ -173,7 +195,7 @@ def decode_floor_ms(model, cfg, batch: int, context: float, rate_gbs: float) -> 
 
 def _dry_model(dev):
     from tandem.engine.build import build_model, random_fill  # noqa: PLC0415 (the dry run only)
-    from tandem.engine.config import PRESETS, ModelConfig, MoEConfig  # noqa: PLC0415 (as above)
+    from tandem.engine.config import PRESETS  # noqa: PLC0415 (as above)
     from tandem.engine.tokenizer import ByteTokenizer  # noqa: PLC0415 (as above)
 
     cfg = ModelConfig(**{**PRESETS["tiny-random"].__dict__, "architecture": "Qwen3MoeForCausalLM", "qk_norm": True,
@@ -198,18 +220,22 @@ def print_table(res: dict, kernels: bool = True) -> None:
 def print_kernels(res: dict) -> None:
     print(f"\ncopy rate {res['copy_gbs']:.0f} GB/s (read + write); {res['dtype']}; shapes {res['shapes']}")
     print("| tokens | experts hit | floor us | torch us | Triton us (eager) | Triton us (graph) | graph / floor "
-          "| torch / Triton graph | best alternate tile (graph us) | rel. err vs fp32 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "| gemv path (graph) | grouped path (graph) | best other grouped tile | layer incl. router (graph) "
+          "| rel. err vs fp32 (gemv, grouped) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in res["kernels"]:
-        g = r["triton_graph_us"]
         alts = {k: v for k, v in r["alternates_graph_us"].items() if v is not None}
         best = min(alts.items(), key=lambda kv: kv[1]) if alts else None
-        gs = f"{g:.1f}" if g else "-"
+        g = r["triton_graph_us"]
         ratio = f"{g / r['floor_us']:.2f}" if g else "-"
-        speed = f"{r['torch_us'] / g:.1f}x" if g else "-"
         print(f"| {r['tokens']} | {r['experts_hit']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} "
-              f"| {gs} | {ratio} | {speed} | {best[0] + f' {best[1]:.1f}' if best else '-'} "
-              f"| {r['rel_err_vs_fp32_torch']:.1e} |")
+              f"| {_us(g)} | {ratio} | {_us(r['gemv_graph_us'])} | {_us(r['grouped_graph_us'])} "
+              f"| {best[0] + f' {best[1]:.1f}' if best else '-'} | {_us(r['layer_graph_us'])} "
+              f"| {r['gemv_err']:.1e}, {r['grouped_err']:.1e} |")
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def main() -> None:

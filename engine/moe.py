@@ -9,8 +9,9 @@ experts' gate/up and down weights are held stacked ([E, 2I, H] and [E, H, I]) so
 runs them all, and are loaded from the per-expert tensors `experts.{j}.{gate,up,down}_proj.weight`
 through views. DeepSeek's shared experts are one dense MLP added to every token. Two expert paths:
 `experts_torch` (the reference: tokens sorted by expert, one matmul pair per expert hit; the CPU)
-and engine.kernels.moe's Triton grouped GEMM (`forward_fused`, the CUDA path; no host sync, so the
-step can be captured in a CUDA graph). The router runs in fp32 on both.
+and engine.kernels.moe's Triton kernels (`forward_fused`, the CUDA path: the router's choice in one
+launch, the experts in two or four; no host sync, so the step can be captured in a CUDA graph). The
+router's logits and choice are fp32 on both.
 """
 
 from __future__ import annotations
@@ -117,16 +118,27 @@ class Router(nn.Module):
     def _apply(self, fn, recurse=True):
         # the bias stays fp32 whatever the model dtype, as DeepSeek-V3's checkpoints hold it: in bf16
         # it would round by up to 0.4% and could flip the choice between near-tied experts
+        # (the fp32 values from before the call, not the rounded ones, moved to where fn put them;
+        # a copy, since _apply may convert the parameter's data in place)
+        before = self.e_score_correction_bias
+        if before is not None:
+            before = before.detach().clone() if before.dtype == torch.float32 else None
         super()._apply(fn, recurse)
         bias = self.e_score_correction_bias
         if bias is not None and bias.dtype != torch.float32:
-            self.e_score_correction_bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+            keep = bias if before is None or before.is_meta != bias.is_meta else before
+            self.e_score_correction_bias = nn.Parameter(keep.detach().to(bias.device, torch.float32), requires_grad=False)
         return self
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T in fp32 [T, E]; on CUDA one cuBLAS launch on the model-dtype operands with an
+        fp32 output (their products are exact in fp32), not two upcast copies and a fp32 GEMM."""
+        if x.is_cuda and x.dtype != torch.float32 and x.dtype == self.weight.dtype:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
-        return route(logits, self.moe, bias)
+        return route(self.logits(x), self.moe, self.e_score_correction_bias)
 
 
 class SparseMoE(nn.Module):
@@ -151,12 +163,13 @@ class SparseMoE(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
         from tandem.engine.kernels.moe import fused_experts  # noqa: PLC0415 (triton loads only where kernels run)
+        from tandem.engine.kernels.moe_route import route_fused  # noqa: PLC0415 (as above)
 
-        weights, ids = self.gate(x)
-        out = fused_experts(x, self.w13, self.w2, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts.forward_fused(x, ops)
-        return self.reduce_output(out)
+        # router: one GEMM + one routing launch; experts: 2 launches (few tokens) or 4; the shared
+        # experts' output is added inside the experts' last launch
+        weights, ids = route_fused(self.gate.logits(x), self.gate.moe, self.gate.e_score_correction_bias)
+        shared = None if self.shared_experts is None else self.shared_experts.forward_fused(x, ops)
+        return self.reduce_output(fused_experts(x, self.w13, self.w2, weights, ids, add=shared))
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {prefix + "gate.weight": self.gate.weight.detach()}

@@ -1,14 +1,20 @@
-"""The routed experts of a mixture-of-experts layer as a grouped GEMM in Triton (vLLM's fused_moe
-scheme), the CUDA path of engine.moe (whose `experts_torch` is the reference).
+"""The routed experts of a mixture-of-experts layer in Triton, the CUDA path of engine.moe (whose
+`experts_torch` is the reference); `fused_experts` picks one of two paths by token count.
 
-Each token's k (token, slot) pairs are sorted by expert and every expert's run is padded to a
-multiple of BLOCK_M (`align_by_expert`: torch ops on the device, no host sync, fixed-size outputs,
-so a step with it can be captured in a CUDA graph). Then one launch computes, for every pair,
-silu(x @ gate.T) * (x @ up.T) (a program: BLOCK_M pairs of one expert x BLOCK_N columns of both
-its gate and its up rows), a second multiplies by down.T and by the pair's routing weight, and the
-k slots of each token are summed in fp32. Programs past the padded total exit at once; padding
-rows are masked out. Each expert's weights are read once per BLOCK_M of its pairs, so at decode
-the launches read only the experts the batch chose: the memory floor.
+Grouped (vLLM's fused_moe scheme; prefill and large batches): each token's k (token, slot) pairs
+are sorted by expert and every expert's run is padded to a multiple of BLOCK_M (one launch,
+engine.kernels.moe_route.align_fused; `align_by_expert`, torch ops, for very many pairs and as the
+reference). One launch computes silu(x @ gate.T) * (x @ up.T) for every pair (a program: BLOCK_M
+pairs of one expert x BLOCK_N columns of both its gate and its up rows), a second multiplies by
+down.T and by the pair's routing weight in fp32, a third sums each token's k slots (plus the shared
+experts' output) into the model dtype. Each expert's weights are read once per BLOCK_M of its pairs.
+
+GEMV (decode, a few tokens: each chosen expert sees about one token, so a 16-row tile would be
+mostly padding): no sort; a program per (pair, column block) for gate/up, and a program per
+(token, column block) for down that loops over the token's k experts and writes their weighted sum
+(plus the shared output) directly. Two launches.
+
+Neither path reads a device value on the host, so a step with them can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.kernels.validate import FLOAT_DTYPES, INDEX_DTYPES, require_runnable, require_same, require_tensor
+from tandem.engine.kernels.moe_route import align_fused
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable, require_same,
+                                            require_tensor)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,12 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
     block_k = 32 if dtype == torch.float32 else 64
     return MoEKernelConfig(block_m=block_m, block_n=64 if block_m < 64 else 128, block_k=block_k)
+
+
+# the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)
+GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
+FUSED_ALIGN_MAX_PAIRS = 8192  # above it the torch align step (many programs) beats the one-program kernel
+SUM_BLOCK_N = 1024
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,30 +169,150 @@ def _check(x, w13, w2, weights, ids) -> None:
         raise ValueError("x, w13 and w2 must be contiguous")
 
 
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, K, N, stride_x, stride_we, stride_wn, stride_o,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the decode shape: a program is one (token, slot) pair x BLOCK_N columns, no tile padding
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K) * stride_x + offs_k
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc_g += tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32) * a
+        acc_u += tl.load(g_ptrs + N * stride_wn, mask=w_mask, other=0.0).to(tl.float32) * a
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = tl.sum(acc_u, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pair * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, w_ptr, out_ptr, add_ptr, weights_ptr, ids_ptr, K, N, stride_h, stride_we, stride_wn,
+                      stride_o, stride_a, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[t, n] = sum over t's slots s of weights[t, s] * (h[t, s] . w[ids[t, s], n]) (+ add[t, n])
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(TOP_K):
+        pair = t * TOP_K + s
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        h_ptrs = h_ptr + pair * stride_h + offs_k
+        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32)  # down_proj's output in the model dtype
+        total += y * tl.load(weights_ptr + pair)
+    if HAS_ADD:
+        total += tl.load(add_ptr + t * stride_a + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, add_ptr, N, stride_y, stride_o, stride_a,
+                      TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
+    # out[t] = sum over slots of y[t * TOP_K + s] (fp32) (+ add[t]), in out's dtype
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(TOP_K):
+        total += tl.load(y_ptr + (t * TOP_K + s) * stride_y + offs_n, mask=n_mask, other=0.0)
+    if HAS_ADD:
+        total += tl.load(add_ptr + t * stride_a + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, config: MoEKernelConfig | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, config: MoEKernelConfig | None = None, *, add: torch.Tensor | None = None,
+                  path: str | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, k] fp32;
     ids [T, k] expert ids (each in [0, E)). -> [T, H] in x's dtype: for each token the sum over its
-    k experts of weight * down(silu(gate(x)) * up(x)), as engine.moe.experts_torch."""
+    k experts of weight * down(silu(gate(x)) * up(x)), as engine.moe.experts_torch, plus `add`
+    [T, H] if given (the shared experts' output, added in fp32 before the one rounding).
+    `path`: "gemv" (a program per (token, slot) pair, the top-k sum inside the down launch: 2
+    launches), "grouped" (pairs sorted by expert into tiles: 4 launches, align and sum included) or
+    None: gemv up to GEMV_MAX_TOKENS tokens, where each chosen expert sees about one token."""
     _check(x, w13, w2, weights, ids)
     require_runnable(x, _gate_up_kernel)
+    if add is not None:
+        require_tensor("add", add, ndim=2, dtypes=FLOAT_DTYPES)
+        require_same("add", add, "x", x, shape=True, dtype=False)
+    if path not in (None, "gemv", "grouped"):
+        raise ValueError(f"path must be 'gemv', 'grouped' or None, got {path!r}")
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if path == "gemv" or (path is None and x.shape[0] <= GEMV_MAX_TOKENS):
+        return _experts_gemv(x, w13, w2, weights.contiguous(), ids.contiguous(), add)
+    return _experts_grouped(x, w13, w2, weights, ids, config, add)
+
+
+def _launch(x, cfg: MoEKernelConfig | None = None) -> dict:
+    if x.device.type != "cuda":
+        return {}
+    return {"num_warps": 4} if cfg is None else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _experts_gemv(x, w13, w2, weights, ids, add) -> torch.Tensor:
+    (tokens, hidden), (_, two_i, _), top_k = x.shape, w13.shape, ids.shape[1]
+    inter = two_i // 2
+    # the interpreter (CPU) pays per program, not per byte: there, one column block per row if it fits
+    wide = x.device.type != "cuda"
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    block_n = min(128, next_power_of_2(inter)) if wide else GEMV_BLOCK_N
+    _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
+        x, w13, h, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, **_launch(x))
+    out = torch.empty_like(x)
+    # few tokens: narrower column blocks so that the down launch still fills the GPU
+    block_n = GEMV_BLOCK_N if tokens * triton.cdiv(hidden, GEMV_BLOCK_N) >= 256 else GEMV_BLOCK_N // 2
+    block_n = min(128, next_power_of_2(hidden)) if wide else block_n
+    _down_gemv_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        h, w2, out, add if add is not None else out, weights, ids, inter, hidden, h.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), add.stride(0) if add is not None else 0,
+        TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, **_launch(x))
+    return out
+
+
+def _experts_grouped(x, w13, w2, weights, ids, config, add) -> torch.Tensor:
     (tokens, hidden), (experts, two_i, _), top_k = x.shape, w13.shape, ids.shape[1]
     inter, pairs = two_i // 2, tokens * top_k
-    if tokens == 0:
-        return torch.zeros_like(x)
     cfg = config or default_config(pairs, experts, x.dtype)
-    sorted_pairs, block_expert, num_padded = align_by_expert(ids, experts, cfg.block_m)
+    align = align_fused if pairs <= FUSED_ALIGN_MAX_PAIRS else align_by_expert
+    sorted_pairs, block_expert, num_padded = align(ids.contiguous(), experts, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = {} if x.device.type != "cuda" else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     m_blocks = block_expert.numel()
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(m_blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, h, sorted_pairs, block_expert, num_padded, pairs, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
-    out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        **_launch(x, cfg))
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(m_blocks * triton.cdiv(hidden, cfg.block_n),)](
-        h, w2, out, weights.reshape(-1).contiguous(), sorted_pairs, block_expert, num_padded, pairs, inter, hidden,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
-    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+        h, w2, y, weights.reshape(-1).contiguous(), sorted_pairs, block_expert, num_padded, pairs, inter, hidden,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision, **_launch(x, cfg))
+    out = torch.empty_like(x)
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK_N))](
+        y, out, add if add is not None else out, hidden, y.stride(0), out.stride(0),
+        add.stride(0) if add is not None else 0, TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=SUM_BLOCK_N,
+        **_launch(x))
+    return out

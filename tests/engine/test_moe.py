@@ -106,16 +106,23 @@ def test_the_score_bias_stays_fp32_in_a_bf16_model():
     assert gate.e_score_correction_bias.abs().sum() > 0
     bias = hf_state_dict(model)["model.layers.0.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and torch.equal(bias, gate.e_score_correction_bias.detach())
+    block = SparseMoE(cfg)  # an fp32 block cast to bf16 keeps the bias's fp32 values, not bf16-rounded ones
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.copy_(torch.linspace(0, 1, E) + 1e-4)
+    want = block.gate.e_score_correction_bias.detach().clone()
+    assert torch.equal(block.to(torch.bfloat16).gate.e_score_correction_bias, want)
 
 
+@pytest.mark.parametrize("kind,tokens", [("v3-noaux-tc", 9), ("v2-group-limited", 1)])
 @torch.inference_mode()
-def test_fused_path_matches_the_torch_path_with_shared_experts():
-    """forward_fused (the CUDA path: the grouped GEMM, Triton SiLU-and-mul in the shared experts),
-    under the interpreter, equals forward on a DeepSeek-V3-style block."""
-    hf, moe = _hf_blocks()["v3-noaux-tc"]
+def test_fused_path_matches_the_torch_path_with_shared_experts(kind, tokens):
+    """forward_fused (the CUDA path: the routing kernel, the grouped GEMM at 9 tokens or the GEMV
+    path at 1, the shared experts' output added in the last launch), under the interpreter, equals
+    forward on DeepSeek-style blocks."""
+    hf, moe = _hf_blocks()[kind]
     ours = _ours(moe)
     _copy_from_hf(ours, hf.float().eval(), seed=5)
-    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
     got = ours.forward_fused(x, TritonOps())
     assert torch.allclose(got, ours(x), rtol=1e-5, atol=1e-6)
 

@@ -5,7 +5,8 @@ tests/gpu/test_moe_gpu.py runs the same comparison compiled, in bf16 too).
 Shapes are chosen to break what the kernels index: an intermediate size and a hidden size that
 are no multiple of the tiles (masks), experts no token chose and experts chosen by many (padding
 and skipped blocks), one token (decode) and more tokens than one tile. fp32 with full-precision
-dots: the error against the reference is ~1e-7 relative, so 1e-5 still catches any O(1) slip."""
+dots: the error against the reference is ~1e-7 relative, so 1e-5 still catches any O(1) slip.
+Both paths (grouped, gemv) at T = 1, 7 and 40; test_moe_route.py checks the align and router kernels."""
 
 from __future__ import annotations
 
@@ -32,17 +33,32 @@ def _rel(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("tokens,skew", [(1, False), (7, False), (40, True)])
-def test_grouped_gemm_matches_the_torch_path(tokens, skew):
+@pytest.mark.parametrize("tokens,skew,path", [(1, False, "grouped"), (7, False, "grouped"), (40, True, "grouped"),
+                                             (1, False, "gemv"), (7, True, "gemv")])  # skew: runs of many tokens
+def test_both_paths_match_the_torch_path(tokens, skew, path):
     x, w13, w2, weights, ids = _case(tokens, experts=8, top_k=2, hidden=48, inter=40, seed=tokens, skew=skew)
     ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
-    out = fused_experts(x, w13, w2, weights, ids, MoEKernelConfig(block_m=16, block_n=32, block_k=32))
+    out = fused_experts(x, w13, w2, weights, ids, MoEKernelConfig(block_m=16, block_n=32, block_k=32), path=path)
     assert out.shape == ref.shape and out.dtype == x.dtype
     assert _rel(out, ref) < 1e-5
 
 
-def test_default_tiles_top_k_one_and_int32_ids():
-    x, w13, w2, weights, ids = _case(20, experts=4, top_k=1, hidden=32, inter=16, seed=3)
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
+def test_the_added_output_enters_before_the_rounding(path):
+    """`add` (the shared experts' output) is summed in fp32 with the routed experts' and rounded
+    once; in fp16 (the interpreter's bf16 tl.dot is broken; tests/gpu covers bf16), fp32 reference
+    on the same fp16 values."""
+    x, w13, w2, weights, ids = _case(5, experts=4, top_k=2, hidden=32, inter=16, seed=4)
+    add = torch.randn(5, 32, generator=torch.Generator().manual_seed(9)).half()
+    x, w13, w2 = x.half(), w13.half(), w2.half()
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids) + add.float()
+    out = fused_experts(x, w13, w2, weights, ids, add=add, path=path)
+    assert out.dtype == torch.float16 and _rel(out.float(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("tokens", [3, 20])  # the default picks gemv, then grouped
+def test_default_path_top_k_one_and_int32_ids(tokens):
+    x, w13, w2, weights, ids = _case(tokens, experts=4, top_k=1, hidden=32, inter=16, seed=3)
     ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
     assert _rel(fused_experts(x, w13, w2, weights, ids.int()), ref) < 1e-5
 
@@ -69,3 +85,7 @@ def test_bad_input_is_refused_by_name():
         fused_experts(x, w13, w2, weights.half(), ids)
     with pytest.raises(ValueError, match="ids"):
         fused_experts(x, w13, w2, weights, ids[:2])
+    with pytest.raises(ValueError, match="add"):
+        fused_experts(x, w13, w2, weights, ids, add=x[:2])
+    with pytest.raises(ValueError, match="path must be"):
+        fused_experts(x, w13, w2, weights, ids, path="dense")

@@ -1,16 +1,20 @@
 """The grouped expert GEMM (engine.kernels.moe) compiled on CUDA, at Qwen3-30B-A3B's expert
 shapes (H 2048, I 768, 128 experts, 8 per token) in bf16 and at a small shape in fp32, against
 engine.moe.experts_torch in fp32 on the same (upcast) weights; and the step captured in a CUDA
-graph replays to the same output (the align step reads no device value on the host). Bounds:
+graph replays to the same output on both paths (gemv and grouped; neither reads a device value
+on the host); the routing kernel against engine.moe.route at DeepSeek and Qwen3 shapes, and a
+DeepSeek-V3-style layer (router, experts, shared experts) in a graph against the fp32 torch path. Bounds:
 fp32 1e-5 relative (ieee dots), bf16 1e-2 (bf16 operands and the intermediate's rounding)."""
 
 import pytest
 import torch
 
-from tandem.engine.moe import experts_torch
+from tandem.engine.config import ModelConfig, MoEConfig
+from tandem.engine.moe import SparseMoE, experts_torch, route
 
 if torch.cuda.is_available():  # elsewhere conftest.py skips these, and triton stays unimported
     from tandem.engine.kernels.moe import fused_experts
+    from tandem.engine.kernels.moe_route import route_fused
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +38,11 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 256])
-def test_qwen3_30b_shapes_bf16(tokens):
+@pytest.mark.parametrize("tokens,path", [(1, None), (64, None), (256, None), (1, "grouped"), (8, "gemv")])
+def test_qwen3_30b_shapes_bf16(tokens, path):
     x, w13, w2, weights, ids = _case(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
     ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
-    assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-2
+    assert _rel(fused_experts(x, w13, w2, weights, ids, path=path), ref) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [3, 100])
@@ -48,14 +52,74 @@ def test_fp32_small_shapes(tokens):
     assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-5
 
 
-def test_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_captured_in_a_cuda_graph(path):
     x, w13, w2, weights, ids = _case(8, 256, 128, 32, 4, torch.bfloat16)
-    want = fused_experts(x, w13, w2, weights, ids)
+    want = fused_experts(x, w13, w2, weights, ids, path=path)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, w13, w2, weights, ids)
+        out = fused_experts(x, w13, w2, weights, ids, path=path)
     x2, _, _, weights2, ids2 = _case(8, 256, 128, 32, 4, torch.bfloat16, seed=1)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)  # new tokens and routing, same buffers
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, fused_experts(x, w13, w2, weights, ids)) and not torch.equal(out, want)
+    assert torch.equal(out, fused_experts(x, w13, w2, weights, ids, path=path)) and not torch.equal(out, want)
+
+
+ROUTINGS = {  # real shapes: Qwen3-30B-A3B, DeepSeek-V2 (160 experts), V2-Lite, V3
+    "qwen3": MoEConfig(num_experts=128, top_k=8, intermediate_size=1, norm_topk_prob=True),
+    "v2": MoEConfig(num_experts=160, top_k=6, intermediate_size=1, topk_method="group_limited_greedy", n_group=8,
+                    topk_group=3, routed_scaling_factor=16.0),
+    "v2-lite": MoEConfig(num_experts=64, top_k=6, intermediate_size=1),
+    "v3": MoEConfig(num_experts=256, top_k=8, intermediate_size=1, scoring="sigmoid", topk_method="noaux_tc",
+                    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTINGS))
+def test_route_fused_at_real_shapes(kind):
+    """The routing kernel against engine.moe.route on 256 tokens: the same experts (a token whose
+    k-th and k+1-th scores are within an ulp may differ by exp's rounding: at most one such) and
+    the same weights."""
+    moe = ROUTINGS[kind]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(256, moe.num_experts, generator=gen, device="cuda")
+    bias = torch.randn(moe.num_experts, generator=gen, device="cuda") * 0.1 if moe.uses_score_bias else None
+    want_w, want_ids = route(logits, moe, bias)
+    got_w, got_ids = route_fused(logits, moe, bias)
+    want_ids, order = want_ids.sort(-1)
+    got_ids, got_order = got_ids.long().sort(-1)
+    same = (want_ids == got_ids).all(-1)
+    assert same.sum() >= 255
+    assert torch.allclose(got_w.gather(1, got_order)[same], want_w.gather(1, order)[same], rtol=1e-5, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_deepseek_v3_layer_in_a_graph_matches_the_torch_path():
+    """SparseMoE.forward_fused in bf16 (router GEMM with an fp32 output, routing kernel, experts,
+    shared experts added in the last launch), captured and replayed on new tokens, against forward
+    on an fp32 copy of the same weights."""
+    moe = MoEConfig(num_experts=64, top_k=6, intermediate_size=128, num_shared_experts=2, scoring="sigmoid",
+                    topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    cfg = ModelConfig(vocab_size=32, hidden_size=512, intermediate_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=128, moe=moe)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = SparseMoE(cfg)
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+        layer.to(torch.bfloat16)  # the score bias stays fp32
+        ref_layer = SparseMoE(cfg)  # the same (rounded) values in fp32: the same choices up to ulps
+        ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        from tandem.engine.model import TritonOps  # noqa: PLC0415 (triton loads only with CUDA)
+        ops = TritonOps()
+        for tokens in (1, 64):
+            x = torch.randn(tokens, 512).bfloat16()
+            layer.forward_fused(x, ops)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer.forward_fused(x, ops)
+            x.copy_(torch.randn(tokens, 512))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert _rel(out, ref_layer(x.float())) < 2e-2
