@@ -250,7 +250,7 @@ def main() -> None:
     rate = copy_gbs(dev)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_gbs": rate,
            "dtype": str(dtype), "shapes": DRY_SHAPES if DRY else SHAPES}
-    res["kernels"] = kernel_rows(dev, dtype, res["shapes"], DRY_TOKENS if DRY else TOKENS, rate, 3 if DRY else 30)
+    res["kernels"] = kernel_rows(dev, dtype, res["shapes"], DRY_TOKENS if DRY else TOKENS, rate, 3 if DRY else 20)
     save(res, args.out)
     print_table(res)
     if "decode" not in args.skip:

@@ -24,6 +24,9 @@ from tandem.engine.config import ModelConfig, MoEConfig
 from tandem.engine.linear import Linear
 
 
+_MM_OUT_DTYPE = True  # until torch.mm(..., out_dtype=) fails once (it needs CUDA and torch >= 2.8)
+
+
 def no_reduce(x: torch.Tensor) -> torch.Tensor:
     """A row-parallel output's sum over tensor-parallel ranks, on one rank (engine.parallel sets
     the all-reduce in its place)."""
@@ -133,8 +136,12 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T in fp32 [T, E]; on CUDA one cuBLAS launch on the model-dtype operands with an
         fp32 output (their products are exact in fp32), not two upcast copies and a fp32 GEMM."""
-        if x.is_cuda and x.dtype != torch.float32 and x.dtype == self.weight.dtype:
-            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        global _MM_OUT_DTYPE
+        if _MM_OUT_DTYPE and x.is_cuda and x.dtype != torch.float32 and x.dtype == self.weight.dtype:
+            try:
+                return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype
+                _MM_OUT_DTYPE = False
         return F.linear(x.float(), self.weight.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

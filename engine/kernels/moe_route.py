@@ -30,14 +30,13 @@ def _first_max(values, index, big: tl.constexpr):
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
                   N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr, BIG: tl.constexpr):
     # one token's experts seen as [group, expert in group]: expert id = g * GROUP_SIZE + j
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)[:, None]
     j = tl.arange(0, S_PAD)[None, :]
     idx = g * GROUP_SIZE + j
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
-    big: tl.constexpr = G_PAD * S_PAD * 4
     logit = tl.load(logits_ptr + t * stride_l + idx, mask=valid, other=float("-inf"))
     if SOFTMAX:
         e = tl.exp(logit - tl.max(tl.max(logit, 1), 0))
@@ -70,7 +69,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
     chosen = tl.zeros((K_PAD,), dtype=tl.int32)
     weights = tl.zeros((K_PAD,), dtype=tl.float32)
     for s in tl.static_range(TOP_K):
-        pick = _first_max(tl.where(valid, choice, float("-inf")), tl.where(valid, idx, big), big)
+        pick = _first_max(tl.where(valid, choice, float("-inf")), tl.where(valid, idx, BIG), BIG)
         w = tl.sum(tl.sum(tl.where(idx == pick, scores, 0.0), 1), 0)
         chosen = tl.where(slots == s, pick, chosen)
         weights = tl.where(slots == s, w, weights)
@@ -112,7 +111,7 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig,
         TOPK_GROUP=moe.topk_group if ranking != GREEDY else 1, TOP_K=moe.top_k,
         G_PAD=next_power_of_2(n_group), S_PAD=next_power_of_2(group_size), K_PAD=next_power_of_2(moe.top_k),
         SOFTMAX=moe.scoring == "softmax", HAS_BIAS=score_bias is not None, RANKING=ranking,
-        RENORM=moe.norm_topk_prob)
+        RENORM=moe.norm_topk_prob, BIG=4 * next_power_of_2(n_group) * next_power_of_2(group_size))
     return weights, ids
 
 
