@@ -8,5 +8,5 @@ source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 TAIL=12 step gpu_tests ${TEST_LIMIT:-100} bash bench/gpu_tests.sh tests/gpu/test_tree_gpu.py
-timeout ${BENCH_LIMIT:-150} python3 -m bench.spec_tree_gpu --tokens-per-step ${TPS:-3.0,5.0} 2>&1 \
-  | tee "$OUT/spec_tree_gpu.log"
+(cd bench && timeout ${BENCH_LIMIT:-150} python3 spec_tree_gpu.py --tokens-per-step ${TPS:-3.0,5.0} 2>&1 \
+  | tee "$OUT/spec_tree_gpu.log")
