@@ -89,6 +89,10 @@ class Speculator:
             draft = drafts.get(rid)
             if draft is not None and draft.is_tree:
                 new = self._verify_tree(logits[row:row + rows], target_ids[row:row + rows], draft, rid, sp, moves)
+                if rid in moves:  # the accepted path's rows to the front, as its KV: logprobs read them there
+                    src, dst = ([row + pair[i] for pair in moves[rid]] for i in (0, 1))
+                    with torch.inference_mode():  # the runner's logits are an inference tensor
+                        logits[dst] = logits[src]
             else:
                 ids = draft.token_ids[:rows - 1] if draft is not None else []
                 if sp.greedy:

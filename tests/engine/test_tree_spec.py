@@ -150,7 +150,7 @@ class OffBranchOracle:
 
 def test_greedy_trees_off_the_first_branch_match_plain(tiny, make_engine, spec_engine):
     model, tok, _ = tiny
-    reqs = [{"prompt": p, "max_tokens": 24, "request_id": f"r{i}"} for i, p in enumerate(TINY_PROMPTS)]
+    reqs = [{"prompt": p, "max_tokens": 24, "request_id": f"r{i}", "logprobs": 2} for i, p in enumerate(TINY_PROMPTS)]
     plain = make_engine(model, tok).generate(reqs)
     oracle = OffBranchOracle({r["request_id"]: r["token_ids"] for r in plain}, model.config.vocab_size)
     e = spec_engine(model, tok, "suffix", num_tokens=6, max_verify_tokens=4096, block_size=4, num_blocks=256,
@@ -160,6 +160,9 @@ def test_greedy_trees_off_the_first_branch_match_plain(tiny, make_engine, spec_e
     e.speculator.move_kv = lambda cache, reqs_, moves: (moved.append(len(moves)), move_kv(cache, reqs_, moves))
     spec = run_checked(e, [dict(r) for r in reqs])
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    for s, p in zip(spec, plain):  # each token's logprob from its parent's row, not its index's
+        assert [[t for t, _ in x.top] for x in s["logprobs"]] == [[t for t, _ in x.top] for x in p["logprobs"]]
+        assert [x.logprob for x in s["logprobs"]] == pytest.approx([x.logprob for x in p["logprobs"]], abs=1e-4)
     assert sum(moved) > 20, "accepted paths off the first branch were meant to be moved"
     assert e.stats.accepted_draft_tokens > e.stats.draft_tokens / 3
 
