@@ -371,20 +371,23 @@ def test_acceptance_rule_keeps_the_target_distribution(one_hot):
         assert stat < chi2_threshold(df), f"position {pos}: chi2 {stat:.1f} on {df} df"
 
 
-@pytest.mark.parametrize("method", ["draft", "suffix"])
+@pytest.mark.parametrize("method", ["draft", "suffix", "suffix-tree"])
 def test_sampled_through_engine_keeps_the_target_distribution(make_engine, spec_engine, method):
     """2000 requests, temperature 1, through the engine with a draft model whose
     distribution differs (the target's own first layer), or with suffix drafts (deterministic:
     the most frequent token that followed the first output token in the outputs of the requests
-    finished before): the joint distribution of the first two tokens matches the target's exact
-    one (chi-square, false-alarm rate 1e-3). The second token comes from a verify step with one
-    draft (for every draft-model request; for suffix requests, wherever it found one)."""
+    finished before; suffix-tree: up to 4 of those tokens as sibling drafts, tried in turn): the
+    joint distribution of the first two tokens matches the target's exact one (chi-square,
+    false-alarm rate 1e-3). The second token comes from a verify step with one draft (for every
+    draft-model request; for suffix requests, wherever it found one), or one tree of depth 1."""
     target, tok, _ = load_model("tiny-random", seed=1234)
     with torch.no_grad():
         target.lm_head.weight.mul_(30)  # peaky next-token distributions: few outcomes carry the mass
     prompt = tok.encode("The quick brown fox")
     n = 2000
     knobs = dict(draft_num_layers=1) if method == "draft" else dict(min_n=1, suffix_max_match=1)
+    if method == "suffix-tree":
+        method, knobs["suffix_tree_nodes"] = "suffix", 4
     e = spec_engine(target, tok, method, num_tokens=1, max_verify_tokens=1 << 16, num_blocks=1100,
                     max_num_seqs=256, max_num_batched_tokens=4096, **knobs)
     # suffix drafts from other requests' outputs only for unseeded requests (seeded ones stay
@@ -396,6 +399,8 @@ def test_sampled_through_engine_keeps_the_target_distribution(make_engine, spec_
     drafted = sum(r["usage"]["draft_tokens"] for r in res)
     accepted = sum(r["usage"]["accepted_draft_tokens"] for r in res)
     assert (drafted == n) if method == "draft" else (drafted > n / 2), drafted
+    if knobs.get("suffix_tree_nodes"):
+        assert drafted > 1.2 * sum(r["usage"]["draft_tokens"] > 0 for r in res), "trees of one node only"
     assert 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted)
     # exact target: p(x1) at the prompt, p(x2 | x1) for every x1, from one forward each
     V = target.config.vocab_size
