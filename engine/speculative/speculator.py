@@ -5,7 +5,9 @@ rows into its new tokens (verify) and feed the outcome back to the policy.
 The engine keeps its step as schedule -> run -> postprocess; this object only adds the drafts to
 what is scheduled and replaces plain sampling with acceptance. Sequences without drafts (prefill
 chunks, sequences the policy turned off, n-gram misses) sample as plain decoding does, in the
-same batch.
+same batch. A tree draft (the suffix proposer's, `Draft.parents`) is cut to the nodes that pay
+(`policy.choose_nodes`), verified in the same forward (engine.speculative.tree), and its accepted
+path's KV and logits rows are moved to where a chain's would be (`move_kv`).
 """
 
 from __future__ import annotations
