@@ -5,8 +5,6 @@ moved into place, seeded sampling reproducible, no KV block leaked)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -195,5 +193,4 @@ def test_tree_config_is_refused_where_it_cannot_work():
     with pytest.raises(ConfigError, match="tree drafts"):
         EngineConfig(model="x", tensor_parallel_size=2,
                      speculative=SpeculativeConfig(method="suffix", suffix_tree_nodes=8))
-    random.Random(0)
 
