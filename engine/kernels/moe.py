@@ -3,8 +3,8 @@
 
 Grouped (vLLM's fused_moe scheme; prefill and large batches): each token's k (token, slot) pairs
 are sorted by expert and every expert's run is padded to a multiple of BLOCK_M (one launch,
-engine.kernels.moe_route.align_fused; `align_by_expert`, torch ops, for very many pairs and as the
-reference). One launch computes silu(x @ gate.T) * (x @ up.T) for every pair (a program: BLOCK_M
+engine.kernels.moe_route.align_fused, up to FUSED_ALIGN_MAX_PAIRS pairs; above, `align_by_expert`'s
+torch ops, also the reference). One launch computes silu(x @ gate.T) * (x @ up.T) for every pair (a program: BLOCK_M
 pairs of one expert x BLOCK_N columns of both its gate and its up rows), a second multiplies by
 down.T and by the pair's routing weight in fp32, a third sums each token's k slots (plus the shared
 experts' output) into the model dtype. Each expert's weights are read once per BLOCK_M of its pairs.
@@ -50,7 +50,10 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 # the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)
 GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
-FUSED_ALIGN_MAX_PAIRS = 8192  # above it the torch align step (many programs) beats the one-program kernel
+# the one-program align walks every padded row: measured on an H200 (docs/benchmarks.md, Mixture of
+# experts) it made the grouped path 83 us slower at 512 pairs and 265 us at 2048 than the torch align
+# (many programs); it pays only at a few dozen pairs
+FUSED_ALIGN_MAX_PAIRS = 64
 SUM_BLOCK_N = 1024
 
 
@@ -248,7 +251,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     k experts of weight * down(silu(gate(x)) * up(x)), as engine.moe.experts_torch, plus `add`
     [T, H] if given (the shared experts' output, added in fp32 before the one rounding).
     `path`: "gemv" (a program per (token, slot) pair, the top-k sum inside the down launch: 2
-    launches), "grouped" (pairs sorted by expert into tiles: 4 launches, align and sum included) or
+    launches), "grouped" (pairs sorted by expert into tiles: 4 launches with the one-launch align) or
     None: gemv up to GEMV_MAX_TOKENS tokens, where each chosen expert sees about one token."""
     _check(x, w13, w2, weights, ids)
     require_runnable(x, _gate_up_kernel)
