@@ -368,7 +368,6 @@ def print_table(R):
               f"{q['logit_std_bf16']:.3f}); greedy first token {q['greedy_first_token_agreement']:.1%}, "
               f"{q['new_tokens']} greedy tokens {q['greedy_token_agreement']:.1%} equal, matched prefix "
               f"{q['matched_prefix_share']:.1%}")
-    print(f"one-token GEMV with programmatic dependent launch: {R.get('gemv_pdl')}")
     if R.get("tuned_gemv"):
         print(f"one-token configs from the sweep: {R['tuned_gemv']}")
     for k in ("load_s_8b-bf16", "load_s_8b-fp8", "load_s_70b", "load_peak_gib_70b"):
@@ -383,7 +382,6 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,8b,quality,70b,32b")
-    parser.add_argument("--no-pdl", action="store_true", help="the GEMV without programmatic dependent launch")
     parser.add_argument("--tuned", default="", help="bench/fp8_sweep.py's JSON: its one-token configs for this run")
     parser.add_argument("--quick", action="store_true", help="batch 1 only: the M=1 sweep and 8B decode step")
     args = parser.parse_args()
@@ -395,7 +393,6 @@ def main():
     b = FP8Bench(args.dry_run, args.out, args.quick)
     if args.tuned:
         b.results["tuned_gemv"] = apply_tuned(args.tuned)
-    fp8_kernel.GEMV_PDL = b.results["gemv_pdl"] = fp8_kernel.GEMV_PDL and not args.no_pdl
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("8b", b.llama8b), ("quality", b.quality), ("70b", b.llama70b),

@@ -112,14 +112,12 @@ def main():
     parser.add_argument("--committed", action="store_true", help="only bf16 and the committed config per shape")
     parser.add_argument("--shapes", default="", help="comma-separated name prefixes (default: all)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
-    parser.add_argument("--no-pdl", action="store_true", help="launch the GEMV without programmatic dependent launch")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import tandem.engine.kernels.fp8_gemm as kernel  # noqa: PLC0415 (after TRITON_INTERPRET is set)
     import tandem.engine.quant.fp8 as quant  # noqa: PLC0415
 
-    kernel.GEMV_PDL = kernel.GEMV_PDL and not args.no_pdl
     dev = torch.device("cpu" if args.dry_run else "cuda")
     torch.manual_seed(0)
     shapes = {"8b-o": (64, 96), "8b-down": (40, 256)} if args.dry_run else SHAPES
@@ -127,7 +125,7 @@ def main():
     shapes = {k: v for k, v in shapes.items() if not prefixes or k.startswith(prefixes)}
     cands = [(16, 32, 4, 2), (8, 64, 2, 3)] if args.dry_run else CANDIDATES
     copy = copy_gbs(dev, 1 << 16 if args.dry_run else 1 << 30)
-    R = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_gbs": copy, "pdl": kernel.GEMV_PDL,
+    R = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_gbs": copy,
          "shapes": {}, "best": {}}
     print(f"# {R['device']}: copy {copy:.0f} GB/s (read + write)", flush=True)
     for name, (n, k) in shapes.items():
@@ -145,7 +143,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fp8_sweep.json"), "w") as f:
             json.dump(R, f, indent=1)
-    print(f"\none-token GEMV, us per call (graph replay past the L2); copy {copy:.0f} GB/s; PDL {kernel.GEMV_PDL}")
+    print(f"\none-token GEMV, us per call (graph replay past the L2); copy {copy:.0f} GB/s")
     print(f"{'shape':>12} {'N':>6} {'K':>6} {'bf16':>7} {'committed':>9} {'best':>7} {'best/bf16':>9} "
           f"{'GB/s':>6} best config (block_n, block_k, warps, stages)")
     for name, s in R["shapes"].items():

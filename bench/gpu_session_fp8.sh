@@ -3,23 +3,12 @@
 #   SWEEP=1 bash bench/gpu_session_fp8.sh   # ~3 min: the one-token GEMV sweep over every projection
 #        shape (bench/fp8_sweep.py), then 8B bf16 vs FP8 at batch 1 with the sweep's best configs
 #        and the step's breakdown
-#   PDL_AB=1 bash bench/gpu_session_fp8.sh  # ~1 min: the GEMV with programmatic dependent launch and without
 #   bash bench/gpu_session_fp8.sh           # ~5 min: the FP8 GPU tests, the committed GEMV configs per
 #        shape, then bench/fp8_gpu.py (8B bf16 vs FP8 at batch 1/64/256, quality, 70B FP8, 32B)
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ -n "${PDL_AB:-}" ]; then  # ~1 min: the GEMV tests, then 8B shapes and the 8B batch-1 step with PDL and without
-  TAIL=6 step gpu_tests 60 bash bench/gpu_tests.sh tests/gpu/test_fp8_gpu.py -k "gemm or dependent or committed"
-  cd bench
-  for flag in "" --no-pdl; do
-    timeout 40 python3 fp8_sweep.py --committed --shapes 8b $flag --out "$OUT/sweep$flag" 2>&1 | tail -7
-    timeout 60 python3 fp8_gpu.py --quick --skip kernels,quality,70b,32b $flag --out "$OUT/gpu$flag" 2>&1 \
-      | grep -E "^ *8b-|GEMV with"
-  done
-  exit
-fi
 if [ -n "${SWEEP:-}" ]; then
   (cd bench && timeout ${SWEEP_LIMIT:-200} python3 fp8_sweep.py --out "$OUT" 2>&1 | tee "$OUT/fp8_sweep.log" | grep -v "failed:")
   cd bench && timeout ${BENCH_LIMIT:-200} python3 fp8_gpu.py --out "$OUT" --quick --skip kernels,quality,70b,32b \

@@ -29,17 +29,6 @@ from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, requi
 
 FP8_DTYPE = torch.float8_e4m3fn
 
-try:  # grid dependency control (Triton >= 3.4, and the launch option it needs)
-    from triton.backends.nvidia.compiler import CUDAOptions
-    from triton.language.extra.cuda import gdc_wait
-    _HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
-except ImportError:  # pragma: no cover - older Triton: the kernel never takes the PDL branch
-    _HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
 
 @triton.jit
 def _fp8_gemm_kernel(
@@ -93,7 +82,7 @@ def _fp8_gemv_kernel(
     N, K,
     stride_wn, stride_sn,
     GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # one token: no tensor cores, no shared memory. Each program streams BLOCK_N weight rows (16-byte
     # loads along K), widens them to fp32 in registers and accumulates w * x elementwise into a
@@ -106,13 +95,7 @@ def _fp8_gemv_kernel(
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL:  # launched before the kernel ahead of it is done (programmatic dependent launch):
-        # the first weight tile depends on nothing, so its loads go out before waiting for x
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        gdc_wait()
-        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]  # per channel only: the launch never sets PDL with GROUP_K
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             x = tl.load(x_ptr + ks).to(tl.float32)
@@ -132,21 +115,6 @@ def _fp8_gemv_kernel(
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-# Programmatic dependent launch for the one-token kernel (Hopper+, a Triton with grid dependency
-# control): each GEMV starts while the kernel before it drains. GEMV_PDL = False turns it off.
-GEMV_PDL = _HAS_GDC
-_PDL_DEVICES: dict[torch.device, bool] = {}
-
-
-def _pdl_args(device: torch.device, eligible: bool) -> dict:
-    if not (eligible and GEMV_PDL and device.type == "cuda"):
-        return {"PDL": False}
-    ok = _PDL_DEVICES.get(device)
-    if ok is None:
-        ok = _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if ok else {"PDL": False}
 
 
 # one-token (block_n, block_k, num_warps, num_stages) where bench/fp8_sweep.py's best beat the
@@ -227,8 +195,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, scale, bias if bias is not None else scale, out, n, k, weight.stride(0), scale.stride(0),
             GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_pdl_args(x.device, group_k == 0 and not interpreted))
+            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
