@@ -4,7 +4,9 @@ biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), a sliding attention 
 Each layer's MLP comes from engine.moe (`build_mlp`: dense, or a mixture of experts).
 
 Every projection is an engine.linear.Linear (the model dtype, or FP8 weights with scales); the
-embeddings and the LM head stay in the model dtype.
+embeddings stay in the model dtype, and so does the LM head when it is tied to them or
+tensor-parallel (an untied head is FP8 under `--quantization fp8`). Latent attention (DeepSeek)
+comes from engine.mla.
 
 Single-device and batch-flattened: `forward(input_ids [T], positions [T], kv_cache, meta)` runs
 every scheduled token of every sequence in one pass; attention reads through the block table
