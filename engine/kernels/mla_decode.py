@@ -149,7 +149,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = choose_splits(T, H, sms)
     tok_seq, kv_len = token_positions(meta, T, reuse_positions)
-    block_r, block_p = next_power_of_2(rank), next_power_of_2(D - rank)
+    block_r, block_p = max(16, next_power_of_2(rank)), max(16, next_power_of_2(D - rank))  # tl.dot: K >= 16
     acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
     ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, H, rank, dtype=q.dtype, device=q.device)
