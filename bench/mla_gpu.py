@@ -36,6 +36,7 @@ from tandem.engine.config import PRESETS, MLAConfig, ModelConfig, MoEConfig  # n
 from tandem.engine.model import TritonOps  # noqa: E402
 from tandem.engine.model_runner import ModelRunner  # noqa: E402
 from tandem.engine.tokenizer import ByteTokenizer  # noqa: E402
+from tandem.wire.messages import SamplingParams  # noqa: E402
 
 # NCCL send/recv between two Ray actors on two H200s (docs/benchmarks.md, ../shared/device/README.md)
 NCCL_GBS = {16 << 20: 267.0, 128 << 20: 348.0, 1 << 30: 368.0}
@@ -71,10 +72,40 @@ class MLABench(Bench):
                 seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=self.dev), block_tables=tables,
                 query_lens_cpu=[1] * batch, seq_lens_cpu=[ctx] * batch, max_query_len=1, max_seq_len=ctx)
             q = torch.randn(batch, heads, rank + rope, device=self.dev, dtype=self.dtype)
-            us = self.gpu_ms(lambda: mla_decode(q, cache, meta, rank, 0.1), reps=3 if self.dry else 50) * 1e3
+            run = self.graphed(lambda: mla_decode(q, cache, meta, rank, 0.1))  # eager, it is host-bound
+            us = self.gpu_ms(run, reps=3 if self.dry else 50) * 1e3
             floor = cache.numel() * cache.element_size() / (self.results["ceilings"]["copy_gbs"] * 1e3)
             rows.append({"batch": batch, "ctx": ctx, "us": us, "floor_us": floor, "x_floor": us / floor})
             print(f"# kernel {rows[-1]}", flush=True)
+
+    def graphed(self, fn):
+        """fn captured in a CUDA graph -> its replay (fn itself on the CPU)."""
+        if self.dev.type != "cuda":
+            return fn
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    def prefill_s(self, e, n: int) -> float:
+        """Seconds of one n-token prompt's prefill step, its token on the host (overlapped steps
+        publish a step's tokens with the next one: settle)."""
+        ids = torch.randint(3, self.cfg.vocab_size, (n,), generator=self.gen).tolist()
+        e.add_request(f"p{n}-{time.perf_counter_ns()}", prompt_token_ids=ids,
+                      sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+        self.sync()
+        t0 = time.perf_counter()
+        e.step()
+        e.settle()
+        t = time.perf_counter() - t0
+        while e.has_unfinished():
+            e.step()
+        return t
 
     def load(self):
         t0 = time.perf_counter()
@@ -111,8 +142,8 @@ class MLABench(Bench):
             print(f"# decode {rows[-1]}", flush=True)
         self.results["graphs"] = e.runner.graph_stats
         n = 128 if self.dry else 8192
-        self._prefill_one(e, 256 if not self.dry else 32, self.cfg.vocab_size)  # compile
-        s = statistics.median(self._prefill_one(e, n, self.cfg.vocab_size) for _ in range(2 if self.dry else 3))
+        self.prefill_s(e, 32 if self.dry else 256)  # compile
+        s = statistics.median(self.prefill_s(e, n) for _ in range(2 if self.dry else 3))
         flops = self.prefill_flops(n)
         tf = flops / s / 1e12
         self.results["prefill"] = {"tokens": n, "s": s, "tflops": tf, "active_flops": flops,
