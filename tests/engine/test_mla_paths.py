@@ -1,8 +1,8 @@
 """DeepSeek latent attention through the GPU path on CPU (Triton's interpreter): the absorbed form
 on engine.kernels.mla_decode, the fused norm kernels and the static-buffer (CUDA graph) steps give
 the plain-torch path's greedy tokens, with staggered arrivals and chunked prefill (a 35-token prompt
-under a 24-token budget). Verify steps (several query tokens per sequence) through the kernel are
-tests/engine/test_mla_kernels.py's verify case."""
+under a 24-token budget); speculative verify steps (1 + 3 query tokens per sequence, drafts partly
+accepted, partly rolled back) on both paths give plain greedy decoding's tokens."""
 
 from __future__ import annotations
 
@@ -37,3 +37,59 @@ def test_triton_path_matches_the_cpu_path(v3, overlap):
     e.overlap = overlap
     assert _generate(e) == ref
     assert e.runner.graph_stats["replays"] > 0, "no step went through the static buffers"
+
+
+class _HalfRightProposer:
+    """Drafts the tokens plain greedy decoding will produce, the last of each draft made wrong: every
+    verify step accepts some and rolls back the rest."""
+
+    def __init__(self, future: dict[str, list[int]], vocab: int):
+        self.future, self.vocab, self.proposed = future, vocab, 0
+
+    def propose(self, wanted):
+        from tandem.engine.speculative.proposer import Draft
+
+        out = {}
+        for r, k in wanted:
+            nxt = list(self.future[r.request_id][len(r.output_token_ids):][:k])
+            if nxt:
+                nxt[-1] = (nxt[-1] + 1) % self.vocab
+                out[r.request_id] = Draft(nxt)
+                self.proposed += len(nxt)
+        return out
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton-graphs"])
+def test_speculative_verify_steps_match_plain_decoding(v3, triton):
+    """Verify steps of 1 + 3 query tokens per sequence through the absorbed form (torch, or the
+    Triton kernel in the static-buffer path): accepted drafts and rolled-back ones give exactly
+    plain greedy decoding's tokens."""
+    import copy
+
+    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.model import TritonOps
+    from tandem.engine.model_runner import ModelRunner
+
+    model, tok = v3
+    reqs = [{"prompt_token_ids": p, "max_tokens": 6, "ignore_eos": True, "request_id": f"r{i}"}
+            for i, p in enumerate(PROMPTS[:3])]
+    plain = [r["token_ids"] for r in _engine(model, tok).generate(reqs)]
+    cfg = EngineConfig(model="test", cache=CacheConfig(block_size=8, num_blocks=64),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                       speculative=SpeculativeConfig(method="ngram", num_tokens=3, verify_token_cost=0.0,
+                                                     max_verify_tokens=4096, probe_interval=1))
+    proposer = _HalfRightProposer({f"r{i}": t for i, t in enumerate(plain)}, model.config.vocab_size)
+    if triton:
+        model = copy.deepcopy(model)
+        model.ops = TritonOps()
+    e = LLMEngine(cfg, model=model, tokenizer=tok, proposer=proposer)
+    if triton:
+        e.runner = ModelRunner(model, e.kv_cache, "cpu", cuda_graphs=True, capture=False,
+                               graph_batch_sizes=(1, 2, 4, 8), max_graph_tokens=32)
+    assert [r["token_ids"] for r in e.generate(reqs)] == plain
+    assert proposer.proposed > 0 and e.stats.accepted_draft_tokens > 0
+    assert not triton or e.runner.graph_stats["replays"] > 0, "no verify step went through the static buffers"
