@@ -17,7 +17,7 @@ import torch
 from tandem.engine.stats import EngineStats
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
-from tandem.engine.cuda_graphs import batch_buckets
+from tandem.engine.cuda_graphs import MAX_GRAPH_QUERY_LEN, batch_buckets
 from tandem.engine.inflight import InFlight, feed_pending
 from tandem.engine.kv_cache import KVCache, num_blocks_for
 from tandem.engine.logprobs import step_logprobs
@@ -78,7 +78,8 @@ class LLMEngine:
         if config.speculative.enabled or proposer is not None:
             self.speculator = build_speculator(config.speculative, model, self.sampler, num_blocks=num_blocks,
                                                block_size=bs, dtype=config.dtype, seed=config.seed,
-                                               draft_model=draft_model, proposer=proposer)
+                                               draft_model=draft_model, proposer=proposer,
+                                               max_rows=None if self.runner.graphs is None else MAX_GRAPH_QUERY_LEN)
         self.detok: dict[str, IncrementalDetokenizer] = {}
         # overlap the host's work with the device's (engine.inflight): on by default on CUDA, for
         # one model on one device (tensor-parallel ranks replay the host's token ids)

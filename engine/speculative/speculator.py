@@ -30,11 +30,13 @@ from tandem.engine.weights import load_model
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, policy: SpeculationLengthPolicy, sampler: Sampler, num_tokens: int):
+    def __init__(self, proposer: Proposer, policy: SpeculationLengthPolicy, sampler: Sampler, num_tokens: int,
+                 max_drafts: int | None = None):
         self.proposer = proposer
         self.policy = policy
         self.sampler = sampler
         self.num_tokens = num_tokens  # default k for requests that do not set their own
+        self.max_drafts = max_drafts  # per sequence per step, whatever a request asks (None: no bound)
         self._tracked: set[str] = set()
 
     def caps(self, running: list[Request]) -> tuple[dict[str, int], int]:
@@ -47,6 +49,7 @@ class Speculator:
                 continue
             k = r.sampling.num_speculative_tokens
             k = self.num_tokens if k is None else k
+            k = k if self.max_drafts is None else min(k, self.max_drafts)
             # every accepted draft plus the bonus token is output: never draft past max_tokens
             caps[r.request_id] = min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1)
         return caps, other
@@ -173,9 +176,15 @@ def resolve_verify_token_cost(cfg: SpeculativeConfig, device: torch.device) -> f
 
 
 def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_blocks: int, block_size: int,
-                     dtype: str, seed: int, draft_model=None, proposer: Proposer | None = None) -> Speculator:
-    """The proposer named by `cfg.method` (or the one given), with its length policy."""
+                     dtype: str, seed: int, draft_model=None, proposer: Proposer | None = None,
+                     max_rows: int | None = None) -> Speculator:
+    """The proposer named by `cfg.method` (or the one given), with its length policy. max_rows:
+    the most query rows (1 + drafts, chain or tree) a sequence may verify in a step; the engine
+    passes the CUDA graphs' limit, since past it a step runs eager, which costs 3.5-6x a decode
+    step on an H200 at batch 1-8 where a graphed 16-row tree costs 1.1x (docs/benchmarks.md)."""
     device = target.embed_tokens.weight.device
+    max_drafts = None if max_rows is None else max_rows - 1
+    tree_nodes = cfg.suffix_tree_nodes if max_drafts is None else min(cfg.suffix_tree_nodes, max_drafts)
     if proposer is None:
         if cfg.method == "ngram":
             proposer = NgramProposer(cfg.min_n, cfg.max_n)
@@ -184,7 +193,7 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
                                       min_token_prob=cfg.suffix_min_token_prob,
                                       max_spec_factor=cfg.suffix_max_spec_factor,
                                       max_global_tokens=cfg.suffix_max_global_tokens,
-                                      tree_nodes=cfg.suffix_tree_nodes)
+                                      tree_nodes=tree_nodes)
         elif cfg.method == "draft":
             if draft_model is None:
                 if cfg.draft_model is not None:
@@ -199,4 +208,4 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
             raise ValueError(f"speculative method {cfg.method!r} has no proposer")
     policy = SpeculationLengthPolicy.from_config(cfg, resolve_max_verify_tokens(cfg, device),
                                                  resolve_verify_token_cost(cfg, device))
-    return Speculator(proposer, policy, sampler, cfg.num_tokens)
+    return Speculator(proposer, policy, sampler, cfg.num_tokens, max_drafts)
