@@ -56,6 +56,12 @@ def _wait(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _router_sees(c, worker_id: str, pool: str) -> bool:
+    """The (first) router places `pool`'s work on `worker_id` now."""
+    view = c.routers[0][1].view
+    return any(w.worker_id == worker_id and w.state == "ready" for w in view.views(pool))
+
+
 def _set_role(c, worker_id: str, role: str, reason: str) -> float:
     t0 = time.perf_counter()
     entry = ray.get(c.cluster.controller.set_role.remote(worker_id, role, reason), timeout=10)
@@ -74,12 +80,16 @@ def test_roles_change_under_traffic_with_no_request_lost_and_outputs_token_exact
     _wait(lambda: getattr(c.worker_stats().get("prefill-0"), "prefills", 0) > 0, 60, "a remote prefill")
     took = [_set_role(c, "prefill-0", "decode", "test: lend the prefill worker to decode"),
             _set_role(c, "decode-1", "prefill", "test: lend a decode worker to prefill")]
-    time.sleep(0.6)                           # the routers' views refresh every 0.25 s
+    # the router's view refreshes every 0.25 s; on a loaded machine a fixed wait was not always enough,
+    # and requests placed on the old view never decoded on prefill-0 (a CI run failed so)
+    _wait(lambda: _router_sees(c, "prefill-0", "decode") and _router_sees(c, "decode-1", "prefill"), 30,
+          "the router's view of the new roles")
     traffic.send(range(6, 12))                # decoded on prefill-0 or decode-0, prefilled on decode-1
     _wait(lambda: getattr(c.worker_stats().get("prefill-0"), "running", 0) > 0, 60, "a decode on prefill-0")
     took += [_set_role(c, "prefill-0", "prefill", "test: back"),      # its decodes in flight go on
              _set_role(c, "decode-1", "decode", "test: back")]
-    time.sleep(0.6)
+    _wait(lambda: _router_sees(c, "prefill-0", "prefill") and _router_sees(c, "decode-1", "decode"), 30,
+          "the router's view of the roles back")
     traffic.send(range(12, n))
     traffic.join()
 
