@@ -27,43 +27,12 @@ from tandem.kv_transfer.fake import FakeNetwork
 from tandem.kv_transfer.rank_ends import RankTransport
 from tandem.kv_transfer.reshard import head_routes, rank_actor_id
 from tandem.kv_transfer.spec import TransferSpec
-from tandem.kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.testing import InProcessRanks, TensorBlockStore
 from tandem.kv_transfer.tp_ends import ReshardingReceiver, ReshardingSender, TPLayout
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 CONFIG = KVTransferConfig(start_timeout_s=60.0, timeout_s=60.0, connect_timeout_s=60.0)
 PAIRS = [(1, 1), (2, 2), (2, 1), (1, 2), (4, 2), (2, 4)]
-
-
-class _Ranks:
-    def __init__(self, transports):
-        self.transports = transports
-
-    def call(self, rank, op, *args):
-        return self.transports[rank].call(op, *args)
-
-    post = call
-
-    def ask(self, rank, op, *args, then=None):
-        return _Answered(self.call, rank, op, *args)
-
-
-class _Answered:
-    """An answer computed at once (ranks in this process)."""
-
-    def __init__(self, call, *args):
-        try:
-            self.value, self.error = call(*args), None
-        except Exception as e:  # noqa: BLE001 - raised again by get, as a Ray call's error is
-            self.value, self.error = None, e
-
-    def ready(self):
-        return True
-
-    def get(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def _worker(net, wid, tp, sending, layers, blocks, tps):
@@ -72,7 +41,7 @@ def _worker(net, wid, tp, sending, layers, blocks, tps):
                               TPLayout(wid, r, tp, HEADS, tps.__getitem__)) for r in range(1, tp)}
     cls = ReshardingSender if sending else ReshardingReceiver
     end = cls(caches[0], net.connector(wid), CONFIG, TPLayout(wid, 0, tp, HEADS, tps.__getitem__),
-              _Ranks(ranks) if ranks else None)
+              InProcessRanks(ranks) if ranks else None)
     return end, ranks
 
 

@@ -1,5 +1,6 @@
 """A plain-tensor `BlockStore` for tests: the engine's KV cache (Llama layout), filled with seeded
-random values instead of a model's KV, plus a per-block view to assert on."""
+random values instead of a model's KV, plus a per-block view to assert on; and `InProcessRanks`, a
+tensor-parallel worker's ranks 1..N-1 in this process."""
 
 from __future__ import annotations
 
@@ -46,3 +47,37 @@ class TensorBlockStore(KVCache):
 
 
 _IN_PROCESS: dict[bytes, torch.Tensor] = {}     # TensorBlockStore.share on CPU: one test process
+
+
+class InProcessRanks:
+    """RankEnds' view of ranks 1..N-1 when they live in this process (tests, bench/reshard_cpu.py):
+    each rank a RankTransport, every call answered at once."""
+
+    def __init__(self, transports):
+        self.transports = transports
+
+    def call(self, rank, op, *args):
+        return self.transports[rank].call(op, *args)
+
+    post = call
+
+    def ask(self, rank, op, *args, then=None):
+        return _Answered(self.call, rank, op, *args)
+
+
+class _Answered:
+    """An answer computed at once (ranks in this process)."""
+
+    def __init__(self, call, *args):
+        try:
+            self.value, self.error = call(*args), None
+        except Exception as e:  # noqa: BLE001 - raised again by get, as a Ray call's error is
+            self.value, self.error = None, e
+
+    def ready(self):
+        return True
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value

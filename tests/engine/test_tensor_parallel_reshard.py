@@ -18,7 +18,7 @@ from tandem.kv_transfer.fake import FakeNetwork
 from tandem.kv_transfer.rank_ends import RankTransport
 from tandem.kv_transfer.reshard import HeadSliceStore, head_routes, rank_actor_id, rank_specs, split_actor_id
 from tandem.kv_transfer.spec import TransferSpec
-from tandem.kv_transfer.testing import TensorBlockStore
+from tandem.kv_transfer.testing import InProcessRanks, TensorBlockStore
 from tandem.kv_transfer.tp_ends import ReshardingReceiver, ReshardingSender, TPLayout
 from tandem.wire.errors import ConfigError
 
@@ -76,39 +76,6 @@ def test_head_slice_store_gathers_and_scatters_only_its_heads():
     assert torch.equal(cache.tensor, before)
 
 
-class _Ranks:
-    """RankEnds in one process: ranks 1..N-1 as RankTransports."""
-
-    def __init__(self, transports):
-        self.transports = transports
-
-    def call(self, rank, op, *args):
-        return self.transports[rank].call(op, *args)
-
-    post = call
-
-    def ask(self, rank, op, *args, then=None):
-        return _Answered(self.call, rank, op, *args)
-
-
-class _Answered:
-    """An answer computed at once (ranks in this process)."""
-
-    def __init__(self, call, *args):
-        try:
-            self.value, self.error = call(*args), None
-        except Exception as e:  # noqa: BLE001 - raised again by get, as a Ray call's error is
-            self.value, self.error = None, e
-
-    def ready(self):
-        return True
-
-    def get(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 def _worker(net, worker_id, tp, sending, full, tps):
     """A worker of `tp` ranks whose rank r cache holds its heads of `full` (None: zeros), ->
     (rank 0's end, rank caches, rank transports)."""
@@ -123,7 +90,7 @@ def _worker(net, worker_id, tp, sending, full, tps):
              for r in range(1, tp)}
     released = []
     cls = ReshardingSender if sending else ReshardingReceiver
-    end = cls(caches[0], net.connector(worker_id), FAST, layout(0), _Ranks(ranks) if ranks else None,
+    end = cls(caches[0], net.connector(worker_id), FAST, layout(0), InProcessRanks(ranks) if ranks else None,
               on_release=released.append)
     end.released = released
     return end, caches, ranks
@@ -191,7 +158,7 @@ def test_a_rank_that_cannot_send_fails_the_whole_transfer_and_releases_once(monk
     receiver.close()
 
 
-class _GoneRanks(_Ranks):
+class _GoneRanks(InProcessRanks):
     """Rank 1 dies once its transfers are registered: every later call fails (as a Ray call to a
     dead actor does)."""
 
