@@ -30,6 +30,7 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine_gpu import Bench  # noqa: E402  (a sibling file: bench scripts run as files)
+from moe_step_profile import print_profile, profile_step  # noqa: E402  (as above)
 from tandem.engine.attention import AttentionMetadata  # noqa: E402
 from tandem.engine.build import build_model, random_fill  # noqa: E402
 from tandem.engine.config import PRESETS, MLAConfig, ModelConfig, MoEConfig  # noqa: E402
@@ -141,6 +142,9 @@ class MLABench(Bench):
             rows.append({**r, "weight_gb_read": wbytes / 1e9, "experts_hit_per_layer": hit})
             print(f"# decode {rows[-1]}", flush=True)
         self.results["graphs"] = e.runner.graph_stats
+        if self.profile_steps:
+            for b in batches:
+                self.section(f"profile_b{b}", lambda b=b: self.profile_rows(e, b, ctx))
         n = 128 if self.dry else 8192
         self.prefill_s(e, 32 if self.dry else 256)  # compile
         s = statistics.median(self.prefill_s(e, n) for _ in range(2 if self.dry else 3))
@@ -149,6 +153,21 @@ class MLABench(Bench):
         self.results["prefill"] = {"tokens": n, "s": s, "tflops": tf, "active_flops": flops,
                                    "of_matmul": tf / self.results["ceilings"]["matmul_tflops"]}
         print(f"# prefill {self.results['prefill']}", flush=True)
+
+    def profile_rows(self, e, batch: int, ctx: int) -> None:
+        """GPU time by part of one decode step of `batch` sequences, replayed from its graph."""
+        e.settle()
+        reqs = self.admit(e, batch, ctx, 4, f"prof{batch}")
+        inputs = e.runner.prepare(e.scheduler.schedule())
+        replays = e.runner.graph_stats["replays"]
+        p = profile_step(self.model, lambda: e.runner.execute(inputs),
+                         lambda: e.runner.execute(inputs, layer_done=lambda layer: None), self.dev.type == "cuda")
+        p["graph_replays"] = e.runner.graph_stats["replays"] - replays  # 4 when the step is a graph
+        p["replay_ms"] = self.gpu_ms(lambda: e.runner.execute(inputs), reps=3 if self.dry else 20)
+        for r in reqs:
+            e.abort(r.request_id)
+        self.results[f"profile_b{batch}"] = p
+        print_profile(f"profile batch {batch} x {ctx} (graph replays seen: {p['graph_replays']})", p, p["replay_ms"])
 
     def prefill_flops(self, n: int) -> float:
         """Active FLOPs of an n-token prefill: 2 x active weights x n (the expanded form: kv_b_proj on
@@ -205,12 +224,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--profile", action="store_true", help="GPU time by part of the batch-1 and 64 decode steps")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out (kernel)")
     args = ap.parse_args()
     b = MLABench(DRY, args.out)
+    b.profile_steps = args.profile
     b.dtype = torch.float32 if DRY else torch.bfloat16
     b.save = lambda: _save(b)
     b.section("ceilings", b.ceilings)
-    b.section("kernel", b.kernel)
+    if "kernel" not in args.skip:
+        b.section("kernel", b.kernel)
     b.section("load", b.load)
     b.section("decode", b.decode_rows)
     b.section("transfer", b.transfer)
