@@ -188,12 +188,14 @@ def attention_sweep(bench: Bench, shapes, sizes) -> list[dict]:
     """The decode attention kernel alone at each partition size (None: one pass), llama3-8b's
     heads (32 query, 8 KV, head_dim 128), bf16, block 16, replayed from a CUDA graph."""
     from tandem.engine.attention import AttentionMetadata  # noqa: PLC0415
+    from tandem.engine.kernels import attention_split  # noqa: PLC0415
+    from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
     from tandem.engine.kernels.paged_attention import (_num_sms, choose_partition_size,  # noqa: PLC0415
                                                        paged_decode_attention)
 
     dev, dtype = bench.dev, (torch.float32 if bench.dry else torch.bfloat16)
     hq, hkv, d, bs = (4, 2, 16, 16) if bench.dry else (32, 8, 128, 16)
-    rows = []
+    rows, saved = [], attention_split.POLICY
     for b, ctx in shapes:
         nb = ctx // bs
         k = torch.randn(b * nb + 1, bs, hkv, d, dtype=dtype, device=dev)
@@ -209,9 +211,8 @@ def attention_sweep(bench: Bench, shapes, sizes) -> list[dict]:
         ref = paged_decode_attention(q, k, v, meta, 0.1, partition_size=None).float()
         kv_bytes = 2 * b * ctx * hkv * d * k.element_size()
         auto = choose_partition_size(b, hkv, ctx, _num_sms(dev))
-        for size in sizes:
-            if size is not None and size >= ctx:
-                continue
+        for size, merge in [(None, False)] + [(s, m) for s in sizes if s < ctx for m in (False, True)]:
+            set_split_policy(vector_merge=merge)
             fn = lambda: paged_decode_attention(q, k, v, meta, 0.1, out, partition_size=size)  # noqa: E731
             fn()
             err = (out.float() - ref).abs().max().item()
@@ -225,11 +226,13 @@ def attention_sweep(bench: Bench, shapes, sizes) -> list[dict]:
             else:
                 us = bench.gpu_ms(fn, reps=1, warmup=0) * 1e3
             parts = 1 if size is None else -(-ctx // size)
-            r = {"batch": b, "ctx": ctx, "partition": size, "programs": b * hkv * parts, "us": us,
-                 "gbs": kv_bytes / us / 1e3, "auto": size == auto, "max_err": err}
+            r = {"batch": b, "ctx": ctx, "partition": size, "merge": "vector" if merge else "loop",
+                 "programs": b * hkv * parts, "us": us, "gbs": kv_bytes / us / 1e3, "auto": size == auto,
+                 "max_err": err}
             rows.append(r)
-            print(f"| {b} x {ctx} | {size} | {r['programs']} | {us:.1f} | {r['gbs']:.0f} | "
-                  f"{'auto' if r['auto'] else ''} | {err:.1e} |", flush=True)
+            print(f"| {b} x {ctx} | {size} | {r['merge'] if size else ''} | {r['programs']} | {us:.1f} | "
+                  f"{r['gbs']:.0f} | {'auto' if r['auto'] else ''} | {err:.1e} |", flush=True)
+    set_split_policy(vector_merge=saved.vector_merge)
     return rows
 
 
@@ -238,6 +241,9 @@ def profile_rows(bench: Bench, model, tok, rows, args) -> None:
     if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here), overlapped as on CUDA
         e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
     res = bench.results["profile"] = []
+    from tandem.engine.kernels import attention_split  # noqa: PLC0415 (triton loads only where kernels run)
+    print(f"# split plan: {attention_split.POLICY}", flush=True)
+    bench.results["policy"] = str(attention_split.POLICY)
     print("| batch x ctx | overlap | step ms | fwd ms | GPU busy ms | GPU idle ms | attention ms | GEMM ms | "
           "copies ms | other ms | " + " | ".join(f"{p} ms" for p in PHASES) + " | host ms |")
     print("|---|---|" + "---:|" * 15)
@@ -265,11 +271,17 @@ def main() -> None:
     ap.add_argument("--generate", default="256x1024", help="shapes for the generate breakdown ('' to skip)")
     ap.add_argument("--attn", default="1x1024,4x1024,16x1024,64x1024,1x8192,8x8192,32x8192",
                     help="shapes for the attention sweep ('' to skip)")
+    ap.add_argument("--policy", default="", help="split plan for the engine rows, e.g. "
+                    "min_partition=64,programs_per_sm=2,vector_merge=1 (attention_split.SplitPolicy)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = ap.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
+    if args.policy:
+        from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
+        set_split_policy(**{k: int(v) if k != "vector_merge" else v == "1"
+                            for k, v in (p.split("=") for p in args.policy.split(","))})
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
@@ -286,9 +298,9 @@ def main() -> None:
         bench.save()
         del model
     if args.attn:
-        sizes = [None, 64, 128, 256, 512, 1024, 2048]
-        print("\n| batch x ctx | partition | programs | us | K/V GB/s | | max err vs one pass |")
-        print("|---|---:|---:|---:|---:|---|---:|")
+        sizes = [64, 128, 256, 512, 1024, 2048]
+        print("\n| batch x ctx | partition | merge | programs | us | K/V GB/s | | max err vs one pass |")
+        print("|---|---:|---|---:|---:|---:|---|---:|")
         shapes = [(1, 256), (4, 128)] if bench.dry else parse(args.attn)
         bench.results["attention"] = attention_sweep(bench, shapes, sizes)
     bench.save()

@@ -48,6 +48,8 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels import attention_split
+from tandem.engine.kernels.attention_split import choose_partition_size, merge_partitions
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                      require_tensor)
 
@@ -420,18 +422,6 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                          block_n: int = 64, min_partition: int = 256) -> int | None:
-    """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
-    every SM two programs, else a partition size (a multiple of block_n, at least min_partition
-    keys) that brings the program count up to about that."""
-    programs = num_seqs * num_kv_heads
-    parts = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, min_partition))
-    if parts <= 1:
-        return None
-    return triton.cdiv(triton.cdiv(max_seq_len, parts), block_n) * block_n
-
-
 _DECODE_BLOCK_N = 64
 # one pass reads each sequence's whole context, whatever meta.max_seq_len says (graph replays)
 _WHOLE_CONTEXT = 2**30
@@ -501,7 +491,9 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         SLIDING=sliding_window is not None, TREE=tree is not None,
         num_warps=num_warps, num_stages=num_stages, **common,
     )
-    if split:
+    if split and attention_split.POLICY.vector_merge:
+        merge_partitions(out, part_out, part_ml, meta, partition_size, seqs.first, seqs.count, seqs.max_query_len)
+    elif split:
         _reduce_partitions_kernel[(seqs.count, num_kv_heads)](
             out, part_out, part_ml, meta.query_start_loc, meta.seq_lens,
             partition_size, seqs.first, out.stride(0), out.stride(1), num_heads * num_parts,

@@ -1,0 +1,118 @@
+"""Split-K plans for the decode attention kernel (flash-decoding), and the merge of the partitions.
+
+A decode launch (`paged_attention._decode_kernel`) has one program per (sequence, KV head): at a
+small batch that is far fewer programs than the GPU has SMs (llama3-8b at batch 1: 8 programs on
+132 SMs), so each sequence's context is split into partitions, one program each, whose softmax
+states a second kernel merges. `choose_partition_size` picks the split from the grid: enough
+programs for `SplitPolicy.programs_per_sm` per SM, partitions of at least `min_partition` keys.
+
+Two merge kernels, the same arithmetic (fp32, m/l rescaling in the log2 domain):
+- `paged_attention._reduce_partitions_kernel`: one program per (sequence, KV head), looping over
+  the partitions one at a time (each iteration waits for its loads);
+- `_merge_partitions_kernel` here: one program per (query token, query head), loading up to
+  MERGE_TILE partitions' states at once ([MERGE_TILE, head_dim]), so a merge of 16 partitions is
+  one round of loads. Used when `SplitPolicy.vector_merge` (off until measured on the device).
+
+`POLICY` is the process's plan; `set_split_policy` replaces it (benchmarks compare plans). CUDA
+graphs record the plan in force at capture: set it before the engine captures any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+MERGE_TILE = 16  # partitions one merge iteration loads
+_NEG_BIG = tl.constexpr(-1.0e30)  # paged_attention's finite "minus infinity"
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    min_partition: int = 256  # keys: a partition is at least this long (a multiple of block_n)
+    programs_per_sm: int = 2  # split until (sequences x KV heads x partitions) reaches this per SM
+    vector_merge: bool = False  # merge with _merge_partitions_kernel (else the looping reduce)
+
+
+POLICY = SplitPolicy()
+
+
+def set_split_policy(**changes) -> SplitPolicy:
+    """Replace fields of the process's split plan; returns the previous plan (to restore it)."""
+    global POLICY
+    for name, value in changes.items():
+        if name not in SplitPolicy.__dataclass_fields__:
+            raise ValueError(f"SplitPolicy has no field {name!r}")
+        if name in ("min_partition", "programs_per_sm") and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"SplitPolicy.{name} must be a positive int, got {value!r}")
+    old, POLICY = POLICY, dataclasses.replace(POLICY, **changes)
+    return old
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          block_n: int = 64, min_partition: int | None = None) -> int | None:
+    """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
+    every SM `programs_per_sm` programs, else a partition size (a multiple of block_n, at least
+    min_partition keys, POLICY's when None) that brings the program count up to about that."""
+    policy = POLICY
+    min_partition = policy.min_partition if min_partition is None else min_partition
+    min_partition = max(block_n, min_partition)
+    programs = num_seqs * num_kv_heads
+    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs), triton.cdiv(max_seq_len, min_partition))
+    if parts <= 1:
+        return None
+    return triton.cdiv(triton.cdiv(max_seq_len, parts), block_n) * block_n
+
+
+@triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_ot', 'stride_oh', 'stride_pt', 'stride_ph'])
+def _merge_partitions_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,
+    partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+):
+    # grid: (sequences of the launch, query heads, longest query of the launch)
+    seq = first_seq + tl.program_id(0)
+    head = tl.program_id(1)
+    t = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if t >= tl.load(query_start_loc_ptr + seq + 1) - q_start:
+        return
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
+    # partial states: acc [tokens, Hq, P, D], (m, l) [tokens, Hq, P, 2], tokens counted from the
+    # launch's first token
+    row = (q_start + t - tl.load(query_start_loc_ptr + first_seq)).to(tl.int64) * stride_pt + head * stride_ph
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.arange(0, TILE)
+    m = tl.full([1], _NEG_BIG, tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for p0 in range(0, num_parts, TILE):
+        ok = p0 + parts < num_parts
+        at = row + p0 + parts  # [TILE]
+        m_p = tl.load(part_ml_ptr + at * 2, mask=ok, other=_NEG_BIG)
+        l_p = tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0)
+        o_p = tl.load(part_out_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_p, 0))
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(m_p - m_new)  # [TILE]; masked partitions: exp2(-1e30 - m_new) = 0
+        acc = acc * a + tl.sum(o_p * b[:, None], 0)
+        denom = denom * a + tl.sum(l_p * b, 0)
+        m = m_new
+    out = acc / denom
+    token = (q_start + t).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_partitions(out, part_out, part_ml, meta, partition_size: int, first_seq: int, num_seqs: int,
+                     max_query_len: int) -> None:
+    """Merge the partial states of `_decode_kernel`'s split launch over sequences
+    [first_seq, first_seq + num_seqs) into out [T, Hq, D]. part_out [tokens, Hq, P, D] and
+    part_ml [tokens, Hq, P, 2] fp32 contiguous, tokens counted from the launch's first token."""
+    num_heads, num_parts, head_dim = part_out.shape[1:]
+    _merge_partitions_kernel[(num_seqs, num_heads, max_query_len)](
+        out, part_out, part_ml, meta.query_start_loc, meta.seq_lens,
+        partition_size, first_seq, out.stride(0), out.stride(1), num_heads * num_parts, num_parts,
+        HEAD_DIM=head_dim, TILE=MERGE_TILE, num_warps=4,
+    )

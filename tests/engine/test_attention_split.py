@@ -1,0 +1,83 @@
+"""Split-K decode attention (engine.kernels.attention_split): the partition plan, and the vector
+merge kernel against the plain-torch reference (under TRITON_INTERPRET=1 on CPU), with the same
+batches the looping reduce is checked on in test_kernels."""
+
+import pytest
+import torch
+
+from tests.engine.test_kernels import TOL, make_batch, reference, rel_err  # sets TRITON_INTERPRET
+
+import tandem.engine.kernels.paged_attention as pa  # noqa: E402
+from tandem.engine.kernels import attention_split  # noqa: E402
+from tandem.engine.kernels.attention_split import choose_partition_size, set_split_policy  # noqa: E402
+
+
+@pytest.fixture
+def policy():
+    """Restores the process's split plan after the test."""
+    old = attention_split.POLICY
+    yield set_split_policy
+    attention_split.POLICY = old
+
+
+@pytest.mark.parametrize("vector_merge", [False, True], ids=["loop-reduce", "vector-merge"])
+@pytest.mark.parametrize("query_lens,ctx_lens", [
+    ([1, 1, 1], [200, 63, 1100]),     # decode; 1101 keys in 64-key partitions: 18, two merge tiles
+    ([3, 1, 2], [130, 0, 70]),        # verify rows
+], ids=["decode", "verify"])
+def test_split_merge_matches_reference(monkeypatch, policy, vector_merge, query_lens, ctx_lens):
+    policy(vector_merge=vector_merge)
+    merges = []
+    monkeypatch.setattr(pa, "merge_partitions", lambda *a: merges.append(a) or attention_split.merge_partitions(*a))
+    gen = torch.Generator().manual_seed(sum(ctx_lens))
+    q, k_cache, v_cache, meta = make_batch(gen, query_lens, ctx_lens, 4, 2, 32, 16)
+    ref = reference(q, k_cache, v_cache, meta, 0.2)
+    for partition_size in (64, 192):
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=out, partition_size=partition_size)
+        assert rel_err(out, ref) < TOL[torch.float32], partition_size
+    splits = sum(p < meta.max_seq_len for p in (64, 192))  # a partition as long as the context: one pass
+    assert len(merges) == (splits if vector_merge else 0)   # the policy picks the merge kernel
+
+
+def test_vector_merge_of_a_launch_that_starts_past_the_first_sequence(policy):
+    # a decode launch over sequences [1, 3) of the batch: partial states are indexed from the
+    # launch's first token, the output rows are the batch's
+    policy(vector_merge=True)
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, meta = make_batch(gen, [2, 1, 3], [90, 300, 150], 4, 1, 16, 16)
+    ref = reference(q, k_cache, v_cache, meta, 0.3)
+    out = torch.full_like(q, float("nan"))
+    pa._decode(q, k_cache, v_cache, meta, 0.3, out, pa._SeqRange(meta, 1, 2), partition_size=64)
+    assert out[:2].isnan().all()                      # sequence 0's rows: not this launch's
+    assert rel_err(out[2:], ref[2:]) < TOL[torch.float32]
+
+
+def test_vector_merge_with_a_sliding_window(policy):
+    # partitions wholly before the window keep m = -1e30, l = 0 and weigh nothing in the merge
+    policy(vector_merge=True)
+    gen = torch.Generator().manual_seed(9)
+    q, k_cache, v_cache, meta = make_batch(gen, [1, 2], [400, 90], 4, 2, 32, 16)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=out, partition_size=64, sliding_window=100)
+    ref = torch.full_like(q, float("nan"))
+    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=ref, partition_size=None, sliding_window=100)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_partition_plan_follows_the_policy(policy):
+    # llama3-8b at batch 1 x 1k on 132 SMs: 8 programs unsplit
+    assert choose_partition_size(1, 8, 1024, 132) == 256          # the default: 4 partitions
+    policy(min_partition=64)
+    assert choose_partition_size(1, 8, 1024, 132) == 64           # 16 partitions, 128 programs
+    assert choose_partition_size(64, 8, 1024, 132) is None        # 512 programs: no split
+    policy(programs_per_sm=4)
+    assert choose_partition_size(32, 8, 8192, 132) == 2752        # 256 programs -> 3 partitions
+    assert choose_partition_size(1, 8, 40, 132) is None           # shorter than one partition
+
+
+def test_set_split_policy_refuses_unknown_or_bad_fields(policy):
+    with pytest.raises(ValueError, match="no field 'min_parts'"):
+        policy(min_parts=64)
+    with pytest.raises(ValueError, match="positive int"):
+        policy(min_partition=0)
