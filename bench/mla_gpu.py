@@ -117,7 +117,10 @@ class MLABench(Bench):
         self.cfg, self.tok = cfg, ByteTokenizer(cfg.vocab_size, cfg.eos_token_ids)
         self.sync()
         total = sum(p.numel() for p in self.model.parameters())
+        from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (after the env is set)
+
         self.results["model"] = {"params": total, "load_s": time.perf_counter() - t0,
+                                 "fused_prepare": LatentAttention.fused_prepare,
                                  "kv_bytes_per_token": self.kv_bytes_per_token(self.model)}
         print(f"# model {self.results['model']}", flush=True)
 
@@ -226,7 +229,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--profile", action="store_true", help="GPU time by part of the batch-1 and 64 decode steps")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out (kernel)")
+    ap.add_argument("--fused-prepare", choices=("on", "off"), default=None,
+                    help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
     args = ap.parse_args()
+    if args.fused_prepare:
+        from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (only to set the option)
+
+        LatentAttention.fused_prepare = args.fused_prepare == "on"
     b = MLABench(DRY, args.out)
     b.profile_steps = args.profile
     b.dtype = torch.float32 if DRY else torch.bfloat16

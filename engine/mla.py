@@ -160,23 +160,29 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         self.interleave = m.rope_interleave
         qk = self.nope + self.rope
-        if m.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * qk)
-        else:
-            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank)
+        self.q_lora = m.q_lora_rank is not None
+        # x feeds q_proj (or q_a_proj) and kv_a_proj_with_mqa: one GEMM, its rows the two weights
+        self.q_a_out = m.q_lora_rank if self.q_lora else cfg.num_heads * qk
+        self.qkv_a_proj = Linear(cfg.hidden_size, self.q_a_out + self.rank + self.rope)
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
             self.q_b_proj = Linear(m.q_lora_rank, cfg.num_heads * qk)
-        self.q_lora = m.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = Linear(self.rank, cfg.num_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(cfg.num_heads * self.v_dim, cfg.hidden_size)
         self.reduce_output = no_reduce
         self.scale = softmax_scale(cfg)
 
+    # the one-launch norm + rope + cache write (engine.kernels.mla_prepare) on the Triton path: off
+    # until a GPU has compiled it (the torch steps otherwise)
+    fused_prepare = False
+
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        names = (["q_a_proj", "q_b_proj"] if self.q_lora else ["q_proj"]) + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-        out = {f"{prefix}{n}.weight": getattr(self, n).weight.detach() for n in names}
+        q_a, kv_a = self.qkv_a_proj.weight.detach().split([self.q_a_out, self.rank + self.rope], 0)
+        out = {f"{prefix}{'q_a_proj' if self.q_lora else 'q_proj'}.weight": q_a,
+               f"{prefix}kv_a_proj_with_mqa.weight": kv_a}
+        names = (["q_b_proj"] if self.q_lora else []) + ["kv_b_proj", "o_proj"]
+        out.update({f"{prefix}{n}.weight": getattr(self, n).weight.detach() for n in names})
         for n in (["q_a_layernorm"] if self.q_lora else []) + ["kv_a_layernorm"]:
             out[f"{prefix}{n}.weight"] = getattr(self, n).weight.detach()
         return out
@@ -199,30 +205,44 @@ class LatentAttention(nn.Module):
             raise NotImplementedError("tree speculation with latent attention is not implemented "
                                       "(chain drafts are: ngram, suffix and draft without trees)")
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q_nope, q_pe = q.view(T, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        # q's heads and the shared rope key rotated in one pass: [T, H + 1, rope]
-        pe = apply_latent_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), positions, cos_sin, self.interleave)
-        q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
+        q, kv = self.project(x)
         cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
-        write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
+        if kernel is not None and self.fused_prepare:
+            from tandem.engine.kernels.mla_prepare import mla_prepare  # noqa: PLC0415 (as forward_fused's)
+
+            q_pe = mla_prepare(q, kv, positions, cos_sin, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                               cache, meta.slot_mapping, self.nope, self.interleave)
+        else:
+            c, k_pe = kv.split([self.rank, self.rope], dim=-1)
+            # q's heads and the shared rope key rotated in one pass: [T, H + 1, rope]
+            pe = apply_latent_rope(torch.cat([q[..., self.nope:], k_pe[:, None]], dim=1), positions, cos_sin,
+                                   self.interleave)
+            q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
+            write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
+        q_nope = q[..., :self.nope]
         if meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
             o = self._absorbed(q_nope, q_pe, cache, meta, kernel)
         else:
             o = self._expanded(q_nope, q_pe, cache, meta)
         return self.reduce_output(self.o_proj(o.reshape(T, self.num_heads * self.v_dim)))
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (q [T, H, nope + rope], kv [T, rank + rope]: the latent c, then k_pe), views."""
+        q, kv = self.qkv_a_proj(x).split([self.q_a_out, self.rank + self.rope], dim=-1)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(x.shape[0], self.num_heads, self.nope + self.rope), kv
+
     def _absorbed(self, q_nope, q_pe, cache, meta, kernel) -> torch.Tensor:
-        """-> [T, H, v]: scores and values in latent space, then W_UV per head."""
+        """-> [T, H, v]: scores and values in latent space, W_UK and W_UV one batched GEMM each
+        over the heads ([H, T, .] operands, so neither needs a copy)."""
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
-        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, rank + rope]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         if kernel is None:
-            o_lat = latent_attention_torch(q_full, cache, self.rank, meta, self.scale)
-        else:
-            o_lat = kernel(q_full, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0)
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+            o_lat = latent_attention_torch(torch.cat([q_lat, q_pe], dim=-1), cache, self.rank, meta, self.scale)
+        else:  # [T, H, rank], laid out as [H, T, rank]
+            o_lat = kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
         """-> [T, H, v]: each sequence's latents expanded to per-head K and V, causal with its offset."""

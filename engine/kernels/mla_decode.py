@@ -29,9 +29,9 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _mla_partial_kernel(
-    q_ptr, cache_ptr, tables_ptr, tok_seq_ptr, kv_len_ptr, acc_ptr, ml_ptr,
+    q_ptr, q_pe_ptr, cache_ptr, tables_ptr, tok_seq_ptr, kv_len_ptr, acc_ptr, ml_ptr,
     scale, block_size, num_heads,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_tb,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_cb, stride_cs, stride_tb,
     RANK: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -50,7 +50,8 @@ def _mla_partial_kernel(
     p = tl.arange(0, BLOCK_P)
     q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + r[None, :], mask=hmask[:, None] & (r[None, :] < RANK), other=0.0)  # [BH, BR]
-    q_pe = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & (p[None, :] < ROPE), other=0.0)
+    q_pe_row = q_pe_ptr + t * stride_pt + heads[:, None] * stride_ph
+    q_pe = tl.load(q_pe_row + p[None, :], mask=hmask[:, None] & (p[None, :] < ROPE), other=0.0)
 
     m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_HEADS], tl.float32)
@@ -130,19 +131,28 @@ _last_positions: list = [None, 0, None]  # [metadata, num_tokens, (seq, kv_len)]
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, rank: int, scale: float,
-               splits: int | None = None, reuse_positions: bool = False) -> torch.Tensor:
+               splits: int | None = None, reuse_positions: bool = False, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, rank + rope] against one layer's latent cache [num_blocks, block_size, 1, rank + rope]
-    (the new tokens' latents already written) -> [T, H, rank] in q's dtype. `splits`: None chooses.
-    `reuse_positions`: see token_positions (the model sets it past its first layer)."""
+    (the new tokens' latents already written) -> [T, H, rank] in q's dtype, laid out as [H, T, rank]
+    (so W_UV's batched GEMM over the heads reads it without a copy). With `q_pe` [T, H, rope], q is
+    the latent part alone, [T, H, rank] (views allowed: the W_UK product's [H, T, rank] transposed).
+    `splits`: None chooses. `reuse_positions`: see token_positions (the model sets it past its first layer)."""
     require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     require_tensor("cache", cache, ndim=4, dtypes=FLOAT_DTYPES)
     require_same("cache", cache, "q", q)
     require_tensor("meta.block_tables", meta.block_tables, ndim=2, dtypes=INDEX_DTYPES, last_dim_contiguous=False)
     require_runnable(q, _mla_partial_kernel)
-    T, H, D = q.shape
-    if cache.shape[2] != 1 or cache.shape[3] != D or not 0 < rank < D:
-        raise ValueError(f"cache {tuple(cache.shape)} must be [num_blocks, block_size, 1, {D}] for q "
-                         f"{tuple(q.shape)}, with 0 < rank ({rank}) < {D}")
+    T, H = q.shape[:2]
+    D = cache.shape[3]
+    if q_pe is None:
+        q, q_pe = q[..., :rank], q[..., rank:]
+    else:
+        require_tensor("q_pe", q_pe, ndim=3, dtypes=FLOAT_DTYPES)
+        require_same("q_pe", q_pe, "q", q)
+    if cache.shape[2] != 1 or not 0 < rank < D or q.shape[2] != rank or q_pe.shape != (T, H, D - rank):
+        raise ValueError(f"cache {tuple(cache.shape)} must be [num_blocks, block_size, 1, rank + rope] with 0 < "
+                         f"rank ({rank}) < rank + rope, for q [T, H, rank] {tuple(q.shape)} and q_pe [T, H, rope] "
+                         f"{tuple(q_pe.shape)} (or q [T, H, rank + rope] alone)")
     if cache.stride(3) != 1 or cache.stride(2) != D:
         raise ValueError(f"cache rows must be contiguous, got strides {cache.stride()}")
     if splits is None:
@@ -152,10 +162,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
     block_r, block_p = max(16, next_power_of_2(rank)), max(16, next_power_of_2(D - rank))  # tl.dot: K >= 16
     acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
     ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(T, H, rank, dtype=q.dtype, device=q.device)
+    out = torch.empty(H, T, rank, dtype=q.dtype, device=q.device).transpose(0, 1)
     _mla_partial_kernel[(T, triton.cdiv(H, BLOCK_H), splits)](
-        q, cache, meta.block_tables, tok_seq, kv_len, acc, ml, scale, cache.shape[1], H,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        q, q_pe, cache, meta.block_tables, tok_seq, kv_len, acc, ml, scale, cache.shape[1], H,
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
+        meta.block_tables.stride(0),
         RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
         BLOCK_HEADS=BLOCK_H, BLOCK_N=32, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4, num_stages=2)
     _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,

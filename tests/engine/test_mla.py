@@ -88,8 +88,7 @@ def test_absorbed_and_expanded_forms_agree(deepseek, make_engine):
     attn = model.layers[0].self_attn
     cache = e.kv_cache.tensor
     attn._attend(x, batch.positions, model.rotary.cos_sin, cache, batch.meta, kernel=None)
-    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q_nope, q_pe = q.view(20, attn.num_heads, -1).split([attn.nope, attn.rope], dim=-1)
+    q_nope, q_pe = attn.project(x)[0].split([attn.nope, attn.rope], dim=-1)
     from tandem.engine.mla import apply_latent_rope
 
     q_pe = apply_latent_rope(q_pe, batch.positions, model.rotary.cos_sin, attn.interleave)

@@ -1,6 +1,6 @@
 """DeepSeek latent attention through the GPU path on CPU (Triton's interpreter): the absorbed form
 on engine.kernels.mla_decode, the fused norm kernels and the static-buffer (CUDA graph) steps give
-the plain-torch path's greedy tokens, with staggered arrivals and chunked prefill (a 35-token prompt
+the plain-torch path's greedy tokens (also with the one-kernel norm + rope + cache write), with staggered arrivals and chunked prefill (a 35-token prompt
 under a 24-token budget); speculative verify steps (1 + 3 query tokens per sequence, drafts partly
 accepted, partly rolled back) on both paths give plain greedy decoding's tokens."""
 
@@ -27,10 +27,15 @@ def _generate(e):
     return [r["token_ids"] for r in e.generate(reqs, arrivals=[0, 0, 2])]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-def test_triton_path_matches_the_cpu_path(v3, overlap):
-    """overlapped: each step's input ids come from the previous step's tokens on the device."""
+@pytest.mark.parametrize("overlap,fused_prepare", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "overlapped", "fused-prepare"])
+def test_triton_path_matches_the_cpu_path(v3, overlap, fused_prepare, monkeypatch):
+    """overlapped: each step's input ids come from the previous step's tokens on the device.
+    fused-prepare: the latent's norm, rope and cache write in one kernel (engine.kernels.mla_prepare)."""
     pytest.importorskip("triton")
+    from tandem.engine.mla import LatentAttention
+
+    monkeypatch.setattr(LatentAttention, "fused_prepare", fused_prepare)
     model, tok = v3
     ref = _generate(_engine(model, tok))
     e = _engine(model, tok, graphs=True)

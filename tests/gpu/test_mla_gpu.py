@@ -2,7 +2,8 @@
 kv_lora_rank 512, rope 64, block size 16, contexts up to 4k, decode and verify batches) against a
 float32 reference on the upcast inputs (bound 1e-2, as tests/gpu/test_kernels_gpu.py); and a tiny
 DeepSeek-V3 with a MoE layer, fp32 on the GPU path (Triton attention, fused kernels, CUDA graphs),
-greedy token-exact against transformers' generate on the CPU."""
+greedy token-exact against transformers' generate on the CPU, with the latent's norm + rope + cache
+write as torch steps and as one kernel (engine.kernels.mla_prepare, also alone in bf16)."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from tandem.engine.mla import latent_attention_torch
 
 if torch.cuda.is_available():  # elsewhere conftest.py skips these, and triton stays unimported
     from tandem.engine.kernels.mla_decode import mla_decode
+    from tandem.engine.kernels.mla_prepare import mla_prepare
 
 HEADS, RANK, ROPE, BLOCK = 16, 512, 64, 16
 
@@ -48,13 +50,46 @@ def test_mla_decode_bf16(query_lens, ctx_lens):
     assert err < 1e-2, err
 
 
-def test_tiny_deepseek_v3_on_the_gpu_path_matches_transformers(tmp_path):
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_prepare_bf16(interleave):
+    """The latent's norm, rope and cache write in one kernel at V2-Lite's sizes (64 tokens, one a
+    padding row) against engine.mla's torch steps on the same bf16 inputs."""
+    from tandem.engine.mla import apply_latent_rope, write_latent_torch
+    from tandem.engine.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    T, nope = 64, 128
+    proj = torch.randn(T, HEADS * (nope + ROPE) + RANK + ROPE, generator=gen).bfloat16().cuda()
+    q, kv = proj[:, :HEADS * (nope + ROPE)].view(T, HEADS, nope + ROPE), proj[:, HEADS * (nope + ROPE):]
+    cos_sin = torch.randn(4096, ROPE, generator=gen).cuda()
+    positions = torch.randint(0, 4096, (T,), generator=gen).cuda()
+    slots = torch.randperm(80 * BLOCK, generator=gen)[:T].cuda()
+    slots[7] = -1
+    norm = RMSNorm(RANK, 1e-6).cuda().bfloat16()
+    norm.weight.data.normal_(1.0, 0.1)
+    cache = torch.randn(80, BLOCK, 1, RANK + ROPE, generator=gen).bfloat16().cuda()
+    ref = cache.clone()
+    c, k_pe = kv.split([RANK, ROPE], dim=-1)
+    k_rot = apply_latent_rope(k_pe[:, None], positions, cos_sin, interleave)[:, 0]
+    keep = slots >= 0
+    write_latent_torch(torch.cat([norm(c), k_rot], dim=-1)[keep], ref, slots[keep])
+    q_pe = mla_prepare(q, kv, positions, cos_sin, norm.weight, 1e-6, cache, slots, nope, interleave)
+    ref_q_pe = apply_latent_rope(q[..., nope:], positions, cos_sin, interleave)
+    assert ((q_pe.float() - ref_q_pe.float()).norm() / ref_q_pe.float().norm()).item() < 1e-2
+    assert ((cache.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("fused_prepare", [False, True], ids=["torch-prepare", "fused-prepare"])
+def test_tiny_deepseek_v3_on_the_gpu_path_matches_transformers(tmp_path, fused_prepare, monkeypatch):
     from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
     from tandem.engine.weights import load_model
     from tests.engine.families import hf_greedy
     from tests.engine.mla_models import build_deepseek_dir
 
+    from tandem.engine.mla import LatentAttention
+
+    monkeypatch.setattr(LatentAttention, "fused_prepare", fused_prepare)
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = build_deepseek_dir("v3", tmp_path, moe=True)
     model, tok, _ = load_model(str(tmp_path), "float32", "cuda")
