@@ -231,11 +231,10 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out (kernel)")
     ap.add_argument("--fused-prepare", choices=("on", "off"), default=None,
                     help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
+    ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
+                    help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     args = ap.parse_args()
-    if args.fused_prepare:
-        from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (only to set the option)
-
-        LatentAttention.fused_prepare = args.fused_prepare == "on"
+    set_options(args)
     b = MLABench(DRY, args.out)
     b.profile_steps = args.profile
     b.dtype = torch.float32 if DRY else torch.bfloat16
@@ -247,6 +246,19 @@ def main() -> None:
     b.section("decode", b.decode_rows)
     b.section("transfer", b.transfer)
     b.table()
+
+
+def set_options(args) -> None:
+    """The gated kernels' options, where the command line sets them (the defaults otherwise)."""
+    import tandem.engine.kernels.moe as moe_kernels  # noqa: PLC0415 (after the env is set)
+    from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
+
+    if args.fused_prepare:
+        LatentAttention.fused_prepare = args.fused_prepare == "on"
+    if getattr(args, "parallel_align", None):
+        moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
+    print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}",
+          flush=True)
 
 
 def _save(b: Bench) -> None:

@@ -244,7 +244,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="")
     ap.add_argument("--decode-limit-s", type=float, default=90.0)
+    ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
+                    help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     args = ap.parse_args()
+    if args.parallel_align:
+        import tandem.engine.kernels.moe as moe_kernels  # noqa: PLC0415 (only to set the option)
+
+        moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
     dev = torch.device("cpu" if DRY else "cuda")
     dtype = torch.float32 if DRY else torch.bfloat16
     rate = copy_gbs(dev)

@@ -3,8 +3,8 @@
 
 Grouped (vLLM's fused_moe scheme; prefill and large batches): each token's k (token, slot) pairs
 are sorted by expert and every expert's run is padded to a multiple of BLOCK_M (one launch,
-engine.kernels.moe_route.align_fused, up to FUSED_ALIGN_MAX_PAIRS pairs; above, `align_by_expert`'s
-torch ops, also the reference). One launch computes silu(x @ gate.T) * (x @ up.T) for every pair (a program: BLOCK_M
+engine.kernels.moe_route.align_fused, up to FUSED_ALIGN_MAX_PAIRS pairs; above, align_parallel's five
+launches under PARALLEL_ALIGN, else `align_by_expert`'s torch ops, also the reference). One launch computes silu(x @ gate.T) * (x @ up.T) for every pair (a program: BLOCK_M
 pairs of one expert x BLOCK_N columns of both its gate and its up rows), a second multiplies by
 down.T and by the pair's routing weight in fp32, a third sums each token's k slots (plus the shared
 experts' output) into the model dtype. Each expert's weights are read once per BLOCK_M of its pairs.
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.kernels.moe_route import align_fused
+from tandem.engine.kernels.moe_route import align_fused, align_parallel
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable, require_same,
                                             require_tensor)
 
@@ -54,6 +54,9 @@ GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
 # experts) it made the grouped path 83 us slower at 512 pairs and 265 us at 2048 than the torch align
 # (many programs); it pays only at a few dozen pairs
 FUSED_ALIGN_MAX_PAIRS = 64
+# above that, the five-launch many-program align (moe_route.align_parallel) instead of ~25 torch ops:
+# off until a GPU has compiled it
+PARALLEL_ALIGN = False
 SUM_BLOCK_N = 1024
 
 
@@ -298,7 +301,7 @@ def _experts_grouped(x, w13, w2, weights, ids, config, add) -> torch.Tensor:
     (tokens, hidden), (experts, two_i, _), top_k = x.shape, w13.shape, ids.shape[1]
     inter, pairs = two_i // 2, tokens * top_k
     cfg = config or default_config(pairs, experts, x.dtype)
-    align = align_fused if pairs <= FUSED_ALIGN_MAX_PAIRS else align_by_expert
+    align = align_fused if pairs <= FUSED_ALIGN_MAX_PAIRS else align_parallel if PARALLEL_ALIGN else align_by_expert
     sorted_pairs, block_expert, num_padded = align(ids.contiguous(), experts, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     m_blocks = block_expert.numel()

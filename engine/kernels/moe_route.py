@@ -1,7 +1,8 @@
 """The MoE layer's small steps in one launch each (the decode-size fixes for issue 29): the router's
 choice (`route_fused`: scores, group restriction, top-k, renormalisation and scaling, one program per
 token) and the sort of (token, slot) pairs by expert (`align_fused`: counts, prefix sums, the padded
-order and each tile's expert, one program). Both replace chains of small torch kernels (about 10 for
+order and each tile's expert, one program; `align_parallel`, the same in five launches of many programs
+for any number of pairs). They replace chains of small torch kernels (about 10 for
 the router, 25 for the align step) and read no device value on the host, so a step with them can be
 captured in a CUDA graph. engine.moe.route and engine.kernels.moe.align_by_expert are the references.
 """
@@ -168,4 +169,68 @@ def align_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     launch = {"num_warps": 8 if e_pad >= 256 else 4} if ids.device.type == "cuda" else {}
     _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_padded, pairs, num_experts, rows,
                         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, **launch)
+    return sorted_pairs, block_expert, num_padded
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+    # each pair's rank among its expert's pairs: the expert's count before this pair's atomic add
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=m, other=0).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=m)
+    tl.store(rank_ptr + p, rank, mask=m)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_tiles,
+                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + experts, ends - padded, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for t0 in range(0, num_tiles, CHUNK):
+        tiles = t0 + tl.arange(0, CHUNK)
+        e_tile = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(block_expert_ptr + tiles, tl.minimum(e_tile, num_experts - 1), mask=tiles < num_tiles)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=m, other=0).to(tl.int32)
+    row = tl.load(starts_ptr + e, mask=m, other=0) + tl.load(rank_ptr + p, mask=m, other=0)
+    tl.store(sorted_ptr + row, p.to(tl.int32), mask=m)
+
+
+def align_parallel(ids: torch.Tensor, num_experts: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """engine.kernels.moe.align_by_expert in five launches of many programs (the counts and each
+    pair's rank by atomic adds, one program for the prefix sums and each tile's expert, the
+    placement), for any number of pairs. The outputs equal the torch align's, except that the pairs
+    of one expert come in the order the atomic adds ran, not pair order: every pair's rows are its
+    own, so the experts' outputs do not depend on it."""
+    require_tensor("ids", ids, ndim=2, dtypes=INDEX_DTYPES)
+    require_runnable(ids, _count_kernel)
+    if not ids.is_contiguous():
+        raise ValueError("ids must be contiguous")
+    pairs, dev = ids.numel(), ids.device
+    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((rows,), pairs, dtype=torch.int32, device=dev)
+    block_expert = torch.empty((rows // block_m,), dtype=torch.int32, device=dev)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
+    counts = torch.zeros((num_experts,), dtype=torch.int32, device=dev)
+    rank = torch.empty((pairs,), dtype=torch.int32, device=dev)
+    starts = torch.empty((num_experts,), dtype=torch.int32, device=dev)
+    block = 256
+    grid = (triton.cdiv(pairs, block),)
+    launch = {"num_warps": 4} if dev.type == "cuda" else {}
+    _count_kernel[grid](ids, counts, rank, pairs, BLOCK=block, **launch)
+    e_pad = next_power_of_2(num_experts)
+    _scan_kernel[(1,)](counts, starts, block_expert, num_padded, num_experts, rows // block_m, BLOCK_M=block_m,
+                       E_PAD=e_pad, CHUNK=max(16, min(128, 8192 // e_pad)), **launch)
+    _place_kernel[grid](ids, rank, starts, sorted_pairs, pairs, BLOCK=block, **launch)
     return sorted_pairs, block_expert, num_padded

@@ -43,6 +43,18 @@ def test_both_paths_match_the_torch_path(tokens, skew, path):
     assert _rel(out, ref) < 1e-5
 
 
+def test_grouped_path_with_the_parallel_align(monkeypatch):
+    """Above FUSED_ALIGN_MAX_PAIRS pairs with PARALLEL_ALIGN (80 pairs, skewed: runs of many tiles)."""
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", True)
+    x, w13, w2, weights, ids = _case(40, experts=8, top_k=2, hidden=48, inter=40, seed=11, skew=True)
+    assert ids.numel() > moe_kernels.FUSED_ALIGN_MAX_PAIRS
+    ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
+    out = fused_experts(x, w13, w2, weights, ids, MoEKernelConfig(block_m=16, block_n=32, block_k=32), path="grouped")
+    assert _rel(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("path", ["grouped", "gemv"])
 def test_the_added_output_enters_before_the_rounding(path):
     """`add` (the shared experts' output) is summed in fp32 with the routed experts' and rounded

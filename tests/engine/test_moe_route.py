@@ -11,7 +11,7 @@ import torch
 
 from tandem.engine.config import MoEConfig
 from tandem.engine.kernels.moe import align_by_expert
-from tandem.engine.kernels.moe_route import align_fused, route_fused
+from tandem.engine.kernels.moe_route import align_fused, align_parallel, route_fused
 from tandem.engine.moe import route
 
 GATINGS = {
@@ -89,3 +89,22 @@ def test_align_fused_equals_the_torch_align(tokens, top_k, experts, block_m, sam
     for dtype in (torch.int64, torch.int32):
         got = align_fused(ids.to(dtype), experts, block_m)
         assert all(torch.equal(g, w.to(torch.int32)) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m,same", [
+    (1, 8, 128, 16, False), (7, 2, 12, 16, True), (40, 3, 5, 4, False), (300, 6, 64, 16, False)])
+def test_align_parallel_equals_the_torch_align_up_to_order_within_an_expert(tokens, top_k, experts, block_m, same):
+    """The same tiles, tile experts and rows in use; each expert's run holds the same pairs (their
+    order within the run is the atomic adds', which the experts' outputs do not depend on)."""
+    gen = torch.Generator().manual_seed(tokens + 1)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if same:
+        ids[:] = ids[0]
+    want_pairs, want_experts, want_used = align_by_expert(ids, experts, block_m)
+    for dtype in (torch.int64, torch.int32):
+        pairs, block_expert, used = align_parallel(ids.to(dtype), experts, block_m)
+        assert torch.equal(used, want_used.to(torch.int32)) and torch.equal(block_expert, want_experts)
+        assert pairs.shape == want_pairs.shape
+        for tile in range(0, int(used), block_m):  # each tile: one expert's pairs (and padding), as a set
+            assert sorted(pairs[tile:tile + block_m].tolist()) == sorted(want_pairs[tile:tile + block_m].tolist())
+        assert (pairs[int(used):] == ids.numel()).all()

@@ -1,8 +1,8 @@
 """The grouped expert GEMM (engine.kernels.moe) compiled on CUDA, at Qwen3-30B-A3B's expert
 shapes (H 2048, I 768, 128 experts, 8 per token) in bf16 and at a small shape in fp32, against
 engine.moe.experts_torch in fp32 on the same (upcast) weights; and the step captured in a CUDA
-graph replays to the same output on both paths (gemv and grouped; neither reads a device value
-on the host); the routing kernel against engine.moe.route at DeepSeek and Qwen3 shapes, and a
+graph replays to the same output on both paths (gemv and grouped, the latter also with the
+many-program align; none reads a device value on the host); the routing kernel against engine.moe.route at DeepSeek and Qwen3 shapes, and a
 DeepSeek-V3-style layer (router, experts, shared experts) in a graph against the fp32 torch path. Bounds:
 fp32 1e-5 relative (ieee dots), bf16 1e-2 (bf16 operands and the intermediate's rounding)."""
 
@@ -45,6 +45,17 @@ def test_qwen3_30b_shapes_bf16(tokens, path):
     assert _rel(fused_experts(x, w13, w2, weights, ids, path=path), ref) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [64, 256, 2048])
+def test_qwen3_30b_shapes_bf16_parallel_align(tokens, monkeypatch):
+    """The grouped path with the many-program align (moe_route.align_parallel) above 64 pairs."""
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", True)
+    x, w13, w2, weights, ids = _case(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    assert _rel(fused_experts(x, w13, w2, weights, ids, path="grouped"), ref) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [3, 100])
 def test_fp32_small_shapes(tokens):
     x, w13, w2, weights, ids = _case(tokens, 96, 80, 16, 4, torch.float32, seed=tokens)
@@ -52,14 +63,18 @@ def test_fp32_small_shapes(tokens):
     assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["gemv", "grouped"])
-def test_captured_in_a_cuda_graph(path):
-    x, w13, w2, weights, ids = _case(8, 256, 128, 32, 4, torch.bfloat16)
+@pytest.mark.parametrize("path,tokens", [("gemv", 8), ("grouped", 8), ("grouped", 40)],
+                         ids=["gemv", "grouped", "grouped-parallel-align"])
+def test_captured_in_a_cuda_graph(path, tokens, monkeypatch):
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", True)  # used from 64 pairs on (40 tokens here)
+    x, w13, w2, weights, ids = _case(tokens, 256, 128, 32, 4, torch.bfloat16)
     want = fused_experts(x, w13, w2, weights, ids, path=path)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, w13, w2, weights, ids, path=path)
-    x2, _, _, weights2, ids2 = _case(8, 256, 128, 32, 4, torch.bfloat16, seed=1)
+    x2, _, _, weights2, ids2 = _case(tokens, 256, 128, 32, 4, torch.bfloat16, seed=1)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)  # new tokens and routing, same buffers
     graph.replay()
     torch.cuda.synchronize()
