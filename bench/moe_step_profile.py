@@ -2,8 +2,8 @@
 
 torch.profiler records the kernels a graph replays, but not which module launched them. So the step
 is also run eagerly once with each part of the model inside a `record_function` range (`@part`,
-set by patching the instances' forward methods for that run only), each eager kernel takes the
-innermost range it was launched in, and the replay's kernels take the label of the eager kernel
+set by patching the instances' forward methods for that run only, each synchronizing the GPU on
+entry and exit), each eager kernel takes the innermost range its start falls in, and the replay's kernels take the label of the eager kernel
 they line up with (the two kernel sequences, matched by name with difflib). A replay kernel that
 matches none is labelled by its name. The table: per part, kernels per step and GPU us per step,
 grouped as MLA attention, norms/rope, MoE routing, expert GEMMs, shared experts, LM head, other.
@@ -39,6 +39,11 @@ def _by_name(name: str) -> str:
     return next((part for key, part in _BY_NAME if key in name), "other")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class _Patches:
     """Instance / module attributes wrapped in a `record_function(@part)` range, undone by restore()."""
 
@@ -51,7 +56,10 @@ class _Patches:
 
         def scoped(*args, **kwargs):
             with record_function(MARK + part):
-                return orig(*args, **kwargs)
+                _sync()  # the part's kernels run inside its range on the GPU's timeline too
+                out = orig(*args, **kwargs)
+                _sync()
+                return out
         setattr(obj, attr, scoped)
         self.undo.append((obj, attr, orig, had))
 
@@ -107,22 +115,17 @@ def _kernels(prof, cuda: bool) -> list:
     return sorted(out, key=lambda e: e.time_range.start)
 
 
-def _part_of(op) -> str | None:
-    while op is not None:
-        if op.name.startswith(MARK):
-            return op.name[len(MARK):]
-        op = op.cpu_parent
-    return None
-
-
 def _eager_parts(prof, cuda: bool) -> list[tuple[str, str]]:
-    """-> [(kernel name, part)] of an eager step profiled with the model labelled."""
-    frontend = {e.id: e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
-                and not getattr(e, "linked_correlation_id", 0)}
+    """-> [(kernel name, part)] of an eager step profiled with the model labelled: a kernel's part is
+    the innermost `@part` range whose time span holds the kernel's start (every range synchronizes
+    the GPU on entry and exit, so its kernels run within it)."""
+    ranges = sorted((e for e in prof.events() if e.name.startswith(MARK)), key=lambda e: e.time_range.start)
     out = []
     for k in _kernels(prof, cuda):
-        op = frontend.get(getattr(k, "linked_correlation_id", 0)) if cuda else k
-        out.append((k.name, _part_of(op) or _by_name(k.name)))
+        t = k.time_range.start
+        inside = [r for r in ranges if r.time_range.start <= t <= r.time_range.end]
+        part = min(inside, key=lambda r: r.time_range.end - r.time_range.start).name[len(MARK):] if inside else None
+        out.append((k.name, part or _by_name(k.name)))
     return out
 
 
