@@ -184,6 +184,24 @@ def generate_breakdown(bench: Bench, model, tok, b: int, ctx: int, short: int = 
     return {"batch": b, "ctx": ctx, "runs": runs}
 
 
+def offline_breakdown(bench: Bench, model, tok, n: int, ctx: int, out: int, budgets) -> list[dict]:
+    """engine_floor's offline run (n requests x (ctx in, out out), all submitted at once) at each
+    step token budget, its steps split by kind as in generate_breakdown."""
+    res = []
+    for budget in budgets:
+        e = floor_engine(bench, model, tok, num_blocks=n * (ctx + out) // 16 + 2 * n + 64, max_batched=budget)
+        e.runner.capture_graphs(context_len=ctx + out)  # every bucket, as serving's warmup does
+        generate_steps(bench, e, 16, ctx, 8)  # compiles, untimed
+        r = generate_steps(bench, e, n, ctx, out)
+        r.update(budget=budget, out_tok_s=n * out / r["s"])
+        res.append(r)
+        print(f"\n# offline {n} x ({ctx} in, {out} out), budget {budget}: {r['s']:.2f} s, "
+              f"{r['out_tok_s']:,.0f} output tok/s; " +
+              "; ".join(f"{k}: {v['steps']} steps {v['s']:.2f} s" for k, v in sorted(r["kinds"].items())), flush=True)
+        del e
+    return res
+
+
 def attention_sweep(bench: Bench, shapes, sizes) -> list[dict]:
     """The decode attention kernel alone at each partition size (None: one pass), llama3-8b's
     heads (32 query, 8 KV, head_dim 128), bf16, block 16, replayed from a CUDA graph."""
@@ -269,6 +287,8 @@ def main() -> None:
     ap.add_argument("--prof-steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--generate", default="256x1024", help="shapes for the generate breakdown ('' to skip)")
+    ap.add_argument("--offline", default="", help="token budgets for the 512 x (1k, 256) offline "
+                    "run split by step kind, e.g. 8192,16384 ('' to skip)")
     ap.add_argument("--attn", default="1x1024,4x1024,16x1024,64x1024,1x8192,8x8192,32x8192",
                     help="shapes for the attention sweep ('' to skip)")
     ap.add_argument("--policy", default="", help="split plan for the engine rows, e.g. "
@@ -285,9 +305,11 @@ def main() -> None:
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
-    rows, gens = (small, small[1:]) if bench.dry else (parse(args.rows), parse(args.generate))
+    rows, gens = parse(args.rows), parse(args.generate)
+    if bench.dry:  # the tiny model's shapes in place of any given
+        rows, gens = small[:len(rows) and 2], small[1:len(gens) and 2]
     bench.ceilings()
-    if rows or gens:
+    if rows or gens or args.offline:
         name = "tiny-random" if bench.dry else "llama3-8b-random"
         model, tok, _ = load_model(name, "float32" if bench.dry else "bfloat16", str(bench.dev), seed=0)
         if bench.dry:
@@ -295,6 +317,10 @@ def main() -> None:
         if rows:
             profile_rows(bench, model, tok, rows, args)
         bench.results["generate"] = [generate_breakdown(bench, model, tok, b, c) for b, c in gens]
+        if args.offline:
+            n, ctx, out = (8, 64, 8) if bench.dry else (512, 1024, 256)
+            bench.results["offline"] = offline_breakdown(bench, model, tok, n, ctx, out,
+                                                         [int(x) for x in args.offline.split(",")])
         bench.save()
         del model
     if args.attn:
