@@ -233,6 +233,8 @@ def main() -> None:
                     help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
+    ap.add_argument("--split-down", choices=("on", "off"), default=None,
+                    help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
     args = ap.parse_args()
     set_options(args)
     b = MLABench(DRY, args.out)
@@ -253,12 +255,14 @@ def set_options(args) -> None:
     import tandem.engine.kernels.moe as moe_kernels  # noqa: PLC0415 (after the env is set)
     from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
 
-    if args.fused_prepare:
+    if getattr(args, "fused_prepare", None):
         LatentAttention.fused_prepare = args.fused_prepare == "on"
     if getattr(args, "parallel_align", None):
         moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
-    print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}",
-          flush=True)
+    if getattr(args, "split_down", None):
+        moe_kernels.SPLIT_DOWN_GEMV = args.split_down == "on"
+    print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}, "
+          f"split_down {moe_kernels.SPLIT_DOWN_GEMV}", flush=True)
 
 
 def _save(b: Bench) -> None:

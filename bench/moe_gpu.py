@@ -246,11 +246,12 @@ def main() -> None:
     ap.add_argument("--decode-limit-s", type=float, default=90.0)
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
+    ap.add_argument("--split-down", choices=("on", "off"), default=None,
+                    help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
     args = ap.parse_args()
-    if args.parallel_align:
-        import tandem.engine.kernels.moe as moe_kernels  # noqa: PLC0415 (only to set the option)
+    from mla_gpu import set_options  # noqa: PLC0415 (a sibling bench file, after the env is set)
 
-        moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
+    set_options(args)
     dev = torch.device("cpu" if DRY else "cuda")
     dtype = torch.float32 if DRY else torch.bfloat16
     rate = copy_gbs(dev)

@@ -12,7 +12,8 @@ experts' output) into the model dtype. Each expert's weights are read once per B
 GEMV (decode, a few tokens: each chosen expert sees about one token, so a 16-row tile would be
 mostly padding): no sort; a program per (pair, column block) for gate/up, and a program per
 (token, column block) for down that loops over the token's k experts and writes their weighted sum
-(plus the shared output) directly. Two launches.
+(plus the shared output) directly: two launches. Under SPLIT_DOWN_GEMV the down launch is a program
+per (pair, column block) too, and the sum kernel adds the k slots: three.
 
 Neither path reads a device value on the host, so a step with them can be captured in a CUDA graph.
 """
@@ -57,6 +58,10 @@ FUSED_ALIGN_MAX_PAIRS = 64
 # above that, the five-launch many-program align (moe_route.align_parallel) instead of ~25 torch ops:
 # off until a GPU has compiled it
 PARALLEL_ALIGN = False
+# the GEMV path's down projection as a program per (pair, column block) and the top-k sum after (3
+# launches), not a program per (token, column block) looping over the token's k experts (2): measured
+# on an H200 (docs/benchmarks.md) the loop ran at 3.7x its floor at one token. Off until a GPU has compiled it
+SPLIT_DOWN_GEMV = False
 SUM_BLOCK_N = 1024
 
 
@@ -232,6 +237,29 @@ def _down_gemv_kernel(h_ptr, w_ptr, out_ptr, add_ptr, weights_ptr, ids_ptr, K, N
 
 
 @triton.jit
+def _down_pair_gemv_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, stride_h, stride_we, stride_wn, stride_o,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[pair, n] = weights[pair] * (h[pair] . w[ids[pair], n]) in fp32: a program per (pair, column
+    # block), so one token's k experts are read side by side, not one after another
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pair * stride_h + offs_k
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32)  # down_proj's output in the model dtype
+    tl.store(out_ptr + pair * stride_o + offs_n, y * tl.load(weights_ptr + pair), mask=n_mask)
+
+
+@triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, add_ptr, N, stride_y, stride_o, stride_a,
                       TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
     # out[t] = sum over slots of y[t * TOP_K + s] (fp32) (+ add[t]), in out's dtype
@@ -287,6 +315,17 @@ def _experts_gemv(x, w13, w2, weights, ids, add) -> torch.Tensor:
         x, w13, h, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, **_launch(x))
     out = torch.empty_like(x)
+    if SPLIT_DOWN_GEMV:
+        y = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
+        block_n = min(128, next_power_of_2(hidden)) if wide else GEMV_BLOCK_N
+        _down_pair_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, block_n))](
+            h, w2, y, weights, ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, **_launch(x))
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK_N))](
+            y, out, add if add is not None else out, hidden, y.stride(0), out.stride(0),
+            add.stride(0) if add is not None else 0, TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=SUM_BLOCK_N,
+            **_launch(x))
+        return out
     # few tokens: narrower column blocks so that the down launch still fills the GPU
     block_n = GEMV_BLOCK_N if tokens * triton.cdiv(hidden, GEMV_BLOCK_N) >= 256 else GEMV_BLOCK_N // 2
     block_n = min(128, next_power_of_2(hidden)) if wide else block_n

@@ -55,6 +55,20 @@ def test_grouped_path_with_the_parallel_align(monkeypatch):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens,with_add", [(1, True), (7, False)])
+def test_gemv_path_with_the_split_down(tokens, with_add, monkeypatch):
+    """SPLIT_DOWN_GEMV: the down projection a program per (pair, column block), the k slots (and the
+    shared output) summed by the sum kernel."""
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "SPLIT_DOWN_GEMV", True)
+    x, w13, w2, weights, ids = _case(tokens, experts=8, top_k=3, hidden=48, inter=40, seed=20 + tokens)
+    add = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(3)) if with_add else None
+    ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
+    out = fused_experts(x, w13, w2, weights, ids, add=add, path="gemv")
+    assert _rel(out, ref + (add if with_add else 0)) < 1e-5
+
+
 @pytest.mark.parametrize("path", ["grouped", "gemv"])
 def test_the_added_output_enters_before_the_rounding(path):
     """`add` (the shared experts' output) is summed in fp32 with the routed experts' and rounded

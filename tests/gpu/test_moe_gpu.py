@@ -56,6 +56,17 @@ def test_qwen3_30b_shapes_bf16_parallel_align(tokens, monkeypatch):
     assert _rel(fused_experts(x, w13, w2, weights, ids, path="grouped"), ref) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_qwen3_30b_shapes_bf16_split_down(tokens, monkeypatch):
+    """The GEMV path with the down projection split over (pair, column block) (SPLIT_DOWN_GEMV)."""
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "SPLIT_DOWN_GEMV", True)
+    x, w13, w2, weights, ids = _case(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    assert _rel(fused_experts(x, w13, w2, weights, ids, path="gemv"), ref) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [3, 100])
 def test_fp32_small_shapes(tokens):
     x, w13, w2, weights, ids = _case(tokens, 96, 80, 16, 4, torch.float32, seed=tokens)
@@ -63,12 +74,14 @@ def test_fp32_small_shapes(tokens):
     assert _rel(fused_experts(x, w13, w2, weights, ids), ref) < 1e-5
 
 
-@pytest.mark.parametrize("path,tokens", [("gemv", 8), ("grouped", 8), ("grouped", 40)],
-                         ids=["gemv", "grouped", "grouped-parallel-align"])
-def test_captured_in_a_cuda_graph(path, tokens, monkeypatch):
+@pytest.mark.parametrize("path,tokens,split", [("gemv", 8, False), ("gemv", 8, True), ("grouped", 8, False),
+                                               ("grouped", 40, False)],
+                         ids=["gemv", "gemv-split-down", "grouped", "grouped-parallel-align"])
+def test_captured_in_a_cuda_graph(path, tokens, split, monkeypatch):
     import tandem.engine.kernels.moe as moe_kernels
 
     monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", True)  # used from 64 pairs on (40 tokens here)
+    monkeypatch.setattr(moe_kernels, "SPLIT_DOWN_GEMV", split)
     x, w13, w2, weights, ids = _case(tokens, 256, 128, 32, 4, torch.bfloat16)
     want = fused_experts(x, w13, w2, weights, ids, path=path)
     graph = torch.cuda.CUDAGraph()
