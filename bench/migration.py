@@ -1,12 +1,14 @@
 """The pause a running stream sees when it moves to another decode worker with its KV
 (KV-preserving migration), on a real local cluster: one prefill and two decode workers, streams
 decoding on one of them, then `MoveSequences` one at a time (the first move over a decode pair
-makes its KV link, the later ones reuse it), then a drain that moves the rest at once.
+makes its KV link, the later ones reuse it).
 
-For each move: the stream's longest gap between responses (the pause), its median gap (one decode
-step of the batch), the KV positions moved, and pause / (2 steps + transfer), where the transfer is
-what the receiving worker timed from registering the receive to the KV landing. The issue's aim is
-a pause of at most two decode steps plus the transfer.
+A move pre-copies the sequence's full blocks while it keeps decoding, then pauses it and sends the
+tail (decode_workers/moves.py). For each move: the stream's longest gap between responses (the
+pause), its median gap (one decode step of the batch), the KV positions moved and how many of them
+went in the pre-copy, the pre-copy's and the tail's transfer times as the sending worker timed them
+(send to the sender letting go), and the issue's aim, pause / (2 steps + transfer) <= 1, where the
+transfer inside the pause is the tail's (also shown against the whole transfer, pre-copy included).
 
     python bench/migration.py                           # tiny-random, 4 streams, 600 tokens each
     python bench/migration.py --model smollm2-135m --streams 4 --max-tokens 400
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import threading
@@ -62,21 +65,25 @@ def _wait(cond, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _transfer_s(c: RunningCluster, wid: str) -> tuple[int, float]:
+_SENT = ("sequences_migrated", "kv_tokens_migrated", "kv_tokens_precopied", "move_precopy_seconds", "move_tail_seconds")
+
+
+def _sent(c: RunningCluster, wid: str) -> dict[str, float]:
     s = c.worker_stats()[wid]
-    return s.kv_transfer_count, s.kv_transfer_seconds
+    return {k: getattr(s, k) for k in _SENT}
 
 
 def measure_move(c: RunningCluster, streams: list[Stream], source: str, target: str, label: str) -> dict:
     before = {s.i: len(s.times) for s in streams}
-    n0, sec0 = _transfer_s(c, target)
+    sent0 = _sent(c, source)
     moved_in0 = c.worker_stats()[target].sequences_migrated_in
     t0 = time.perf_counter()
     paused = c.admin.MoveSequences(admin_pb2.MoveSequencesRequest(worker_id=source, count=1), timeout=30).paused
     _wait(lambda: c.worker_stats()[target].sequences_migrated_in > moved_in0, 60)
-    time.sleep(0.5)                       # a few steps after the move
-    n1, sec1 = _transfer_s(c, target)
-    transfer = (sec1 - sec0) / max(1, n1 - n0)
+    time.sleep(0.5)                       # a few steps after the move (the tail's send released)
+    sent = {k: v - sent0[k] for k, v in _sent(c, source).items()}
+    n = max(1, sent["sequences_migrated"])
+    precopy, tail = sent["move_precopy_seconds"] / n, sent["move_tail_seconds"] / n
     rows = []
     for s in streams:
         gaps = [b - a for a, b in zip(s.times[before[s.i]:], s.times[before[s.i] + 1:])]
@@ -84,7 +91,9 @@ def measure_move(c: RunningCluster, streams: list[Stream], source: str, target: 
             rows.append((max(gaps), statistics.median(s.gaps_since(t0 - 2.0) or gaps), s.i))
     pause, step, i = max(rows)
     return {"move": label, "paused": paused, "stream": i, "pause_ms": 1e3 * pause, "step_ms": 1e3 * step,
-            "transfer_ms": 1e3 * transfer, "pause_over_aim": pause / (2 * step + transfer)}
+            "positions": sent["kv_tokens_migrated"] / n, "precopied": sent["kv_tokens_precopied"] / n,
+            "precopy_ms": 1e3 * precopy, "tail_ms": 1e3 * tail, "pause_over_aim": pause / (2 * step + tail),
+            "pause_over_whole": pause / (2 * step + precopy + tail)}
 
 
 def main(argv=None) -> int:
@@ -93,7 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=600)
     ap.add_argument("--out", default=None, help="JSON results here")
+    ap.add_argument("--log", action="store_true", help="the router's log of each move (INFO) on stderr")
     args = ap.parse_args(argv)
+    if args.log:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("tandem.router.moving").setLevel(logging.INFO)
     ray.init(num_cpus=8, resources={"tandem_prefill": 64, "tandem_decode": 64}, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     c = RunningCluster({"model.name": args.model, "cache.num_blocks": 1024, "decode.local_prefill_threshold": 10_000,
@@ -119,10 +132,11 @@ def main(argv=None) -> int:
         ray.shutdown()
     print(f"\nKV-preserving moves, {args.model}, {args.streams} streams of {args.max_tokens} tokens, "
           f"decode-0 -> decode-1 (CPU, gloo)")
-    print("| move | pause ms | step ms | transfer ms | pause / (2 steps + transfer) |\n|---|---:|---:|---:|---:|")
+    print("| move | KV positions (pre-copied) | pause ms | step ms | pre-copy ms | tail ms "
+          "| pause / (2 steps + tail) | pause / (2 steps + pre-copy + tail) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['move']} | {r['pause_ms']:.1f} | {r['step_ms']:.2f} | {r['transfer_ms']:.1f} | "
-              f"{r['pause_over_aim']:.2f} |")
+        print(f"| {r['move']} | {r['positions']:.0f} ({r['precopied']:.0f}) | {r['pause_ms']:.1f} | {r['step_ms']:.2f} "
+              f"| {r['precopy_ms']:.1f} | {r['tail_ms']:.1f} | {r['pause_over_aim']:.2f} | {r['pause_over_whole']:.2f} |")
     print(f"errors: {errors or 'none'}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "errors": errors}, indent=1))

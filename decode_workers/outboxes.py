@@ -18,9 +18,20 @@ class Outboxes:
         self._lock = threading.Lock()
         self._seen: dict[str, float] = {}   # router id -> the clock at its last poll (or reserve)
         self._expired: set[str] = set()     # handled already; a poll or reserve revives one
+        self._put: dict[str, int] = {}      # router id -> lists put for it so far
+        self._taken: dict[str, int] = {}    # ... of which its polls took this many
 
-    def put(self, router_id: str, outputs: list[Output]) -> None:
-        self._box(router_id).put(outputs)
+    def put(self, router_id: str, outputs: list[Output]) -> int:
+        """-> a ticket: `delivered(router_id, ticket)` once the router's poll took these outputs."""
+        box = self._box(router_id)
+        with self._lock:
+            n = self._put[router_id] = self._put.get(router_id, 0) + 1
+            box.put(outputs)
+        return n
+
+    def delivered(self, router_id: str, ticket: int) -> bool:
+        """The router took the outputs `put` gave this ticket for (or it stopped polling)."""
+        return self._taken.get(router_id, 0) >= ticket or router_id in self._expired
 
     def seen(self, router_id: str) -> None:
         """The router is alive (it polled, or reserved a request)."""
@@ -31,15 +42,19 @@ class Outboxes:
         """Everything queued for `router_id`, waiting up to `timeout_s` for the first step's."""
         self.seen(router_id)
         box = self._box(router_id)
+        with self._lock:     # every list put so far is in the box now: this call takes them all
+            upto = self._put.get(router_id, 0)
         out: list[Output] = []
         try:
             out.extend(box.get(timeout=timeout_s))
         except queue.Empty:
+            self._taken[router_id] = max(self._taken.get(router_id, 0), upto)
             return out
         while True:
             try:
                 out.extend(box.get_nowait())
             except queue.Empty:
+                self._taken[router_id] = max(self._taken.get(router_id, 0), upto)
                 return out
 
     def silent(self, timeout_s: float) -> set[str]:
@@ -53,6 +68,7 @@ class Outboxes:
         """Drop a silent router's token stream, keeping the error messages for when it comes back."""
         with self._lock:
             box = self._boxes.get(router_id)
+            self._taken[router_id] = self._put.get(router_id, 0)   # what it drops is never delivered
             if box is None:
                 return
             kept: list[Output] = []

@@ -2,7 +2,8 @@
 write into its blocks, by its transfer id): the engine request, its router, its transfer, the
 first token handed over before its KV, and when its first output went out (for TPOT).
 
-A remotely prefilled request moves RESERVED -> RECEIVING -> (KV_READY ->) IN_ENGINE; a locally
+A remotely prefilled request moves RESERVED -> RECEIVING -> (KV_READY ->) IN_ENGINE, and so does
+a sequence moving in with its KV (its handoff token plays the first token's part); a locally
 prefilled one is IN_ENGINE from its reserve. A sequence moved out with its KV goes IN_ENGINE ->
 PAUSED -> SENDING -> GONE (or back IN_ENGINE when its router resumes it here). An aborted request whose blocks the receiver may still
 write into waits as RELEASING until the receiver lets go. The transitions below only change the
@@ -53,6 +54,13 @@ class DecodeRequest:
     transfer_started_at: float | None = None   # perf_counter() when the receive was registered
     first: FirstToken | None = None            # handed over before the KV landed
     first_output_at: float | None = None       # the worker's clock at its first published output
+    # a sequence moving in with its KV (decode_workers/moves_in.py): the positions reserved for it
+    # (0: not a move), its pre-copy's record while that receive may land, and whether its tail
+    # landed before the pre-copy did (it waits for it); on a pre-copy's record, the sequence's
+    move_capacity: int = 0
+    precopy: DecodeRequest | None = None
+    tail_landed: bool = False
+    precopy_of: DecodeRequest | None = None
 
     @property
     def request_id(self) -> str:

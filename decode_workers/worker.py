@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from tandem.decode_workers.moves import SequenceMoves
+from tandem.decode_workers.moves_in import MovesIn
 from tandem.decode_workers.outboxes import Outboxes
 from tandem.decode_workers.records import AbortAction, DecodeRequest, DecodeState, FirstTokenTaken
 from tandem.engine.engine import LLMEngine, RequestOutput
@@ -42,7 +43,8 @@ from tandem.placement import wants_remote_prefill
 from tandem.runtime.latency import LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, WorkerUnavailable
-from tandem.wire.messages import DecodePlan, DecodeReserve, FirstToken, Output, OutputError, StepOutput
+from tandem.wire.messages import (DecodePlan, DecodeReserve, FirstToken, Output, OutputError, SamplingParams,
+                                  StepOutput)
 from tandem.wire.stats import Percentiles, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class DecodeWorker:
         self.outboxes = Outboxes(clock)
         self.draining = False
         self.moves = SequenceMoves(self)   # running sequences moved out with their KV
+        self.moves_in = MovesIn(self)      # ... and in
         self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
                          "kv_transfer_bytes": 0, "sequences_migrated_in": 0, "tokens_recomputed": 0}
         self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
@@ -129,19 +132,26 @@ class DecodeWorker:
         self.loop.run(self.sender.send, spec)  # the blocks stay held by the reserved request meanwhile
 
     def move_out(self, count: int | None = None) -> int:
-        """Pause up to `count` decoding sequences (None: all) for their routers to move them to
+        """Offer up to `count` decoding sequences (None: all) to their routers to move them to
         another decode actor with their KV (decode_workers/moves.py); -> how many."""
-        return self.loop.run(self.moves.pause_some, count)
+        return self.loop.run(self.moves.offer_some, count)
 
-    def send_kv(self, request_id: str, spec: TransferSpec, first_block: int = 0) -> None:
-        """Send a paused sequence's KV to the decode actor its router reserved on. It may start
-        inside a step (the paused sequence's blocks are in no step): a GPU step in flight does not
-        delay it."""
-        self.loop.run_mid_step(self.moves.send, request_id, spec, first_block)
+    def start_move(self, request_id: str, precopy: TransferSpec | None, tail: TransferSpec, first_block: int) -> None:
+        """A sequence offered to move (`move_out`) has blocks reserved on another decode actor:
+        send its full blocks from `first_block` on there now (`precopy`), and the rest (`tail`)
+        once it pauses (decode_workers/moves.py). It may run inside a step: full blocks are
+        written by no step, so a GPU step in flight does not delay the pre-copy."""
+        self.loop.run_mid_step(self.moves.start, request_id, precopy, tail, first_block)
+
+    def take_moved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                   handoff: FirstToken) -> bool:
+        """A sequence moving here paused where it ran: it joins the batch from `handoff` once its
+        KV has landed (decode_workers/moves_in.py); False when its reservation is gone."""
+        return self.loop.run_mid_step(self.moves_in.take_moved, request_id, prompt_token_ids, sampling, handoff)
 
     def resume(self, request_id: str) -> bool:
-        """A paused sequence continues here (its router found nowhere to move it): queued for the
-        next step, as an admission is."""
+        """A sequence offered to move continues here (its router found nowhere to move it): a
+        paused one is queued for the next step, as an admission is."""
         return self.loop.run_mid_step(self.moves.resume, request_id)
 
     def sent_released(self, tid: str) -> None:
@@ -186,8 +196,8 @@ class DecodeWorker:
         req.max_chunk_tokens = r.prefill_chunk_tokens
         n = req.num_prompt_tokens
         cached = e.allocator.num_cached_tokens(r.prompt_token_ids)
-        if r.handoff is not None:
-            return self._reserve_moved(req, r, cached)
+        if r.move_headroom is not None:
+            return self.moves_in.reserve(req, r, cached)
         rec = self.requests[r.request_id] = DecodeRequest(req, r.router_id)
         self.outboxes.seen(r.router_id)   # a reserve proves the router alive
         self.counters["requests"] += 1
@@ -200,22 +210,6 @@ class DecodeWorker:
         e.scheduler.add(req)
         self.counters["local_prefills"] += 1
         return DecodePlan(remote=False, cached_tokens=cached)
-
-    def _reserve_moved(self, req, r: DecodeReserve, cached: int) -> DecodePlan:
-        """A running sequence moving here with its KV from `r.prefill_id`: blocks for its prompt
-        (every token but the handoff) and the receive registered, or refused; it joins the batch
-        with the handoff token once the KV has landed."""
-        n = req.num_prompt_tokens
-        if self.receiver is None or r.prefill_id is None or r.transfer_id is None:
-            raise WorkerUnavailable(f"{self.worker_id} cannot receive KV")
-        if not self.engine.allocator.admit(req, n - cached):
-            raise WorkerUnavailable(f"{self.worker_id} has no free KV blocks for {n - cached} moved positions")
-        rec = self.requests[r.request_id] = DecodeRequest(req, r.router_id, first=r.handoff)
-        self.outboxes.seen(r.router_id)
-        self.counters["requests"] += 1
-        self.counters["sequences_migrated_in"] += 1
-        self.moves.moved_in(r.request_id)
-        return self._reserve_remote(rec, r, cached)
 
     def _reserve_remote(self, rec: DecodeRequest, r: DecodeReserve, cached: int) -> DecodePlan:
         req, e = rec.request, self.engine
@@ -266,6 +260,8 @@ class DecodeWorker:
         return taken is not FirstTokenTaken.REFUSED
 
     def _admit(self, rec: DecodeRequest, first: FirstToken) -> None:
+        if rec.move_capacity:    # moved in: the headroom it did not use goes back
+            self.engine.allocator.truncate(rec.request, rec.request.num_prompt_tokens)
         self.engine.accept_first_token(rec.request, first)
         self.engine.scheduler.add_ready(rec.request)
 
@@ -288,19 +284,24 @@ class DecodeWorker:
             rec = self._by_transfer.get(tid)
             if rec is None:
                 continue
-            if not rec.awaiting_kv:     # aborted meanwhile
+            if rec.precopy_of is not None:     # a moving sequence's pre-copy
+                self.moves_in.precopy_ended(rec, state)
+            elif not rec.awaiting_kv:     # aborted meanwhile
                 if state is TransferState.DONE and rec.landed_after_abort():   # landed, then aborted
                     self.engine.allocator.free(rec.request)
             elif state is TransferState.DONE:
                 self._kv_landed(rec)
             else:
                 rec.transfer_failed()   # its blocks come back with the receiver's release
+                self.moves_in.abort_precopy(rec)
                 self.forget(rec)
                 self.counters["transfer_failures"] += 1
                 self._emit_error(rec, f"KV transfer {state.value}")
             self._sync_transfer_index(rec)
 
     def _kv_landed(self, rec: DecodeRequest) -> None:
+        if rec.precopy is not None and not self.moves_in.tail_landed(rec):
+            return                  # a moving sequence's tail came before its pre-copy
         req = rec.request
         if rec.transfer_started_at is not None:
             self.transfer_times.record(time.perf_counter() - rec.transfer_started_at)
@@ -325,6 +326,7 @@ class DecodeWorker:
         rec = self.requests.pop(rid, None)
         if rec is None:
             return self.engine.abort(rid)
+        self.moves_in.abort_precopy(rec)
         action = rec.abort()
         if action is AbortAction.ABORT_IN_ENGINE:
             return self.engine.abort(rid)
@@ -347,7 +349,7 @@ class DecodeWorker:
     # ---- on the loop thread: between and after steps (the hooks a shared loop's owner calls) ---
     def _before_step(self) -> None:
         if self.sender is not None:
-            self.sender.reap()
+            self.moves.sends_ended(self.sender.reap())
         if self.receiver is not None and self._by_transfer:
             self.kv_ended(self.receiver.reap())
         self.between_steps()

@@ -118,6 +118,15 @@ class BlockAllocator:
         req.block_ids.extend(self._fresh_block() for _ in range(need))
         return True
 
+    def share(self, req: Request, block_ids: Sequence[int]) -> None:
+        """A second holder of blocks another request holds (a KV receive into part of them that
+        lets go on its own): `req` takes a reference on each; its `free` drops them."""
+        assert not req.block_ids
+        for b in block_ids:
+            assert self.ref_counts[b] > 0, f"block {b} is not held"
+            self._take(b)
+        req.block_ids = list(block_ids)
+
     def register_full_blocks(self, req: Request) -> None:
         """Publish the request's newly completed full blocks (KV computed) in the prefix cache."""
         if not self.enable_prefix_caching:

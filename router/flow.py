@@ -11,8 +11,10 @@ A request's states, in order:
 4. FINISHED: the last token went out with its usage.
 A decode actor that dies (or fails the request) sends the request back to PLACING on another one,
 from its prompt plus the tokens already streamed, at most `max_migrations` times; then FAILED.
-A decode actor that pauses it (draining, rebalancing) has it moved with its KV, STREAMING all the
-while: the next decode actor continues from the last streamed token, nothing is recomputed.
+A decode actor that offers it to move (draining, rebalancing) has it moved with its KV, STREAMING
+all the while (router/moving.py: reserved elsewhere and pre-copied while it decodes, then handed
+over once it pauses): the next decode actor continues from the last streamed token, nothing is
+recomputed.
 The request's first token is streamed, timed and logged once, whatever happens after.
 """
 
@@ -21,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.wire.errors import MigrationsExhausted
-from tandem.wire.messages import (FirstToken, OutputError, SamplingParams, SequencePaused, StepOutput, Usage,
-                                  WorkerLostNotice)
+from tandem.wire.messages import (FirstToken, OutputError, SamplingParams, SequenceMoving, SequencePaused, StepOutput,
+                                  Usage, WorkerLostNotice)
 
-Message = StepOutput | OutputError | WorkerLostNotice | SequencePaused
+Message = StepOutput | OutputError | WorkerLostNotice | SequenceMoving | SequencePaused
 
 
 class FlowState(enum.Enum):
@@ -41,7 +44,8 @@ class Event(enum.Enum):
     """What a message from the cluster means for the request."""
     IGNORE = "ignore"    # another decode actor died: not ours
     MIGRATE = "migrate"  # our decode actor died or failed the request
-    MOVE = "move"        # our decode actor paused it to move it elsewhere with its KV
+    MOVE = "move"        # about a move with its KV: offered (or withdrawn), or its reservation failed
+    MOVED = "moved"      # our decode actor paused it to move; its tail is on the way
     TOKENS = "tokens"    # new tokens to stream
 
 
@@ -65,6 +69,7 @@ class RequestFlow:
     handover: FirstToken | None = None
     release_decode: bool = False  # that token ended the request: free the decode reservation
     injected: OutputError | None = None  # a failure the router saw itself (a refused handover)
+    move: Any = None              # router/moving.PendingMove while another actor holds a reservation for it
 
     def __post_init__(self) -> None:
         self.cluster_id = self.cluster_id or self.request_id
@@ -90,10 +95,13 @@ class RequestFlow:
     def classify(self, msg: Message, decode_id: str) -> Event:
         if isinstance(msg, WorkerLostNotice):
             return Event.MIGRATE if msg.worker_id == decode_id else Event.IGNORE
+        if isinstance(msg, SequencePaused):
+            return Event.MOVED
+        if isinstance(msg, SequenceMoving) or (isinstance(msg, OutputError) and self.move is not None
+                                               and msg.request_id == self.move.request_id):
+            return Event.MOVE
         if isinstance(msg, OutputError):
             return Event.MIGRATE
-        if isinstance(msg, SequencePaused):
-            return Event.MOVE
         return Event.TOKENS
 
     def migrate(self, msg: WorkerLostNotice | OutputError, decode_id: str) -> str:
@@ -111,12 +119,13 @@ class RequestFlow:
             return "decode_lost"
         return "request_failed"
 
-    def moved_continuation(self, paused: SequencePaused) -> tuple[list[int], SamplingParams] | None:
+    def moved_continuation(self, num_tokens: int, last: int | None = None) -> tuple[list[int], SamplingParams] | None:
         """The prompt and sampling of the request as it continues on another decode actor over its
         KV: every token so far but the last (the handoff, which counts as that actor's first output
-        token). None when the paused sequence is not the one streamed (nothing to move)."""
-        if self.state is not FlowState.STREAMING or not self.out_ids or paused.handoff.token_id != self.out_ids[-1] \
-                or paused.num_tokens != len(self.prompt) + len(self.out_ids) - 1:
+        token). None when the sequence the decode actor moves (its KV covering `num_tokens`
+        positions, `last` its last token when known) is not the one streamed (nothing to move)."""
+        if self.state is not FlowState.STREAMING or not self.out_ids or last not in (None, self.out_ids[-1]) \
+                or num_tokens != len(self.prompt) + len(self.out_ids) - 1:
             return None
         left = self.sampling.max_tokens - len(self.out_ids) + 1
         return self.prompt + self.out_ids[:-1], dataclasses.replace(self.sampling, max_tokens=left)

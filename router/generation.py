@@ -23,8 +23,8 @@ from tandem.protos.tandem.v1 import generation_pb2
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
 from tandem.router.cluster_view import ClusterView
 from tandem.router.flow import Event, FlowState, RequestFlow
-from tandem.router.moving import move_with_kv
-from tandem.router.placing import PLACEMENT_ERRORS, Attempt, CostPlacement, Placer
+from tandem.router.moving import abandon, complete, on_notice
+from tandem.router.placing import Attempt, CostPlacement, Placer
 from tandem.router.request_ids import ActiveRequests, DuplicateRequest
 from tandem.router.sessions import SessionState
 from tandem.router.slow_log import slow_first_token_parts
@@ -32,8 +32,8 @@ from tandem.router.status_codes import OWN_MESSAGES, status_code
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
-from tandem.wire.errors import InvalidRequestError, NoReservation, NoWorkerReady
-from tandem.wire.messages import FinishReason, SamplingParams, SequencePaused, StepOutput
+from tandem.wire.errors import InvalidRequestError, NoWorkerReady
+from tandem.wire.messages import FinishReason, OutputError, SamplingParams, SequencePaused, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,9 @@ class Router:
                 event = None if msg is None else flow.classify(msg, att.decode_id)
                 if event is Event.MIGRATE:
                     att = await self._migrate(flow, att, msg, queue)
-                elif event is Event.MOVE:
+                elif event is Event.MOVE:      # offered to move: reserved and pre-copied in the background
+                    on_notice(self.placer, flow, att, msg, queue)
+                elif event is Event.MOVED:
                     att = await self._move(flow, att, msg, queue)
                 if event is not Event.TOKENS:
                     continue
@@ -220,6 +222,7 @@ class Router:
     async def _migrate(self, flow: RequestFlow, att: Attempt, msg, queue: asyncio.Queue) -> Attempt:
         """The decode actor died (or the request failed on it): continue on another one from the
         prompt plus the tokens already streamed; greedy output is unchanged."""
+        abandon(self.placer, flow)                   # a move under way: what it reserved goes
         reason = flow.migrate(msg, att.decode_id)    # raises MigrationsExhausted past the limit
         if reason == "decode_lost":      # that actor, not the worker id: a restarted controller reuses ids
             flow.lost_actors[att.decode_id] = _actor_key(att.decode)
@@ -238,17 +241,13 @@ class Router:
         return att
 
     async def _move(self, flow: RequestFlow, att: Attempt, msg: SequencePaused, queue: asyncio.Queue) -> Attempt:
-        """Its decode actor paused it to move it: continue on another one over its KV
-        (router/moving.py), or resume it where it is when no other one can take it now."""
+        """Its decode actor paused it to move, its tail on the way to the actor reserved for it:
+        hand it over there (router/moving.py); when that fails, move it on by recompute."""
         try:
-            new = await move_with_kv(self.placer, flow, att, msg, queue)
-        except (*PLACEMENT_ERRORS, NoReservation, ValueError) as e:
-            log.info("%s stays on %s: %s", flow.request_id, att.decode_id, e)
-            try:
-                await att.decode.resume.remote(request_id=att.request_id)
-            except Exception as err:  # noqa: BLE001 - a dead actor: its output pump says so
-                log.warning("could not resume %s on %s: %s", flow.request_id, att.decode_id, err)
-            return att
+            new = await complete(self.placer, flow, msg)
+        except Exception as e:  # noqa: BLE001 - a refusal or a dead actor: recompute, as after any failure
+            return await self._migrate(flow, att, OutputError(att.request_id, f"moving it with its KV failed: "
+                                                                             f"{type(e).__name__}: {e}"), queue)
         self.hub.record_migration("kv_moved")
         self.view.inflight[att.decode_id] -= 1
         self.placer.forget(att.request_id)     # its actor frees the blocks once they are sent
@@ -335,6 +334,7 @@ class Router:
     async def _cleanup(self, flow: RequestFlow, att: Attempt | None, t0: float) -> None:
         """However the request ended: its counts on actors go, and if it did not finish, whatever it
         holds on its actors is freed."""
+        abandon(self.placer, flow)
         if att is not None:
             self.placer.forget(att.request_id)
             self.placer.release(att.local_hold)

@@ -1,25 +1,33 @@
 """Moving a running request to another decode actor with its KV (KV-preserving migration), the
-router's half. The decode actor that runs it paused it (`SequencePaused`: it drains, or was asked
-to rebalance) and holds its blocks; here the router
+router's half. The decode actor that runs it offers it (`SequenceMoving`: it drains, was asked to
+rebalance, or is short of blocks) and keeps decoding it; here the router, in the background while
+the request's tokens keep streaming,
 
-1. picks another decode actor (as for a new request: prefix hits, load; never the paused one or
-   one that died under the request) and reserves there with `DecodeReserve.handoff`: blocks for
-   every token but the last, the receive registered from the paused actor, and the handoff token
-   it continues from once the KV has landed (it was streamed already);
-2. has the paused actor send the KV layer by layer into those blocks (`send_kv`), over the path
-   prefills use.
+1. picks another decode actor (as for a new request: prefix hits, load; never the offering one or
+   one that died under the request) and reserves there (`DecodeReserve.move_headroom`): blocks
+   for every token so far but the last plus some headroom, the receives registered from the
+   offering actor;
+2. has the offering actor start (`start_move`): it pre-copies the sequence's full blocks there,
+   then pauses the sequence at a step boundary and sends the tail itself (decode_workers/moves.py);
+3. on its `SequencePaused`, hands the other actor the sequence's prompt and handoff token
+   (`take_moved`), which it continues from once the tail has landed.
+So the pause holds one notice and one call beside the tail's transfer; the reservation and the
+bulk of the KV are off it.
 
-The request's stream sees no gap and no duplicate: the paused actor's outputs all came before its
-notice, and the next actor's first output is the token after the handoff. Seeded sampling
-continues from the sampler state the handoff carries. A send that fails comes back as the new
-actor's transfer error, and the request moves on by recompute like after any failure. When no
-other actor can take it now, the paused actor resumes it (`resume`) and it finishes there.
+The request's stream sees no gap and no duplicate: the offering actor's outputs all came before
+its notice, and the next actor's first output is the token after the handoff. Seeded sampling
+continues from the sampler state the handoff carries. A reservation refused everywhere, or a
+start refused, has the offering actor `resume` (the sequence stays there); an offer it withdraws
+(`cancelled`) or a failed pre-copy (the other actor's transfer error) frees the reservation. A
+handoff that fails after the pause moves the request on by recompute, as after any failure.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -27,46 +35,134 @@ from tandem.engine.prefix_hash import block_hashes
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.router.flow import RequestFlow
 from tandem.router.placing import Attempt, Placer
-from tandem.wire.errors import InvalidRequestError, WorkerUnavailable
-from tandem.wire.messages import DecodePlan, DecodeReserve, SequencePaused
+from tandem.wire.errors import InvalidRequestError, NoReservation, WorkerUnavailable
+from tandem.wire.messages import DecodePlan, DecodeReserve, OutputError, SequenceMoving, SequencePaused
 
 log = logging.getLogger(__name__)
 
+# positions reserved past the sequence's own, in blocks: what it may decode while its full blocks
+# are pre-copied (it pauses early, with a longer tail, if it would outgrow them)
+HEADROOM_BLOCKS = 2
 
-async def move_with_kv(placer: Placer, flow: RequestFlow, att: Attempt, paused: SequencePaused, queue) -> Attempt:
-    """The request's attempt on the actor it moved to; the paused attempt is left to the caller
-    (its actor frees it once the KV is sent). Raises PLACEMENT_ERRORS (or NoReservation from the
-    paused actor) when it could not move: the caller resumes it where it is."""
-    cont = flow.moved_continuation(paused)
-    if cont is None:
-        raise WorkerUnavailable(f"{att.request_id}: the paused sequence is not the one streamed")
-    ids, sp = cont
-    view = placer.view
-    t0 = time.perf_counter()
-    rid = placer.new_attempt(flow.cluster_id, queue)
+
+@dataclass(eq=False)
+class PendingMove:
+    """A move under way: `task` reserves and starts it (-> the attempt on the other actor, or None
+    when it could not); `att` is that attempt once reserved, for a cleanup to free."""
+    request_id: str
+    task: asyncio.Future | None = None
+    att: Attempt | None = None
+
+
+def on_notice(placer: Placer, flow: RequestFlow, att: Attempt, msg: SequenceMoving | OutputError, queue) -> None:
+    """A move offered (start it in the background), withdrawn, or its reservation failed."""
+    if isinstance(msg, SequenceMoving) and not msg.cancelled:
+        cont = flow.moved_continuation(msg.num_tokens)
+        if flow.move is not None:         # (never offered twice)
+            return
+        if cont is None:
+            log.info("%s stays on %s: its offer (%d positions) is not the sequence streamed (%d tokens)",
+                     flow.request_id, att.decode_id, msg.num_tokens, len(flow.prompt) + len(flow.out_ids))
+            placer.in_background(att.decode.resume.remote(request_id=att.request_id))
+            return
+        pm = flow.move = PendingMove(placer.new_attempt(flow.cluster_id, queue))
+        pm.task = asyncio.ensure_future(_start(placer, flow, att, pm, *cont))
+        return
+    if isinstance(msg, OutputError):      # the pre-copy failed on the other actor: stay here
+        log.info("%s stays on %s: %s", flow.request_id, att.decode_id, msg.error)
+        placer.in_background(att.decode.resume.remote(request_id=att.request_id))
+    abandon(placer, flow)
+
+
+def abandon(placer: Placer, flow: RequestFlow) -> None:
+    """Free the reservation of a move under way (the request ended, moved otherwise, or stays)."""
+    pm, flow.move = flow.move, None
+    if pm is None:
+        return
+    if pm.task is not None and not pm.task.done():
+        pm.task.cancel()                  # it frees what it reserved
+    elif pm.att is not None:
+        _undo(placer, pm.att)
+    else:
+        placer.forget(pm.request_id)
+
+
+async def complete(placer: Placer, flow: RequestFlow, paused: SequencePaused) -> Attempt:
+    """The offering actor paused the sequence and sent its tail: hand it over. -> the attempt on
+    the other actor; raises (NoReservation, WorkerUnavailable, a Ray error) when that failed: the
+    caller moves the request on by recompute."""
+    pm, flow.move = flow.move, None
+    if pm is None or pm.task is None:
+        raise NoReservation(f"{flow.request_id} paused to move, but nothing is reserved for it")
+    new = await pm.task
+    if new is None:
+        raise NoReservation(f"{flow.request_id}: its reservation elsewhere failed")
+    cont = flow.moved_continuation(paused.num_tokens, paused.handoff.token_id)
     try:
-        new, plan = await _reserve(placer, flow, att, rid, ids, sp, paused)
+        if cont is None:
+            raise WorkerUnavailable(f"{flow.request_id}: the paused sequence is not the one streamed")
+        ids, sp = cont
+        taken = await new.decode.take_moved.remote(request_id=new.request_id, prompt_token_ids=ids, sampling=sp,
+                                                   handoff=paused.handoff)
+        if not taken:
+            raise NoReservation(f"{new.decode_id} no longer holds {flow.request_id}'s reservation")
     except BaseException:
-        placer.forget(rid)
+        _undo(placer, new)
         raise
-    spec = TransferSpec(f"{rid}#move", att.decode_id, new.decode_id, tuple(range(placer.num_layers)), (),
-                        plan.dst_block_ids, plan.num_tokens)
-    try:
-        await att.decode.send_kv.remote(request_id=att.request_id, spec=spec, first_block=plan.first_block)
-    except BaseException:
-        view.inflight[new.decode_id] -= 1
-        placer.forget(rid)
-        placer.in_background(new.decode.abort.remote(rid))
-        raise
-    t2 = new.marks["moved"] = time.perf_counter()
-    log.info("moved %s from %s to %s with the KV of %d positions (%d cached there): reserved in %.1f ms, "
-             "sending after %.1f ms", flow.request_id, att.decode_id, new.decode_id, plan.num_tokens,
-             plan.cached_tokens, 1e3 * (new.marks["reserved"] - t0), 1e3 * (t2 - t0))
+    t = new.marks["moved"] = time.perf_counter()
+    log.info("moved %s to %s with the KV of %d positions: reserved %.1f ms and started %.1f ms after the offer, "
+             "handed over %.1f ms after it", flow.request_id, new.decode_id, paused.num_tokens,
+             1e3 * (new.marks["reserved"] - new.marks["offered"]), 1e3 * (new.marks["started"] - new.marks["offered"]),
+             1e3 * (t - new.marks["offered"]))
     return new
 
 
-async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, ids: list[int], sp,
-                   paused: SequencePaused) -> tuple[Attempt, DecodePlan]:
+async def _start(placer: Placer, flow: RequestFlow, att: Attempt, pm: PendingMove, ids: list[int], sp) -> Attempt | None:
+    t0 = time.perf_counter()
+    try:
+        new, plan = await _reserve(placer, flow, att, pm.request_id, ids, sp)
+    except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - nowhere to go (PLACEMENT_ERRORS), or it ended
+        placer.forget(pm.request_id)
+        return _stays(placer, flow, att, pm, e)
+    pm.att = new
+    new.marks["offered"] = t0
+    bs, layers = placer.block_size, tuple(range(placer.num_layers))
+    n_pre, first = plan.precopy_blocks, plan.first_block
+    pre = None if not n_pre else TransferSpec(plan.precopy_id, att.decode_id, new.decode_id, layers, (),
+                                              plan.dst_block_ids[:n_pre], (first + n_pre) * bs)
+    tail = TransferSpec(new.transfer_id, att.decode_id, new.decode_id, layers, (), plan.dst_block_ids[n_pre:],
+                        plan.num_tokens)
+    try:
+        await att.decode.start_move.remote(request_id=att.request_id, precopy=pre, tail=tail, first_block=first)
+    except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - refused (NoReservation, ValueError), or gone
+        pm.att = None
+        _undo(placer, new)
+        return _stays(placer, flow, att, pm, e)
+    new.marks["started"] = time.perf_counter()
+    return new
+
+
+def _stays(placer: Placer, flow: RequestFlow, att: Attempt, pm: PendingMove, why: BaseException) -> None:
+    """The move could not start: the sequence continues where it is. Re-raises a cancel."""
+    if flow.move is pm:
+        flow.move = None
+    placer.in_background(att.decode.resume.remote(request_id=att.request_id))
+    if isinstance(why, asyncio.CancelledError):
+        raise why
+    log.info("%s stays on %s: %s", flow.request_id, att.decode_id, why)
+    return None
+
+
+def _undo(placer: Placer, new: Attempt) -> None:
+    view = placer.view
+    if view.inflight.get(new.decode_id):
+        view.inflight[new.decode_id] -= 1
+    placer.forget(new.request_id)
+    placer.in_background(new.decode.abort.remote(new.request_id))
+
+
+async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, ids: list[int],
+                   sp) -> tuple[Attempt, DecodePlan]:
     view = placer.view
     hashes = block_hashes(ids, placer.block_size)
     tried = {att.decode_id} | flow.lost
@@ -75,7 +171,7 @@ async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, id
         decode = view.handle(decode_id)
         view.inflight[decode_id] = view.inflight.get(decode_id, 0) + 1
         ask = DecodeReserve(rid, view.router_id, ids, sp, transfer_id=f"{rid}#move", prefill_id=att.decode_id,
-                            handoff=paused.handoff)
+                            move_headroom=HEADROOM_BLOCKS * placer.block_size)
         try:
             plan = await placer.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(rid))
         except (WorkerUnavailable, InvalidRequestError, ray.exceptions.RayActorError) as e:   # no room there
@@ -83,7 +179,9 @@ async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, id
             log.debug("%s cannot take %s: %s", decode_id, flow.request_id, e)
             tried.add(decode_id)
             continue
+        except BaseException:
+            view.inflight[decode_id] -= 1
+            raise
         new = Attempt(rid, decode_id, decode, transfer_id=f"{rid}#move", mode="moved")
         new.marks["reserved"] = time.perf_counter()
         return new, plan
-

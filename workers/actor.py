@@ -110,8 +110,11 @@ class WorkerActor(PoolActorBase):
     def move_out(self, *, count: int | None = None) -> int:
         return self.worker.decode.move_out(count)
 
-    def send_kv(self, *, request_id: str, spec, first_block: int = 0) -> None:
-        return self.worker.decode.send_kv(request_id, spec, first_block)
+    def start_move(self, *, request_id: str, precopy, tail, first_block: int) -> None:
+        return self.worker.decode.start_move(request_id, precopy, tail, first_block)
+
+    def take_moved(self, *, request_id: str, prompt_token_ids: list[int], sampling, handoff) -> bool:
+        return self.worker.decode.take_moved(request_id, prompt_token_ids, sampling, handoff)
 
     def resume(self, *, request_id: str) -> bool:
         return self.worker.decode.resume(request_id)

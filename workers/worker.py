@@ -128,7 +128,7 @@ class PoolWorker:
 
     # ---- on the loop thread: the hooks, fanned out ----------------------------------------------
     def _before_step(self) -> None:
-        self.sender.reap()                 # (nothing to hand over: the release callbacks did)
+        self.decode.moves.sends_ended(self.sender.reap())   # (the release callbacks free what was sent)
         received = self.receiver.reap()
         self.prefill.pulls_ended(received)
         self.decode.kv_ended(received)

@@ -147,11 +147,13 @@ class DecodeReserve:
     replaces: str | None = None
     # prompt tokens per step when it prefills locally (the cost model's pick; None: the step budget)
     prefill_chunk_tokens: int | None = None
-    # a running sequence moved here with its KV (KV-preserving migration): the KV of the whole
-    # prompt (the sequence's tokens but the last) comes from `prefill_id`, the decode actor that
-    # ran it, and decoding continues from this token (streamed already); the reservation is
-    # remote or refused (WorkerUnavailable), never a local prefill
-    handoff: FirstToken | None = None
+    # a running sequence moving here with its KV (KV-preserving migration) from `prefill_id`, the
+    # decode actor that runs it and keeps decoding it meanwhile: blocks for the prompt (its tokens
+    # so far but the last) plus this many positions more, with two receives registered: its full
+    # blocks (pre-copied while it decodes) and the rest (sent once it is paused); the prompt,
+    # sampling and handoff token follow (`take_moved`). Remote or refused (WorkerUnavailable),
+    # never a local prefill
+    move_headroom: int | None = None
     # tokens of the prompt that were computed before, elsewhere (a request moved by recompute):
     # counted as `tokens_recomputed` where it is prefilled again
     recomputed_tokens: int = 0
@@ -170,6 +172,11 @@ class DecodePlan:
     num_tokens: int = 0
     prefix_block_ids: list[int] = field(default_factory=list)
     expecting: str | None = None
+    # a move (`DecodeReserve.move_headroom`): the first `precopy_blocks` of `dst_block_ids` take the
+    # sequence's full blocks under transfer id `precopy_id` while it decodes; the rest (the tail,
+    # `num_tokens` positions in all) take what it writes until it pauses, under `transfer_id`
+    precopy_blocks: int = 0
+    precopy_id: str | None = None
 
     @property
     def mode(self) -> str:
@@ -202,12 +209,27 @@ class OutputError:
 
 
 @dataclass(frozen=True)
+class SequenceMoving:
+    """A decode actor offers a running sequence to move with its KV (it drains, is asked to
+    rebalance, or is short of blocks): the router reserves on another decode actor and has this
+    one pre-copy its full blocks there (`start_move`) while it keeps decoding it, or has it stay
+    (`resume`). `num_tokens`: the positions its KV covers now (its tokens so far but the last).
+    Comes after every output of the sequence so far. `cancelled`: the offer is withdrawn (the
+    pre-copy failed, or the sequence could not pause within what was reserved): it continues
+    here, and the router frees what it reserved for it."""
+    request_id: str
+    num_tokens: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
 class SequencePaused:
-    """A decode actor stopped decoding a running sequence to move it with its KV (it drains, or is
-    asked to rebalance): it holds the sequence's blocks until the router has it sent elsewhere
-    (`send_kv`) or resumed here (`resume`). `handoff`: the last output token (streamed already),
-    as the next decode actor continues from it; the KV covers `num_tokens` positions (the
-    sequence's tokens but that last one). Comes after every output of the sequence so far."""
+    """A sequence being moved (`SequenceMoving`) left this decode actor's batch: the rest of its KV
+    (the tail the pre-copy did not carry) is on its way into the blocks reserved for it, and the
+    router hands the other actor the prompt and `handoff` (`take_moved`). `handoff`: the last
+    output token (streamed already), as the next decode actor continues from it; the KV covers
+    `num_tokens` positions (the sequence's tokens but that last one). Comes after every output of
+    the sequence so far."""
     request_id: str
     handoff: FirstToken
     num_tokens: int
@@ -221,4 +243,4 @@ class WorkerLostNotice:
     error: str
 
 
-Output = Union[StepOutput, OutputError, SequencePaused]
+Output = Union[StepOutput, OutputError, SequenceMoving, SequencePaused]

@@ -93,6 +93,9 @@ class WorkerStats:
     sequences_migrated_in: int = 0     # taken from another decode worker with their KV
     migrations_resumed: int = 0        # paused to move, then resumed here (nowhere could take them)
     pressure_moves: int = 0            # paused to move because the KV cache was about to preempt one
+    kv_tokens_precopied: int = 0       # ... of kv_tokens_migrated, sent while the sequence still decoded
+    move_precopy_seconds: float = 0.0  # sent moves' pre-copies, summed: from the send to its end
+    move_tail_seconds: float = 0.0     # ... their tails (sent once paused), to the sender letting go
     tokens_recomputed: int = 0         # prompt positions of moved-by-recompute requests computed again
     # ---- start-up and compilation -----------------------------------------------------------
     warmup_s: float = 0.0
