@@ -300,7 +300,7 @@ def main() -> None:
         torch.set_num_threads(1)
     if args.policy:
         from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
-        set_split_policy(**{k: int(v) if k != "vector_merge" else v == "1"
+        set_split_policy(**{k: v == "1" if k in ("vector_merge", "bucket_plan") else int(v)
                             for k, v in (p.split("=") for p in args.policy.split(","))})
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731

@@ -32,8 +32,12 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # paged_attention's finite "minus infinity"
 @dataclass(frozen=True)
 class SplitPolicy:
     min_partition: int = 256  # keys: a partition is at least this long (a multiple of block_n)
-    programs_per_sm: int = 2  # split until (sequences x KV heads x partitions) reaches this per SM
+    split_below: int = 2  # split when the (sequence, KV head) programs are fewer than this per SM
+    programs_per_sm: int = 2  # then split until the programs reach this many per SM
     vector_merge: bool = False  # merge with _merge_partitions_kernel (else the looping reduce)
+    # plan for the lower end of the context's power-of-two bucket, as a CUDA graph of that bucket
+    # must (its plan serves every context in it); else for max_seq_len itself
+    bucket_plan: bool = False
 
 
 POLICY = SplitPolicy()
@@ -45,7 +49,7 @@ def set_split_policy(**changes) -> SplitPolicy:
     for name, value in changes.items():
         if name not in SplitPolicy.__dataclass_fields__:
             raise ValueError(f"SplitPolicy has no field {name!r}")
-        if name in ("min_partition", "programs_per_sm") and (not isinstance(value, int) or value < 1):
+        if name in ("min_partition", "split_below", "programs_per_sm") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"SplitPolicy.{name} must be a positive int, got {value!r}")
     old, POLICY = POLICY, dataclasses.replace(POLICY, **changes)
     return old
@@ -54,16 +58,20 @@ def set_split_policy(**changes) -> SplitPolicy:
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                           block_n: int = 64, min_partition: int | None = None) -> int | None:
     """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
-    every SM `programs_per_sm` programs, else a partition size (a multiple of block_n, at least
-    min_partition keys, POLICY's when None) that brings the program count up to about that."""
+    every SM `split_below` programs, else a partition size (a multiple of block_n, at least
+    min_partition keys, POLICY's when None) that brings the program count up to about
+    `programs_per_sm` per SM. With `bucket_plan`, the plan of a context in (2^(k-1), 2^k] is the
+    plan of 2^(k-1) keys: one partition size for the bucket, its smallest contexts split enough."""
     policy = POLICY
-    min_partition = policy.min_partition if min_partition is None else min_partition
-    min_partition = max(block_n, min_partition)
+    min_partition = max(block_n, policy.min_partition if min_partition is None else min_partition)
     programs = num_seqs * num_kv_heads
-    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs), triton.cdiv(max_seq_len, min_partition))
+    if programs >= policy.split_below * num_sms:
+        return None
+    plan_len = max(1, (1 << max(0, max_seq_len - 1).bit_length()) // 2) if policy.bucket_plan else max_seq_len
+    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs), triton.cdiv(plan_len, min_partition))
     if parts <= 1:
         return None
-    return triton.cdiv(triton.cdiv(max_seq_len, parts), block_n) * block_n
+    return triton.cdiv(triton.cdiv(plan_len, parts), block_n) * block_n
 
 
 @triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_ot', 'stride_oh', 'stride_pt', 'stride_ph'])

@@ -81,3 +81,13 @@ def test_set_split_policy_refuses_unknown_or_bad_fields(policy):
         policy(min_parts=64)
     with pytest.raises(ValueError, match="positive int"):
         policy(min_partition=0)
+
+
+def test_bucket_plan_serves_every_context_of_a_graph_bucket(policy):
+    # a graph captured for contexts up to 16384 plans 8192 keys: an 8.2k context still gets five
+    # partitions (the bucket's own plan would give two, one of them nearly empty)
+    policy(programs_per_sm=8, bucket_plan=True)
+    assert choose_partition_size(32, 8, 8200, 132) == choose_partition_size(32, 8, 16384, 132) == 1664
+    assert choose_partition_size(32, 8, 8192, 132) == 832     # the bucket below: (4096, 8192]
+    policy(bucket_plan=False)
+    assert choose_partition_size(32, 8, 16384, 132) == 3328
