@@ -266,7 +266,7 @@ def profile_rows(bench: Bench, model, tok, rows, args) -> None:
           "copies ms | other ms | " + " | ".join(f"{p} ms" for p in PHASES) + " | host ms |")
     print("|---|---|" + "---:|" * 15)
     for b, ctx in rows:
-        for overlap in (True, False):
+        for overlap in (m == "on" for m in args.modes.split(",")):
             r = run_mode(bench, e, b, ctx, overlap, args)
             res.append(r)
             print_row(r)
@@ -282,6 +282,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model (Triton interpreter)")
     ap.add_argument("--rows", default="1x1024,64x1024,256x1024,32x8192")
+    ap.add_argument("--modes", default="on,off", help="the overlap modes of the engine rows")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prof-steps", type=int, default=4)
