@@ -156,6 +156,20 @@ class MLABench(Bench):
         self.results["prefill"] = {"tokens": n, "s": s, "tflops": tf, "active_flops": flops,
                                    "of_matmul": tf / self.results["ceilings"]["matmul_tflops"]}
         print(f"# prefill {self.results['prefill']}", flush=True)
+        if self.profile_steps:
+            self.section("profile_prefill", lambda: self.profile_prefill(e, n))
+
+    def profile_prefill(self, e, n: int) -> None:
+        """GPU time by part of one n-token prefill step (eager: prefill steps are not graphed)."""
+        e.settle()
+        ids = torch.randint(3, self.cfg.vocab_size, (n,), generator=self.gen).tolist()
+        req = e.add_request(f"profp{n}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+        inputs = e.runner.prepare(e.scheduler.schedule())
+        run = lambda: e.runner.execute(inputs, layer_done=lambda layer: None)  # noqa: E731
+        p = profile_step(self.model, run, run, self.dev.type == "cuda", reps=1)
+        e.abort(req.request_id)
+        self.results["profile_prefill"] = p
+        print_profile(f"profile prefill {n} tokens", p)
 
     def profile_rows(self, e, batch: int, ctx: int) -> None:
         """GPU time by part of one decode step of `batch` sequences, replayed from its graph."""

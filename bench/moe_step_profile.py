@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 MARK = "@"
 # part -> group of the printed table
 GROUPS = {
-    "mla q/kv_a proj": "MLA attention", "mla absorb W_UK/W_UV + glue": "MLA attention",
+    "mla q/kv_a proj": "MLA attention", "mla other (absorb bmm; prefill: kv_b expand, SDPA)": "MLA attention",
     "mla attention kernel": "MLA attention", "mla o_proj": "MLA attention",
     "mla latent norm/rope/cache write": "norms/rope", "layer norms": "norms/rope",
     "moe router + routing": "MoE routing", "moe expert GEMMs": "expert GEMMs", "moe glue": "MoE routing",
@@ -88,7 +88,7 @@ def label_model(model, ops) -> _Patches:
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         if hasattr(a, "kv_b_proj"):  # latent attention
-            p.wrap(a, "forward_fused", "mla absorb W_UK/W_UV + glue")
+            p.wrap(a, "forward_fused", "mla other (absorb bmm; prefill: kv_b expand, SDPA)")
             for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa"):
                 if hasattr(a, name):
                     p.wrap(getattr(a, name), "forward", "mla q/kv_a proj")
