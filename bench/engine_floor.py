@@ -5,6 +5,9 @@ A row's step time is (t(long) - t(short)) / (long - short) for one `generate` of
 of `ctx` tokens each, so the prefill cancels out (after an untimed short run of the same shape). Its floor is max(memory, compute): the weights
 (without the embedding table) plus the batch's K/V at the mean context of the timed steps, over the
 copy rate measured in the same run; or the step's FLOPs over the measured bf16 matmul rate.
+"Decode-only" times `LLMEngine.step` with every sequence decoding (KV admitted "already there"),
+no prefill step among them: the difference of two `generate` calls also carries what the long
+call's extra decode rows add to the prefill steps they ride in.
 `bench/engine_gpu.py` runs it as its `floor` section; `--dry-run` runs it on CPU with a tiny model.
 """
 
@@ -22,7 +25,7 @@ from tandem.engine.weights import load_model
 
 ROWS = ((1, 1024), (16, 1024), (64, 1024), (128, 1024), (256, 1024), (1, 8192), (32, 8192))
 DRY_ROWS = ((1, 64), (4, 64), (1, 128))
-PLAIN_ROWS = ((64, 1024), (256, 1024), (32, 8192))  # also timed with LLMEngine.overlap off
+PLAIN_ROWS = ((256, 1024),)  # also timed with LLMEngine.overlap off
 
 
 def floor_engine(bench, model, tok, num_blocks: int, max_seqs: int = 256, max_batched: int = 8192) -> LLMEngine:
@@ -50,13 +53,33 @@ def _timed_generate(bench, e: LLMEngine, reqs: list[dict]) -> float:
     return time.perf_counter() - t0
 
 
-def _step_ms(bench, e: LLMEngine, b: int, ctx: int, short: int, long_: int) -> float:
+def _decode_only_ms(bench, e: LLMEngine, b: int, ctx: int, steps: int = 24) -> float:
+    """ms per `LLMEngine.step` with all b sequences decoding: requests admitted with their first
+    ctx - 1 positions of K/V "in the cache" (as after a KV transfer), so no step is a prefill."""
+    reqs = bench.admit(e, b, ctx, steps + 8, f"dec-{b}x{ctx}")
+    for _ in range(4):
+        e.step()
+    bench.sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        e.step()
+    bench.sync()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    for r in reqs:
+        e.abort(r.request_id)
+    e.step()
+    e.take_outputs()
+    return ms
+
+
+def _step_ms(bench, e: LLMEngine, b: int, ctx: int, short: int, long_: int, warm: bool = True) -> float:
     vocab = e.model_config.vocab_size
     # every bucket up to b, as serving's warmup captures them: the steps after the first requests
     # finish run smaller batches, and a capture inside a timed run costs ~0.17 s (2026-12-01's
     # run: 23 captures, 3.9 s), 2.6 ms over the 64 steps of the difference for each
     e.runner.capture_graphs(tuple(s for s in e.runner.batch_sizes if s <= b), ctx + long_)
-    _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))  # this shape's compiles, untimed
+    if warm:  # this shape's compiles, untimed
+        _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))
     before = e.runner.graph_stats["captures"]
     t_short = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, short))
     t_long = _timed_generate(bench, e, _prompts(bench, b, ctx, vocab, long_))
@@ -81,7 +104,7 @@ def run_floors(bench) -> None:
     model, tok, cfg = load_model(name, "float32" if bench.dry else "bfloat16", str(bench.dev), seed=0)
     if bench.dry:
         model.ops = TritonOps()
-    rows, (short, long_) = (DRY_ROWS, (2, 6)) if bench.dry else (ROWS, (8, 72))
+    rows, (short, long_) = (DRY_ROWS, (2, 6)) if bench.dry else (getattr(bench, "floor_rows", None) or ROWS, (8, 72))
     n_off, ctx_off, out_off = (8, 64, 8) if bench.dry else (512, 1024, 256)
     tokens = max(max(b * (c + long_) for b, c in rows), n_off * (ctx_off + out_off))
     e = floor_engine(bench, model, tok, num_blocks=tokens // 16 + 2 * n_off + 64)
@@ -89,19 +112,26 @@ def run_floors(bench) -> None:
     res = bench.results["floor"] = {"model": name, "short": short, "long": long_, "decode": []}
     overlap = e.overlap
     _timed_generate(bench, e, _prompts(bench, 1, rows[0][1], vocab, short))   # compiles the prefill kernels
+    warmed = set()
     for b, ctx in rows:
-        r = {"batch": b, "ctx": ctx, "step_ms": _step_ms(bench, e, b, ctx, short, long_)}
+        # an untimed run of the first row of each context compiles its prefill shapes
+        r = {"batch": b, "ctx": ctx, "step_ms": _step_ms(bench, e, b, ctx, short, long_, ctx not in warmed)}
+        warmed.add(ctx)
         fl = floor_ms(bench, model, b, ctx + (short + long_) / 2)
         r.update(floor_ms=fl, x_floor=r["step_ms"] / fl, tok_s=b / r["step_ms"] * 1e3)
+        r["decode_only_ms"] = _decode_only_ms(bench, e, b, ctx + (short + long_) // 2)
+        r["decode_only_x_floor"] = r["decode_only_ms"] / fl
         res["decode"].append(r)
         print(f"# floor decode {r}", flush=True)
         bench.save()
     e.overlap = False                 # the same steps with the host's work between them
     for r in res["decode"]:
         if (r["batch"], r["ctx"]) in PLAIN_ROWS or bench.dry:
-            r["plain_step_ms"] = _step_ms(bench, e, r["batch"], r["ctx"], short, long_)
+            r["plain_step_ms"] = _step_ms(bench, e, r["batch"], r["ctx"], short, long_, warm=False)
             print(f"# floor decode without overlap {r}", flush=True)
     e.overlap = overlap
+    if not getattr(bench, "floor_offline", True):
+        return
     t = _timed_generate(bench, e, _prompts(bench, n_off, ctx_off, vocab, out_off))
     res["offline"] = {"requests": n_off, "prompt": ctx_off, "output": out_off, "s": t,
                       "out_tok_s": n_off * out_off / t}
@@ -115,13 +145,14 @@ def print_floors(results: dict) -> None:
         return
     print(f"\n{f['model']} decode through LLMEngine.generate (step = (t({f['long']}) - t({f['short']}) tokens) "
           f"/ {f['long'] - f['short']})")
-    print("| batch x context | step ms | floor ms | step / floor | output tok/s | step ms, overlap off |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| batch x context | step ms | floor ms | step / floor | output tok/s | step ms, overlap off | "
+          "decode-only step ms | decode-only / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in f["decode"]:
         ctx = f"{r['ctx'] // 1024}k" if r["ctx"] >= 1024 else str(r["ctx"])
         plain = f"{r['plain_step_ms']:.2f}" if "plain_step_ms" in r else ""
         print(f"| {r['batch']} x {ctx} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} | "
-              f"{r['tok_s']:,.0f} | {plain} |")
+              f"{r['tok_s']:,.0f} | {plain} | {r.get('decode_only_ms', 0):.2f} | {r.get('decode_only_x_floor', 0):.2f} |")
     o = f.get("offline")
     if o:
         print(f"offline: {o['requests']} requests x ({o['prompt']} in, {o['output']} out) submitted at once: "

@@ -450,6 +450,10 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: floor,llama,gemm,peer,small")
+    parser.add_argument("--floor-rows", default="", help="the floor section's rows, e.g. 1x1024,256x1024 "
+                        "(default: bench/engine_floor.ROWS)")
+    parser.add_argument("--floor-offline", default="on", choices=("on", "off"),
+                        help="the floor section's 512 x (1k in, 256 out) offline run")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -457,6 +461,8 @@ def main():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
     torch.manual_seed(0)
     b = Bench(args.dry_run, args.out)
+    b.floor_rows = [tuple(int(x) for x in r.split("x")) for r in args.floor_rows.split(",") if r]
+    b.floor_offline = args.floor_offline == "on"
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     b.section("ceilings", b.ceilings)
