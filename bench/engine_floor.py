@@ -98,6 +98,27 @@ def floor_ms(bench, model, batch: int, context: float) -> float:
     return 1e3 * max(mem, flops / (ceil["matmul_tflops"] * 1e12))
 
 
+def offline_bound(bench, model, n: int, ctx: int, out: int) -> dict:
+    """The least time the offline run's work allows: its FLOPs (every prompt's prefill, causal
+    attention included, and n x (out - 1) decode tokens with the LM head) over the measured matmul
+    rate, and the K/V bytes its decode steps must read over the copy rate (each decode token reads
+    its context's K/V once)."""
+    c, ceil = model.config, bench.results["ceilings"]
+    params = bench.model_bytes(model) / model.embed_tokens.weight.element_size()  # with the head
+    head = c.hidden_size * c.vocab_size
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
+    prefill = n * (ctx * 2 * (params - head) + 2 * head + attn * ctx * (ctx + 1) / 2)
+    decode_tokens = n * (out - 1)
+    mean_ctx = ctx + out / 2
+    decode = decode_tokens * (2 * params + attn * mean_ctx)
+    kv = decode_tokens * mean_ctx * bench.kv_bytes_per_token(model)
+    r = {"prefill_pflop": prefill / 1e15, "decode_pflop": decode / 1e15,
+         "flops_s": (prefill + decode) / (ceil["matmul_tflops"] * 1e12), "kv_tb": kv / 1e12,
+         "kv_s": kv / (ceil["copy_gbs"] * 1e9)}
+    r["max_tok_s"] = n * out / max(r["flops_s"], r["kv_s"])
+    return r
+
+
 def run_floors(bench) -> None:
     """Fills bench.results["floor"] with the decode rows and the offline run."""
     name = "tiny-random" if bench.dry else "llama3-8b-random"
@@ -134,7 +155,7 @@ def run_floors(bench) -> None:
         return
     t = _timed_generate(bench, e, _prompts(bench, n_off, ctx_off, vocab, out_off))
     res["offline"] = {"requests": n_off, "prompt": ctx_off, "output": out_off, "s": t,
-                      "out_tok_s": n_off * out_off / t}
+                      "out_tok_s": n_off * out_off / t, "bound": offline_bound(bench, model, n_off, ctx_off, out_off)}
     res["graphs"] = e.runner.graph_stats
     print(f"# floor offline {res['offline']}", flush=True)
 
@@ -157,3 +178,8 @@ def print_floors(results: dict) -> None:
     if o:
         print(f"offline: {o['requests']} requests x ({o['prompt']} in, {o['output']} out) submitted at once: "
               f"{o['s']:.1f} s, {o['out_tok_s']:,.0f} output tokens/s")
+        b = o.get("bound")
+        if b:
+            print(f"offline bound: prefill {b['prefill_pflop']:.2f} + decode {b['decode_pflop']:.2f} PFLOP = "
+                  f"{b['flops_s']:.1f} s at the matmul rate; decode K/V reads {b['kv_tb']:.1f} TB = {b['kv_s']:.1f} s "
+                  f"at the copy rate; at most {b['max_tok_s']:,.0f} output tokens/s")
