@@ -1,0 +1,59 @@
+"""Split-K decode attention at Llama-3-8B sizes in bf16 on CUDA (engine.kernels.attention_split):
+both merge kernels, at the partition sizes the plan picks and at extremes (64 keys: up to 128
+partitions, several merge tiles), against the fp32 torch reference, and inside a CUDA graph
+captured for a longer context bucket than the step's (as the engine replays them)."""
+
+import pytest
+import torch
+
+from tests.gpu.test_kernels_gpu import BF16_TOL, HEAD_DIM, KV_HEADS, check_attention, make_batch, rel_err
+
+if torch.cuda.is_available():  # elsewhere conftest.py skips these, and triton stays unimported
+    from tandem.engine.kernels import attention_split
+    from tandem.engine.kernels.attention_split import choose_partition_size, set_split_policy
+    from tandem.engine.kernels.paged_attention import _num_sms, paged_attention, paged_decode_attention
+
+
+@pytest.fixture
+def policy():
+    old = attention_split.POLICY
+    yield set_split_policy
+    attention_split.POLICY = old
+
+
+@pytest.mark.parametrize("vector_merge", [False, True], ids=["loop-reduce", "vector-merge"])
+@pytest.mark.parametrize("batch,ctx", [(1, 8191), (1, 1040), (4, 1040), (32, 8200)])
+def test_split_decode_matches_reference(policy, vector_merge, batch, ctx):
+    policy(vector_merge=vector_merge)
+    lens = [ctx - 37 * i for i in range(batch)]
+    q, k_cache, v_cache, meta = make_batch(batch * 7 + ctx, [1] * batch, lens)
+    check_attention(paged_attention, q, k_cache, v_cache, meta)             # the plan in force
+    for size in (64, 128, 2048):
+        check_attention(paged_decode_attention, q, k_cache, v_cache, meta, partition_size=size)
+
+
+@pytest.mark.parametrize("vector_merge", [False, True], ids=["loop-reduce", "vector-merge"])
+def test_graph_of_a_context_bucket_replays_shorter_contexts(policy, vector_merge):
+    # captured with the grid of a 16384-key bucket, replayed for 8.2k-key contexts: programs past
+    # a context return at once and the merge counts only the partitions the context has
+    policy(vector_merge=vector_merge, programs_per_sm=4, bucket_plan=True)
+    batch = 32
+    q, k_cache, v_cache, meta = make_batch(11, [1] * batch, [16000 - 5 * i for i in range(batch)])
+    size = choose_partition_size(batch, KV_HEADS, 16384, _num_sms(q.device))
+    assert size is not None and size < 8192
+    out = torch.full_like(q, float("nan"))
+    run = lambda: paged_decode_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, out=out,  # noqa: E731
+                                         partition_size=size)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    meta.seq_lens.copy_(torch.tensor([8200 - 3 * i for i in range(batch)], dtype=torch.int32, device="cuda"))
+    shorter = type(meta)(**{**meta.__dict__, "seq_lens_cpu": meta.seq_lens.tolist(),
+                            "max_seq_len": int(meta.seq_lens.max())})
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, shorter, HEAD_DIM ** -0.5, out=ref, partition_size=None)
+    assert rel_err(out, ref) < BF16_TOL
