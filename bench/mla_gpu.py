@@ -76,8 +76,30 @@ class MLABench(Bench):
             run = self.graphed(lambda: mla_decode(q, cache, meta, rank, 0.1))  # eager, it is host-bound
             us = self.gpu_ms(run, reps=3 if self.dry else 50) * 1e3
             floor = cache.numel() * cache.element_size() / (self.results["ceilings"]["copy_gbs"] * 1e3)
-            rows.append({"batch": batch, "ctx": ctx, "us": us, "floor_us": floor, "x_floor": us / floor})
+            rows.append({"batch": batch, "ctx": ctx, "us": us, "floor_us": floor, "x_floor": us / floor,
+                         "sweep": self.sweep_launch(q, cache, meta, rank) if self.sweep else {}})
             print(f"# kernel {rows[-1]}", flush=True)
+
+    def sweep_launch(self, q, cache, meta, rank) -> dict[str, float]:
+        """The partial kernel's launch choices (mla_decode.LAUNCH) and split counts, each from a graph:
+        us of the kernel alone (positions worked out before the capture)."""
+        from tandem.engine.kernels import mla_decode as mod  # noqa: PLC0415 (Triton, after the env is set)
+
+        default, out = dict(mod.LAUNCH), {}
+        mod.token_positions(meta, q.shape[0])
+        tried = [(32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 3), (16, 4, 3)]
+        for block_n, warps, stages in tried[:2] if self.dry else tried:
+            for splits in (None, 4, 16):
+                mod.LAUNCH.update(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    run = self.graphed(lambda: mod.mla_decode(q, cache, meta, rank, 0.1, splits=splits,
+                                                              reuse_positions=True))
+                    out[f"n{block_n} w{warps} s{stages} splits {splits or 'auto'}"] = self.gpu_ms(
+                        run, reps=3 if self.dry else 30) * 1e3
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a result too
+                    out[f"n{block_n} w{warps} s{stages} splits {splits or 'auto'}"] = f"{type(e).__name__}"
+        mod.LAUNCH.update(default)
+        return out
 
     def graphed(self, fn):
         """fn captured in a CUDA graph -> its replay (fn itself on the CPU)."""
@@ -219,6 +241,10 @@ class MLABench(Bench):
         print("\n| kernel: batch x ctx | us | latent-cache floor us | x floor |\n|---|---:|---:|---:|")
         for k in r.get("kernel", []):
             print(f"| {k['batch']} x {k['ctx']} | {k['us']:.1f} | {k['floor_us']:.1f} | {k['x_floor']:.2f} |")
+        for k in r.get("kernel", []):
+            if k.get("sweep"):
+                best = sorted((v, c) for c, v in k["sweep"].items() if isinstance(v, float))[:4]
+                print(f"sweep {k['batch']} x {k['ctx']}: best " + ", ".join(f"{c} {v:.1f} us" for v, c in best))
         print("\n| decode: batch x ctx | step ms | GPU ms (forward) | experts hit / layer | weights read GB | floor ms "
               "| step / floor | tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
         for d in r.get("decode", []):
@@ -243,6 +269,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--profile", action="store_true", help="GPU time by part of the batch-1 and 64 decode steps")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out (kernel)")
+    ap.add_argument("--sweep", action="store_true", help="time the attention kernel's launch choices")
     ap.add_argument("--fused-prepare", choices=("on", "off"), default=None,
                     help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
@@ -253,6 +280,7 @@ def main() -> None:
     set_options(args)
     b = MLABench(DRY, args.out)
     b.profile_steps = args.profile
+    b.sweep = args.sweep
     b.dtype = torch.float32 if DRY else torch.bfloat16
     b.save = lambda: _save(b)
     b.section("ceilings", b.ceilings)

@@ -25,6 +25,9 @@ from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_pow
 
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows)
 MAX_SPLITS = 32
+# the partial kernel's launch: context positions per loop step, warps, pipeline stages (bench/mla_gpu.py
+# --sweep times others on the GPU)
+LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -168,7 +171,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         meta.block_tables.stride(0),
         RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        BLOCK_HEADS=BLOCK_H, BLOCK_N=32, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4, num_stages=2)
+        BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
+        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"]} if q.is_cuda else {}))
     _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,
                               BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_R=block_r, num_warps=4)
     return out
