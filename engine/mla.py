@@ -255,15 +255,15 @@ class LatentAttention(nn.Module):
             kv = self.kv_b_proj(lat[:, :self.rank]).view(kv_len, H, self.nope + self.v_dim)
             k = torch.cat([kv[..., :self.nope], lat[:, None, self.rank:].expand(kv_len, H, self.rope)], dim=-1)
             v = F.pad(kv[..., self.nope:], (0, pad)) if pad > 0 else kv[..., self.nope:]
-            qs = q[:, start:start + q_len]
+            # 4-D [1, H, L, D]: SDPA's fused (flash / memory-efficient) kernels take no 3-D input; given
+            # one it runs the math form, an [H, L, L] fp32 score matrix (8k tokens: 4 GB per layer)
+            qs, k, v = q[None, :, start:start + q_len], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             if q_len == kv_len:
-                o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                                   scale=self.scale)
+                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=self.scale)[0]
             else:
                 qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                                   scale=self.scale)
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale)[0]
             out.append(o[..., :self.v_dim].transpose(0, 1))  # [q_len, H, v]
             start += q_len
         return torch.cat(out, dim=0)

@@ -103,3 +103,27 @@ def test_tiny_deepseek_v3_on_the_gpu_path_matches_transformers(tmp_path, fused_p
     for p, res in zip(prompts, results):
         assert res["token_ids"] == hf_greedy(hf, p, 12, eos=None), f"prompt of {len(p)}"
     assert e.runner.graph_stats["replays"] > 0
+
+
+@pytest.mark.parametrize("query_len,ctx_len", [(2048, 0), (512, 1500)], ids=["prompt", "after-a-prefix-hit"])
+def test_expanded_prefill_runs_a_fused_sdpa_kernel(query_len, ctx_len):
+    """The expanded form at V2-Lite's sizes runs with SDPA's fused kernels only (a 3-D input would
+    leave it the math form, an [H, L, L] fp32 score matrix: 1 s for an 8k prefill on the H200),
+    and gives the math form's output."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tandem.engine.config import PRESETS
+    from tandem.engine.mla import LatentAttention
+
+    attn = LatentAttention(PRESETS["deepseek-v2-lite-random"], 0).cuda().bfloat16()
+    for p in attn.parameters():
+        p.data.normal_(0.0, 0.05)
+    gen = torch.Generator().manual_seed(9)
+    _, cache, meta = _batch(gen, [query_len], [ctx_len], torch.bfloat16)
+    q_nope = torch.randn(query_len, HEADS, 128, generator=gen).bfloat16().cuda()
+    q_pe = torch.randn(query_len, HEADS, ROPE, generator=gen).bfloat16().cuda()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        fused = attn._expanded(q_nope, q_pe, cache, meta)
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = attn._expanded(q_nope, q_pe, cache, meta)
+    assert ((fused.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
