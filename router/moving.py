@@ -91,6 +91,7 @@ async def complete(placer: Placer, flow: RequestFlow, paused: SequencePaused) ->
     """The offering actor paused the sequence and sent its tail: hand it over. -> the attempt on
     the other actor; raises (NoReservation, WorkerUnavailable, a Ray error) when that failed: the
     caller moves the request on by recompute."""
+    t0 = time.perf_counter()
     pm, flow.move = flow.move, None
     if pm is None or pm.task is None:
         raise NoReservation(f"{flow.request_id} paused to move, but nothing is reserved for it")
@@ -111,9 +112,9 @@ async def complete(placer: Placer, flow: RequestFlow, paused: SequencePaused) ->
         raise
     t = new.marks["moved"] = time.perf_counter()
     log.info("moved %s to %s with the KV of %d positions: reserved %.1f ms and started %.1f ms after the offer, "
-             "handed over %.1f ms after it", flow.request_id, new.decode_id, paused.num_tokens,
+             "paused %.1f ms after it, handed over in %.1f ms", flow.request_id, new.decode_id, paused.num_tokens,
              1e3 * (new.marks["reserved"] - new.marks["offered"]), 1e3 * (new.marks["started"] - new.marks["offered"]),
-             1e3 * (t - new.marks["offered"]))
+             1e3 * (t0 - new.marks["offered"]), 1e3 * (t - t0))
     return new
 
 
