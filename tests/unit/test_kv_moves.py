@@ -13,6 +13,8 @@ import dataclasses
 
 import pytest
 
+from tandem.engine.block_manager import BlockAllocator
+from tandem.engine.request import Request
 from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.kv_transfer.spec import TransferSpec
@@ -343,3 +345,17 @@ def test_a_worker_that_moved_a_sequence_out_is_not_idle_until_its_router_took_th
     rest, _ = collect(b, lambda m: isinstance(m, StepOutput) and m.finished)
     assert_nothing_held(a, b)
 
+
+
+def test_a_pre_copys_blocks_go_back_only_once_both_it_and_the_sequence_let_go():
+    """moves_in.py: the pre-copy's receive and the moving sequence each hold the pre-copied blocks
+    (`BlockAllocator.share`), so either may end first without the other's blocks being reused."""
+    alloc = BlockAllocator(num_blocks=4, block_size=16)
+    seq, pre = Request("r/2", list(range(40))), Request("r/2#move/pre", [])
+    assert alloc.admit(seq, 40) and alloc.num_used_blocks == 3
+    alloc.share(pre, seq.block_ids[:2])
+    alloc.free(seq)                      # aborted while its pre-copy still lands
+    assert alloc.num_used_blocks == 2
+    alloc.free(pre)
+    assert alloc.num_used_blocks == 0
+    alloc.check_invariants()
