@@ -260,7 +260,8 @@ def profile_rows(bench: Bench, model, tok, rows, args) -> None:
         e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
     res = bench.results["profile"] = []
     from tandem.engine.kernels import attention_split  # noqa: PLC0415 (triton loads only where kernels run)
-    print(f"# split plan: {attention_split.POLICY}", flush=True)
+    from tandem.engine.kernels import attention_rope_kv  # noqa: PLC0415 (as above)
+    print(f"# split plan: {attention_split.POLICY}; fused rotary + KV write: {attention_rope_kv.ENABLED}", flush=True)
     bench.results["policy"] = str(attention_split.POLICY)
     print("| batch x ctx | overlap | step ms | fwd ms | GPU busy ms | GPU idle ms | attention ms | GEMM ms | "
           "copies ms | other ms | " + " | ".join(f"{p} ms" for p in PHASES) + " | host ms |")
@@ -294,6 +295,8 @@ def main() -> None:
                     help="shapes for the attention sweep ('' to skip)")
     ap.add_argument("--policy", default="", help="split plan for the engine rows, e.g. "
                     "min_partition=64,programs_per_sm=2,vector_merge=1 (attention_split.SplitPolicy)")
+    ap.add_argument("--rope-kv", default="off", choices=("on", "off"),
+                    help="the fused rotary + KV write (engine.kernels.attention_rope_kv.ENABLED)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = ap.parse_args()
     if args.dry_run:
@@ -303,6 +306,9 @@ def main() -> None:
         from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
         set_split_policy(**{k: v == "1" if k in ("vector_merge", "bucket_plan") else int(v)
                             for k, v in (p.split("=") for p in args.policy.split(","))})
+    if args.rope_kv == "on":
+        from tandem.engine.kernels import attention_rope_kv  # noqa: PLC0415
+        attention_rope_kv.ENABLED = True
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
