@@ -11,7 +11,8 @@ Two merge kernels, the same arithmetic (fp32, m/l rescaling in the log2 domain):
   the partitions one at a time (each iteration waits for its loads);
 - `_merge_partitions_kernel` here: one program per (query token, query head), loading up to
   MERGE_TILE partitions' states at once ([MERGE_TILE, head_dim]), so a merge of 16 partitions is
-  one round of loads. Used when `SplitPolicy.vector_merge` (off until measured on the device).
+  one round of loads. Used when `SplitPolicy.vector_merge` (the default: on the H200 it took 1 x 8k
+  at 256-key partitions from 22.5 to 15.4 us, 1 x 1k at 64-key ones from 11.1 to 7.4).
 
 `POLICY` is the process's plan; `set_split_policy` replaces it (benchmarks compare plans). CUDA
 graphs record the plan in force at capture: set it before the engine captures any.
@@ -31,13 +32,18 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # paged_attention's finite "minus infinity"
 
 @dataclass(frozen=True)
 class SplitPolicy:
-    min_partition: int = 256  # keys: a partition is at least this long (a multiple of block_n)
+    """Defaults from the H200 sweep (bench/step_profile.py --attn, docs/benchmarks.md issue 23):
+    the kernel alone is fastest at about 4 programs per SM where the context allows it (1 x 1k:
+    16 partitions of 64 keys, 7.4 us against 11.2 for the old plan's 4 of 256; 32 x 8k: 2048-key
+    partitions, 250 us against 339 unsplit), and with 512 programs unsplit (64 x 1k) a split only
+    adds the merge."""
+    min_partition: int = 64  # keys: a partition is at least this long (a multiple of block_n)
     split_below: int = 2  # split when the (sequence, KV head) programs are fewer than this per SM
-    programs_per_sm: int = 2  # then split until the programs reach this many per SM
-    vector_merge: bool = False  # merge with _merge_partitions_kernel (else the looping reduce)
+    programs_per_sm: int = 4  # then split until the programs reach this many per SM
+    vector_merge: bool = True  # merge with _merge_partitions_kernel (else the looping reduce)
     # plan for the lower end of the context's power-of-two bucket, as a CUDA graph of that bucket
     # must (its plan serves every context in it); else for max_seq_len itself
-    bucket_plan: bool = False
+    bucket_plan: bool = True
 
 
 POLICY = SplitPolicy()

@@ -67,13 +67,26 @@ def test_vector_merge_with_a_sliding_window(policy):
 
 def test_partition_plan_follows_the_policy(policy):
     # llama3-8b at batch 1 x 1k on 132 SMs: 8 programs unsplit
-    assert choose_partition_size(1, 8, 1024, 132) == 256          # the default: 4 partitions
+    policy(min_partition=256, programs_per_sm=2, bucket_plan=False)   # the plan before the sweep
+    assert choose_partition_size(1, 8, 1024, 132) == 256          # 4 partitions
     policy(min_partition=64)
     assert choose_partition_size(1, 8, 1024, 132) == 64           # 16 partitions, 128 programs
     assert choose_partition_size(64, 8, 1024, 132) is None        # 512 programs: no split
     policy(programs_per_sm=4)
     assert choose_partition_size(32, 8, 8192, 132) == 2752        # 256 programs -> 3 partitions
     assert choose_partition_size(1, 8, 40, 132) is None           # shorter than one partition
+
+
+def test_default_plan_is_the_sweeps_best():
+    # the H200 sweep's fastest partition per shape (bench/step_profile.py --attn), at the contexts a
+    # graph of the 2k / 16k bucket serves
+    assert choose_partition_size(1, 8, 1040, 132) == 64
+    assert choose_partition_size(16, 8, 1040, 132) == 256
+    assert choose_partition_size(64, 8, 1040, 132) is None
+    assert choose_partition_size(1, 8, 8200, 132) == 128
+    assert choose_partition_size(8, 8, 8200, 132) == 960
+    assert choose_partition_size(32, 8, 8200, 132) == 2752
+    assert attention_split.POLICY.vector_merge
 
 
 def test_set_split_policy_refuses_unknown_or_bad_fields(policy):

@@ -219,7 +219,7 @@ def test_partition_plan():
     assert choose_partition_size(64, 8, 8192, 132) is None  # 512 programs fill 132 SMs
     size = choose_partition_size(1, 8, 8192, 132)
     assert size % 64 == 0 and 8 * -(-8192 // size) >= 2 * 132 * 0.9
-    assert choose_partition_size(1, 8, 200, 132) is None  # too short to split
+    assert choose_partition_size(1, 8, 100, 132) is None  # too short to split
 
 
 @pytest.mark.parametrize("layout", ["layer-major", "block-major"])
