@@ -55,8 +55,8 @@ class _Patches:
         had = attr in getattr(obj, "__dict__", {})
 
         def scoped(*args, **kwargs):
-            with record_function(MARK + part):
-                _sync()  # the part's kernels run inside its range on the GPU's timeline too
+            _sync()  # what was launched before has run before the range opens, and the part's own
+            with record_function(MARK + part):  # kernels run before it closes
                 out = orig(*args, **kwargs)
                 _sync()
                 return out

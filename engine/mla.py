@@ -173,9 +173,9 @@ class LatentAttention(nn.Module):
         self.reduce_output = no_reduce
         self.scale = softmax_scale(cfg)
 
-    # the one-launch norm + rope + cache write (engine.kernels.mla_prepare) on the Triton path: off
-    # until a GPU has compiled it (the torch steps otherwise)
-    fused_prepare = False
+    # the one-launch norm + rope + cache write (engine.kernels.mla_prepare) on the Triton path (False:
+    # the torch steps, as on the CPU path); compiled and measured on an H200 (docs/benchmarks.md, run 3)
+    fused_prepare = True
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         q_a, kv_a = self.qkv_a_proj.weight.detach().split([self.q_a_out, self.rank + self.rope], 0)

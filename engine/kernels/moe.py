@@ -55,13 +55,15 @@ GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
 # experts) it made the grouped path 83 us slower at 512 pairs and 265 us at 2048 than the torch align
 # (many programs); it pays only at a few dozen pairs
 FUSED_ALIGN_MAX_PAIRS = 64
-# above that, the five-launch many-program align (moe_route.align_parallel) instead of ~25 torch ops:
-# off until a GPU has compiled it
-PARALLEL_ALIGN = False
+# above that, the five-launch many-program align (moe_route.align_parallel) instead of ~25 torch ops
+# (align_by_expert, kept as the reference and for PARALLEL_ALIGN = False); compiled and measured on an
+# H200 (docs/benchmarks.md, Latent attention, run 3)
+PARALLEL_ALIGN = True
 # the GEMV path's down projection as a program per (pair, column block) and the top-k sum after (3
 # launches), not a program per (token, column block) looping over the token's k experts (2): measured
-# on an H200 (docs/benchmarks.md) the loop ran at 3.7x its floor at one token. Off until a GPU has compiled it
-SPLIT_DOWN_GEMV = False
+# on an H200 (docs/benchmarks.md, Latent attention, run 3) the loop ran at 3.7x its floor at one token,
+# the split at 1.9x
+SPLIT_DOWN_GEMV = True
 SUM_BLOCK_N = 1024
 
 

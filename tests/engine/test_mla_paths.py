@@ -27,11 +27,12 @@ def _generate(e):
     return [r["token_ids"] for r in e.generate(reqs, arrivals=[0, 0, 2])]
 
 
-@pytest.mark.parametrize("overlap,fused_prepare", [(False, False), (True, False), (False, True)],
-                         ids=["plain", "overlapped", "fused-prepare"])
+@pytest.mark.parametrize("overlap,fused_prepare", [(False, True), (True, True), (False, False)],
+                         ids=["plain", "overlapped", "torch-prepare"])
 def test_triton_path_matches_the_cpu_path(v3, overlap, fused_prepare, monkeypatch):
     """overlapped: each step's input ids come from the previous step's tokens on the device.
-    fused-prepare: the latent's norm, rope and cache write in one kernel (engine.kernels.mla_prepare)."""
+    fused_prepare (the default): the latent's norm, rope and cache write in one kernel
+    (engine.kernels.mla_prepare); torch-prepare: as the torch steps."""
     pytest.importorskip("triton")
     from tandem.engine.mla import LatentAttention
 

@@ -43,11 +43,13 @@ def test_both_paths_match_the_torch_path(tokens, skew, path):
     assert _rel(out, ref) < 1e-5
 
 
-def test_grouped_path_with_the_parallel_align(monkeypatch):
-    """Above FUSED_ALIGN_MAX_PAIRS pairs with PARALLEL_ALIGN (80 pairs, skewed: runs of many tiles)."""
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-align", "torch-align"])
+def test_grouped_path_above_the_one_program_align(parallel, monkeypatch):
+    """Above FUSED_ALIGN_MAX_PAIRS pairs (80, skewed: runs of many tiles), with PARALLEL_ALIGN (the
+    default) and with the torch align."""
     import tandem.engine.kernels.moe as moe_kernels
 
-    monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", True)
+    monkeypatch.setattr(moe_kernels, "PARALLEL_ALIGN", parallel)
     x, w13, w2, weights, ids = _case(40, experts=8, top_k=2, hidden=48, inter=40, seed=11, skew=True)
     assert ids.numel() > moe_kernels.FUSED_ALIGN_MAX_PAIRS
     ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
@@ -55,13 +57,15 @@ def test_grouped_path_with_the_parallel_align(monkeypatch):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split-down", "looping-down"])
 @pytest.mark.parametrize("tokens,with_add", [(1, True), (7, False)])
-def test_gemv_path_with_the_split_down(tokens, with_add, monkeypatch):
-    """SPLIT_DOWN_GEMV: the down projection a program per (pair, column block), the k slots (and the
-    shared output) summed by the sum kernel."""
+def test_gemv_path_both_down_forms(tokens, with_add, split, monkeypatch):
+    """SPLIT_DOWN_GEMV (the default): the down projection a program per (pair, column block), the k
+    slots (and the shared output) summed by the sum kernel; off: a program per (token, column block)
+    looping over the token's experts."""
     import tandem.engine.kernels.moe as moe_kernels
 
-    monkeypatch.setattr(moe_kernels, "SPLIT_DOWN_GEMV", True)
+    monkeypatch.setattr(moe_kernels, "SPLIT_DOWN_GEMV", split)
     x, w13, w2, weights, ids = _case(tokens, experts=8, top_k=3, hidden=48, inter=40, seed=20 + tokens)
     add = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(3)) if with_add else None
     ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
