@@ -126,6 +126,39 @@ def kernel_rows(dev, dtype, shapes, tokens_list, rate_gbs, reps) -> list[dict]:
     return rows
 
 
+GEMV_SHAPES = {"deepseek-v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6), "qwen3-30b": SHAPES}
+# (gate/up BLOCK_N, BLOCK_K), (down BLOCK_N, BLOCK_K) of the one-token GEMV path
+GEMV_TRIED = [((16, 256), (16, 256)), ((32, 256), (16, 256)), ((16, 512), (16, 512)), ((16, 256), (32, 128)),
+              ((16, 256), (8, 512)), ((8, 512), (16, 256)), ((32, 128), (32, 256))]
+
+
+def gemv_sweep(dev, dtype, rate_gbs, reps) -> list[dict]:
+    """The one-token GEMV path's tiles (engine.kernels.moe GEMV_* and DOWN_GEMV_*) from a graph, against
+    the chosen experts' floor, at DeepSeek-V2-Lite's and Qwen3-30B's expert shapes."""
+    import tandem.engine.kernels.moe as mk  # noqa: PLC0415 (Triton, after the env is set)
+
+    default = (mk.GEMV_BLOCK_N, mk.GEMV_BLOCK_K, mk.DOWN_GEMV_BLOCK_N, mk.DOWN_GEMV_BLOCK_K)
+    rows = []
+    for name, sh in GEMV_SHAPES.items():
+        h, i, e, k = sh["hidden"], sh["inter"], sh["experts"], sh["top_k"]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, generator=gen, device=dev) * h ** -0.5).to(dtype)
+        w2 = (torch.randn(e, h, i, generator=gen, device=dev) * i ** -0.5).to(dtype)
+        x = torch.randn(1, h, generator=gen, device=dev).to(dtype)
+        weights, ids = torch.randn(1, e, generator=gen, device=dev).softmax(-1).topk(k, dim=-1)
+        floor = k * 3 * i * h * w13.element_size() / (rate_gbs * 1e3)
+        for (gn, gk), (dn, dk) in GEMV_TRIED[:2] if DRY else GEMV_TRIED:
+            mk.GEMV_BLOCK_N, mk.GEMV_BLOCK_K, mk.DOWN_GEMV_BLOCK_N, mk.DOWN_GEMV_BLOCK_K = gn, gk, dn, dk
+            try:
+                us = graph_us(lambda: fused_experts(x, w13, w2, weights.contiguous(), ids, path="gemv"), dev, reps)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result too
+                us = f"{type(exc).__name__}"
+            rows.append({"shape": name, "gate_up": (gn, gk), "down": (dn, dk), "us": us, "floor_us": floor})
+            print(f"# gemv {rows[-1]}", flush=True)
+    mk.GEMV_BLOCK_N, mk.GEMV_BLOCK_K, mk.DOWN_GEMV_BLOCK_N, mk.DOWN_GEMV_BLOCK_K = default
+    return rows
+
+
 def moe_layer(w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen) -> SparseMoE:
     """A Qwen3-MoE layer (softmax top-k, renormalised) on these experts and a random router: the
     whole layer as a decode step runs it (router GEMM, routing kernel, experts)."""
@@ -244,6 +277,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="")
     ap.add_argument("--decode-limit-s", type=float, default=90.0)
+    ap.add_argument("--gemv-sweep", action="store_true", help="time the one-token GEMV path's tiles")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
@@ -261,6 +295,12 @@ def main() -> None:
         res["kernels"] = kernel_rows(dev, dtype, res["shapes"], DRY_TOKENS if DRY else TOKENS, rate, 3 if DRY else 20)
         save(res, args.out)
         print_table(res)
+    if args.gemv_sweep:
+        res["gemv_sweep"] = gemv_sweep(dev, dtype, rate, 3 if DRY else 20)
+        save(res, args.out)
+        for r in res["gemv_sweep"]:
+            us = r["us"] if not isinstance(r["us"], float) else f"{r['us']:.1f} us ({r['us'] / r['floor_us']:.2f}x floor)"
+            print(f"gemv {r['shape']}: gate/up {r['gate_up']}, down {r['down']}: {us}")
     if "decode" not in args.skip:
         deadline = time.monotonic() + args.decode_limit_s
         res["decode"] = decode_rows(dev, (1, 4) if DRY else (1, 64), 64 if DRY else 512, rate, deadline)

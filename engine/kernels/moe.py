@@ -51,6 +51,7 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 # the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)
 GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
+DOWN_GEMV_BLOCK_N, DOWN_GEMV_BLOCK_K = 16, 256  # the split down launch's (bench/moe_gpu.py --gemv-sweep)
 # the one-program align walks every padded row: measured on an H200 (docs/benchmarks.md, Mixture of
 # experts) it made the grouped path 83 us slower at 512 pairs and 265 us at 2048 than the torch align
 # (many programs); it pays only at a few dozen pairs
@@ -319,10 +320,10 @@ def _experts_gemv(x, w13, w2, weights, ids, add) -> torch.Tensor:
     out = torch.empty_like(x)
     if SPLIT_DOWN_GEMV:
         y = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
-        block_n = min(128, next_power_of_2(hidden)) if wide else GEMV_BLOCK_N
+        block_n = min(128, next_power_of_2(hidden)) if wide else DOWN_GEMV_BLOCK_N
         _down_pair_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, block_n))](
             h, w2, y, weights, ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            BLOCK_N=block_n, BLOCK_K=GEMV_BLOCK_K, **_launch(x))
+            BLOCK_N=block_n, BLOCK_K=DOWN_GEMV_BLOCK_K, **_launch(x))
         _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK_N))](
             y, out, add if add is not None else out, hidden, y.stride(0), out.stride(0),
             add.stride(0) if add is not None else 0, TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=SUM_BLOCK_N,
