@@ -89,6 +89,7 @@ def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluste
     while moved is None or moved.kv_blocks_used or moved.sequences_migrated < on_source:
         moved = ray.get(handle.stats.remote(), timeout=10)
         assert moved.sequences_migrated <= on_source and moved.migrations_resumed == 0
+        time.sleep(0.02)      # the router shares this process: a tight loop here slows its moves
     during = [len(s.ids) for s in streams]   # the drain did not wait for the streams to end
     for s in streams:
         s.join(120)
@@ -97,11 +98,13 @@ def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluste
     assert [s.ids for s in streams] == [r["token_ids"] for r in ref]     # no gap, no duplicate, same draws
     assert max(before) < MAX_TOKENS - 100, f"the streams ended before the drain: {before}"
     assert on_source >= 1 and moved.kv_tokens_migrated >= on_source * 40 and moved.tokens_recomputed == 0
-    # the operator's view: `tandem status --json` (Admin) carries the counters per worker
-    assert main(["status", "--target", c.target, "--json"]) == 0
-    listed = {w["id"]: w for p in json.loads(capsys.readouterr().out)["pools"] for w in p["workers"]}
-    assert int(listed[target]["sequences_migrated_in"]) == on_source
-    assert int(listed[target]["tokens_recomputed"]) == 0
+    # the operator's view: `tandem status --json` (Admin) carries the counters per worker, as of the
+    # controller's last health check (each second; seconds late on a loaded machine)
+    def listed() -> dict:
+        assert main(["status", "--target", c.target, "--json"]) == 0
+        return {w["id"]: w for p in json.loads(capsys.readouterr().out)["pools"] for w in p["workers"]}[target]
+    _wait(lambda: int(listed()["sequences_migrated_in"]) == on_source, 30, "the status to show the moves")
+    assert int(listed()["tokens_recomputed"]) == 0
     used = c.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
 
