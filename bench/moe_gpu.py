@@ -159,6 +159,35 @@ def gemv_sweep(dev, dtype, rate_gbs, reps) -> list[dict]:
     return rows
 
 
+PREFILL_TRIED = [None, (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 3),
+                 (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
+
+
+def prefill_sweep(dev, dtype, tokens: int, reps: int) -> list[dict]:
+    """The grouped path's tiles at a prefill's size on DeepSeek-V2-Lite's experts (random routing):
+    TFLOP/s counting each pair's three projections (None: default_config's tile)."""
+    sh = DRY_SHAPES if DRY else GEMV_SHAPES["deepseek-v2-lite"]
+    h, i, e, k = sh["hidden"], sh["inter"], sh["experts"], sh["top_k"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen, device=dev) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen, device=dev) * i ** -0.5).to(dtype)
+    x = torch.randn(tokens, h, generator=gen, device=dev).to(dtype)
+    weights, ids = torch.randn(tokens, e, generator=gen, device=dev).softmax(-1).topk(k, dim=-1)
+    weights = weights.contiguous()
+    flops = 2 * tokens * k * 3 * h * i
+    rows = []
+    for tile in PREFILL_TRIED[:2] if DRY else PREFILL_TRIED:
+        cfg = MoEKernelConfig(*tile) if tile else None
+        try:
+            us = timed_us(lambda: fused_experts(x, w13, w2, weights, ids, cfg, path="grouped"), dev, reps)
+            rows.append({"tile": tile or default_config(tokens * k, e, dtype).__dict__, "us": us,
+                         "tflops": flops / us / 1e6})
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result too
+            rows.append({"tile": tile, "us": None, "error": f"{type(exc).__name__}"})
+        print(f"# prefill tile {rows[-1]}", flush=True)
+    return rows
+
+
 def moe_layer(w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen) -> SparseMoE:
     """A Qwen3-MoE layer (softmax top-k, renormalised) on these experts and a random router: the
     whole layer as a decode step runs it (router GEMM, routing kernel, experts)."""
@@ -278,6 +307,7 @@ def main() -> None:
     ap.add_argument("--skip", default="")
     ap.add_argument("--decode-limit-s", type=float, default=90.0)
     ap.add_argument("--gemv-sweep", action="store_true", help="time the one-token GEMV path's tiles")
+    ap.add_argument("--prefill-sweep", type=int, default=0, help="time the grouped path's tiles at this many tokens")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
@@ -301,6 +331,9 @@ def main() -> None:
         for r in res["gemv_sweep"]:
             us = r["us"] if not isinstance(r["us"], float) else f"{r['us']:.1f} us ({r['us'] / r['floor_us']:.2f}x floor)"
             print(f"gemv {r['shape']}: gate/up {r['gate_up']}, down {r['down']}: {us}")
+    if args.prefill_sweep:
+        res["prefill_sweep"] = prefill_sweep(dev, dtype, args.prefill_sweep, 3 if DRY else 10)
+        save(res, args.out)
     if "decode" not in args.skip:
         deadline = time.monotonic() + args.decode_limit_s
         res["decode"] = decode_rows(dev, (1, 4) if DRY else (1, 64), 64 if DRY else 512, rate, deadline)
