@@ -58,6 +58,13 @@ def _wait(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _listed(c, capsys, worker: str) -> dict:
+    """`tandem status --json`'s entry for `worker`: as of the controller's last health check (each
+    second; seconds late on a loaded machine)."""
+    assert main(["status", "--target", c.target, "--json"]) == 0
+    return {w["id"]: w for p in json.loads(capsys.readouterr().out)["pools"] for w in p["workers"]}[worker]
+
+
 def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluster, capsys):
     c = make_cluster(CLUSTER)
     ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=512))).generate(
@@ -98,13 +105,9 @@ def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluste
     assert [s.ids for s in streams] == [r["token_ids"] for r in ref]     # no gap, no duplicate, same draws
     assert max(before) < MAX_TOKENS - 100, f"the streams ended before the drain: {before}"
     assert on_source >= 1 and moved.kv_tokens_migrated >= on_source * 40 and moved.tokens_recomputed == 0
-    # the operator's view: `tandem status --json` (Admin) carries the counters per worker, as of the
-    # controller's last health check (each second; seconds late on a loaded machine)
-    def listed() -> dict:
-        assert main(["status", "--target", c.target, "--json"]) == 0
-        return {w["id"]: w for p in json.loads(capsys.readouterr().out)["pools"] for w in p["workers"]}[target]
-    _wait(lambda: int(listed()["sequences_migrated_in"]) == on_source, 30, "the status to show the moves")
-    assert int(listed()["tokens_recomputed"]) == 0
+    # the operator's view: `tandem status --json` (Admin) carries the counters per worker
+    _wait(lambda: int(_listed(c, capsys, target)["sequences_migrated_in"]) == on_source, 30, "the status to show them")
+    assert int(_listed(c, capsys, target)["tokens_recomputed"]) == 0
     used = c.wait_idle()
     assert used and all(v == 0 for v in used.values()), used
 
