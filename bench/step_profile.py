@@ -38,7 +38,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.weights import load_model
 
 PHASES = ("schedule", "prepare", "execute", "sample", "output")
-ATTN = ("_decode_kernel", "_reduce_partitions", "_prefill_kernel")
+ATTN = ("_decode_kernel", "_reduce_partitions", "_merge_partitions", "_prefill_kernel")
 GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")
 
 
@@ -295,7 +295,7 @@ def main() -> None:
                     help="shapes for the attention sweep ('' to skip)")
     ap.add_argument("--policy", default="", help="split plan for the engine rows, e.g. "
                     "min_partition=64,programs_per_sm=2,vector_merge=1 (attention_split.SplitPolicy)")
-    ap.add_argument("--rope-kv", default="off", choices=("on", "off"),
+    ap.add_argument("--rope-kv", default="on", choices=("on", "off"),
                     help="the fused rotary + KV write (engine.kernels.attention_rope_kv.ENABLED)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = ap.parse_args()
@@ -306,9 +306,9 @@ def main() -> None:
         from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
         set_split_policy(**{k: v == "1" if k in ("vector_merge", "bucket_plan") else int(v)
                             for k, v in (p.split("=") for p in args.policy.split(","))})
-    if args.rope_kv == "on":
+    if args.rope_kv == "off":
         from tandem.engine.kernels import attention_rope_kv  # noqa: PLC0415
-        attention_rope_kv.ENABLED = True
+        attention_rope_kv.ENABLED = False
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
