@@ -51,7 +51,9 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 # the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)
 GEMV_MAX_TOKENS, GEMV_BLOCK_N, GEMV_BLOCK_K = 8, 16, 256
-DOWN_GEMV_BLOCK_N, DOWN_GEMV_BLOCK_K = 16, 256  # the split down launch's (bench/moe_gpu.py --gemv-sweep)
+# the split down launch's: (32, 128) measured best of seven at one token on an H200 (bench/moe_gpu.py
+# --gemv-sweep, docs/benchmarks.md): Qwen3-30B's experts 31.3 us against 36.6 with (16, 256), V2-Lite's 38.2 / 39.0
+DOWN_GEMV_BLOCK_N, DOWN_GEMV_BLOCK_K = 32, 128
 # the one-program align walks every padded row: measured on an H200 (docs/benchmarks.md, Mixture of
 # experts) it made the grouped path 83 us slower at 512 pairs and 265 us at 2048 than the torch align
 # (many programs); it pays only at a few dozen pairs
