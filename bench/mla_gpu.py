@@ -274,6 +274,8 @@ def main() -> None:
                     help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
+    ap.add_argument("--prefill-tile", choices=("on", "off"), default=None,
+                    help="128 x 128 tiles for prefill-sized expert runs (default: as engine.kernels.moe)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
                     help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
     args = ap.parse_args()
@@ -301,6 +303,8 @@ def set_options(args) -> None:
         LatentAttention.fused_prepare = args.fused_prepare == "on"
     if getattr(args, "parallel_align", None):
         moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
+    if getattr(args, "prefill_tile", None):
+        moe_kernels.PREFILL_TILE_128 = args.prefill_tile == "on"
     if getattr(args, "split_down", None):
         moe_kernels.SPLIT_DOWN_GEMV = args.split_down == "on"
     print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}, "

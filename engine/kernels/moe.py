@@ -44,9 +44,17 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
     """Tiles by the mean pairs per expert: 16-row tiles while experts see few tokens (decode),
     64-row tiles once each sees many (prefill); fp32 takes half the K tile (shared memory)."""
     per_expert = num_pairs / num_experts
+    if PREFILL_TILE_128 and per_expert >= 512 and dtype != torch.float32:
+        return MoEKernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
     block_k = 32 if dtype == torch.float32 else 64
     return MoEKernelConfig(block_m=block_m, block_n=64 if block_m < 64 else 128, block_k=block_k)
+
+
+# prefill-sized runs (>= 512 pairs per expert, 16-bit) on 128 x 128 tiles with 8 warps: 424 TFLOP/s
+# against 309 for the 64-row tile at an 8k prefill on V2-Lite's experts (H200, bench/moe_gpu.py
+# --prefill-sweep, docs/benchmarks.md); off until a device call has checked its output
+PREFILL_TILE_128 = False
 
 
 # the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)

@@ -73,6 +73,14 @@ def test_gemv_path_both_down_forms(tokens, with_add, split, monkeypatch):
     assert _rel(out, ref + (add if with_add else 0)) < 1e-5
 
 
+def test_grouped_path_with_the_prefill_tile():
+    """The 128 x 128 tile of PREFILL_TILE_128 (8 warps) on a skewed run longer than one tile."""
+    x, w13, w2, weights, ids = _case(150, experts=4, top_k=2, hidden=48, inter=40, seed=12, skew=True)
+    ref = experts_torch(x.double(), w13.double(), w2.double(), weights.double(), ids).float()
+    out = fused_experts(x, w13, w2, weights, ids, MoEKernelConfig(128, 128, 64, 8, 3), path="grouped")
+    assert _rel(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("path", ["grouped", "gemv"])
 def test_the_added_output_enters_before_the_rounding(path):
     """`add` (the shared experts' output) is summed in fp32 with the routed experts' and rounded

@@ -67,6 +67,17 @@ def test_qwen3_30b_shapes_bf16_split_down(tokens, monkeypatch):
     assert _rel(fused_experts(x, w13, w2, weights, ids, path="gemv"), ref) < 1e-2
 
 
+def test_prefill_tile_bf16(monkeypatch):
+    """PREFILL_TILE_128: 8192 tokens x 8 on Qwen3's 128 experts (512 pairs each) with the 128 x 128 tile."""
+    import tandem.engine.kernels.moe as moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "PREFILL_TILE_128", True)
+    x, w13, w2, weights, ids = _case(8192, 2048, 768, 128, 8, torch.bfloat16, seed=7)
+    assert moe_kernels.default_config(ids.numel(), 128, x.dtype).block_m == 128
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    assert _rel(fused_experts(x, w13, w2, weights, ids, path="grouped"), ref) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [3, 100])
 def test_fp32_small_shapes(tokens):
     x, w13, w2, weights, ids = _case(tokens, 96, 80, 16, 4, torch.float32, seed=tokens)
