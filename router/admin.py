@@ -54,8 +54,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(status_code(e), client_message(e))
 
 
+# the worker's stats fields that `Worker` carries under the same names
 _MOVE_COUNTERS = ("sequences_migrated", "kv_tokens_migrated", "sequences_migrated_in", "pressure_moves",
-                  "tokens_recomputed")
+                  "tokens_recomputed", "kv_tokens_precopied", "move_precopy_seconds", "move_tail_seconds",
+                  "migrations_resumed")
 _WORKER_STATE = {"starting": admin_pb2.WORKER_STATE_STARTING, "ready": admin_pb2.WORKER_STATE_READY,
                  "draining": admin_pb2.WORKER_STATE_DRAINING, "dead": admin_pb2.WORKER_STATE_DEAD}
 

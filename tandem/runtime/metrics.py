@@ -58,6 +58,7 @@ METRIC_NAMES = (
     "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
     "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
     "tandem:sequences_migrated", "tandem:kv_tokens_migrated", "tandem:tokens_recomputed",
+    "tandem:kv_tokens_precopied", "tandem:move_precopy_seconds", "tandem:move_tail_seconds",
 )
 
 
@@ -87,6 +88,9 @@ class WorkerMetricsSnapshot:
     sequences_migrated: int = 0  # counter: sent to another decode worker with their KV
     kv_tokens_migrated: int = 0  # counter
     tokens_recomputed: int = 0  # counter: positions of moved requests computed again
+    kv_tokens_precopied: int = 0  # counter: of kv_tokens_migrated, sent before the pause
+    move_precopy_seconds: float = 0.0  # counter: the moves' pre-copies, summed
+    move_tail_seconds: float = 0.0  # counter: their tails (sent once paused), summed
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerMetricsSnapshot":
@@ -107,7 +111,8 @@ class WorkerMetricsSnapshot:
             kv_transfer_seconds_buckets=tuple(s.kv_transfer_seconds_buckets),
             draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens,
             sequences_migrated=s.sequences_migrated, kv_tokens_migrated=s.kv_tokens_migrated,
-            tokens_recomputed=s.tokens_recomputed)
+            tokens_recomputed=s.tokens_recomputed, kv_tokens_precopied=s.kv_tokens_precopied,
+            move_precopy_seconds=s.move_precopy_seconds, move_tail_seconds=s.move_tail_seconds)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -116,10 +121,14 @@ class WorkerMetricsSnapshot:
 
 _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
                    "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens", "sequences_migrated",
-                   "kv_tokens_migrated", "tokens_recomputed")
+                   "kv_tokens_migrated", "tokens_recomputed", "kv_tokens_precopied", "move_precopy_seconds",
+                   "move_tail_seconds")
 _MOVE_COUNTERS = {"sequences_migrated": "Running sequences a worker sent to another decode worker with their KV.",
                   "kv_tokens_migrated": "KV positions sent with those sequences.",
-                  "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again."}
+                  "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again.",
+                  "kv_tokens_precopied": "Of the KV positions moved, those sent while the sequence still decoded.",
+                  "move_precopy_seconds": "Seconds the moves' pre-copies took (send to end), summed.",
+                  "move_tail_seconds": "Seconds the moves' tails took (sent once paused, to the sender letting go), summed."}
 
 
 class TransferTimes:

@@ -105,6 +105,8 @@ def test_a_move_and_a_drain_move_three_running_streams_with_their_kv(make_cluste
     assert [s.ids for s in streams] == [r["token_ids"] for r in ref]     # no gap, no duplicate, same draws
     assert max(before) < MAX_TOKENS - 100, f"the streams ended before the drain: {before}"
     assert on_source >= 1 and moved.kv_tokens_migrated >= on_source * 40 and moved.tokens_recomputed == 0
+    # the moves pre-copied their full blocks (40 positions or more each) and timed their tails
+    assert 0 < moved.kv_tokens_precopied <= moved.kv_tokens_migrated and moved.move_tail_seconds > 0
     # the operator's view: `tandem status --json` (Admin) carries the counters per worker
     _wait(lambda: int(_listed(c, capsys, target)["sequences_migrated_in"]) == on_source, 30, "the status to show them")
     assert int(_listed(c, capsys, target)["tokens_recomputed"]) == 0

@@ -6,17 +6,21 @@ controller's message, also when it comes wrapped the way Ray re-raises an actor'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import traceback
 
 import grpc
 import pytest
 import ray
 
+from tandem.cluster.cli import main
+from tandem.cluster.members import Probe, ProbeResult
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tandem.router.admin import AdminService
 from tandem.router.status_codes import status_code
 from tandem.wire.errors import InvalidPoolBounds, UnknownPool, UnknownWorker
-from tests.unit.pool_factories import make_pools
+from tests.unit.pool_factories import BUSY, make_pools
 
 
 class _Method:
@@ -54,21 +58,29 @@ def call_admin(method: str, request):
 
 
 def call_admin_on(pools, method: str, request):
-    async def main():
+    async def call(target: str):
+        async with grpc.aio.insecure_channel(target) as ch:
+            try:
+                return await getattr(admin_pb2_grpc.AdminStub(ch), method)(request, timeout=5)
+            except grpc.aio.AioRpcError as e:
+                return e
+
+    return serve_admin(pools, call)
+
+
+def serve_admin(pools, client):
+    """`await client("host:port")` against a real Admin server over `pools`; returns its answer."""
+    async def run():
         server = grpc.aio.server()
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(FakeController(pools)), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                try:
-                    return await getattr(admin_pb2_grpc.AdminStub(ch), method)(request, timeout=5)
-                except grpc.aio.AioRpcError as e:
-                    return e
+            return await client(f"127.0.0.1:{port}")
         finally:
             await server.stop(None)
 
-    return asyncio.run(main())
+    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("error, code", [
@@ -137,3 +149,21 @@ def test_move_sequences_and_drain_reach_the_worker_with_what_the_operator_asked(
     assert fleet.members["decode-1"].draining and not fleet.members["decode-1"].move
     err = call_admin_on(pools, "MoveSequences", admin_pb2.MoveSequencesRequest(worker_id="decode-1"))
     assert err.code() == grpc.StatusCode.UNAVAILABLE          # not ready: nothing to move there
+
+
+# distinct values, so a counter read into another's field shows
+MOVES = {"sequences_migrated": 3, "kv_tokens_migrated": 300, "sequences_migrated_in": 4, "pressure_moves": 1,
+         "tokens_recomputed": 7, "kv_tokens_precopied": 256, "move_precopy_seconds": 0.25,
+         "move_tail_seconds": 0.0125, "migrations_resumed": 2}
+
+
+def test_a_workers_move_counters_reach_tandem_status_json(capsys):
+    """Each move counter in a worker's stats, through the controller's pools, the Admin service over
+    gRPC and `tandem status --json`, under its own name (uint64s print as JSON strings)."""
+    pools, fleet, _ = make_pools()
+    fleet.members["decode-0"].health = ProbeResult(Probe.OK, dataclasses.replace(BUSY, **MOVES))
+    pools.check()
+    assert serve_admin(pools, lambda target: asyncio.to_thread(main, ["status", "--target", target, "--json"])) == 0
+    listed = {w["id"]: w for p in json.loads(capsys.readouterr().out)["pools"] for w in p["workers"]}
+    assert {k: type(v)(listed["decode-0"][k]) for k, v in MOVES.items()} == MOVES
+    assert all(float(listed["decode-1"][k]) == 0 for k in MOVES)

@@ -133,6 +133,26 @@ def test_transfers_a_worker_reports_fill_the_histograms_count_and_buckets():
     assert value("_bucket", le="+Inf") == 3
 
 
+def test_a_workers_move_counters_become_its_move_series():
+    """The path a live cluster takes: a decode worker's move counters (its stats, as the controller's
+    cluster state carries them) advance `tandem:<counter>_total` by pool and worker, by what each
+    report added."""
+    hub = MetricsHub()
+    moves = {"sequences_migrated": 2, "kv_tokens_migrated": 200, "tokens_recomputed": 5, "kv_tokens_precopied": 160,
+             "move_precopy_seconds": 0.5, "move_tail_seconds": 0.02}
+
+    def report(times: int) -> None:
+        stats = WorkerStats("decode-0", "decode", **{k: v * times for k, v in moves.items()})
+        hub.update_from_workers([WorkerMetricsSnapshot.from_worker_stats(
+            WorkerEntry("decode-0", "decode", "ready", pid=7, stats=stats))])
+
+    report(1)
+    report(3)
+    got = {k: hub.registry.get_sample_value(f"tandem:{k}_total", {"pool": "decode", "worker": "decode-0"})
+           for k in moves}
+    assert got == pytest.approx({k: 3 * v for k, v in moves.items()})
+
+
 def test_worker_restart_and_departure():
     hub = MetricsHub()
 

@@ -16,39 +16,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/tandem/v1/admin.proto\x12\ttandem.v1\"\x18\n\x16GetClusterStateRequest\"\xef\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.tandem.v1.WorkerState\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x0c\n\x04role\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x1a\n\x12sequences_migrated\x18\x0c \x01(\x04\x12\x1a\n\x12kv_tokens_migrated\x18\r \x01(\x04\x12\x1d\n\x15sequences_migrated_in\x18\x0e \x01(\x04\x12\x16\n\x0epressure_moves\x18\x0f \x01(\x04\x12\x19\n\x11tokens_recomputed\x18\x10 \x01(\x04\"\x99\x01\n\x04Pool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x0b\n\x03min\x18\x04 \x01(\r\x12\x0b\n\x03max\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\r\x12\"\n\x07workers\x18\x07 \x03(\x0b\x32\x11.tandem.v1.Worker\x12\x15\n\rtarget_pinned\x18\x08 \x01(\x08\"\x85\x01\n\rClusterTotals\x12\x0f\n\x07workers\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x04\"g\n\x12\x41utoscalerDecision\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_target\x18\x02 \x01(\r\x12\x15\n\rdecode_target\x18\x03 \x01(\r\x12\x0f\n\x07reasons\x18\x04 \x03(\t\"\x84\x01\n\nRoleChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x11\n\tfrom_role\x18\x04 \x01(\t\x12\x0f\n\x07to_role\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06took_s\x18\x07 \x01(\x01\"\xbb\x01\n\x0c\x43lusterState\x12\x1e\n\x05pools\x18\x01 \x03(\x0b\x32\x0f.tandem.v1.Pool\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.tandem.v1.ClusterTotals\x12\x34\n\rlast_decision\x18\x03 \x01(\x0b\x32\x1d.tandem.v1.AutoscalerDecision\x12+\n\x0crole_changes\x18\x04 \x03(\x0b\x32\x15.tandem.v1.RoleChange\"^\n\x14SetPoolBoundsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0b\n\x03min\x18\x02 \x01(\r\x12\x0b\n\x03max\x18\x03 \x01(\r\x12\x13\n\x06target\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_target\"@\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66inish_in_place\x18\x02 \x01(\x08\"8\n\x14MoveSequencesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\'\n\x15MoveSequencesResponse\x12\x0e\n\x06paused\x18\x01 \x01(\r\"G\n\x14SetWorkerRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32\xf3\x02\n\x05\x41\x64min\x12M\n\x0fGetClusterState\x12!.tandem.v1.GetClusterStateRequest\x1a\x17.tandem.v1.ClusterState\x12\x41\n\rSetPoolBounds\x12\x1f.tandem.v1.SetPoolBoundsRequest\x1a\x0f.tandem.v1.Pool\x12?\n\x0b\x44rainWorker\x12\x1d.tandem.v1.DrainWorkerRequest\x1a\x11.tandem.v1.Worker\x12\x43\n\rSetWorkerRole\x12\x1f.tandem.v1.SetWorkerRoleRequest\x1a\x11.tandem.v1.Worker\x12R\n\rMoveSequences\x12\x1f.tandem.v1.MoveSequencesRequest\x1a .tandem.v1.MoveSequencesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/tandem/v1/admin.proto\x12\ttandem.v1\"\x18\n\x16GetClusterStateRequest\"\xe1\x03\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.tandem.v1.WorkerState\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x0c\n\x04role\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x1a\n\x12sequences_migrated\x18\x0c \x01(\x04\x12\x1a\n\x12kv_tokens_migrated\x18\r \x01(\x04\x12\x1d\n\x15sequences_migrated_in\x18\x0e \x01(\x04\x12\x16\n\x0epressure_moves\x18\x0f \x01(\x04\x12\x19\n\x11tokens_recomputed\x18\x10 \x01(\x04\x12\x1b\n\x13kv_tokens_precopied\x18\x11 \x01(\x04\x12\x1c\n\x14move_precopy_seconds\x18\x12 \x01(\x01\x12\x19\n\x11move_tail_seconds\x18\x13 \x01(\x01\x12\x1a\n\x12migrations_resumed\x18\x14 \x01(\x04\"\x99\x01\n\x04Pool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x0b\n\x03min\x18\x04 \x01(\r\x12\x0b\n\x03max\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\r\x12\"\n\x07workers\x18\x07 \x03(\x0b\x32\x11.tandem.v1.Worker\x12\x15\n\rtarget_pinned\x18\x08 \x01(\x08\"\x85\x01\n\rClusterTotals\x12\x0f\n\x07workers\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x04\"g\n\x12\x41utoscalerDecision\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_target\x18\x02 \x01(\r\x12\x15\n\rdecode_target\x18\x03 \x01(\r\x12\x0f\n\x07reasons\x18\x04 \x03(\t\"\x84\x01\n\nRoleChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x11\n\tfrom_role\x18\x04 \x01(\t\x12\x0f\n\x07to_role\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06took_s\x18\x07 \x01(\x01\"\xbb\x01\n\x0c\x43lusterState\x12\x1e\n\x05pools\x18\x01 \x03(\x0b\x32\x0f.tandem.v1.Pool\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.tandem.v1.ClusterTotals\x12\x34\n\rlast_decision\x18\x03 \x01(\x0b\x32\x1d.tandem.v1.AutoscalerDecision\x12+\n\x0crole_changes\x18\x04 \x03(\x0b\x32\x15.tandem.v1.RoleChange\"^\n\x14SetPoolBoundsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0b\n\x03min\x18\x02 \x01(\r\x12\x0b\n\x03max\x18\x03 \x01(\r\x12\x13\n\x06target\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_target\"@\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66inish_in_place\x18\x02 \x01(\x08\"8\n\x14MoveSequencesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\'\n\x15MoveSequencesResponse\x12\x0e\n\x06paused\x18\x01 \x01(\r\"G\n\x14SetWorkerRoleRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32\xf3\x02\n\x05\x41\x64min\x12M\n\x0fGetClusterState\x12!.tandem.v1.GetClusterStateRequest\x1a\x17.tandem.v1.ClusterState\x12\x41\n\rSetPoolBounds\x12\x1f.tandem.v1.SetPoolBoundsRequest\x1a\x0f.tandem.v1.Pool\x12?\n\x0b\x44rainWorker\x12\x1d.tandem.v1.DrainWorkerRequest\x1a\x11.tandem.v1.Worker\x12\x43\n\rSetWorkerRole\x12\x1f.tandem.v1.SetWorkerRoleRequest\x1a\x11.tandem.v1.Worker\x12R\n\rMoveSequences\x12\x1f.tandem.v1.MoveSequencesRequest\x1a .tandem.v1.MoveSequencesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.tandem.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1496
-  _globals['_WORKERSTATE']._serialized_end=1640
+  _globals['_WORKERSTATE']._serialized_start=1610
+  _globals['_WORKERSTATE']._serialized_end=1754
   _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=43
   _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=67
   _globals['_WORKER']._serialized_start=70
-  _globals['_WORKER']._serialized_end=437
-  _globals['_POOL']._serialized_start=440
-  _globals['_POOL']._serialized_end=593
-  _globals['_CLUSTERTOTALS']._serialized_start=596
-  _globals['_CLUSTERTOTALS']._serialized_end=729
-  _globals['_AUTOSCALERDECISION']._serialized_start=731
-  _globals['_AUTOSCALERDECISION']._serialized_end=834
-  _globals['_ROLECHANGE']._serialized_start=837
-  _globals['_ROLECHANGE']._serialized_end=969
-  _globals['_CLUSTERSTATE']._serialized_start=972
-  _globals['_CLUSTERSTATE']._serialized_end=1159
-  _globals['_SETPOOLBOUNDSREQUEST']._serialized_start=1161
-  _globals['_SETPOOLBOUNDSREQUEST']._serialized_end=1255
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1257
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1321
-  _globals['_MOVESEQUENCESREQUEST']._serialized_start=1323
-  _globals['_MOVESEQUENCESREQUEST']._serialized_end=1379
-  _globals['_MOVESEQUENCESRESPONSE']._serialized_start=1381
-  _globals['_MOVESEQUENCESRESPONSE']._serialized_end=1420
-  _globals['_SETWORKERROLEREQUEST']._serialized_start=1422
-  _globals['_SETWORKERROLEREQUEST']._serialized_end=1493
-  _globals['_ADMIN']._serialized_start=1643
-  _globals['_ADMIN']._serialized_end=2014
+  _globals['_WORKER']._serialized_end=551
+  _globals['_POOL']._serialized_start=554
+  _globals['_POOL']._serialized_end=707
+  _globals['_CLUSTERTOTALS']._serialized_start=710
+  _globals['_CLUSTERTOTALS']._serialized_end=843
+  _globals['_AUTOSCALERDECISION']._serialized_start=845
+  _globals['_AUTOSCALERDECISION']._serialized_end=948
+  _globals['_ROLECHANGE']._serialized_start=951
+  _globals['_ROLECHANGE']._serialized_end=1083
+  _globals['_CLUSTERSTATE']._serialized_start=1086
+  _globals['_CLUSTERSTATE']._serialized_end=1273
+  _globals['_SETPOOLBOUNDSREQUEST']._serialized_start=1275
+  _globals['_SETPOOLBOUNDSREQUEST']._serialized_end=1369
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1371
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1435
+  _globals['_MOVESEQUENCESREQUEST']._serialized_start=1437
+  _globals['_MOVESEQUENCESREQUEST']._serialized_end=1493
+  _globals['_MOVESEQUENCESRESPONSE']._serialized_start=1495
+  _globals['_MOVESEQUENCESRESPONSE']._serialized_end=1534
+  _globals['_SETWORKERROLEREQUEST']._serialized_start=1536
+  _globals['_SETWORKERROLEREQUEST']._serialized_end=1607
+  _globals['_ADMIN']._serialized_start=1757
+  _globals['_ADMIN']._serialized_end=2128
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "role", "host", "sequences_migrated", "kv_tokens_migrated", "sequences_migrated_in", "pressure_moves", "tokens_recomputed")
+    __slots__ = ("id", "pool", "pid", "node", "state", "running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "role", "host", "sequences_migrated", "kv_tokens_migrated", "sequences_migrated_in", "pressure_moves", "tokens_recomputed", "kv_tokens_precopied", "move_precopy_seconds", "move_tail_seconds", "migrations_resumed")
     ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,10 @@ class Worker(_message.Message):
     SEQUENCES_MIGRATED_IN_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_MOVES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
+    MOVE_PRECOPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     id: str
     pool: str
     pid: int
@@ -59,7 +63,11 @@ class Worker(_message.Message):
     sequences_migrated_in: int
     pressure_moves: int
     tokens_recomputed: int
-    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., sequences_migrated: _Optional[int] = ..., kv_tokens_migrated: _Optional[int] = ..., sequences_migrated_in: _Optional[int] = ..., pressure_moves: _Optional[int] = ..., tokens_recomputed: _Optional[int] = ...) -> None: ...
+    kv_tokens_precopied: int
+    move_precopy_seconds: float
+    move_tail_seconds: float
+    migrations_resumed: int
+    def __init__(self, id: _Optional[str] = ..., pool: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., sequences_migrated: _Optional[int] = ..., kv_tokens_migrated: _Optional[int] = ..., sequences_migrated_in: _Optional[int] = ..., pressure_moves: _Optional[int] = ..., tokens_recomputed: _Optional[int] = ..., kv_tokens_precopied: _Optional[int] = ..., move_precopy_seconds: _Optional[float] = ..., move_tail_seconds: _Optional[float] = ..., migrations_resumed: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("name", "size", "target", "min", "max", "draining", "workers", "target_pinned")
