@@ -38,7 +38,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # one row per request, in this order (run.json's "columns")
 COLUMNS = ("session_id", "turn", "arrival_s", "prompt_tokens", "max_tokens", "shared_prefix_tokens", "status",
            "cached_prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "ttft_s",
-           "tpot_s", "e2e_s")
+           "tpot_s", "e2e_s", "draft_steps")
 
 
 def _no_inf(x):
@@ -76,7 +76,7 @@ def trim(report: dict, cluster: dict, machine: str) -> dict:
             prev[r["session_id"]] = r
             rows.append([r["session_id"], r["turn"], round(r["arrival_s"], 4), r["prompt_tokens"], r["max_tokens"],
                          shared, *(r[c] for c in COLUMNS[6:11]),
-                         *(None if r[c] is None else round(r[c], 5) for c in COLUMNS[11:])])
+                         *(None if r[c] is None else round(r[c], 5) for c in COLUMNS[11:14]), r.get("draft_steps", 0)])
         rows.sort(key=lambda x: x[2])
         runs.append({"rate": run["rate"], "elapsed_s": run["summary"]["elapsed_s"], "requests": rows})
     keep = ("workload", "seed", "rates", "duration_s", "drain_timeout_s", "max_sessions", "max_context", "slo",

@@ -8,7 +8,8 @@ times, their lengths, sessions and turns), the cluster's config (its layout, loc
 decode slots, step budget, KV blocks) and the perf model `tandem profile` calibrated for that
 machine and model, with the served step and the control path calibrated on the running cluster
 by probe requests (cluster/calibration.py) and speculation's drafts
-and tokens per step from the run's usage. Nothing is fitted to the latencies being validated.
+and tokens per step from the run's usage (per rate, with how often a sequence drafts, where the
+run counted its draft steps). Nothing is fitted to the latencies being validated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 from tandem.cluster.layouts import layout_perf
+from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
 from tandem.cluster.workloads import RequestSpec
@@ -105,7 +107,8 @@ def validate_run(run_dir: str | Path) -> list[dict]:
         reqs = requests_of(run, rate_run)
         if not any(r["status"] == "OK" for r in reqs):
             continue                    # nothing was sent (or nothing ended) at this rate
-        sim = simulate(replay_specs(reqs), n_prefill, n_decode, model, slo, colocated=colocated, pull_prefix=True)
+        sim = simulate(replay_specs(reqs), n_prefill, n_decode, with_counted_drafts(model, reqs), slo, colocated=colocated,
+                       pull_prefix=True)
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}
         out.append({"run": Path(run_dir).name, "rate": rate_run["rate"], "requests": len(reqs),

@@ -14,7 +14,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tandem.perf_model import PerfModel
+from tandem.perf_model import PerfModel, padded_verify_tokens
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 
@@ -34,7 +34,8 @@ def _stream(stub, prompt: list[int], max_tokens: int, metadata=()) -> tuple[list
 def served_steps(stub, *, vocab_size: int, batches=(1, 8, 32), prompt_tokens: int = 16,
                  output_tokens: int = 128, metadata=(), seed: int = 0) -> list[tuple[int, int, float, float]]:
     """For each batch size b: b fresh requests at once (`prompt_tokens` each, `output_tokens` out).
-    -> (b, mean total context, drafts verified per sequence per step, seconds per served step) per
+    -> (b, mean total context, drafts verified per sequence per step (the padded width where the
+    usage counts draft steps: PerfModel.verify_tokens), seconds per served step) per
     batch: over the time all b decode (after the last one's first token, before the first one's
     last), each request's time between its tokens per decode step (a step emits 1 + the drafts
     accepted: its usage says how many), the median over the b requests. The outputs must outlast
@@ -48,16 +49,19 @@ def served_steps(stub, *, vocab_size: int, batches=(1, 8, 32), prompt_tokens: in
             results = list(pool.map(lambda p: _stream(stub, p, output_tokens, metadata), prompts))
         # only while all b decode: from the last first token (the prefills are over) to the first end
         t0, t1 = max(t[0] for t, _ in results), min(t[-1] for t, _ in results)
-        per_step, drafts, steps_all = [], 0, 0
+        per_step, drafts, steps_all, draft_steps = [], 0, 0, 0
         for times, usage in results:
             steps = len(times) - 1 - usage.accepted_draft_tokens
             w = [t for t in times if t0 <= t <= t1]
             if steps > 0 and len(w) > 2:
                 per_step.append((w[-1] - w[0]) / ((len(w) - 1) * steps / (len(times) - 1)))
                 drafts, steps_all = drafts + usage.draft_tokens, steps_all + steps
+                draft_steps += usage.draft_steps
         if per_step:
-            out.append((b, b * (prompt_tokens + output_tokens // 2), drafts / max(steps_all, 1),
-                        statistics.median(per_step)))
+            # the verify width these steps were padded to (the mean where the usage has no draft_steps)
+            k = (padded_verify_tokens(min(1.0, draft_steps / steps_all), drafts / draft_steps, b) if draft_steps
+                 else drafts / max(steps_all, 1))
+            out.append((b, b * (prompt_tokens + output_tokens // 2), k, statistics.median(per_step)))
     return out
 
 
@@ -73,7 +77,8 @@ def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
         return perf
     bare = dataclasses.replace(perf, step_host_s=0.0)
     xs = [b for b, _, _, _ in steps]
-    extra = [s - dataclasses.replace(bare, spec_verify_tokens=k).decode_step_s(b, ctx) for b, ctx, k, s in steps]
+    extra = [s - dataclasses.replace(bare, spec_verify_tokens=k, spec_draft_prob=0.0).decode_step_s(b, ctx)
+             for b, ctx, k, s in steps]
     slope = 0.0
     if len(set(xs)) > 1:
         mx, my = statistics.fmean(xs), statistics.fmean(extra)

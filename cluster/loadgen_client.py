@@ -114,7 +114,7 @@ class RateRun:
             u = update.usage
             rec.usage_prompt_tokens, rec.cached_prompt_tokens = u.prompt_tokens, u.cached_prompt_tokens
             rec.completion_tokens, rec.draft_tokens = u.completion_tokens, u.draft_tokens
-            rec.accepted_draft_tokens = u.accepted_draft_tokens
+            rec.accepted_draft_tokens, rec.draft_steps = u.accepted_draft_tokens, u.draft_steps
 
     async def drive(self, session: Session, tokens: Iterator[TokenizedRequest]) -> None:
         """A session's turns, each its think time after the previous answer; none due past the

@@ -46,6 +46,7 @@ class RequestRecord:
     completion_tokens: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # decode steps that verified at least one of its drafts
 
     @property
     def ok(self) -> bool:

@@ -223,7 +223,7 @@ def fit_step_host(perf: PerfModel, steps) -> PerfModel:
     (scheduling, drafting, sampling, outputs; on a GPU the host's part the device does not hide)."""
     if not steps:
         return perf
-    extra = [wall - dataclasses.replace(perf, step_host_s=0.0, spec_verify_tokens=k).decode_step_s(b, ctx)
+    extra = [wall - dataclasses.replace(perf, step_host_s=0.0, spec_verify_tokens=k, spec_draft_prob=0.0).decode_step_s(b, ctx)
              for b, ctx, k, wall in steps]
     return dataclasses.replace(perf, step_host_s=max(0.0, statistics.median(extra)))
 
@@ -232,13 +232,29 @@ def speculation_from_requests(requests) -> dict[str, float]:
     """`spec_verify_tokens` and `spec_tokens_per_step` as a `tandem bench` run measured them, from
     each OK request's usage (`completion_tokens`, `draft_tokens`, `accepted_draft_tokens`): the
     tokens after the first come from decode steps that emit 1 + the drafts accepted, so a request
-    took (completion - 1 - accepted) steps. {} when nothing was drafted."""
+    took (completion - 1 - accepted) steps. Where the usage has `draft_steps` (the steps that
+    verified a draft), also `spec_draft_prob` (draft_steps / steps) and `spec_draft_len` (drafts
+    per such step): what the padded verify width is modelled from (PerfModel.verify_tokens). {}
+    when nothing was drafted."""
     ok = [r for r in requests if r.get("status", "OK") == "OK" and r["completion_tokens"] > 1]
     steps = sum(r["completion_tokens"] - 1 - r["accepted_draft_tokens"] for r in ok)
-    if not steps or not sum(r["draft_tokens"] for r in ok):
+    drafts = sum(r["draft_tokens"] for r in ok)
+    if not steps or not drafts:
         return {}
-    return {"spec_verify_tokens": sum(r["draft_tokens"] for r in ok) / steps,
-            "spec_tokens_per_step": sum(r["completion_tokens"] - 1 for r in ok) / steps}
+    out = {"spec_verify_tokens": drafts / steps, "spec_tokens_per_step": sum(r["completion_tokens"] - 1 for r in ok) / steps}
+    draft_steps = sum(r.get("draft_steps") or 0 for r in ok)
+    if draft_steps:
+        out.update(spec_draft_prob=min(1.0, draft_steps / steps), spec_draft_len=drafts / draft_steps)
+    return out
+
+
+def with_counted_drafts(perf: PerfModel, requests) -> PerfModel:
+    """`perf` with speculation as `requests` measured it, where their usage counted draft steps
+    (the padded verify width needs them); else `perf` as it is (runs recorded before `draft_steps`
+    keep their whole run's figures)."""
+    if not any(r.get("draft_steps") for r in requests):
+        return perf
+    return dataclasses.replace(perf, **speculation_from_requests(requests))
 
 
 def cmd_profile(args) -> int:

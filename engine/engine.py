@@ -311,6 +311,7 @@ class LLMEngine:
                 n = min(accepted[req.request_id], len(kept))
                 req.num_draft_tokens += k
                 req.num_accepted_draft_tokens += n
+                req.num_draft_steps += 1
                 self.stats.draft_tokens += k
                 self.stats.accepted_draft_tokens += n
                 self.stats.draft_seq_steps += 1
@@ -447,7 +448,7 @@ class LLMEngine:
     def usage(req: Request) -> Usage:
         return Usage(prompt_tokens=req.num_prompt_tokens, cached_prompt_tokens=req.num_cached_prompt_tokens,
                      completion_tokens=len(req.output_token_ids), draft_tokens=req.num_draft_tokens,
-                     accepted_draft_tokens=req.num_accepted_draft_tokens)
+                     accepted_draft_tokens=req.num_accepted_draft_tokens, draft_steps=req.num_draft_steps)
 
     # ---- start-up ---------------------------------------------------------------------------
     @property

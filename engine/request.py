@@ -48,6 +48,7 @@ class Request:
     # speculative decoding accounting
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_draft_steps: int = 0  # steps that verified at least one of its drafts
     # output tokens sampled by a step still on the device (the overlapped step): the last
     # `num_pending` entries of output_token_ids are placeholders until the engine resolves them
     num_pending: int = 0

@@ -24,10 +24,16 @@ class PerfModel:
     prefill s     = prefill_base_s + prefill_per_token_s * n + prefill_attn_s * n * context
                     (n: tokens computed, context: prompt length once they are in)
     decode step s = decode_base_s + step_host_s
-                    + decode_per_seq_s * batch * (1 + spec_verify_tokens)
+                    + decode_per_seq_s * batch * (1 + verify_tokens(batch))
                     + decode_per_ctx_token_s * sum(context)
                     (each running sequence computes its next token and the draft tokens it
                     verifies; a step emits `spec_tokens_per_step` tokens per sequence on average)
+    verify_tokens = spec_verify_tokens, the drafts per sequence per step on average; or, where a
+                    run measured how often a sequence drafts (`spec_draft_prob`, with
+                    `spec_draft_len` drafts when it does), the step's widest draft, which every
+                    sequence of the step is padded to (the kernels' query tile, a CUDA graph's
+                    shape): spec_draft_len * (1 - (1 - spec_draft_prob) ** batch). Equal to the
+                    mean at batch 1; past it, one sequence's drafts widen the whole step.
     mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base
                     (`step_s`: what one engine step costs, whatever it carries)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
@@ -54,6 +60,10 @@ class PerfModel:
     # sequence per step (1 + the mean accepted); host time per step the GPU does not hide
     spec_verify_tokens: float = 0.0
     spec_tokens_per_step: float = 1.0
+    # how often a sequence verifies drafts in a step, and how many when it does (0: not measured;
+    # the step then charges the mean, spec_verify_tokens): the padded width, see verify_tokens
+    spec_draft_prob: float = 0.0
+    spec_draft_len: float = 0.0
     step_host_s: float = 0.0
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
@@ -63,9 +73,11 @@ class PerfModel:
     def __post_init__(self) -> None:
         coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
                   "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
-                  "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s")
+                  "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s", "spec_draft_len")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
+        if not 0.0 <= self.spec_draft_prob <= 1.0:
+            raise ConfigError(f"perf model: spec_draft_prob must be in [0, 1], got {self.spec_draft_prob}")
         if self.spec_tokens_per_step < 1:
             raise ConfigError("perf model: spec_tokens_per_step must be >= 1 (1: no speculation)")
         if not self.prefill_queue_limit > 0:
@@ -79,12 +91,18 @@ class PerfModel:
             return 0.0
         return self.prefill_base_s + n * (self.prefill_per_token_s + self.prefill_attn_s * context)
 
+    def verify_tokens(self, batch: int) -> float:
+        """Draft tokens each sequence of a `batch`-sequence decode step is charged for verifying."""
+        if self.spec_draft_prob > 0.0:
+            return padded_verify_tokens(self.spec_draft_prob, self.spec_draft_len, batch)
+        return self.spec_verify_tokens
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """One step of `batch` decoding sequences holding `context_tokens` in all (0 if batch is 0)."""
         if not batch:
             return 0.0
         return (self.decode_base_s + self.step_host_s
-                + self.decode_per_seq_s * batch * (1.0 + self.spec_verify_tokens)
+                + self.decode_per_seq_s * batch * (1.0 + self.verify_tokens(batch))
                 + self.decode_per_ctx_token_s * context_tokens)
 
     def chunk_s(self, n: int, context: int) -> float:
@@ -177,3 +195,9 @@ class PerfModel:
 
 
 _MAYBE_INF = ("local_prefill_threshold", "prefill_queue_limit")
+
+
+def padded_verify_tokens(draft_prob: float, draft_len: float, batch: int) -> float:
+    """The verify width each of `batch` sequences is padded to when each drafts `draft_len` tokens
+    in a step with probability `draft_prob`: the step's widest draft, if any sequence drafts."""
+    return draft_len * (1.0 - (1.0 - draft_prob) ** batch)

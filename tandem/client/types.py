@@ -28,6 +28,7 @@ class Usage:
     completion_tokens: int
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class Usage:
     completion_tokens: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # decode steps that verified at least one draft
 
 
 @dataclass(frozen=True)

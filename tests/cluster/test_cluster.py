@@ -350,6 +350,11 @@ def test_speculative_decoding_through_the_cluster_keeps_greedy_output(make_clust
     drafted = last.usage.draft_tokens + last2.usage.draft_tokens
     accepted = last.usage.accepted_draft_tokens + last2.usage.accepted_draft_tokens
     assert drafted > 0 and 0 < accepted <= drafted
+    # the steps that verified drafts reach the client too (the simulator's padded verify width)
+    for u in (last.usage, last2.usage):
+        assert (u.draft_steps > 0) == (u.draft_tokens > 0)
+        assert u.draft_steps <= u.draft_tokens <= 4 * u.draft_steps
+        assert u.draft_steps <= u.completion_tokens - 1 - u.accepted_draft_tokens
 
 
 def test_deadlines_that_expire_while_the_request_is_placed_free_every_block(remote):

@@ -199,6 +199,7 @@ def test_greedy_suffix_matches_plain_on_multi_turn_edits(smollm2, make_engine, s
     assert spec2[-1]["usage"]["accepted_draft_tokens"] > 0, "the repeated answer was meant to hit"
     assert e.stats.accepted_draft_tokens > e.stats.draft_tokens / 2
     assert sum(r["usage"]["draft_tokens"] for r in spec1 + spec2) == e.stats.draft_tokens
+    assert sum(r["usage"]["draft_steps"] for r in spec1 + spec2) == e.stats.draft_seq_steps > 0
     assert not e.speculator.proposer.local, "per-request state is dropped when requests finish"
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tandem.cluster.calibration import fit_control_path, fit_serving_step
-from tandem.cluster.profiling import fit_mixed_step, fit_step_host, profile, speculation_from_requests
+from tandem.cluster.profiling import (fit_mixed_step, fit_step_host, profile, speculation_from_requests,
+                                      with_counted_drafts)
 from tandem.perf_model import PerfModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +28,21 @@ def test_speculation_comes_from_each_requests_usage():
     # 100 tokens after the first in 80 steps (20 came as accepted drafts): 1.25 a step, 30 drafts
     assert spec == pytest.approx({"spec_verify_tokens": 30 / 80, "spec_tokens_per_step": 100 / 80})
     assert speculation_from_requests([{**reqs[0], "draft_tokens": 0, "accepted_draft_tokens": 0}]) == {}
+    # with the steps that drafted counted: 10 of the 80 steps drafted, 3 drafts each
+    steps = speculation_from_requests([{**reqs[0], "draft_steps": 10}, reqs[1]])
+    assert steps == pytest.approx({"spec_verify_tokens": 30 / 80, "spec_tokens_per_step": 100 / 80,
+                                   "spec_draft_prob": 10 / 80, "spec_draft_len": 3.0})
+
+
+def test_a_replay_takes_the_draft_width_from_requests_that_counted_their_draft_steps():
+    """bench.validate_simulator replays each rate with its own requests' draft width where they
+    counted draft steps; older runs keep perf.json's whole-run figures."""
+    model = PerfModel(spec_verify_tokens=0.5, spec_tokens_per_step=1.1)
+    req = {"status": "OK", "completion_tokens": 41, "draft_tokens": 20, "accepted_draft_tokens": 0}
+    assert with_counted_drafts(model, [req]) is model
+    m = with_counted_drafts(model, [{**req, "draft_steps": 4}])
+    assert (m.spec_verify_tokens, m.spec_draft_prob, m.spec_draft_len) == (0.5, 0.1, 5.0)
+    assert m.verify_tokens(8) > m.verify_tokens(1) == pytest.approx(0.5)
 
 
 def test_step_host_is_what_whole_steps_take_beyond_the_forwards():

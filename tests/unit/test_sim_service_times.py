@@ -10,6 +10,7 @@ from tandem.cluster.sim_workers import SimSeq
 from tandem.cluster.simulator import simulate
 from tandem.cluster.workloads import RequestSpec
 from tandem.perf_model import PerfModel
+from tandem.wire.errors import ConfigError
 
 # one decode step of one sequence: 10 ms; a prefill of 10 tokens: 1 ms
 PERF = PerfModel(prefill_base_s=0.0, prefill_per_token_s=1e-4, prefill_attn_s=0.0, decode_base_s=0.008,
@@ -47,6 +48,22 @@ def test_speculation_divides_tpot_by_tokens_per_step_and_verify_tokens_cost_like
     # fractional acceptance: 1.25 tokens a step, 40 tokens after the first in 32 steps
     frac = replace(PERF, spec_verify_tokens=1.0, spec_tokens_per_step=1.25)
     assert one(frac).tpot_s == pytest.approx(32 * 0.012 / 40)
+
+
+def test_a_step_is_padded_to_its_widest_draft():
+    """Where a run measured how often a sequence drafts (p) and how much (L), every sequence of a
+    step pays the step's widest draft: L * (1 - (1 - p) ** batch). One sequence: the mean, p * L."""
+    padded = replace(PERF, spec_verify_tokens=0.25, spec_draft_prob=0.1, spec_draft_len=2.5)
+    mean = replace(PERF, spec_verify_tokens=0.25)
+    assert padded.verify_tokens(1) == pytest.approx(mean.verify_tokens(1)) == pytest.approx(0.25)
+    assert padded.verify_tokens(8) == pytest.approx(2.5 * (1 - 0.9 ** 8))
+    assert padded.verify_tokens(256) == pytest.approx(2.5, rel=1e-6)
+    b = 16
+    extra = padded.decode_step_s(b, 1000) - mean.decode_step_s(b, 1000)
+    assert extra == pytest.approx(PERF.decode_per_seq_s * b * (padded.verify_tokens(b) - 0.25))
+    assert extra > 0
+    with pytest.raises(ConfigError, match="spec_draft_prob"):
+        replace(PERF, spec_draft_prob=1.5)
 
 
 def test_step_host_time_is_paid_by_every_step_prefill_included():
