@@ -71,7 +71,8 @@ def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
     `step_host_s` (it replaces the engine-only figure: the served step is the more direct
     measurement; when it is cheaper than the profile's forwards, as a profile taken on a loaded
     machine can make them, `decode_base_s` gives way); its slope (host work per sequence:
-    sampling, outputs, block tables, drafting) goes into `decode_per_seq_s`. Every term stays
+    sampling, outputs, block tables, drafting) goes into `decode_per_seq_s`, while a verified draft
+    keeps the forward pass's per-token cost (`verify_token_s`). Every term stays
     >= 0; at the probed batches the model then gives the served step."""
     if not steps:
         return perf
@@ -85,7 +86,9 @@ def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, extra)) / sum((x - mx) ** 2 for x in xs)
     slope = max(slope, -perf.decode_per_seq_s)
     intercept = statistics.median(y - slope * x for x, y in zip(xs, extra))
+    verify = perf.decode_per_seq_s if perf.verify_token_s is None else perf.verify_token_s
     return dataclasses.replace(perf, step_host_s=max(0.0, intercept), decode_per_seq_s=perf.decode_per_seq_s + slope,
+                               verify_token_s=verify,
                                decode_base_s=max(0.0, perf.decode_base_s + min(0.0, intercept)))
 
 

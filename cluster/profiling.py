@@ -74,7 +74,8 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
             speculative: str = "ngram", threads: int | None = None, mixed_lengths=(128, 512, 2048),
             repeats: int = 2):
     """-> (samples in `PerfModel.fit`'s format: the model's forward passes alone, decode steps
-    that verify `draft_tokens` drafts per sequence among them; whole engine steps of
+    that verify `draft_tokens` drafts per sequence among them, and steps in which one sequence of
+    the batch drafts (what a served step pays for the widest draft: "padded"); whole engine steps of
     `step_batches` sequences decoding, with `speculative` proposing (scheduling, drafting,
     sampling and outputs included), for `fit_step_host`; and whole steps that also prefill a
     session's next turn (`mixed_lengths` new tokens: what the workload's turns add), for
@@ -142,6 +143,11 @@ def _time_forwards(e, tokens, prefill_lengths, contexts, batches, decode_context
                 drafts = {r.request_id: tokens(k) for r in reqs}
                 t = _timed(lambda: run([(r, 1 + k, k) for r in reqs], drafts), repeats + 1)
                 samples.append(("verify", (b, b * ctx, k), t) if k else ("decode", (b, b * ctx), t))
+                if k and b > 1:   # one sequence drafts, the step is padded to its width (a served step)
+                    one = drafts[reqs[0].request_id]
+                    t = _timed(lambda: run([(r, 1 + k, k) if i == 0 else (r, 1, 0) for i, r in enumerate(reqs)],
+                                           {reqs[0].request_id: one}), repeats + 1)
+                    samples.append(("padded", (b, b * ctx, k), t))
                 for r in reqs:
                     e.allocator.free(r)
     # a transfer's local cost: gather a layer's blocks and scatter them elsewhere (the wire adds to it)

@@ -24,7 +24,7 @@ class PerfModel:
     prefill s     = prefill_base_s + prefill_per_token_s * n + prefill_attn_s * n * context
                     (n: tokens computed, context: prompt length once they are in)
     decode step s = decode_base_s + step_host_s
-                    + decode_per_seq_s * batch * (1 + verify_tokens(batch))
+                    + decode_per_seq_s * batch + verify_token_s * batch * verify_tokens(batch)
                     + decode_per_ctx_token_s * sum(context)
                     (each running sequence computes its next token and the draft tokens it
                     verifies; a step emits `spec_tokens_per_step` tokens per sequence on average)
@@ -34,6 +34,13 @@ class PerfModel:
                     sequence of the step is padded to (the kernels' query tile, a CUDA graph's
                     shape): spec_draft_len * (1 - (1 - spec_draft_prob) ** batch). Equal to the
                     mean at batch 1; past it, one sequence's drafts widen the whole step.
+    verify_token_s = what a verified draft token costs the forward pass: fitted on steps in which one
+                    sequence drafts and the rest are padded to it ("padded" samples), else the
+                    engine's per-sequence decode cost as `tandem profile` fitted it, before the
+                    served step adds the host's per-sequence work (sampling, outputs), which drafts
+                    do not pay; None: decode_per_seq_s
+    verify_step_s = the fixed cost of a step that verifies any draft (more logits, the acceptance
+                    pass), paid with probability 1 - (1 - spec_draft_prob) ** batch
     mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base
                     (`step_s`: what one engine step costs, whatever it carries)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
@@ -64,6 +71,8 @@ class PerfModel:
     # the step then charges the mean, spec_verify_tokens): the padded width, see verify_tokens
     spec_draft_prob: float = 0.0
     spec_draft_len: float = 0.0
+    verify_token_s: float | None = None
+    verify_step_s: float = 0.0
     step_host_s: float = 0.0
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
@@ -73,9 +82,12 @@ class PerfModel:
     def __post_init__(self) -> None:
         coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
                   "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
-                  "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s", "spec_draft_len")
+                  "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s", "spec_draft_len",
+                  "verify_step_s")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
+        if self.verify_token_s is not None and self.verify_token_s < 0:
+            raise ConfigError("perf model: verify_token_s must be >= 0 (or null: decode_per_seq_s)")
         if not 0.0 <= self.spec_draft_prob <= 1.0:
             raise ConfigError(f"perf model: spec_draft_prob must be in [0, 1], got {self.spec_draft_prob}")
         if self.spec_tokens_per_step < 1:
@@ -101,8 +113,10 @@ class PerfModel:
         """One step of `batch` decoding sequences holding `context_tokens` in all (0 if batch is 0)."""
         if not batch:
             return 0.0
-        return (self.decode_base_s + self.step_host_s
-                + self.decode_per_seq_s * batch * (1.0 + self.verify_tokens(batch))
+        per_draft = self.decode_per_seq_s if self.verify_token_s is None else self.verify_token_s
+        verifies = 1.0 - (1.0 - self.spec_draft_prob) ** batch    # a step with any draft in it
+        return (self.decode_base_s + self.step_host_s + verifies * self.verify_step_s
+                + batch * (self.decode_per_seq_s + per_draft * self.verify_tokens(batch))
                 + self.decode_per_ctx_token_s * context_tokens)
 
     def chunk_s(self, n: int, context: int) -> float:
@@ -134,12 +148,15 @@ class PerfModel:
         ("prefill", (new_tokens, context), s), ("decode", (batch_size, total_context_tokens), s),
         ("transfer", (tokens,), s), ("verify", (batch_size, total_context_tokens,
         draft_tokens_per_seq), s) (a decode step whose sequences also verify drafts: fitted with the
-        decode samples, each draft costing what a sequence's token does); features may also be
+        decode samples, each draft costing what a sequence's token does), ("padded", (batch_size,
+        total_context_tokens, draft_tokens), s) (one sequence of the batch drafts, the step is padded
+        to it: `verify_step_s` and `verify_token_s`, on top of the decode fit); features may also be
         dicts with those names. Kinds without samples keep `base`'s coefficients; negative fits are
         clipped to 0; `fixed` sets the rest."""
         names = {"prefill": ("new_tokens", "context"), "decode": ("batch_size", "total_context_tokens"),
                  "transfer": ("tokens",),
-                 "verify": ("batch_size", "total_context_tokens", "draft_tokens_per_seq")}
+                 "verify": ("batch_size", "total_context_tokens", "draft_tokens_per_seq"),
+                 "padded": ("batch_size", "total_context_tokens", "draft_tokens")}
         rows: dict[str, list[tuple[list[float], float]]] = {k: [] for k in names}
         for kind, feats, seconds in samples:
             if kind not in names:
@@ -148,8 +165,10 @@ class PerfModel:
             x = {"prefill": lambda: [1.0, f[0], f[0] * f[1]],
                  "decode": lambda: [1.0, f[0], f[1]],
                  "verify": lambda: [1.0, f[0] * (1.0 + f[2]), f[1]],
+                 "padded": lambda: list(f),
                  "transfer": lambda: [1.0, f[0]]}[kind]()
             rows["decode" if kind == "verify" else kind].append((x, float(seconds)))
+        padded = rows.pop("padded")
         fields = {"prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s"),
                   "decode": ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"),
                   "transfer": ("transfer_base_s", "transfer_per_token_s")}
@@ -162,6 +181,15 @@ class PerfModel:
             scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns span 1 .. 1e9: normalize
             coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
             values.update({name: max(0.0, float(c)) for name, c in zip(fields[kind], coef)})
+        if padded:    # what a padded step takes beyond the plain decode step just fitted
+            plain = dataclasses.replace(base or cls(), **values, step_host_s=0.0, spec_verify_tokens=0.0,
+                                        spec_draft_prob=0.0)
+            a = np.array([[1.0, b * k] for (b, _, k), _ in padded])
+            y = np.array([s - plain.decode_step_s(int(b), ctx) for (b, ctx, _), s in padded])
+            step, token = np.linalg.lstsq(a, y, rcond=None)[0]
+            if token < 0:
+                step, token = float(np.median(y)), 0.0
+            values.update(verify_step_s=max(0.0, float(step)), verify_token_s=max(0.0, float(token)))
         return dataclasses.replace(base or cls(), **values, **fixed)
 
     def to_dict(self) -> dict[str, Any]:

@@ -105,12 +105,36 @@ def test_old_perf_files_still_load_and_fit_takes_the_old_kinds():
     assert fitted.decode_per_seq_s > 0
 
 
+def test_padded_steps_fit_a_verify_step_cost_and_a_per_row_cost_on_top_of_the_decode_fit():
+    """A step in which one sequence drafts k costs the plain step + verify_step_s + verify_token_s *
+    batch * k (every sequence padded to the widest draft); the decode coefficients are unchanged."""
+    true = PerfModel(decode_base_s=0.005, decode_per_seq_s=3e-5, decode_per_ctx_token_s=3e-8)
+    samples = []
+    for b in (1, 8, 32):
+        for ctx in (1024, 8192):
+            samples.append(("decode", (b, b * ctx), true.decode_step_s(b, b * ctx)))
+            for k in (2, 5):
+                samples.append(("verify", (b, b * ctx, k), true.decode_step_s(b, b * ctx) + 3e-5 * b * k))
+                samples.append(("padded", (b, b * ctx, k), true.decode_step_s(b, b * ctx) + 7e-4 + 1e-5 * b * k))
+    m = PerfModel.fit(samples)
+    assert (m.verify_step_s, m.verify_token_s, m.decode_per_seq_s) == pytest.approx((7e-4, 1e-5, 3e-5))
+    # served: 1 in 10 sequence-steps draft 4 tokens; a batch of 16 pays the padded width and the
+    # verify step whenever any of its sequences drafts
+    served = dataclasses.replace(m, spec_draft_prob=0.1, spec_draft_len=4.0, spec_verify_tokens=0.4)
+    any_draft = 1 - 0.9 ** 16
+    assert served.decode_step_s(16, 16000) - m.decode_step_s(16, 16000) == pytest.approx(
+        any_draft * 7e-4 + 16 * 1e-5 * 4.0 * any_draft)
+    assert PerfModel.fit(samples[:1] + [s for s in samples if s[0] != "padded"]).verify_token_s is None
+
+
 def test_profile_times_verify_host_and_mixed_steps_on_cpu():
     samples, steps, mixed = profile("tiny-random", prefill_lengths=(64, 256), contexts=(0, 256), batches=(1, 4),
                                     decode_contexts=(128, 512), draft_tokens=(3,), step_batches=(2,), threads=1)
     kinds = {k for k, _, _ in samples}
-    assert kinds == {"prefill", "decode", "verify", "transfer"}
-    assert all(k == 3 for kind, (_, _, k), _ in [s for s in samples if s[0] == "verify"])
+    assert kinds == {"prefill", "decode", "verify", "padded", "transfer"}
+    assert all(k == 3 for _, (_, _, k), _ in [s for s in samples if s[0] in ("verify", "padded")])
+    # one sequence of a batch drafts: batches of 4 only (a batch of 1 is the verify sample)
+    assert sorted(f[0] for kind, f, _ in samples if kind == "padded") == [4, 4]
     assert steps and all(b == 2 and wall > 0 for b, _, _, wall in steps)
     # the next turn's prompt hits the prefix cache: only its new tokens are computed
     assert [(n, p) for _, _, n, p, _ in mixed] == [(128, 640), (512, 1024), (1534, 2046)]   # (capped by the 2048-token context)
