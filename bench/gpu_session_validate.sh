@@ -4,6 +4,9 @@
 # at RATES for the simulator's validation (bench/record_run.py): $OUT/results/NAME/{run,perf}.json
 # go to bench/results/NAME, $OUT/profile.json to bench/perf/, the full bench JSON and logs in rec.tgz.
 #   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20 SPEC=ngram
+#   PROFILE_FROM=bench/perf/h200-llama3-8b-profile.json bash bench/gpu_session_validate.sh
+#       (a shorter call: that profile's prefill and whole-step timings, this GPU's decode, verify and
+#       padded steps from bench/verify_padding.py)
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
@@ -13,8 +16,15 @@ python3 -c "import tomllib, os; m = tomllib.load(open('pyproject.toml', 'rb'))['
 [os.path.lexists(f'tandem/{p[7:]}') or os.symlink(f'../{d}', f'tandem/{p[7:]}') for p, d in m.items() if p != 'tandem']"
 NAME=${NAME:-h200-colocated}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-TAIL=12 step profile ${PROFILE_LIMIT:-220} python3 -c "import sys; from tandem.cluster.cli import main; sys.exit(main())" \
-  profile --model llama3-8b-random --device cuda --dtype bfloat16 --speculative ${SPEC:-ngram} -o "$OUT/profile.json"
+TANDEM="python3 -c 'import sys; from tandem.cluster.cli import main; sys.exit(main())'"
+if [ -n "${PROFILE_FROM:-}" ]; then   # keep PROFILE_FROM's prefill and whole-step timings, time the decode steps again
+  TAIL=40 step padding ${PROFILE_LIMIT:-150} python3 bench/verify_padding.py --model llama3-8b-random --device cuda \
+    --dtype bfloat16 --merge "$PROFILE_FROM" -o "$OUT/profile-merged.json"
+  TAIL=3 step refit 60 bash -c "$TANDEM profile --from $OUT/profile-merged.json -o $OUT/profile.json"
+else
+  TAIL=12 step profile ${PROFILE_LIMIT:-220} bash -c "$TANDEM profile --model llama3-8b-random --device cuda \
+    --dtype bfloat16 --speculative ${SPEC:-ngram} -o $OUT/profile.json"
+fi
 PROFILE=$OUT/profile.json; [ -s "$PROFILE" ] || PROFILE=bench/perf/h200-llama3-8b.json   # a failed profile: the old model
 TAIL=30 step record ${RECORD_LIMIT:-330} python3 bench/record_run.py --profile "$PROFILE" --device cuda \
   --model llama3-8b-random --layout 0:1 --workload agent --rates ${RATES:-0.5,1,2,3} --duration ${DURATION:-30} \

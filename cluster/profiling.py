@@ -88,7 +88,7 @@ def profile(model: str = "smollm2-135m", device: str = "cpu", dtype: str = "floa
     if quick:
         prefill_lengths, contexts, batches, decode_contexts = (64, 256), (0, 256), (1, 8), (128,)
         draft_tokens, step_batches = draft_tokens[-1:], step_batches[:1] + step_batches[-1:]
-    longest = max(max(batches) * (max(decode_contexts) + 8), max(contexts) + max(prefill_lengths),
+    longest = max(max(batches) * (max(decode_contexts) + 8), max(contexts, default=0) + max(prefill_lengths, default=0),
                   max(step_batches, default=0) * (max(decode_contexts) + 160))
     e = _make_engine(model, device, dtype, speculative, num_blocks=max(4096, longest // 16 + 256))
     if e.wants_warmup:     # on CUDA: every kernel compiled and decode graphs captured, as an actor's are
