@@ -6,6 +6,8 @@ and creates or drains actors to reach the targets. Each pool is sized from its o
 
 - prefill: prompt tokens waiting and arriving against per-worker throughput; TTFT against its target;
 - decode: KV blocks held and sequences against per-worker capacity; TPOT against its target.
+A pool's signals are those of the part it is named for, wherever that part is served now: a worker
+lent to the other role counts in that role's load (cluster.pools.build_snapshot), in its pool's size.
 
 The steps, in order (each a small function below):
   want (per pool, up and down thresholds) -> step limits -> delay -> min/max -> prefill:decode ratio
@@ -38,7 +40,7 @@ class PrefillMetrics:
     draining: int = 0
     queued_prompt_tokens: int = 0  # uncached prompt tokens waiting for a prefill actor
     running_prompt_tokens: int = 0  # uncached prompt tokens being prefilled now
-    prompt_tokens_per_s: float = 0.0  # arrival rate of uncached prompt tokens sent to this pool
+    prompt_tokens_per_s: float = 0.0  # arrival rate of uncached prompt tokens sent to prefill-only workers
     prefill_tokens_per_s_per_worker: float | None = None  # measured; None: config's default
     # TTFT as this pool controls it: from the request reaching the prefill pool to its KV ready on
     # the decode actor (queue + compute + transfer). Time spent waiting for a decode slot before
@@ -55,10 +57,10 @@ class DecodeMetrics:
     draining: int = 0
     running_seqs: int = 0
     waiting_seqs: int = 0  # routed here, not yet admitted (no batch slot or no KV)
-    # Blocks held by running and waiting sequences over the `size` live actors. Evictable blocks of
+    # Blocks held by running and waiting sequences on the workers decoding now. Evictable blocks of
     # the prefix cache do NOT count (they fill any idle memory); report them in kv_blocks_cached.
     kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
+    kv_blocks_total: int = 0  # of the `size` actors: kv_blocks_total / size is one worker's KV
     kv_blocks_waiting: int = 0  # blocks the waiting sequences will need once admitted
     kv_blocks_cached: int = 0  # informational only
     tpot_p50: float | None = None

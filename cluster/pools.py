@@ -13,7 +13,8 @@ timed out: DRAINED_STOP_TIMEOUT_S) and leaves the membership at once.
 
 A worker's role (what it serves: "prefill", "decode" or "mixed") starts as its pool's; `set_role`
 changes it in place (tandem.workers: no new actor, its KV cache kept) and logs the change with its
-reason. Pools, targets and bounds stay by the pool a worker started in.
+reason. Pools, targets and bounds stay by the pool a worker started in; the autoscaler's load
+signals go by the part a worker serves now (`build_snapshot`).
 """
 
 from __future__ import annotations
@@ -71,11 +72,25 @@ class WorkerRecord:
 
 
 @dataclass(frozen=True)
-class PrefillCounters:
-    """The prefill pool's cumulative counters at one snapshot, for the rates of the next."""
-    at: float
+class WorkCounters:
+    """One worker's cumulative prefill counters at one snapshot, and the part it served then."""
+    part: str                   # "prefill" | "decode" (`serving`)
     computed_tokens: int
     busy_s: float
+
+
+@dataclass(frozen=True)
+class PrefillCounters:
+    """The ready workers' counters at one snapshot, by worker id, for the rates of the next."""
+    at: float
+    workers: dict[str, WorkCounters]
+
+
+def serving(w: WorkerEntry) -> str:
+    """The part whose autoscaler metrics a worker's load counts in: "prefill" while it only prefills
+    (for others), "decode" while it decodes (role decode, or mixed: it prefills for others only
+    with slack, so that work shows in its TPOT), whichever pool it started in."""
+    return "prefill" if (w.role or w.pool) == "prefill" else "decode"
 
 
 def _worst_percentiles(workers: list[WorkerEntry], key: str) -> Percentiles:
@@ -87,12 +102,38 @@ def _worst_percentiles(workers: list[WorkerEntry], key: str) -> Percentiles:
     return Percentiles(worst("p50"), worst("p90"), worst("p99"))
 
 
+def _prefill_rates(pre: list[WorkerEntry], now_counters: dict[str, WorkCounters], prev: PrefillCounters | None,
+                   now: float, period_s: float) -> tuple[float | None, float | None]:
+    """(prompt tokens per second the prefill-only workers computed since `prev`, tokens per busy
+    second of one of them). Per worker, so a worker changing role or leaving moves no counts with it:
+    a worker's tokens since the last snapshot count for the part it serves now (a new one's from
+    zero); its busy time only when it only prefilled at both ends (a mixed one's includes decoding)."""
+    if prev is None or now <= prev.at:
+        return None, None
+
+    def since(wid: str, key: str) -> float:
+        before = prev.workers.get(wid)
+        return max(0, getattr(now_counters[wid], key) - (getattr(before, key) if before else 0))
+    rate = sum(since(w.worker_id, "computed_tokens") for w in pre) / (now - prev.at)
+    steady = [w.worker_id for w in pre if w.worker_id in prev.workers and prev.workers[w.worker_id].part == "prefill"]
+    busy = sum(since(wid, "busy_s") for wid in steady)
+    cap = sum(since(wid, "computed_tokens") for wid in steady) / busy if busy > 0.2 * period_s else None
+    return rate, cap
+
+
 def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | None, now: float,
                    period_s: float) -> tuple[MetricsSnapshot, PrefillCounters]:
-    """The autoscaler's inputs from the workers' latest stats (`cluster_state().workers`).
-    `prev` carries the counters of the last call, for rates; returns the new one to carry."""
-    def live(pool):
-        return [w for w in workers if w.pool == pool and w.state == "ready" and w.stats is not None]
+    """The autoscaler's inputs from the workers' latest stats (`cluster_state().workers`). Sizes,
+    draining counts and KV capacity are by pool (the autoscaler resizes pools); load, rates and
+    latency by the part each ready worker serves now (`serving`), so a worker lent to the other role
+    counts, once, in the metrics of the part it serves. `prev` carries the counters of the last
+    call, for rates; returns the new one to carry."""
+    ready = [w for w in workers if w.state == "ready" and w.stats is not None]
+    pre = [w for w in ready if serving(w) == "prefill"]
+    dec = [w for w in ready if serving(w) == "decode"]
+
+    def in_pool(pool):
+        return [w for w in ready if w.pool == pool]
 
     def draining(pool):
         return sum(1 for w in workers if w.pool == pool and w.state == "draining")
@@ -100,26 +141,22 @@ def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | Non
     def total(ws, key):
         return sum(getattr(w.stats, key) for w in ws)
 
-    pre, dec = live("prefill"), live("decode")
-    computed, busy = total(pre, "computed_tokens"), total(pre, "busy_s")
-    rate = cap = None
-    if prev is not None and now > prev.at:
-        rate = max(0.0, (computed - prev.computed_tokens) / (now - prev.at))
-        dbusy = busy - prev.busy_s
-        if dbusy > 0.2 * period_s:
-            cap = (computed - prev.computed_tokens) / dbusy
+    counters = {w.worker_id: WorkCounters(serving(w), w.stats.computed_tokens, w.stats.busy_s) for w in ready}
+    rate, cap = _prefill_rates(pre, counters, prev, now, period_s)
     lat, tpot = _worst_percentiles(pre, "prefill_latency"), _worst_percentiles(dec, "tpot")
     snap = MetricsSnapshot(
         prefill=PrefillMetrics(
-            size=len(pre), draining=draining("prefill"), queued_prompt_tokens=total(pre, "queued_prompt_tokens"),
-            prompt_tokens_per_s=rate or 0.0, prefill_tokens_per_s_per_worker=cap,
-            ttft_p50=lat.p50, ttft_p90=lat.p90, ttft_p99=lat.p99),
+            size=len(in_pool("prefill")), draining=draining("prefill"),
+            queued_prompt_tokens=total(pre, "queued_prompt_tokens"), prompt_tokens_per_s=rate or 0.0,
+            prefill_tokens_per_s_per_worker=cap, ttft_p50=lat.p50, ttft_p90=lat.p90, ttft_p99=lat.p99),
         decode=DecodeMetrics(
-            size=len(dec), draining=draining("decode"), running_seqs=total(dec, "running"),
+            size=len(in_pool("decode")), draining=draining("decode"), running_seqs=total(dec, "running"),
             waiting_seqs=total(dec, "waiting"), kv_blocks_used=total(dec, "kv_blocks_used"),
-            kv_blocks_total=total(dec, "kv_blocks_total"), kv_blocks_waiting=total(dec, "kv_blocks_waiting"),
-            tpot_p50=tpot.p50, tpot_p90=tpot.p90, tpot_p99=tpot.p99))
-    return snap, PrefillCounters(now, computed, busy)
+            # over the pool's workers, as `size` counts them: the KV one decode worker adds
+            kv_blocks_total=total(in_pool("decode"), "kv_blocks_total"),
+            kv_blocks_waiting=total(dec, "kv_blocks_waiting"), tpot_p50=tpot.p50, tpot_p90=tpot.p90,
+            tpot_p99=tpot.p99))
+    return snap, PrefillCounters(now, counters)
 
 
 class Pools:
