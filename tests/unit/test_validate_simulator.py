@@ -12,9 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# (run, its achieved max error rounded up): with n-gram speculation, 47% (TPOT p90 at 2 sessions/s:
-# the simulator charges speculation by its mean drafts, the engine by the step's widest); without, 25%
-@pytest.mark.parametrize("run, bound", [("h200-colocated-5", 0.50), ("h200-colocated-nospec", 0.26)])
+# (run, its achieved max error rounded up): with n-gram speculation, 47% (TPOT p90 at 2 sessions/s)
+# and, the sixth run (draft steps counted, the padded verify width charged), 42% (TPOT p90 at 3
+# sessions/s, saturation); without speculation, 25%
+@pytest.mark.parametrize("run, bound", [("h200-colocated-5", 0.50), ("h200-colocated-nospec", 0.26),
+                                        ("h200-colocated-6", 0.43)])
 def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, bound):
     out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", f"bench/results/{run}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout
