@@ -21,7 +21,13 @@ bound by reading the weights), and T / max_verify_tokens steps past it (bound by
 - tree drafts (`choose_nodes`): `choose` bounds each tree's depth, then every node of every
   sequence's tree competes under the same knee and cost rule, worth a**depth x the proposer's
   probability for it (the share of earlier continuations through it): a second branch is
-  verified only where it pays as a position would.
+  verified only where it pays as a position would;
+- with `padded_rows` (GPUs): the forward pads every sequence's query to the step's longest,
+  rounded up to a power of two (the CUDA graphs' and kernels' query tile), so the knee bounds
+  padded rows too: no sequence drafts k where batch x next_pow2(1 + k) would pass it. Measured on
+  an H200 (llama3-8b-random, bench/verify_padding.py): one sequence of 64 drafting 5 (a tile of
+  8) costs the whole step 1.18x at 1k context and 1.45x at 8k; drafting 3 (a tile of 4), 1.03x
+  and 1.00x.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class _Acceptance:
 class SpeculationLengthPolicy:
     def __init__(self, max_verify_tokens: int, *, min_acceptance: float = 0.3, min_draft_gain: float = 0.1,
                  initial_acceptance: float = 0.7, ema_decay: float = 0.8, probe_interval: int = 16,
-                 token_cost: float = 0.0):
+                 token_cost: float = 0.0, padded_rows: bool = False):
         if max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
         self.max_verify_tokens = max_verify_tokens
@@ -54,14 +60,26 @@ class SpeculationLengthPolicy:
         self.ema_decay = ema_decay
         self.probe_interval = probe_interval
         self.token_cost = token_cost
+        self.padded_rows = padded_rows
         self.state: dict[str, _Acceptance] = {}
 
     @classmethod
-    def from_config(cls, cfg, max_verify_tokens: int, token_cost: float = 0.0) -> "SpeculationLengthPolicy":
-        """From an `engine.config.SpeculativeConfig`, its device-dependent knee and token cost resolved."""
+    def from_config(cls, cfg, max_verify_tokens: int, token_cost: float = 0.0,
+                    padded_rows: bool = False) -> "SpeculationLengthPolicy":
+        """From an `engine.config.SpeculativeConfig`, its device-dependent knee, token cost and
+        padding resolved."""
         return cls(max_verify_tokens, min_acceptance=cfg.min_acceptance, min_draft_gain=cfg.min_draft_gain,
                    initial_acceptance=cfg.initial_acceptance, ema_decay=cfg.ema_decay,
-                   probe_interval=cfg.probe_interval, token_cost=token_cost)
+                   probe_interval=cfg.probe_interval, token_cost=token_cost, padded_rows=padded_rows)
+
+    def row_cap(self, num_seqs: int, num_other_tokens: int = 0) -> int | None:
+        """With `padded_rows`, the most drafts (or tree nodes) one sequence may verify in a step of
+        `num_seqs` decoding sequences: the largest k with num_seqs x next_pow2(1 + k) within the knee
+        (what the other tokens leave of it); None without padding."""
+        if not self.padded_rows or num_seqs <= 0:
+            return None
+        rows = (self.max_verify_tokens - num_other_tokens) // num_seqs   # query rows per sequence
+        return max(0, (1 << (rows.bit_length() - 1)) - 1) if rows >= 1 else 0
 
     def _acceptance(self, rid: str) -> _Acceptance:
         st = self.state.get(rid)
@@ -88,6 +106,9 @@ class SpeculationLengthPolicy:
         its remaining tokens), one entry per sequence decoding this step; `num_other_tokens`:
         prefill tokens sharing the step. -> request id -> k (sequences given 0 are left out)."""
         spare = self.max_verify_tokens - len(caps) - num_other_tokens  # free positions below the knee
+        row_cap = self.row_cap(len(caps), num_other_tokens)
+        if row_cap is not None:
+            caps = {rid: min(cap, row_cap) for rid, cap in caps.items()}
         ranked: list[tuple[float, int, str]] = []  # (-worth, position, rid)
         probes: list[str] = []
         for rid, cap in caps.items():
@@ -139,18 +160,21 @@ class SpeculationLengthPolicy:
         parent's, so what is kept is a tree. Probes (a below min_acceptance) keep every node.
         -> rid -> the nodes kept."""
         spare = self.max_verify_tokens - num_seqs - num_other_tokens
+        row_cap = self.row_cap(num_seqs, num_other_tokens)
+        most = len(max((p for p, _ in trees.values()), key=len, default=())) if row_cap is None else row_cap
         ranked: list[tuple[float, int, str, int]] = []  # (-worth, depth, rid, node)
         out: dict[str, list[int]] = {}
         for rid, (probs, depth) in trees.items():
             a = self._acceptance(rid).rate
             if a < self.min_acceptance:
-                out[rid] = list(range(len(probs)))
-                spare -= len(probs)
+                out[rid] = list(range(min(len(probs), most)))   # parents first: a prefix is a tree
+                spare -= len(out[rid])
                 continue
             ranked.extend((-(a ** d) * p, d, rid, i) for i, (p, d) in enumerate(zip(probs, depth)))
         ranked.sort()
         for _worth, _d, rid, node in self._take(ranked, spare, num_seqs, num_other_tokens):
-            out.setdefault(rid, []).append(node)
+            if len(out.get(rid, ())) < most:      # a node's parent is worth more: it came first
+                out.setdefault(rid, []).append(node)
         return out
 
     def observe(self, rid: str, proposed: int, accepted: int) -> None:

@@ -207,5 +207,6 @@ def build_speculator(cfg: SpeculativeConfig, target, sampler: Sampler, *, num_bl
         else:
             raise ValueError(f"speculative method {cfg.method!r} has no proposer")
     policy = SpeculationLengthPolicy.from_config(cfg, resolve_max_verify_tokens(cfg, device),
-                                                 resolve_verify_token_cost(cfg, device))
+                                                 resolve_verify_token_cost(cfg, device),
+                                                 padded_rows=device.type == "cuda")
     return Speculator(proposer, policy, sampler, cfg.num_tokens, max_drafts)

@@ -121,3 +121,48 @@ def test_token_cost_takes_positions_only_while_they_raise_tokens_per_cost():
         {f"s{i}": 64 for i in range(8)}) == {}
     # token_cost 0 is the knee alone (as before)
     assert make_policy(max_verify_tokens=1000, initial_acceptance=0.9).choose({"a": 64})["a"] == 21
+
+
+def test_padded_rows_keep_the_batch_times_the_query_tile_within_the_knee():
+    """On a GPU every sequence's query is padded to the step's widest, rounded up to a power of two:
+    at 64 sequences and a knee of 256, a draft of 5 (a tile of 8: 512 rows) would cost the whole
+    step 1.18-1.45x, one of 3 (a tile of 4) about nothing; so k stops at 3, for probes too."""
+    plain, padded = make_policy(max_verify_tokens=256), make_policy(max_verify_tokens=256, padded_rows=True)
+    caps = {f"r{i}": 5 for i in range(64)}
+    assert set(plain.choose(dict(caps)).values()) == {3}       # the knee alone: 192 spare positions
+    few = {"a": 5, "b": 5}
+    assert plain.choose(few) == padded.choose(few) == {"a": 5, "b": 5}
+    for _ in range(10):       # acceptance near 1: every position is worth taking
+        for p in (plain, padded):
+            p.observe("a", 5, 5)
+    assert padded.row_cap(64) == 3 and padded.row_cap(32) == 7 and padded.row_cap(65) == 1
+    assert padded.row_cap(256) == 0 and padded.row_cap(1) == 255 and padded.row_cap(64, 64) == 2 - 1
+    assert plain.row_cap(64) is None
+    # one hot sequence among 63 that draft nothing (low acceptance, not yet due a probe)
+    for i in range(63):
+        for p in (plain, padded):
+            for _ in range(3):
+                p.observe(f"c{i}", 5, 0)
+    batch = {"a": 5, **{f"c{i}": 5 for i in range(63)}}
+    assert plain.choose(dict(batch)) == {"a": 5}                # a tile of 8 for all 64
+    assert padded.choose(dict(batch)) == {"a": 3}               # a tile of 4
+    # probes are bounded the same way
+    probe = make_policy(max_verify_tokens=256, padded_rows=True, probe_interval=1)
+    for i in range(64):
+        for _ in range(3):
+            probe.observe(f"c{i}", 5, 0)
+    assert set(probe.choose({f"c{i}": 5 for i in range(64)}).values()) <= {1, 2, 3}
+
+
+def test_padded_rows_bound_tree_nodes_keeping_a_tree():
+    p = make_policy(max_verify_tokens=256, padded_rows=True)
+    # 64 sequences: at most 3 nodes each; a tree of 6 nodes (parents first) keeps its best 3,
+    # whose parents are kept too
+    probs, depth = [1.0, 0.6, 0.4, 0.5, 0.3, 0.2], [1, 2, 2, 3, 3, 4]
+    parents = [-1, 0, 0, 1, 1, 3]
+    kept = p.choose_nodes({"a": (probs, depth)}, num_seqs=64)["a"]
+    assert len(kept) == 3 and all(parents[n] in kept or parents[n] == -1 for n in kept)
+    unbounded = make_policy(max_verify_tokens=256).choose_nodes({"a": (probs, depth)}, num_seqs=64)["a"]
+    assert p.choose_nodes({"a": (probs, depth)}, num_seqs=8)["a"] == unbounded and len(unbounded) > 3
+    low = make_policy(max_verify_tokens=256, padded_rows=True, min_acceptance=0.9)   # probing
+    assert low.choose_nodes({"a": (probs, depth)}, num_seqs=64)["a"] == [0, 1, 2]
