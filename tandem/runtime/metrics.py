@@ -59,6 +59,7 @@ METRIC_NAMES = (
     "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
     "tandem:sequences_migrated", "tandem:kv_tokens_migrated", "tandem:tokens_recomputed",
     "tandem:kv_tokens_precopied", "tandem:move_precopy_seconds", "tandem:move_tail_seconds",
+    "tandem:sequences_migrated_in", "tandem:pressure_moves", "tandem:migrations_resumed",
 )
 
 
@@ -91,6 +92,9 @@ class WorkerMetricsSnapshot:
     kv_tokens_precopied: int = 0  # counter: of kv_tokens_migrated, sent before the pause
     move_precopy_seconds: float = 0.0  # counter: the moves' pre-copies, summed
     move_tail_seconds: float = 0.0  # counter: their tails (sent once paused), summed
+    sequences_migrated_in: int = 0  # counter: taken from another decode worker with their KV
+    pressure_moves: int = 0  # counter: moved out because the KV cache was about to preempt one
+    migrations_resumed: int = 0  # counter: paused to move, then resumed (nowhere could take them)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerMetricsSnapshot":
@@ -112,7 +116,9 @@ class WorkerMetricsSnapshot:
             draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens,
             sequences_migrated=s.sequences_migrated, kv_tokens_migrated=s.kv_tokens_migrated,
             tokens_recomputed=s.tokens_recomputed, kv_tokens_precopied=s.kv_tokens_precopied,
-            move_precopy_seconds=s.move_precopy_seconds, move_tail_seconds=s.move_tail_seconds)
+            move_precopy_seconds=s.move_precopy_seconds, move_tail_seconds=s.move_tail_seconds,
+            sequences_migrated_in=s.sequences_migrated_in, pressure_moves=s.pressure_moves,
+            migrations_resumed=s.migrations_resumed)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -122,13 +128,16 @@ class WorkerMetricsSnapshot:
 _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
                    "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens", "sequences_migrated",
                    "kv_tokens_migrated", "tokens_recomputed", "kv_tokens_precopied", "move_precopy_seconds",
-                   "move_tail_seconds")
+                   "move_tail_seconds", "sequences_migrated_in", "pressure_moves", "migrations_resumed")
 _MOVE_COUNTERS = {"sequences_migrated": "Running sequences a worker sent to another decode worker with their KV.",
                   "kv_tokens_migrated": "KV positions sent with those sequences.",
                   "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again.",
                   "kv_tokens_precopied": "Of the KV positions moved, those sent while the sequence still decoded.",
                   "move_precopy_seconds": "Seconds the moves' pre-copies took (send to end), summed.",
-                  "move_tail_seconds": "Seconds the moves' tails took (sent once paused, to the sender letting go), summed."}
+                  "move_tail_seconds": "Seconds the moves' tails took (sent once paused, to the sender letting go), summed.",
+                  "sequences_migrated_in": "Running sequences a worker took from another decode worker with their KV.",
+                  "pressure_moves": "Sequences a worker moved out because its KV cache was about to preempt one.",
+                  "migrations_resumed": "Sequences paused to move that resumed where they were (nowhere could take them)."}
 
 
 class TransferTimes:

@@ -139,7 +139,8 @@ def test_a_workers_move_counters_become_its_move_series():
     report added."""
     hub = MetricsHub()
     moves = {"sequences_migrated": 2, "kv_tokens_migrated": 200, "tokens_recomputed": 5, "kv_tokens_precopied": 160,
-             "move_precopy_seconds": 0.5, "move_tail_seconds": 0.02}
+             "move_precopy_seconds": 0.5, "move_tail_seconds": 0.02, "sequences_migrated_in": 1, "pressure_moves": 1,
+             "migrations_resumed": 1}
 
     def report(times: int) -> None:
         stats = WorkerStats("decode-0", "decode", **{k: v * times for k, v in moves.items()})
