@@ -41,7 +41,8 @@ def place(sim: Simulation, w: SimDecodeWorker, s: SimSeq, hit: int, now: float) 
     x = next(x for x in sim.decodes if x.name == best.worker_id)
     cached = max(hit, x.cache.hit(r))          # it pulls the decode worker's longer prefix
     s.kind, s.cached, s.prefill_left, s.context = "remote", cached, r.input_tokens - cached, cached
-    s.prefill_start_s = now
+    s.prefill_start_s, s.prefiller = now, x
+    x.computed_tokens += r.input_tokens - cached
     w.awaiting_kv += 1
     x.local.append(s)
     sim._step_if_idle(x, now)
@@ -55,7 +56,6 @@ def prefilled_for(sim: Simulation, x: SimDecodeWorker, s: SimSeq, now: float) ->
     x.cache.store(r, r.input_tokens)
     x.cache.evict_to(perf.kv_capacity_tokens - x.reserved)
     ready = max(now, s.prefill_start_s + perf.transfer_s(r.input_tokens - s.cached)) + perf.remote_overhead_s
-    sim.recent_ttft.append((ready, ready - s.arrival_s))
     sim.push(ready, "kv_ready", s)
 
 

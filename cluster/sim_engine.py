@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from tandem.cluster import sim_adaptive, sim_control
 from tandem.cluster.autoscaler import AutoscalerConfig, MetricsSnapshot, PolicyState
+from tandem.cluster.pools import PrefillCounters
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult, SimResult, summarize
 from tandem.perf_model import PerfModel
@@ -65,10 +66,7 @@ class Simulation:
         self.done = 0
         self.samples: list[PoolSample] = []
         self.policy = PolicyState()
-        # for the autoscaler's snapshot: (time, value) within the window
-        self.recent_ttft: deque[tuple[float, float]] = deque()  # prefill pool's part of TTFT
-        self.recent_tpot: deque[tuple[float, float]] = deque()
-        self.recent_prefill: deque[tuple[float, int, int]] = deque()  # (time, tokens, context)
+        self.rates: PrefillCounters | None = None  # the last snapshot's counters (build_snapshot)
         for _ in range(0 if colocated else prefill):
             self.add_worker(self.prefills, SimPrefillWorker, 0.0, started=True)
         for _ in range(decode):
@@ -218,28 +216,25 @@ class Simulation:
             busy_s = perf.transfer_s(decode_hit - hit) + perf.prefill_s(n, n_in)
         else:
             n, busy_s = n_in - hit, perf.prefill_s(n_in - hit, n_in)
-        start = max(now, p.free_s)
-        end = start + busy_s
-        p.free_s = end
-        p.jobs.append((start, end, n))
+        start, end = p.take(now, n, busy_s)
         p.cache.store(r, n_in)
         p.cache.pin(p.cache.keys(r))  # the newest prompt stays even if it alone is over capacity
         p.cache.evict_to(perf.kv_capacity_tokens)
         p.cache.unpin(p.cache.keys(r))
-        self.recent_prefill.append((now, n, n_in))
         self.prefill_of[s.idx] = p.name
+        s.prefiller, s.prefill_start_s = p, now
         s.kind, s.cached = "remote", n_in - n
         s.decode.awaiting_kv += 1
         # layer-by-layer streaming hides the transfer under compute unless it is the slower one
         ready = max(end, start + perf.transfer_s(n_in - decode_hit)) + perf.remote_overhead_s
         p.queued.append((ready, n_in))
         p.queued_tokens += n_in
-        self.recent_ttft.append((ready, ready - now))
         self.push(ready, "kv_ready", s)
 
     def _on_kv_ready(self, now: float, s: SimSeq) -> None:
         w = s.decode
         w.awaiting_kv -= 1
+        s.prefiller.prefill_latency.add(now, now - s.prefill_start_s)   # reserve -> KV ready, as live
         s.context = s.spec.input_tokens
         self._first_token(s, now)
         self._admit(w, now)
@@ -269,12 +264,13 @@ class Simulation:
             budget -= n
             chunks.append((s, n))
         dt = perf.step_s(len(batch), sum(s.context for s in batch), [(n, s.context + n) for s, n in chunks])
-        w.stepping = True
+        w.stepping, w.step_started_s = True, now
         self.push(now + dt, "step", (w, batch, chunks))
 
     def _on_step(self, now: float, payload: tuple) -> None:
         w, batch, chunks = payload
         w.stepping = False
+        w.busy_s += now - w.step_started_s
         for s in batch:
             n = s.emit(self.perf.spec_tokens_per_step)
             s.generated += n
@@ -304,7 +300,7 @@ class Simulation:
         w.cache.store(r, r.input_tokens + r.output_tokens)
         w.cache.evict_to(self.perf.kv_capacity_tokens - w.reserved)
         if r.output_tokens > 1:
-            self.recent_tpot.append((now, (s.finish_s - s.first_token_s) / (r.output_tokens - 1)))
+            w.tpot.add(now, (s.finish_s - s.first_token_s) / (r.output_tokens - 1))
         # the router writes the session's workers once its turn is done
         self.session_decode[r.session_id] = w
         if s.idx in self.prefill_of:

@@ -1,6 +1,11 @@
 """The simulated workers: a prefix cache per worker (LRU, in tokens), one record per request in
 flight (`SimSeq`), and the prefill and decode workers' queues and batches. State only; the rules
-that move requests between them are in cluster/sim_engine.py."""
+that move requests between them are in cluster/sim_engine.py.
+
+Each worker reports what a live one does (`entry`: a `WorkerEntry` with its `WorkerStats`, the
+fields the controller's `build_snapshot` reads), from counters and latency windows (`LatencyWindow`,
+the live workers' own) kept as the simulation runs, so the simulated controller is given its inputs
+by the live function."""
 
 from __future__ import annotations
 
@@ -9,7 +14,11 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from tandem.cluster.sim_model import RequestLike
+from tandem.perf_model import PerfModel
 from tandem.placement import DRAINING, READY, WorkerView
+from tandem.runtime.latency import LatencyWindow
+from tandem.wire.cluster import WorkerEntry
+from tandem.wire.stats import Percentiles, WorkerStats
 
 
 class PrefixCache:
@@ -81,7 +90,7 @@ class PrefixCache:
 class SimSeq:
     __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
                  "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode",
-                 "credit", "chunk", "prefill_start_s")
+                 "credit", "chunk", "prefill_start_s", "prefiller")
 
     def __init__(self, spec: RequestLike, idx: int):
         self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
@@ -94,7 +103,8 @@ class SimSeq:
         self.finish_s: float | None = None
         self.credit = 0.0  # tokens owed by decode steps, not yet emitted (speculation's fractions)
         self.chunk = 1 << 30  # prompt tokens per step when it prefills in chunks (adaptive: chosen)
-        self.prefill_start_s = 0.0  # adaptive: when another worker began prefilling it
+        self.prefill_start_s = 0.0  # when another worker reserved its prefill (remote prefills)
+        self.prefiller: SimWorker | None = None  # that worker: its prefill latency, once the KV is ready
 
     def emit(self, tokens_per_step: float) -> int:
         """Tokens one decode step emits for this sequence: `tokens_per_step` on average (1 + the
@@ -108,6 +118,7 @@ class SimSeq:
 
 class SimWorker:
     pool = ""
+    role = ""  # what it serves, as WorkerEntry.role ("": its pool's)
 
     def __init__(self, wid: int, ready_s: float, block_tokens: int):
         self.wid, self.ready_s = wid, ready_s
@@ -117,11 +128,29 @@ class SimWorker:
         self.gone = False
         self.pending = False  # created past max_workers: waits for a slot before it starts
         self.cache = PrefixCache(block_tokens)
+        # what a live worker reports (WorkerStats): prompt tokens it took to prefill for other
+        # workers (counted when handed to its engine, as the live prefill part counts them), and the
+        # latency from reserving such a prefill to its KV ready on the decode worker
+        self.computed_tokens = 0
+        self.prefill_latency = LatencyWindow()
 
     @property
     def name(self) -> str:
         """Its worker id, named as the controller names a live one."""
         return f"{self.pool}-{self.wid}"
+
+    def state(self) -> str:
+        """As the controller lists it (WorkerEntry.state); a gone worker is not listed at all."""
+        return "starting" if not self.up else "draining" if self.draining else "ready"
+
+    def entry(self, now: float, perf: PerfModel) -> WorkerEntry:
+        """What `cluster_state()` lists for it at `now`. The simulation reads its stats as of now;
+        the live controller's are its last health check's, up to a check period older."""
+        stats = self.stats(now, perf) if self.up else None     # a starting worker has not answered
+        return WorkerEntry(self.name, self.pool, self.state(), stats=stats, role=self.role or self.pool)
+
+    def stats(self, now: float, perf: PerfModel) -> WorkerStats:
+        raise NotImplementedError
 
 
 class SimPrefillWorker(SimWorker):
@@ -133,19 +162,47 @@ class SimPrefillWorker(SimWorker):
         self.jobs: deque[tuple[float, float, int]] = deque()  # (start, end, tokens), FIFO
         self.queued: deque[tuple[float, int]] = deque()      # (KV delivered at, prompt tokens)
         self.queued_tokens = 0
+        self.busy_booked_s = 0.0   # compute time of every job taken, those still ahead included
+
+    def take(self, now: float, tokens: int, busy_s: float) -> tuple[float, float]:
+        """Queue a prefill of `tokens` new tokens that keeps it busy `busy_s`, FIFO: (start, end)."""
+        start = max(now, self.free_s)
+        self.free_s = end = start + busy_s
+        self.jobs.append((start, end, tokens))
+        self.busy_booked_s += busy_s
+        self.computed_tokens += tokens
+        return start, end
 
     def idle(self, now: float) -> bool:
         return self.free_s <= now
+
+    def stats(self, now: float, perf: PerfModel) -> WorkerStats:
+        """Its jobs as a live prefill worker reports them: one running (the oldest unfinished), the
+        rest waiting; the prompt tokens still to compute (the running one's in proportion to its
+        time left); its compute time so far."""
+        self._drop_done(now)
+        jobs = self.jobs
+        left = sum(n if start >= now else int(n * (end - now) / max(end - start, 1e-12)) for start, end, n in jobs)
+        running = sum(start < now for start, _, _ in jobs)
+        return WorkerStats(
+            self.name, self.pool, running=running, waiting=len(jobs) - running, queued_prompt_tokens=left,
+            kv_blocks_total=perf.kv_capacity_tokens // perf.block_tokens, draining=self.draining,
+            computed_tokens=self.computed_tokens,
+            busy_s=self.busy_booked_s - sum(end - max(start, now) for start, end, _ in jobs),
+            prefill_latency=Percentiles(**self.prefill_latency.percentiles(now)))
 
     def deliver(self, now: float) -> None:
         """Prompts whose KV has been delivered by `now` leave the router's count of queued tokens."""
         while self.queued and self.queued[0][0] <= now:
             self.queued_tokens -= self.queued.popleft()[1]
 
-    def view(self, r: RequestLike, now: float) -> WorkerView:
-        """What the router knows of it (tandem.placement): its prompts not yet computed as load."""
+    def _drop_done(self, now: float) -> None:
         while self.jobs and self.jobs[0][1] <= now:      # FIFO: the oldest ends first
             self.jobs.popleft()
+
+    def view(self, r: RequestLike, now: float) -> WorkerView:
+        """What the router knows of it (tandem.placement): its prompts not yet computed as load."""
+        self._drop_done(now)
         return WorkerView(self.name, self.pool, READY if self.accepting else DRAINING, running=len(self.jobs),
                           cached_prefix_tokens=self.cache.hit(r))
 
@@ -162,7 +219,12 @@ class SimDecodeWorker(SimWorker):
         self.reserved = 0  # KV tokens reserved by admitted sequences, beyond their cached prefix
         self.held = 0  # KV tokens admitted sequences use, cached prefix included (what "used" means)
         self.stepping = False
-        self.role = "decode"  # adaptive layout: "prefill" takes no new decode requests
+        self.step_started_s = 0.0
+        self.busy_s = 0.0  # time in finished steps
+        self.tpot = LatencyWindow()  # each finished sequence's time per output token
+        # adaptive layout: "prefill" takes no new decode requests. "decode" there also prefills for
+        # others with slack, which live is role "mixed"; the controller counts both as decoding
+        self.role = "decode"
 
     def slots_used(self) -> int:
         return len(self.running) + len(self.local) + self.awaiting_kv
@@ -185,4 +247,23 @@ class SimDecodeWorker(SimWorker):
 
     def idle(self, now: float) -> bool:
         return not (self.load() or self.stepping)
+
+    def stats(self, now: float, perf: PerfModel) -> WorkerStats:
+        """Its batch and KV as a live decode worker reports them: running, the engine's batch
+        (chunked prefills too, its own and others'); waiting, routed here but not admitted or
+        admitted and waiting for a remote prefill's KV; KV blocks held by admitted sequences (each
+        reserves prompt + output at admission). Waiting blocks: the simulation's waiting requests
+        have no engine request yet, so each counts the prompt + output it will reserve (live: the
+        engine's waiting queue's prompt blocks). Its busy time counts a step in progress up to now."""
+        bt = perf.block_tokens
+        return WorkerStats(
+            self.name, self.pool, role=self.role, running=len(self.running) + len(self.local),
+            waiting=len(self.waiting) + self.awaiting_kv,
+            queued_prompt_tokens=sum(s.prefill_left for s in self.local),
+            kv_blocks_used=self.held // bt, kv_blocks_total=perf.kv_capacity_tokens // bt,
+            kv_blocks_waiting=sum(s.spec.input_tokens + s.spec.output_tokens for s in self.waiting) // bt,
+            draining=self.draining, computed_tokens=self.computed_tokens,
+            busy_s=self.busy_s + (now - self.step_started_s if self.stepping else 0.0),
+            prefill_latency=Percentiles(**self.prefill_latency.percentiles(now)),
+            tpot=Percentiles(**self.tpot.percentiles(now)))
 

@@ -21,7 +21,8 @@ same functions (tandem.placement).
 
 Outputs per-request TTFT/TPOT/e2e and a summary; `sweep` tries every prefill:decode split of a
 worker budget plus the colocated mode. With an `AutoscalerConfig` the policy in cluster.autoscaler
-runs every period on a snapshot built from the simulation; new workers start after a delay.
+runs every period on the snapshot the live controller builds (cluster.pools.build_snapshot, on the
+stats each simulated worker reports); new workers start after a delay.
 Everything is deterministic for a given workload (ties break as the router breaks them).
 
 Modules: cluster/sim_model.py (inputs and results), sim_workers.py (caches, workers, requests),

@@ -12,7 +12,6 @@ from tandem.cluster.workloads import RequestSpec
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.cli import main
 from tandem.cluster.simulate_ramp import ramp_plan, run_ramp, step_summaries
-from tandem.cluster.sim_engine import Simulation
 from tandem.cluster.sim_model import SLO
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import simulate
@@ -111,17 +110,3 @@ def test_cli_refuses_out_without_a_ramp_and_keeps_the_plain_run(tmp_path, capsys
     assert main(["simulate", "--workload", "coding-agent-small", "--sessions", "4", "--closed-loop"]) == 0
     assert "1P:1D" in capsys.readouterr().out
 
-
-def test_the_simulated_controller_reads_what_the_live_one_is_given():
-    """pools.build_snapshot: TTFT percentiles over the workers' 30 s window of latencies
-    already measured; the prompt rate over the last period."""
-    sim = Simulation([RequestSpec("a", 0, 0.0, 100, 4)], 1, 1, PERF, SLO_, AUTO, seed=0, colocated=False,
-                     worker_startup_s=0.0, closed_loop=False, pull_prefix=False)
-    # (stamped at, seconds): out of the window, in it, and a KV that is not ready until after now
-    sim.recent_ttft.extend([(5.0, 9.0), (15.0, 0.2), (40.0, 0.1), (45.0, 5.0)])
-    sim.recent_prefill.extend([(20.0, 1000, 1000), (40.5, 300, 300)])
-    snap = sim._snapshot(41.0)
-    assert snap.prefill.ttft_p50 == pytest.approx(0.15) and snap.prefill.ttft_p99 == pytest.approx(0.199)
-    assert snap.prefill.prompt_tokens_per_s == pytest.approx(300 / AUTO.period_s)
-    assert [t for t, _ in sim.recent_ttft] == [15.0, 40.0, 45.0]   # the future one is kept for later
-    assert sim._snapshot(46.0).prefill.ttft_p99 == pytest.approx(5.0, rel=0.05)
