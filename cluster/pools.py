@@ -122,12 +122,13 @@ def _prefill_rates(pre: list[WorkerEntry], now_counters: dict[str, WorkCounters]
 
 
 def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | None, now: float,
-                   period_s: float) -> tuple[MetricsSnapshot, PrefillCounters]:
+                   period_s: float, max_seqs_per_worker: int | None = None) -> tuple[MetricsSnapshot, PrefillCounters]:
     """The autoscaler's inputs from the workers' latest stats (`cluster_state().workers`). Sizes,
     draining counts and KV capacity are by pool (the autoscaler resizes pools); load, rates and
     latency by the part each ready worker serves now (`serving`), so a worker lent to the other role
     counts, once, in the metrics of the part it serves. `prev` carries the counters of the last
-    call, for rates; returns the new one to carry."""
+    call, for rates; returns the new one to carry. `max_seqs_per_worker`: the decode workers'
+    batch slots (scheduler.max_num_seqs), for their sequence load; None: the autoscaler's default."""
     ready = [w for w in workers if w.state == "ready" and w.stats is not None]
     pre = [w for w in ready if serving(w) == "prefill"]
     dec = [w for w in ready if serving(w) == "decode"]
@@ -155,7 +156,7 @@ def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | Non
             # over the pool's workers, as `size` counts them: the KV one decode worker adds
             kv_blocks_total=total(in_pool("decode"), "kv_blocks_total"),
             kv_blocks_waiting=total(dec, "kv_blocks_waiting"), tpot_p50=tpot.p50, tpot_p90=tpot.p90,
-            tpot_p99=tpot.p99))
+            tpot_p99=tpot.p99, max_seqs_per_worker=max_seqs_per_worker))
     return snap, PrefillCounters(now, counters)
 
 
@@ -308,7 +309,8 @@ class Pools:
         with self._lock:
             workers = self.state().workers
             (pmin, pmax), (dmin, dmax) = self.bounds["prefill"], self.bounds["decode"]
-        snap, self._rates = build_snapshot(workers, self._rates, now, a.period_s)
+        snap, self._rates = build_snapshot(workers, self._rates, now, a.period_s,
+                                           self.config.engine_for("decode").scheduler.max_num_seqs)
         cfg = replace(a, prefill_min=pmin, prefill_max=pmax, decode_min=dmin, decode_max=dmax)
         d = decide(snap, cfg, self.policy_state, now)
         self.policy_state = d.state

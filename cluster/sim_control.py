@@ -52,5 +52,5 @@ def snapshot(sim: Simulation, now: float) -> MetricsSnapshot:
     the simulated workers report now (`SimWorker.entry`); it keeps the counters for the next
     period's rates, as the controller does."""
     workers = tuple(w.entry(now, sim.perf) for w in sim.prefills + sim.decodes if not w.gone)
-    snap, sim.rates = build_snapshot(workers, sim.rates, now, sim.cfg.period_s)
+    snap, sim.rates = build_snapshot(workers, sim.rates, now, sim.cfg.period_s, sim.perf.max_batch)
     return snap

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.cluster.autoscaler import AutoscalerConfig, decode_want
 from tandem.cluster.pools import build_snapshot
 from tandem.wire.cluster import WorkerEntry
 from tandem.wire.stats import Percentiles, WorkerStats
@@ -90,3 +91,14 @@ def test_a_worker_returned_to_decoding_takes_its_prefill_tokens_out_of_the_prefi
     assert snap.prefill.prompt_tokens_per_s == pytest.approx(4_000 / 10)
     assert snap.prefill.prefill_tokens_per_s_per_worker is None     # 1 busy s: too little to measure
     assert snap.decode.running_seqs == 3
+
+
+def test_the_decode_workers_slots_reach_the_autoscaler():
+    """The controller passes scheduler.max_num_seqs: a pool of 128-slot workers at 110 sequences
+    each is 0.86 full, not the 0.43 the autoscaler's 256-slot default would read."""
+    workers = tuple(worker(f"decode-{i}", "decode", running=110, kv_blocks_total=1000) for i in range(2))
+    told, _ = build_snapshot(workers, None, 0.0, PERIOD_S, max_seqs_per_worker=128)
+    default, _ = build_snapshot(workers, None, 0.0, PERIOD_S)
+    assert (told.decode.max_seqs_per_worker, default.decode.max_seqs_per_worker) == (128, None)
+    cfg = AutoscalerConfig()
+    assert decode_want(told.decode, cfg).up > 2 >= decode_want(default.decode, cfg).up

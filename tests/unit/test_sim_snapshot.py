@@ -54,8 +54,8 @@ def test_the_snapshot_is_build_snapshots_on_the_workers_a_lent_one_counted_where
     calls = []
     real = sim_control.build_snapshot
 
-    def spy(workers, prev, now, period_s):
-        calls.append((workers, real(workers, prev, now, period_s)))
+    def spy(workers, prev, now, period_s, *slots):
+        calls.append((workers, real(workers, prev, now, period_s, *slots)))
         return calls[-1][1]
     monkeypatch.setattr(sim_control, "build_snapshot", spy)
     snap = sim._snapshot(1.0)
