@@ -1,5 +1,6 @@
 # Sourced by bench/gpu_session_*.sh on the device machine: unpack the Ray bundle (.devbundle, made by
-# ../shared/device/make-ray-bundle.sh), the NCCL settings two-GPU hosts need, $OUT, and `step NAME
+# ../shared/device/make-ray-bundle.sh with EXTRA="grpcio-health-checking==1.66.2
+# grpcio-reflection==1.66.2 gguf==0.19.0 tqdm==4.67.1": the engine imports gguf, the image lacks it), the NCCL settings two-GPU hosts need, $OUT, and `step NAME
 # LIMIT CMD...`, which runs CMD under a time limit into $OUT/NAME.log and prints its tail.
 mkdir -p ~/site && tar -xJf .devbundle/site.tar.xz -C ~/site && python3 bench/layout.py ~/layout
 export PYTHONPATH=~/site:~/layout:$PWD   # tandem.* from ~/layout (bench/layout.py); tests from $PWD
