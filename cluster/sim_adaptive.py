@@ -1,23 +1,27 @@
 """The adaptive layout in the simulation: every worker decodes and prefills (the engine's mixed
-step), and the controller's role policy (cluster.roles, on tandem.placement's `plan_roles`) lends
-some of them to prefill only, with hysteresis. Each request's prompt goes where tandem.placement's
-`choose_prefill` predicts the most headroom inside both SLOs: its decode worker's own chunks (at the
-chunk size picked), or another worker that ships the KV when done. The same functions the router
-and the controller call, on what the simulation knows of its workers."""
+step), and the controller's role policy lends some of them to prefill only, with hysteresis. Each
+request's prompt goes where tandem.placement's `choose_prefill` predicts the most headroom inside
+both SLOs: its decode worker's own chunks (at the chunk size picked), or another worker that ships
+the KV when done. The role policy runs as the live controller's period does (cluster.pools
+`maybe_roles`): cluster.roles' `prompt_counters`, `demand_over`, `decide_roles` and `role_move` on
+the `WorkerEntry` each simulated worker reports. The same functions the router and the controller
+call, on what the simulation knows of its workers."""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tandem.cluster.roles import RoleDecision, RoleState, decide_roles
-from tandem.placement import LOCAL, Demand, EngineLoad, choose_prefill, has_slack, prefill_options
+from tandem.cluster.roles import (PromptCounters, RoleDecision, RoleState, decide_roles, demand_over,
+                                  prompt_counters, role_move)
+from tandem.placement import LOCAL, EngineLoad, choose_prefill, has_slack, prefill_options
 
 if TYPE_CHECKING:
     from tandem.cluster.sim_engine import Simulation
     from tandem.cluster.sim_workers import SimDecodeWorker, SimSeq
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, MIXED = "prefill", "mixed"   # the roles the policy gives (WorkerEntry.role)
 
 
 def load_of(w: SimDecodeWorker) -> EngineLoad:
@@ -31,7 +35,6 @@ def place(sim: Simulation, w: SimDecodeWorker, s: SimSeq, hit: int, now: float) 
               if x is not w and x.up and not x.gone and has_slack(load_of(x), x.role == PREFILL, load_of(w))}
     best = choose_prefill(prefill_options(perf, r.input_tokens, w.name, load_of(w), hit, others),
                           sim.slo.ttft_s, sim.slo.tpot_s)
-    sim.recent_admits.append((now, r.input_tokens - hit, r.input_tokens))
     s.chunk = best.chunk_tokens
     if best.where == LOCAL:
         s.kind, s.cached, s.prefill_left, s.context = "local", hit, r.input_tokens - hit, hit
@@ -59,49 +62,29 @@ def prefilled_for(sim: Simulation, x: SimDecodeWorker, s: SimSeq, now: float) ->
     sim.push(ready, "kv_ready", s)
 
 
-def demand(sim: Simulation, now: float) -> Demand:
-    """What the live controller measures (cluster.roles.demand_over) over `roles.window_s`: the
-    prompt tokens admitted and their sizes, and the decode batch sampled every period, averaged."""
-    q, window = sim.recent_admits, sim.role_config.window_s
-    while q and q[0][0] < now - window:
-        q.popleft()
-    live = [w for w in sim.decodes if w.up and not w.gone]
-    batches = sim.role_batches
-    batches.append((now, sum(len(w.running) + w.awaiting_kv + len(w.waiting) for w in live),
-                    sum(s.context for w in live for s in w.running)))
-    while batches[0][0] < now - window:
-        batches.popleft()
-    n, m = len(q) or 1, len(batches)
-    return Demand(prompt_tokens_per_s=sum(x[1] for x in q) / window, mean_new_tokens=sum(x[1] for x in q) / n,
-                  mean_prompt_tokens=sum(x[2] for x in q) / n,
-                  decode_seqs=sum(b[1] for b in batches) / m, context_tokens=sum(b[2] for b in batches) / m)
-
-
 def roles(sim: Simulation, now: float) -> None:
-    """The controller's period: the role policy on the measured demand, then one worker changes."""
-    live = [w for w in sim.decodes if w.up and not w.gone]
-    measured = demand(sim, now)                           # sampled every period, as the controller does
-    if now - sim.start_s >= sim.role_config.window_s:     # once a window's demand is measured
-        d, sim.role_state = decide_roles(sim.perf, measured, len(live), sim.role_state, now,
-                                         sim.slo.ttft_s, sim.slo.tpot_s, sim.role_config)
+    """The controller's period, as cluster.pools `maybe_roles` runs it: the cluster's prompt
+    counters sampled into a window of `window_s`; once a whole window is measured (and two workers
+    are ready), the policy on its demand, and the worker `role_move` picks changes role."""
+    cfg, perf = sim.role_config, sim.perf
+    live = [e for e in (w.entry(now, perf) for w in sim.decodes if not w.gone)
+            if e.state == "ready" and e.stats is not None]
+    q = sim.role_samples
+    q.append(prompt_counters(live, now, perf.block_tokens))
+    while len(q) > 1 and q[1].at <= now - cfg.window_s:
+        q.popleft()
+    if len(live) >= 2 and now - q[0].at >= cfg.window_s:
+        state = replace(sim.role_state, prefill_workers=sum(e.role == PREFILL for e in live))
+        d, sim.role_state = decide_roles(perf, demand_over(q), len(live), state, now, sim.slo.ttft_s,
+                                         sim.slo.tpot_s, cfg)
         if d.changed:
-            apply(live, d)
+            wid, role = role_move(live, d)
+            next(w for w in sim.decodes if w.name == wid).role = role
             sim.role_log.append(d)
     if sim.done + len(sim.unsent) < len(sim.seqs):
-        sim.push(now + sim.role_config.period_s, "roles")
+        sim.push(now + cfg.period_s, "roles")
 
 
-def apply(live: list[SimDecodeWorker], d: RoleDecision) -> None:
-    """Lend the decode worker with the fewest sequences to prefill, or return the prefill worker
-    with the shortest queue to decode (ties: the smallest id)."""
-    if d.prefill_workers > d.previous:
-        pick = min((w for w in live if w.role == DECODE), key=lambda w: (w.load(), w.wid))
-        pick.role = PREFILL
-    else:
-        pick = min((w for w in live if w.role == PREFILL), key=lambda w: (w.local_queued(), w.wid))
-        pick.role = DECODE
-
-
-def new_state() -> tuple[RoleState, deque, list, deque]:
-    """The simulation's role state, admitted prompts, role log and decode-batch samples."""
-    return RoleState(0), deque(), [], deque()
+def new_state() -> tuple[RoleState, deque[PromptCounters], list[RoleDecision]]:
+    """The simulation's role state, prompt-counter samples over the window, and role log."""
+    return RoleState(), deque(), []

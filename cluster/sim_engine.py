@@ -36,7 +36,7 @@ class Simulation:
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
         # adaptive: every worker decodes and prefills; the role policy lends some to prefill only
         self.role_config = adaptive
-        self.role_state, self.recent_admits, self.role_log, self.role_batches = sim_adaptive.new_state()
+        self.role_state, self.role_samples, self.role_log = sim_adaptive.new_state()
         self.seed = seed   # placement is deterministic: kept so callers' seeds still name a run
         self.send_until_s = send_until_s
         self.max_workers = max_workers
@@ -92,6 +92,8 @@ class Simulation:
     # -- pools -----------------------------------------------------------------------------------
     def add_worker(self, pool: list, cls: type, now: float, started: bool = False) -> None:
         w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens)
+        if self.role_config is not None and isinstance(w, SimDecodeWorker):
+            w.role = sim_adaptive.MIXED   # the adaptive layout's workers start mixed, as live
         if started:
             w.up = w.accepting = True
         elif self.max_workers is not None and self._slots_held() >= self.max_workers:
@@ -135,7 +137,7 @@ class Simulation:
         can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
         perf = self.perf
         live = {w.name: w for w in self.decodes if w.up and not w.gone
-                and (self.role_config is None or w.role == sim_adaptive.DECODE)}
+                and w.role != sim_adaptive.PREFILL}
         own = self.session_decode.get(r.session_id)
         views = [w.view(r, perf.block_tokens, perf.kv_capacity_tokens) for w in live.values()]
         wid = choose_worker(views, own.name if own else None, overload_fn=self.overload)
@@ -264,6 +266,7 @@ class Simulation:
             budget -= n
             chunks.append((s, n))
         dt = perf.step_s(len(batch), sum(s.context for s in batch), [(n, s.context + n) for s, n in chunks])
+        w.count_prompts(chunks)
         w.stepping, w.step_started_s = True, now
         self.push(now + dt, "step", (w, batch, chunks))
 

@@ -3,9 +3,9 @@ flight (`SimSeq`), and the prefill and decode workers' queues and batches. State
 that move requests between them are in cluster/sim_engine.py.
 
 Each worker reports what a live one does (`entry`: a `WorkerEntry` with its `WorkerStats`, the
-fields the controller's `build_snapshot` reads), from counters and latency windows (`LatencyWindow`,
-the live workers' own) kept as the simulation runs, so the simulated controller is given its inputs
-by the live function."""
+fields the controller's `build_snapshot` and role policy (`prompt_counters`, `role_move`) read), from
+counters and latency windows (`LatencyWindow`, the live workers' own) kept as the simulation runs, so
+the simulated controller is given its inputs by the live functions."""
 
 from __future__ import annotations
 
@@ -222,8 +222,11 @@ class SimDecodeWorker(SimWorker):
         self.step_started_s = 0.0
         self.busy_s = 0.0  # time in finished steps
         self.tpot = LatencyWindow()  # each finished sequence's time per output token
-        # adaptive layout: "prefill" takes no new decode requests. "decode" there also prefills for
-        # others with slack, which live is role "mixed"; the controller counts both as decoding
+        # the engine's prompt counters (engine/stats.py `count_prompts`): positions computed, and
+        # prompts whose last position was computed here and their lengths
+        self.prompt_tokens_computed = self.prompts_completed = self.prompt_tokens_completed = 0
+        # adaptive layout: workers start "mixed" (they decode, and prefill for others with slack),
+        # as live; the role policy lends some to "prefill", which takes no new decode requests
         self.role = "decode"
 
     def slots_used(self) -> int:
@@ -248,6 +251,15 @@ class SimDecodeWorker(SimWorker):
     def idle(self, now: float) -> bool:
         return not (self.load() or self.stepping)
 
+    def count_prompts(self, chunks: list[tuple[SimSeq, int]]) -> None:
+        """A step's prompt chunks (sequence, positions), counted as the engine counts them when it
+        schedules the step: the positions, and a prompt completed by the chunk with its last one."""
+        for s, n in chunks:
+            self.prompt_tokens_computed += n
+            if n >= s.prefill_left:
+                self.prompts_completed += 1
+                self.prompt_tokens_completed += s.spec.input_tokens
+
     def stats(self, now: float, perf: PerfModel) -> WorkerStats:
         """Its batch and KV as a live decode worker reports them: running, the engine's batch
         (chunked prefills too, its own and others'); waiting, routed here but not admitted or
@@ -263,6 +275,8 @@ class SimDecodeWorker(SimWorker):
             kv_blocks_used=self.held // bt, kv_blocks_total=perf.kv_capacity_tokens // bt,
             kv_blocks_waiting=sum(s.spec.input_tokens + s.spec.output_tokens for s in self.waiting) // bt,
             draining=self.draining, computed_tokens=self.computed_tokens,
+            prompt_tokens_computed=self.prompt_tokens_computed, prompts_completed=self.prompts_completed,
+            prompt_tokens_completed=self.prompt_tokens_completed,
             busy_s=self.busy_s + (now - self.step_started_s if self.stepping else 0.0),
             prefill_latency=Percentiles(**self.prefill_latency.percentiles(now)),
             tpot=Percentiles(**self.tpot.percentiles(now)))
