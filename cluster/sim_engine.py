@@ -50,7 +50,6 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.counter = 0
         self.seqs = [SimSeq(r, i) for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
-        self.start_s = self.seqs[0].arrival_s if self.seqs else 0.0
         # closed loop: a session's next turn is sent `think_s` after its previous turn finished
         self.next_turns: dict[str, deque[SimSeq]] | None = None
         if closed_loop:
