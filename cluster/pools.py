@@ -26,8 +26,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from tandem.cluster.roles import (PromptCounters, RoleDecision, RoleState, decide_roles, demand_over,
-                                  prompt_counters, role_move)
+from tandem.cluster.roles import PromptCounters, RoleDecision, RoleState, role_period
 from tandem.perf_model import PerfModel
 from tandem.cluster.autoscaler import DecodeMetrics, MetricsSnapshot, PolicyState, PrefillMetrics, decide
 from tandem.cluster.config import ClusterConfig
@@ -339,21 +338,14 @@ class Pools:
             return
         self._next_roles = now + cfg.period_s
         live = [w for w in self.state().workers if w.state == "ready" and w.stats is not None]
-        q = self._prompts
-        q.append(prompt_counters(live, now, self.config.engine.cache.block_size))
-        while len(q) > 1 and q[1].at <= now - cfg.window_s:
-            q.popleft()
-        if len(live) < 2 or now - q[0].at < cfg.window_s:     # a window's demand not measured yet
-            return
-        demand = demand_over(q)
         rc = self.config.router
-        state = replace(self.role_state, prefill_workers=sum(w.role == "prefill" for w in live))
-        d, self.role_state = decide_roles(self.perf, demand, len(live), state, now, rc.slo_ttft_ms / 1e3,
-                                          rc.slo_tpot_ms / 1e3, cfg)
-        self.role_decision = d
-        if d.changed:
-            wid, role = role_move(live, d)
-            self.set_role(wid, role, d.reason)
+        d, self.role_state, move = role_period(self._prompts, live, now, self.config.engine.cache.block_size,
+                                               self.perf, self.role_state, rc.slo_ttft_ms / 1e3,
+                                               rc.slo_tpot_ms / 1e3, cfg)
+        if d is not None:
+            self.role_decision = d
+        if move is not None:
+            self.set_role(*move, d.reason)
 
     # ---- what the API answers ---------------------------------------------------------------
     def state(self) -> ClusterState:

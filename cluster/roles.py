@@ -16,7 +16,7 @@ Every decision names its reason, for `tandem status`, the Admin API and metrics.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.placement import Demand, RoleOption, plan_roles
 from tandem.wire.errors import ConfigError
@@ -134,3 +134,20 @@ def role_move(workers, d: RoleDecision) -> tuple[str, str]:
     pick = min((w for w in workers if w.role == "prefill"),
                key=lambda w: (w.stats.queued_prompt_tokens, w.worker_id))
     return pick.worker_id, "mixed"
+
+
+def role_period(samples, live, now: float, block_size: int, perf, state: RoleState, slo_ttft_s: float,
+                slo_tpot_s: float, cfg: RoleConfig) -> tuple[RoleDecision | None, RoleState, tuple[str, str] | None]:
+    """One period of the controller's role policy (the live controller's and the simulator's):
+    sample `prompt_counters` of the ready workers (WorkerEntry) into `samples` (a deque, kept to
+    `cfg.window_s`), and once a window is measured over at least two workers, decide on its
+    `demand_over` with the current split read from the workers' roles. -> (the decision, None
+    before a window; the state to keep; `role_move`'s (worker id, new role) when it changed)."""
+    samples.append(prompt_counters(live, now, block_size))
+    while len(samples) > 1 and samples[1].at <= now - cfg.window_s:
+        samples.popleft()
+    if len(live) < 2 or now - samples[0].at < cfg.window_s:     # a window's demand not measured yet
+        return None, state, None
+    state = replace(state, prefill_workers=sum(w.role == "prefill" for w in live))
+    d, state = decide_roles(perf, demand_over(samples), len(live), state, now, slo_ttft_s, slo_tpot_s, cfg)
+    return d, state, role_move(live, d) if d.changed else None

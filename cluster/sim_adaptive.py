@@ -10,11 +10,9 @@ call, on what the simulation knows of its workers."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tandem.cluster.roles import (PromptCounters, RoleDecision, RoleState, decide_roles, demand_over,
-                                  prompt_counters, role_move)
+from tandem.cluster.roles import PromptCounters, RoleDecision, RoleState, role_period
 from tandem.placement import LOCAL, EngineLoad, choose_prefill, has_slack, prefill_options
 
 if TYPE_CHECKING:
@@ -63,24 +61,18 @@ def prefilled_for(sim: Simulation, x: SimDecodeWorker, s: SimSeq, now: float) ->
 
 
 def roles(sim: Simulation, now: float) -> None:
-    """The controller's period, as cluster.pools `maybe_roles` runs it: the cluster's prompt
-    counters sampled into a window of `window_s`; once a whole window is measured (and two workers
-    are ready), the policy on its demand, and the worker `role_move` picks changes role."""
+    """The controller's period, the live one (cluster.roles `role_period`, as cluster.pools
+    `maybe_roles` runs it) on what the simulated workers report: when the policy moves, the worker
+    `role_move` picks changes role."""
     cfg, perf = sim.role_config, sim.perf
     live = [e for e in (w.entry(now, perf) for w in sim.decodes if not w.gone)
             if e.state == "ready" and e.stats is not None]
-    q = sim.role_samples
-    q.append(prompt_counters(live, now, perf.block_tokens))
-    while len(q) > 1 and q[1].at <= now - cfg.window_s:
-        q.popleft()
-    if len(live) >= 2 and now - q[0].at >= cfg.window_s:
-        state = replace(sim.role_state, prefill_workers=sum(e.role == PREFILL for e in live))
-        d, sim.role_state = decide_roles(perf, demand_over(q), len(live), state, now, sim.slo.ttft_s,
-                                         sim.slo.tpot_s, cfg)
-        if d.changed:
-            wid, role = role_move(live, d)
-            next(w for w in sim.decodes if w.name == wid).role = role
-            sim.role_log.append(d)
+    d, sim.role_state, move = role_period(sim.role_samples, live, now, perf.block_tokens, perf, sim.role_state,
+                                          sim.slo.ttft_s, sim.slo.tpot_s, cfg)
+    if move is not None:
+        wid, role = move
+        next(w for w in sim.decodes if w.name == wid).role = role
+        sim.role_log.append(d)
     if sim.done + len(sim.unsent) < len(sim.seqs):
         sim.push(now + cfg.period_s, "roles")
 

@@ -225,8 +225,9 @@ class SimDecodeWorker(SimWorker):
         # the engine's prompt counters (engine/stats.py `count_prompts`): positions computed, and
         # prompts whose last position was computed here and their lengths
         self.prompt_tokens_computed = self.prompts_completed = self.prompt_tokens_completed = 0
-        # adaptive layout: workers start "mixed" (they decode, and prefill for others with slack),
-        # as live; the role policy lends some to "prefill", which takes no new decode requests
+        # "decode"; in the adaptive layout Simulation.add_worker starts it "mixed" (it decodes, and
+        # prefills for others with slack), as live, and the role policy lends some to "prefill",
+        # which takes no new decode requests
         self.role = "decode"
 
     def slots_used(self) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tandem.cluster import sim_adaptive
+from tandem.cluster import roles
 from tandem.cluster.roles import RoleConfig, RoleDecision, RoleState, demand_over
 from tandem.cluster.sim_engine import Simulation
 from tandem.cluster.sim_model import SLO
@@ -80,13 +80,13 @@ def test_the_role_decision_is_the_live_functions_on_the_workers_reports(monkeypa
         def f(*a):
             calls[name].append(a)
             return real(*a) if out is None else out(*a)
-        monkeypatch.setattr(sim_adaptive, real.__name__, f)
-    spy("counters", sim_adaptive.prompt_counters)
-    spy("demand", sim_adaptive.demand_over)
-    spy("move", sim_adaptive.role_move)
+        monkeypatch.setattr(roles, real.__name__, f)     # the live functions, where role_period calls them
+    spy("counters", roles.prompt_counters)
+    spy("demand", roles.demand_over)
+    spy("move", roles.role_move)
     option = RoleOption(0, 512, 0.1, 0.01, 0.5)
     # the policy says: lend one worker (its inputs are what is checked here)
-    spy("decide", sim_adaptive.decide_roles, lambda perf, demand, n, state, now, *_: (
+    spy("decide", roles.decide_roles, lambda perf, demand, n, state, now, *_: (
         RoleDecision(now, state.prefill_workers + 1, state.prefill_workers, "lend", option, option),
         RoleState(state.prefill_workers + 1, now)))
 
@@ -117,12 +117,12 @@ def test_the_role_decision_is_the_live_functions_on_the_workers_reports(monkeypa
 def test_prompt_heavy_load_lends_a_worker_and_it_is_given_back_where_role_move_says(monkeypatch):
     sim = adaptive_sim(prompt_flood_then_decodes(), 4, RoleConfig(min_hold_s=2.0, period_s=0.5, window_s=2.0))
     moves = []
-    real = sim_adaptive.role_move
+    real = roles.role_move
 
     def spy(workers, d):
         moves.append((d.time_s, real(workers, d)))
         return moves[-1][1]
-    monkeypatch.setattr(sim_adaptive, "role_move", spy)
+    monkeypatch.setattr(roles, "role_move", spy)
     sim.run()
     assert [role for _, (_, role) in moves][:1] == ["prefill"]                 # lent under the flood
     assert any(role == "mixed" for _, (_, role) in moves)                      # and given back
