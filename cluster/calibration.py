@@ -78,8 +78,7 @@ def fit_serving_step(perf: PerfModel, steps) -> PerfModel:
         return perf
     bare = dataclasses.replace(perf, step_host_s=0.0)
     xs = [b for b, _, _, _ in steps]
-    extra = [s - dataclasses.replace(bare, spec_verify_tokens=k, spec_draft_prob=0.0).decode_step_s(b, ctx)
-             for b, ctx, k, s in steps]
+    extra = [s - bare.verifying(k).decode_step_s(b, ctx) for b, ctx, k, s in steps]
     slope = 0.0
     if len(set(xs)) > 1:
         mx, my = statistics.fmean(xs), statistics.fmean(extra)

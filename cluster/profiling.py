@@ -229,8 +229,8 @@ def fit_step_host(perf: PerfModel, steps) -> PerfModel:
     (scheduling, drafting, sampling, outputs; on a GPU the host's part the device does not hide)."""
     if not steps:
         return perf
-    extra = [wall - dataclasses.replace(perf, step_host_s=0.0, spec_verify_tokens=k, spec_draft_prob=0.0).decode_step_s(b, ctx)
-             for b, ctx, k, wall in steps]
+    bare = dataclasses.replace(perf, step_host_s=0.0)
+    extra = [wall - bare.verifying(k).decode_step_s(b, ctx) for b, ctx, k, wall in steps]
     return dataclasses.replace(perf, step_host_s=max(0.0, statistics.median(extra)))
 
 

@@ -103,6 +103,11 @@ class PerfModel:
             return 0.0
         return self.prefill_base_s + n * (self.prefill_per_token_s + self.prefill_attn_s * context)
 
+    def verifying(self, drafts: float) -> "PerfModel":
+        """This model for steps in which every sequence verifies `drafts` drafts (a profile's or a
+        probe's steps, where no sequence is padded to another's), host time as it is."""
+        return dataclasses.replace(self, spec_verify_tokens=drafts, spec_draft_prob=0.0)
+
     def verify_tokens(self, batch: int) -> float:
         """Draft tokens each sequence of a `batch`-sequence decode step is charged for verifying."""
         if self.spec_draft_prob > 0.0:
@@ -182,8 +187,7 @@ class PerfModel:
             coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
             values.update({name: max(0.0, float(c)) for name, c in zip(fields[kind], coef)})
         if padded:    # what a padded step takes beyond the plain decode step just fitted
-            plain = dataclasses.replace(base or cls(), **values, step_host_s=0.0, spec_verify_tokens=0.0,
-                                        spec_draft_prob=0.0)
+            plain = dataclasses.replace(base or cls(), **values, step_host_s=0.0).verifying(0.0)
             a = np.array([[1.0, b * k] for (b, _, k), _ in padded])
             y = np.array([s - plain.decode_step_s(int(b), ctx) for (b, ctx, _), s in padded])
             step, token = np.linalg.lstsq(a, y, rcond=None)[0]
