@@ -161,7 +161,7 @@ class SpeculationLengthPolicy:
         -> rid -> the nodes kept."""
         spare = self.max_verify_tokens - num_seqs - num_other_tokens
         row_cap = self.row_cap(num_seqs, num_other_tokens)
-        most = len(max((p for p, _ in trees.values()), key=len, default=())) if row_cap is None else row_cap
+        most = math.inf if row_cap is None else row_cap     # nodes one sequence may keep
         ranked: list[tuple[float, int, str, int]] = []  # (-worth, depth, rid, node)
         out: dict[str, list[int]] = {}
         for rid, (probs, depth) in trees.items():
