@@ -48,6 +48,17 @@ KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2
 
 POOLS = ("prefill", "decode", "router")  # "router": requests queued in the router's admission
 
+# a decode worker's KV-move counters (WorkerStats fields): each is `tandem:<name>_total` by pool and worker
+_MOVE_COUNTERS = {"sequences_migrated": "Running sequences a worker sent to another decode worker with their KV.",
+                  "kv_tokens_migrated": "KV positions sent with those sequences.",
+                  "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again.",
+                  "kv_tokens_precopied": "Of the KV positions moved, those sent while the sequence still decoded.",
+                  "move_precopy_seconds": "Seconds the moves' pre-copies took (send to end), summed.",
+                  "move_tail_seconds": "Seconds the moves' tails took (sent once paused, to the sender letting go), summed.",
+                  "sequences_migrated_in": "Running sequences a worker took from another decode worker with their KV.",
+                  "pressure_moves": "Sequences a worker moved out because its KV cache was about to preempt one.",
+                  "migrations_resumed": "Sequences paused to move that resumed where they were (nowhere could take them)."}
+
 # Exported metric family names (without the _bucket/_sum/_count/_total suffixes).
 METRIC_NAMES = (
     "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
@@ -57,9 +68,7 @@ METRIC_NAMES = (
     "tandem:kv_transfer_bytes", "tandem:spec_decode_draft_tokens",
     "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
     "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
-    "tandem:sequences_migrated", "tandem:kv_tokens_migrated", "tandem:tokens_recomputed",
-    "tandem:kv_tokens_precopied", "tandem:move_precopy_seconds", "tandem:move_tail_seconds",
-    "tandem:sequences_migrated_in", "tandem:pressure_moves", "tandem:migrations_resumed",
+    *(f"tandem:{name}" for name in _MOVE_COUNTERS),
 )
 
 
@@ -114,11 +123,7 @@ class WorkerMetricsSnapshot:
             kv_transfer_count=s.kv_transfer_count, kv_transfer_seconds_sum=s.kv_transfer_seconds,
             kv_transfer_seconds_buckets=tuple(s.kv_transfer_seconds_buckets),
             draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_draft_tokens,
-            sequences_migrated=s.sequences_migrated, kv_tokens_migrated=s.kv_tokens_migrated,
-            tokens_recomputed=s.tokens_recomputed, kv_tokens_precopied=s.kv_tokens_precopied,
-            move_precopy_seconds=s.move_precopy_seconds, move_tail_seconds=s.move_tail_seconds,
-            sequences_migrated_in=s.sequences_migrated_in, pressure_moves=s.pressure_moves,
-            migrations_resumed=s.migrations_resumed)
+            **{name: getattr(s, name) for name in _MOVE_COUNTERS})
 
     @property
     def kv_cache_usage(self) -> float:
@@ -126,18 +131,7 @@ class WorkerMetricsSnapshot:
 
 
 _COUNTER_FIELDS = ("prefix_queries", "prefix_hits", "kv_transfer_bytes", "kv_transfer_count",
-                   "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens", "sequences_migrated",
-                   "kv_tokens_migrated", "tokens_recomputed", "kv_tokens_precopied", "move_precopy_seconds",
-                   "move_tail_seconds", "sequences_migrated_in", "pressure_moves", "migrations_resumed")
-_MOVE_COUNTERS = {"sequences_migrated": "Running sequences a worker sent to another decode worker with their KV.",
-                  "kv_tokens_migrated": "KV positions sent with those sequences.",
-                  "tokens_recomputed": "Positions of requests moved by recompute (after a failure) computed again.",
-                  "kv_tokens_precopied": "Of the KV positions moved, those sent while the sequence still decoded.",
-                  "move_precopy_seconds": "Seconds the moves' pre-copies took (send to end), summed.",
-                  "move_tail_seconds": "Seconds the moves' tails took (sent once paused, to the sender letting go), summed.",
-                  "sequences_migrated_in": "Running sequences a worker took from another decode worker with their KV.",
-                  "pressure_moves": "Sequences a worker moved out because its KV cache was about to preempt one.",
-                  "migrations_resumed": "Sequences paused to move that resumed where they were (nowhere could take them)."}
+                   "kv_transfer_seconds_sum", "draft_tokens", "accepted_tokens", *_MOVE_COUNTERS)
 
 
 class TransferTimes:
