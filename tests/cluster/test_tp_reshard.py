@@ -145,6 +145,10 @@ def test_running_streams_move_with_their_kv_between_tp_sizes_and_back(cluster):
     before = cluster.worker_stats()
     moved = {w: 0 for w in handles}
     for hop in range(2):
+        # the controller's stats lag the workers by a health period: read them once they count both
+        # streams (after a hop, the target's may not show what it took yet)
+        _wait(lambda: sum(cluster.worker_stats()[w].running for w in handles) == len(streams), 60,
+              f"the stats before hop {hop} to show every stream")
         stats = cluster.worker_stats()
         source = max(handles, key=lambda w: stats[w].running)
         count = stats[source].running
