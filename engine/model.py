@@ -32,7 +32,7 @@ from tandem.engine.attention import AttentionMetadata, paged_attention_torch, wr
 from tandem.engine.config import ModelConfig
 from tandem.engine.kernels import triton_available
 from tandem.engine.linear import Linear
-from tandem.engine.moe import build_mlp, no_reduce
+from tandem.engine.moe import MLP, build_mlp, no_reduce
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -124,8 +124,11 @@ class Attention(nn.Module):
         return self.reduce_output(self.o_proj(o.reshape(T, self.q_size)))
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]; q, k, v are views of it
+        return self.attend_fused(self.qkv_proj(x), positions, cos_sin, kv_cache, meta, ops)
+
+    def attend_fused(self, qkv, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+        """The layer from its fused q/k/v projection [T, q_size + 2 * kv_size] on."""
+        T = qkv.shape[0]
         q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -165,12 +168,24 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x, residual, positions, cos_sin, kv_cache, meta, ops):
         """x: this layer's input before the pending residual add (residual None: x is the
-        residual stream itself). -> (MLP output, residual stream): the sum is left to the next norm."""
-        h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
-        h = self.self_attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
+        residual stream itself). -> (MLP output, residual stream): the sum is left to the next norm.
+        Each norm goes to `ops.norm_linear` with the projection that reads it (q/k/v, gate/up), and
+        SiLU-and-mul with the down projection to `ops.silu_linear`, which fold them into one launch
+        where they can (a one-token step); latent attention and a mixture of experts read the
+        normalised activations themselves."""
+        attn, mlp = self.self_attn, self.mlp
+        if isinstance(attn, Attention):
+            qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+            h = attn.attend_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
+        else:
+            h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+            h = attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
+        if isinstance(mlp, MLP):
+            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+            return mlp.down_fused(gate_up, ops), residual
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
-        return self.mlp.forward_fused(h, ops), residual
+        return mlp.forward_fused(h, ops), residual
 
 
 class TorchOps:
@@ -193,6 +208,26 @@ class TritonOps:
 
         self.write_kv, self.attention, self.rotary_write_kv = write_kv, paged_attention, rotary_write_kv
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
+
+    def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
+        where engine.kernels.gemv takes the weight (`gemv.takes`), else rms_norm, then linear."""
+        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+
+        if x.shape[0] == 1 and gemv.takes(linear.weight):
+            return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
+                                  linear.bias, group_k=linear.group_k)
+        h, residual = self.rms_norm(x, norm.weight, norm.eps, residual)
+        return linear(h), residual
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """linear(SiLU(gate) * up): one launch for one token where engine.kernels.gemv takes the
+        weight, else silu_and_mul, then linear."""
+        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+
+        if gate_up.shape[0] == 1 and gemv.takes(linear.weight):
+            return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
+        return linear(self.silu_and_mul(gate_up))
 
 
 def default_ops(device: torch.device) -> TorchOps | TritonOps:

@@ -48,7 +48,11 @@ class MLP(nn.Module):
         return self.reduce_output(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, x, ops):
-        return self.reduce_output(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.down_fused(self.gate_up_proj(x), ops)
+
+    def down_fused(self, gate_up, ops):
+        """The MLP from its gate/up projection [T, 2I] on (ops.silu_linear: one launch for one token)."""
+        return self.reduce_output(ops.silu_linear(gate_up, self.down_proj))
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         gate, up = self.gate_up_proj.weight.detach().split(self.intermediate, 0)

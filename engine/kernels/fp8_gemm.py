@@ -10,9 +10,9 @@ G == ceil(K / group_k) is a block layout (DeepSeek/Qwen FP8: [128, 128] blocks, 
 to one row per output channel at load), applied to each K tile's partial sum, so BLOCK_K must
 divide group_k. Accumulation is fp32; the output is rounded once to x's dtype.
 
-One token (a batch-1 decode step) takes `_fp8_gemv_kernel` instead: no tensor cores, the weight
+One token (a batch-1 decode step) takes engine.kernels.gemv instead: no tensor cores, the weight
 rows streamed with 16-byte loads and reduced on the CUDA cores, with a tile config per weight
-shape from bench/fp8_sweep.py (`choose_config`); ~0.6-0.7x bf16 cuBLAS's time on H200.
+shape from bench/fp8_sweep.py (`gemv.choose_gemv_config`); ~0.6-0.7x bf16 cuBLAS's time on H200.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from tandem.engine.kernels.gemv import GemvConfig, choose_gemv_config, gemv
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                             require_tensor)
 
@@ -76,54 +77,6 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    N, K,
-    stride_wn, stride_sn,
-    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    # one token: no tensor cores, no shared memory. Each program streams BLOCK_N weight rows (16-byte
-    # loads along K), widens them to fp32 in registers and accumulates w * x elementwise into a
-    # [BLOCK_N, BLOCK_K] tile, reduced once at the end (no shuffle or barrier inside the loop, so
-    # the next tile's loads issue while this one is multiplied). Splitting K over more programs
-    # (split-K, the last program adding the partials) lost on every swept shape (docs/benchmarks.md).
-    pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + rk
-        if EVEN_K:
-            x = tl.load(x_ptr + ks).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
-        else:
-            k_mask = ks < K
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if GROUP_K == 0:
-            acc += w * x[None, :]
-        else:
-            s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
-            acc += w * x[None, :] * s[:, None]
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if GROUP_K == 0:
-        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-# one-token (block_n, block_k, num_warps, num_stages) where bench/fp8_sweep.py's best beat the
-# default (4, 512, 2, 4): llama3-8b o 7.4 us against 8.6, down 21.6 against 27.5; qwen2.5-32b down
-# 48.2 against 55.4; llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
-_GEMV_TUNED = {(4096, 4096): (4, 1024, 4, 1), (4096, 14336): (4, 1024, 4, 3), (5120, 27648): (2, 4096, 4, 1),
-               (10240, 8192): (4, 1024, 4, 3)}
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int
@@ -136,15 +89,14 @@ class GemmConfig:
 
 def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> GemmConfig:
     """Tile shape by M (and wide N), from bench/fp8_gpu.py's and bench/fp8_sweep.py's sweeps on an
-    H200 (docs/benchmarks.md). One token: the CUDA-core kernel, 4 rows per program of 2 warps and
-    512-column K tiles (the best on 11 of the 15 llama3-8b / qwen2.5-32b / llama3-70b projection and
-    head shapes), on the other 4 the sweep's best (10-27% faster there). Up to 64 tokens: narrow N
+    H200 (docs/benchmarks.md). One token: the CUDA-core kernel (engine.kernels.gemv's config). Up to 64 tokens: narrow N
     tiles keep every SM streaming weights. `elem_bytes` 4 (fp32 activations): tiles whose staged x
     would overflow the 227 KB of shared memory are replaced by one that fits (seen compiling in
     fp32 there)."""
     wide = n >= 16384  # gate_up
     if m == 1:
-        cfg = GemmConfig(1, *_GEMV_TUNED.get((n, k), (4, 512, 2, 4)), gemv=True)
+        g = choose_gemv_config(n, k, FP8_DTYPE)
+        cfg = GemmConfig(1, g.block_n, g.block_k, g.num_warps, g.num_stages, gemv=True)
     elif m <= 16:
         cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
@@ -192,11 +144,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     if cfg.gemv and m == 1:
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, scale, bias if bias is not None else scale, out, n, k, weight.stride(0), scale.stride(0),
-            GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return out
+        return gemv(x, weight, scale, bias, group_k=group_k,
+                    config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages))
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k,

@@ -1,0 +1,203 @@
+"""The batch-1 decode step with its norms and SiLU folded into the projections' GEMVs
+(engine/kernels/gemv.py), on one GPU (issues 23 and 24: the batch-1 aims).
+
+One run measures, in order:
+- the ceilings (bench/engine_gpu.py: device copy rate, bf16 matmul rate);
+- kernels, per projection shape of llama3-8b and qwen2.5-32b and per weight dtype (bf16, FP8 per
+  channel): what a one-token step runs today (add + RMSNorm then the projection for q/k/v and
+  gate/up; SiLU-and-mul then the projection for down; o alone; bf16 projections in cuBLAS, FP8
+  in the GEMV) against the fused GEMV over a few tile configs, each replayed from one CUDA graph
+  over enough weight copies to be past the L2. Prints the best config per shape and the bf16
+  shapes where the fused GEMV beats cuBLAS plus the separate launch (engine.kernels.gemv's
+  MODEL_DTYPE_WINS is meant to hold those);
+- llama3-8b-random decode steps at batch 1, context 1k (bench/fp8_gpu.py's decode rows: CUDA
+  graphs, the overlapped step, the kernel profile of one eager forward), bf16 with the fused
+  GEMV off, on where the kernel table says it wins, and on for every projection; FP8 with it
+  off and on; each against the floor (bytes over the copy rate) and FP8 against bf16.
+
+    python3 bench/gemv_gpu.py            # on the GPU; JSON under $OUT (or ./out)
+    python3 bench/gemv_gpu.py --dry-run  # CPU (Triton interpreter), tiny shapes: the script's logic
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fp8_gpu import FP8Bench  # a sibling file: bench scripts run as files
+import tandem.engine.quant.fp8 as fp8_quant
+from tandem.engine.model import TritonOps
+from tandem.engine.weights import load_model
+
+gemv_mod = fused_mod = None  # tandem.engine.kernels.gemv / .fused, imported after TRITON_INTERPRET is set
+
+# name -> (N, K, what precedes the projection in a layer)
+SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
+          "8b-down": (4096, 14336, "silu"), "32b-qkv": (7168, 5120, "norm"), "32b-o": (5120, 5120, "none"),
+          "32b-gate_up": (55296, 5120, "norm"), "32b-down": (5120, 27648, "silu")}
+# (block_n, block_k, num_warps, num_stages)
+BF16_CANDIDATES = [(4, 512, 4, 4), (4, 256, 2, 4), (8, 256, 4, 3), (2, 512, 2, 4), (4, 1024, 4, 2),
+                   (8, 512, 4, 3), (2, 1024, 4, 3), (16, 256, 8, 3)]
+FP8_CANDIDATES = [(4, 512, 2, 4), (8, 512, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 3), (8, 1024, 4, 2)]
+
+
+class GemvBench(FP8Bench):
+    def save(self):
+        super(FP8Bench, self).save()
+        os.replace(os.path.join(self.out_dir, "engine_gpu.json"), os.path.join(self.out_dir, "gemv_gpu.json"))
+
+    def kernel_shapes(self):
+        if self.dry:
+            return {"qkv": (48, 64, "norm"), "o": (32, 64, "none"), "down": (32, 96, "silu")}
+        return SHAPES
+
+    def kernels(self):
+        rows = self.results["kernels"] = []
+        for name, (n, k, pre) in self.kernel_shapes().items():
+            for wdt in ("bf16", "fp8"):
+                rows.append(self._shape(name, n, k, pre, wdt))
+                print(f"# kernel {rows[-1]}", flush=True)
+                self.save()
+        wins = sorted({(r["n"], r["k"]) for r in rows if r["weight"] == "bf16" and r["fused_us"] < r["separate_us"]})
+        self.results["bf16_wins"] = wins
+        print(f"# bf16 shapes where the fused GEMV wins: {wins}", flush=True)
+
+    def _shape(self, name, n, k, pre, wdt):
+        dt = torch.float32 if self.dry else torch.bfloat16
+        ncopy = 2 if self.dry else max(2, int(2**29 // (n * k)))  # >= 512 MB of FP8 (bf16: 1 GB)
+        ws = [torch.randn(n, k, device=self.dev, dtype=dt) * k ** -0.5 for _ in range(ncopy)]
+        if wdt == "fp8":
+            ws = [fp8_quant.quantize_fp8(w) for w in ws]
+        else:
+            ws = [(w, None) for w in ws]
+        x = torch.randn(1, 2 * k if pre == "silu" else k, device=self.dev, dtype=dt)
+        res = torch.randn(1, k, device=self.dev, dtype=dt)
+        g = torch.rand(k, device=self.dev, dtype=dt) + 0.5
+
+        def project(h, c):
+            return F.linear(h, c[0]) if c[1] is None else fp8_quant.fp8_linear(h, c[0], c[1], None, 0)
+
+        def separate(c):
+            if pre == "norm":
+                h, _ = fused_mod.rms_norm(x, g, 1e-5, res)
+            elif pre == "silu":
+                h = fused_mod.silu_and_mul(x)
+            else:
+                h = x
+            return project(h, c)
+
+        def fused(c, cfg):
+            if pre == "norm":
+                return gemv_mod.norm_gemv(x, res, g, 1e-5, c[0], c[1], config=cfg)[0]
+            if pre == "silu":
+                return gemv_mod.silu_gemv(x, c[0], c[1], config=cfg)
+            return gemv_mod.gemv(x, c[0], c[1], config=cfg)
+
+        ref = separate(ws[0]).float()
+        r = {"shape": name, "n": n, "k": k, "before": pre, "weight": wdt,
+             "separate_us": self._graph_us(separate, ws)}
+        if pre == "norm":
+            r["norm_alone_us"] = self._graph_us(lambda c: fused_mod.rms_norm(x, g, 1e-5, res), ws[:1] * 8)
+        cands = [(8, 32, 2, 2)] if self.dry else (FP8_CANDIDATES if wdt == "fp8" else BF16_CANDIDATES)
+        committed = gemv_mod.choose_gemv_config(n, k, ws[0][0].dtype)
+        tried = []
+        for c in dict.fromkeys([(committed.block_n, committed.block_k, committed.num_warps, committed.num_stages),
+                                *cands]):
+            cfg = gemv_mod.GemvConfig(*c)
+            try:
+                out = fused(ws[0], cfg).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    raise AssertionError(f"relative error {err:.3g} against the separate launches")
+                tried.append((self._graph_us(lambda w, cfg=cfg: fused(w, cfg), ws), c))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or is wrong is skipped
+                print(f"# {name} {wdt} {c} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        tried.sort()
+        r.update(fused_us=tried[0][0], fused_config=list(tried[0][1]),
+                 committed_us=next((u for u, c in tried if c[:2] == (committed.block_n, committed.block_k)
+                                    and c[2:] == (committed.num_warps, committed.num_stages)), None),
+                 weight_gbs=n * k * (1 if wdt == "fp8" else 2) / tried[0][0] / 1e3,
+                 all=[[round(u, 2), list(c)] for u, c in tried])
+        r["fused_over_separate"] = r["fused_us"] / r["separate_us"]
+        del ws
+        self.free()
+        return r
+
+    def steps(self):
+        name = "tiny-random" if self.dry else "llama3-8b-random"
+        dtype = "float32" if self.dry else "bfloat16"
+        ctx = 64 if self.dry else 1024
+        wins = frozenset(tuple(w) for w in self.results.get("bf16_wins", []))
+        rows = self.results["decode_8b"] = []
+        for label, quant, runs in (("8b-bf16", None, (("off", frozenset()), ("table", wins), ("all", frozenset()))),
+                                   ("8b-fp8", "fp8", (("off", frozenset()), ("fp8", frozenset())))):
+            t0 = time.perf_counter()
+            model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
+            self.sync()
+            self.results[f"load_s_{label}"] = time.perf_counter() - t0
+            if self.dry:
+                model.ops = TritonOps()
+            for policy, table in runs:
+                if policy == "table" and not table:
+                    continue  # no bf16 shape won: "table" is "off"
+                gemv_mod.POLICY, gemv_mod.MODEL_DTYPE_WINS = policy, table
+                for row in self.decode_rows(f"{label}-{policy}", model, tok, (1,), ctx):
+                    row["policy"] = policy
+                    rows.append(row)
+            gemv_mod.POLICY, gemv_mod.MODEL_DTYPE_WINS = "table", frozenset()
+            del model
+            self.free()
+        self.save()
+
+
+def print_table(R):
+    c = R.get("ceilings", {})
+    print(f"\nceilings: copy {c.get('copy_gbs', 0):.0f} GB/s, bf16 matmul {c.get('matmul_tflops', 0):.0f} TFLOP/s")
+    print("\none-token projections, us per call (graph replay past the L2)")
+    print(f"{'shape':>12} {'weight':>6} {'before':>6} {'separate':>9} {'fused':>7} {'fused/sep':>9} "
+          f"{'GB/s':>6} config")
+    for r in R.get("kernels", []):
+        print(f"{r['shape']:>12} {r['weight']:>6} {r['before']:>6} {r['separate_us']:>9.1f} {r['fused_us']:>7.1f} "
+              f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {r['fused_config']}")
+    rows = R.get("decode_8b", [])
+    if rows:
+        print("\nllama3-8b-random decode, batch 1, context 1k")
+        print(f"{'model':>16} {'step ms':>8} {'floor ms':>8} {'x floor':>7}")
+        for r in rows:
+            print(f"{r['model']:>16} {r['step_ms']:>8.3f} {r['floor_ms']:>8.3f} {r['step_ms'] / r['floor_ms']:>7.2f}")
+        bf = min((r["step_ms"] for r in rows if r["model"].startswith("8b-bf16")), default=None)
+        for r in rows:
+            if r["model"].startswith("8b-fp8") and bf:
+                print(f"# {r['model']} / best bf16: {r['step_ms'] / bf:.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "out")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,steps")
+    args = parser.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --dry-run)")
+    global gemv_mod, fused_mod
+    import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415 (after TRITON_INTERPRET is set)
+    import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    b = GemvBench(args.dry_run, args.out, quick=True)
+    skip = set(filter(None, args.skip.split(",")))
+    b.section("ceilings", b.ceilings)
+    for name, fn in (("kernels", b.kernels), ("steps", b.steps)):
+        if name not in skip:
+            b.section(name, fn)
+    print_table(b.results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The one-token GEMV of a batch-1 decode step, with the elementwise op before it folded in.
+
+out[N] = W[N, K] @ x[K] (+ bias), W in the model dtype (bf16/fp16/fp32) or FP8 e4m3 with scales
+(`scale [N, G]` as engine.kernels.fp8_gemm: G == 1 per output channel, applied once at the end;
+else one per `group_k` input columns). No tensor cores: each program streams `block_n` weight rows
+in `block_k`-column tiles with 16-byte loads, widens them to fp32 and accumulates `w * x` into a
+[block_n, block_k] register tile, reduced once at the end.
+
+At batch 1 a Llama layer's add + RMSNorm and SiLU-and-mul are launches of their own that move a
+few KB each; every program of a GEMV reads the whole input vector anyway, so it can compute them
+itself (the vector stays in L1/L2):
+- `norm_gemv`: the input is RMSNorm(x + residual) * norm_weight, computed exactly as
+  engine.kernels.fused.rms_norm does (the sum and the normalised activations rounded to the model
+  dtype at the same points; a first pass over the vector gives the variance), and program 0 writes
+  the new residual stream.
+- `silu_gemv`: the input is SiLU(gate) * up of a [2 * K] gate/up vector, rounded to the model
+  dtype as engine.kernels.fused.silu_and_mul rounds it.
+
+So a fused call gives the same output as the two launches it replaces (up to the variance's
+summation order), one launch and one kernel gap less each: at llama3-8b's batch 1, 96 of a
+step's ~400 kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.engine.kernels.validate import FLOAT_DTYPES, require_runnable, require_same, require_tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+_PLAIN, _NORM, _SILU = 0, 1, 2
+
+
+@triton.jit
+def _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, rinv, store_residual,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # the GEMV's input at columns ks, in fp32, as the launches it replaces would have stored it
+    dt = new_r_ptr.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+        h = (gate * tl.sigmoid(gate) * up).to(dt).to(tl.float32)
+    else:
+        h = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                s = (h + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+                tl.store(new_r_ptr + ks, s, mask=k_mask & store_residual)
+                h = s.to(tl.float32)
+            g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            h = ((h * rinv).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, r_ptr, g_ptr, new_r_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    N, K, stride_wn, stride_sn, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rinv = 1.0
+    if PROLOGUE == 1:  # the variance of (x + residual) rounded, over all K, before any product
+        ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            k_mask = ks < K
+            h = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h = (h + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32))
+                h = h.to(new_r_ptr.dtype.element_ty).to(tl.float32)
+            ss += h * h
+        rinv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        if EVEN_K:
+            k_mask = rk < BLOCK_K
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        h = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, rinv, store_residual,
+                        PROLOGUE, HAS_RESIDUAL)
+        if GROUP_K == 0:
+            acc += w * h[None, :]
+        else:
+            s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+            acc += w * h[None, :] * s[:, None]
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if SCALED and GROUP_K == 0:
+        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 4
+    block_k: int = 512
+    num_warps: int = 2
+    num_stages: int = 4
+
+
+# FP8 weights, (N, K) -> config where bench/fp8_sweep.py's best beat the default (4, 512, 2, 4):
+# llama3-8b o 7.4 us against 8.6, down 21.6 against 27.5; qwen2.5-32b down 48.2 against 55.4;
+# llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
+_FP8_TUNED = {(4096, 4096): GemvConfig(4, 1024, 4, 1), (4096, 14336): GemvConfig(4, 1024, 4, 3),
+              (5120, 27648): GemvConfig(2, 4096, 4, 1), (10240, 8192): GemvConfig(4, 1024, 4, 3)}
+
+
+def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int = 0) -> GemvConfig:
+    """Rows per program, K tile, warps and stages for one weight shape (bench/fp8_sweep.py's
+    sweep on an H200 for FP8; the same 16-byte loads for 2-byte weights are 256 columns)."""
+    if weight_dtype == FP8_DTYPE:
+        cfg = _FP8_TUNED.get((n, k), GemvConfig())
+    else:
+        cfg = GemvConfig(4, 256 if weight_dtype.itemsize == 4 else 512, 4, 4)
+    if group_k and group_k % cfg.block_k:
+        cfg = GemvConfig(cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+# Which one-token projections of the model take this kernel (TritonOps.norm_linear / silu_linear,
+# the norm or SiLU folded in): "table" (the default) FP8 weights, and bf16/fp16 weights of the
+# [N, K] shapes in MODEL_DTYPE_WINS, where it was measured faster than cuBLAS plus the separate
+# launch (bench/gemv_gpu.py); "fp8" FP8 weights only; "all" every weight; "off" none (the separate
+# launches; an FP8 weight still takes `gemv` alone, through engine.quant.fp8.fp8_linear).
+POLICY = "table"
+MODEL_DTYPE_WINS: frozenset[tuple[int, int]] = frozenset()
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether a one-token projection with this weight runs here, under POLICY."""
+    if POLICY == "off":
+        return False
+    if weight.dtype == FP8_DTYPE:
+        return True
+    if POLICY == "all":
+        return weight.dtype in FLOAT_DTYPES
+    return (POLICY == "table" and weight.dtype in (torch.bfloat16, torch.float16)
+            and tuple(weight.shape) in MODEL_DTYPE_WINS)
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                  group_k: int, k: int) -> None:
+    require_tensor("weight", weight, ndim=2, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
+    require_same("weight", weight, "x", x, dtype=False)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight is {tuple(weight.shape)} but the input has {k} columns")
+    if (scale is None) != (weight.dtype != FP8_DTYPE):
+        raise ValueError("an FP8 weight needs its scale, and only an FP8 weight takes one")
+    if scale is not None:
+        require_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+        require_same("scale", scale, "x", x, dtype=False)
+        groups = 1 if group_k == 0 else -(-k // group_k)
+        if group_k < 0 or (group_k and group_k % 16):
+            raise ValueError(f"group_k must be 0 (per channel) or a multiple of 16, got {group_k}")
+        if tuple(scale.shape) != (n, groups) or (groups > 1 and scale.stride(1) != 1):
+            raise ValueError(f"scale must be [{n}, {groups}] float32 with contiguous groups, got "
+                             f"{tuple(scale.shape)} strides {scale.stride()}")
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but x has {x.dtype}")
+    if bias is not None:
+        require_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        require_same("bias", bias, "x", x, dtype=False)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias has {bias.shape[0]} elements for {n} output channels")
+
+
+def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, scale, bias, group_k, k,
+            config: GemvConfig | None) -> torch.Tensor:
+    require_runnable(x, _gemv_kernel)
+    n = weight.shape[0]
+    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k)
+    if group_k and group_k % cfg.block_k:
+        raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
+        new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
+        out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _check_row(name: str, x: torch.Tensor) -> None:
+    require_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[0] != 1:
+        raise ValueError(f"{name} must be one token, [1, K], got shape {tuple(x.shape)}")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, *, group_k: int = 0, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype. weight in x's dtype (scale None)
+    or float8_e4m3fn with scale [N, G] float32."""
+    _check_row("x", x)
+    _check_weight(x, weight, scale, bias, group_k, x.shape[1])
+    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+              group_k: int = 0, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection of RMSNorm(x + residual): what `fused.rms_norm(x, norm_weight, eps, residual)`
+    followed by `gemv` on its output gives, in one launch. -> (out [1, N], new residual [1, K];
+    x itself when residual is None)."""
+    _check_row("x", x)
+    k = x.shape[1]
+    if residual is not None:
+        require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
+        require_same("residual", residual, "x", x, shape=True)
+    require_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    require_same("norm_weight", norm_weight, "x", x, dtype=False)
+    if norm_weight.shape[0] != k:
+        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}")
+    _check_weight(x, weight, scale, bias, group_k, k)
+    new_residual = x if residual is None else torch.empty_like(x)
+    out = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
+                  weight, scale, bias, group_k, k, config)
+    return out, new_residual
+
+
+def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, *, group_k: int = 0,
+              config: GemvConfig | None = None) -> torch.Tensor:
+    """The projection of SiLU(gate) * up, gate_up [1, 2 * K] (gate first): what
+    `fused.silu_and_mul` followed by `gemv` gives, in one launch. -> [1, N]."""
+    _check_row("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [1, 2 * intermediate], got odd width {gate_up.shape[1]}")
+    k = gate_up.shape[1] // 2
+    _check_weight(gate_up, weight, scale, bias, group_k, k)
+    return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)

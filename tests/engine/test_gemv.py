@@ -1,0 +1,205 @@
+"""The one-token GEMV with its prologue folded in (engine/kernels/gemv.py), under Triton's
+interpreter, against the launches it replaces (engine.kernels.fused's rms_norm and silu_and_mul,
+then a plain matmul): model-dtype and FP8 weights (per channel and block scales), bias, K tiles
+that do not divide K, the first layer (no residual yet), and bad input refused by name.
+
+Tolerances: fp32 activations near 1e-7 relative (bound 1e-5); bf16 outputs differ from the
+two-launch path only by the output's rounding and the accumulation order (bound 1e-2); a wrong
+index, scale or norm is O(1). The new residual stream is the same bits as rms_norm's."""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (see test_kernels.py)")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from tandem.engine.kernels import triton_available  # noqa: E402
+from tandem.engine.quant.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+
+if not triton_available():
+    pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
+
+from tandem.engine.kernels.fused import rms_norm, silu_and_mul  # noqa: E402
+from tandem.engine.kernels.gemv import GemvConfig, choose_gemv_config, gemv, norm_gemv, silu_gemv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILES = (GemvConfig(8, 32, 2, 2), GemvConfig(4, 64, 1, 1))  # 64 does not divide K = 96 or 160
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def weights(kind, n, k, gen, dtype):
+    """-> (weight, scale, group_k, the weight as the reference multiplies it in fp64)"""
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    if kind == "model":
+        w = w.to(dtype)
+        return w.to(DEVICE), None, 0, w.double()
+    q, scale = quantize_fp8(w)
+    group_k = 32 if kind == "fp8-block" else 0
+    if group_k:
+        scale = torch.rand(n, -(-k // group_k), generator=gen) + 0.5
+    return q.to(DEVICE), scale.to(DEVICE), group_k, dequantize_fp8(q, scale, group_k, torch.float64)
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
+@pytest.mark.parametrize("k,bias", [(96, False), (160, True)])
+def test_gemv_matches_torch(dtype, kind, k, bias):
+    gen = torch.Generator().manual_seed(k + len(kind))
+    n = 24
+    w, scale, group_k, ref_w = weights(kind, n, k, gen, dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    ref = x.double() @ ref_w.T + (0 if b is None else b.double())
+    for cfg in TILES if group_k != 32 else TILES[:1]:
+        out = gemv(x, w, scale, b, group_k=group_k, config=cfg)
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert rel_err(out, ref) < tol(dtype), cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
+@pytest.mark.parametrize("first_layer", [False, True])
+def test_norm_gemv_is_rms_norm_then_gemv(dtype, kind, first_layer):
+    gen = torch.Generator().manual_seed(3 + first_layer)
+    n, k = 40, 96
+    w, scale, group_k, ref_w = weights(kind, n, k, gen, dtype)
+    x = (torch.randn(1, k, generator=gen) * 3).to(dtype).to(DEVICE)
+    residual = None if first_layer else torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    h, ref_residual = rms_norm(x, g, 1e-5, residual)
+    ref = h.double() @ ref_w.T
+    for cfg in TILES if group_k != 32 else TILES[:1]:
+        out, new_residual = norm_gemv(x, residual, g, 1e-5, w, scale, group_k=group_k, config=cfg)
+        assert torch.equal(new_residual, ref_residual)  # the residual stream, bit for bit
+        assert (new_residual is x) == first_layer
+        assert rel_err(out, ref) < tol(dtype), cfg
+    # the norm really is applied: scaling x (first layer) or x and residual leaves the output alone
+    out2, _ = norm_gemv(x * 4, None if residual is None else residual * 4, g, 1e-5, w, scale, group_k=group_k)
+    assert rel_err(out2, ref) < tol(dtype) * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["model", "fp8"])
+def test_silu_gemv_is_silu_and_mul_then_gemv(dtype, kind):
+    gen = torch.Generator().manual_seed(11)
+    n, k = 24, 160
+    w, scale, group_k, ref_w = weights(kind, n, k, gen, dtype)
+    gate_up = torch.randn(1, 2 * k, generator=gen).to(dtype).to(DEVICE)
+    ref = silu_and_mul(gate_up).double() @ ref_w.T
+    for cfg in TILES:
+        out = silu_gemv(gate_up, w, scale, config=cfg)
+        assert rel_err(out, ref) < tol(dtype), cfg
+    # gate and up are not interchangeable: swapping the halves changes the result
+    swapped = torch.cat([gate_up[:, k:], gate_up[:, :k]], dim=1)
+    assert rel_err(silu_gemv(swapped, w, scale), ref) > 0.1
+
+
+def test_configs_fit_block_scales():
+    for n, k in ((6144, 4096), (4096, 14336), (5120, 27648)):
+        for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32):
+            for group_k in (0, 128):
+                cfg = choose_gemv_config(n, k, dtype, group_k if dtype == torch.float8_e4m3fn else 0)
+                assert cfg.block_n >= 1 and (not group_k or dtype != torch.float8_e4m3fn or group_k % cfg.block_k == 0)
+
+
+def test_bad_input_is_refused_by_name():
+    x = torch.randn(1, 32).to(DEVICE)
+    w = torch.randn(16, 32).to(DEVICE)
+    q, scale = quantize_fp8(w.cpu())
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    with pytest.raises(ValueError, match=r"x must be one token, \[1, K\]"):
+        gemv(torch.randn(2, 32).to(DEVICE), w)
+    with pytest.raises(ValueError, match="weight is"):
+        gemv(torch.randn(1, 48).to(DEVICE), w)
+    with pytest.raises(ValueError, match="needs its scale"):
+        gemv(x, q)
+    with pytest.raises(ValueError, match="only an FP8 weight takes one"):
+        gemv(x, w, scale)
+    with pytest.raises(ValueError, match="weight has dtype torch.bfloat16 but x has torch.float32"):
+        gemv(x, w.bfloat16())
+    with pytest.raises(ValueError, match="norm_weight has 8 elements for hidden size 32"):
+        norm_gemv(x, None, torch.ones(8).to(DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match="residual has shape"):
+        norm_gemv(x, torch.randn(1, 16).to(DEVICE), torch.ones(32).to(DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match="odd width"):
+        silu_gemv(torch.randn(1, 33).to(DEVICE), w)
+    with pytest.raises(ValueError, match="block_k 64 must divide group_k 32"):
+        gemv(x, q, torch.ones(16, 1).to(DEVICE), group_k=32, config=GemvConfig(4, 64))
+
+
+# ---- in the model: TritonOps.norm_linear / silu_linear on one-token steps -----------------------
+def _count_calls(monkeypatch):
+    from tandem.engine.kernels import gemv as gemv_mod
+
+    calls = {"norm_gemv": 0, "silu_gemv": 0}
+    for name in calls:
+        real = getattr(gemv_mod, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(gemv_mod, name, counted)
+    return calls
+
+
+def _greedy(make_engine, model, tok, prompts, max_tokens=5):
+    reqs = [{"prompt_token_ids": p, "max_tokens": max_tokens, "ignore_eos": True} for p in prompts]
+    return [r["token_ids"] for r in make_engine(model, tok).generate(reqs)]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@torch.inference_mode()
+def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, monkeypatch, quantization):
+    """A single sequence decodes one token a step: under POLICY "all" each layer's two norms and
+    its SiLU run inside the projections' GEMVs, and the greedy tokens are the plain torch path's
+    (fp32, and FP8 weights, which both paths read the same). Two sequences at once (T = 2) take
+    the separate launches."""
+    import copy
+
+    from tandem.engine.kernels import gemv as gemv_mod
+    from tandem.engine.model import TritonOps
+    from tandem.engine.weights import load_model
+
+    model, tok, cfg = load_model("tiny-random", seed=1234, quantization=quantization)
+    prompt = list(range(7, 30))
+    ref = _greedy(make_engine, model, tok, [prompt])
+    fused = copy.deepcopy(model)
+    fused.ops = TritonOps()
+    monkeypatch.setattr(gemv_mod, "POLICY", "all")
+    calls = _count_calls(monkeypatch)
+    assert _greedy(make_engine, fused, tok, [prompt]) == ref
+    decode_steps = 4  # 5 tokens: the first from the prompt's step
+    assert calls == {"norm_gemv": 2 * cfg.num_layers * decode_steps, "silu_gemv": cfg.num_layers * decode_steps}
+    calls.update(norm_gemv=0, silu_gemv=0)
+    two = [prompt, prompt[::-1]]
+    assert _greedy(make_engine, fused, tok, two, max_tokens=3) == _greedy(make_engine, model, tok, two, 3)
+    assert calls == {"norm_gemv": 0, "silu_gemv": 0}
+
+
+def test_policy_picks_weights():
+    from tandem.engine.kernels import gemv as gemv_mod
+
+    fp8 = torch.empty(8, 16, dtype=torch.float8_e4m3fn)
+    bf16 = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert gemv_mod.POLICY == "table"
+    assert gemv_mod.takes(fp8) and gemv_mod.takes(bf16) == ((8, 16) in gemv_mod.MODEL_DTYPE_WINS)
+    for policy, want in (("fp8", (True, False)), ("all", (True, True)), ("off", (False, False))):
+        old, gemv_mod.POLICY = gemv_mod.POLICY, policy
+        try:
+            assert (gemv_mod.takes(fp8), gemv_mod.takes(bf16)) == want, policy
+        finally:
+            gemv_mod.POLICY = old
