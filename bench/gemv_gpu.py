@@ -42,7 +42,8 @@ SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate
 # (block_n, block_k, num_warps, num_stages)
 BF16_CANDIDATES = [(4, 512, 4, 4), (4, 256, 2, 4), (8, 256, 4, 3), (2, 512, 2, 4), (4, 1024, 4, 2),
                    (8, 512, 4, 3), (2, 1024, 4, 3), (16, 256, 8, 3)]
-FP8_CANDIDATES = [(4, 512, 2, 4), (8, 512, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 3), (8, 1024, 4, 2)]
+FP8_CANDIDATES = [(4, 512, 2, 4), (8, 512, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 3), (8, 1024, 4, 2),
+                  (16, 512, 8, 3), (16, 256, 4, 3), (16, 1024, 8, 2), (32, 256, 8, 3), (8, 256, 2, 4)]
 
 
 class GemvBench(FP8Bench):
@@ -65,6 +66,7 @@ class GemvBench(FP8Bench):
         wins = sorted({(r["n"], r["k"]) for r in rows if r["weight"] == "bf16" and r["fused_us"] < r["separate_us"]})
         self.results["bf16_wins"] = wins
         print(f"# bf16 shapes where the fused GEMV wins: {wins}", flush=True)
+        print(f"# best configs (kept for the decode steps): {gemv_mod._TUNED}", flush=True)
 
     def _shape(self, name, n, k, pre, wdt):
         dt = torch.float32 if self.dry else torch.bfloat16
@@ -103,7 +105,7 @@ class GemvBench(FP8Bench):
         if pre == "norm":
             r["norm_alone_us"] = self._graph_us(lambda c: fused_mod.rms_norm(x, g, 1e-5, res), ws[:1] * 8)
         cands = [(8, 32, 2, 2)] if self.dry else (FP8_CANDIDATES if wdt == "fp8" else BF16_CANDIDATES)
-        committed = gemv_mod.choose_gemv_config(n, k, ws[0][0].dtype)
+        committed = gemv_mod.choose_gemv_config(n, k, ws[0][0].dtype, 0, pre)
         tried = []
         for c in dict.fromkeys([(committed.block_n, committed.block_k, committed.num_warps, committed.num_stages),
                                 *cands]):
@@ -123,6 +125,8 @@ class GemvBench(FP8Bench):
                  weight_gbs=n * k * (1 if wdt == "fp8" else 2) / tried[0][0] / 1e3,
                  all=[[round(u, 2), list(c)] for u, c in tried])
         r["fused_over_separate"] = r["fused_us"] / r["separate_us"]
+        kind = "fp8" if wdt == "fp8" else "16bit"
+        gemv_mod._TUNED[(kind, n, k, pre)] = gemv_mod.GemvConfig(*tried[0][1])  # for the rest of the run
         del ws
         self.free()
         return r

@@ -9,16 +9,17 @@ in `block_k`-column tiles with 16-byte loads, widens them to fp32 and accumulate
 At batch 1 a Llama layer's add + RMSNorm and SiLU-and-mul are launches of their own that move a
 few KB each; every program of a GEMV reads the whole input vector anyway, so it can compute them
 itself (the vector stays in L1/L2):
-- `norm_gemv`: the input is RMSNorm(x + residual) * norm_weight, computed exactly as
-  engine.kernels.fused.rms_norm does (the sum and the normalised activations rounded to the model
-  dtype at the same points; a first pass over the vector gives the variance), and program 0 writes
-  the new residual stream.
+- `norm_gemv`: the input is RMSNorm(x + residual) * norm_weight. The sum x + residual is rounded
+  to the model dtype as engine.kernels.fused.rms_norm rounds it (program 0 writes it: the new
+  residual stream, the same bits); the dot products are taken with (x + residual) * norm_weight and
+  scaled by 1 / rms at the end, so the normalised activations are not rounded to the model dtype
+  (in fp32 that changes nothing but the order of two products; in bf16 it drops two roundings).
 - `silu_gemv`: the input is SiLU(gate) * up of a [2 * K] gate/up vector, rounded to the model
   dtype as engine.kernels.fused.silu_and_mul rounds it.
 
-So a fused call gives the same output as the two launches it replaces (up to the variance's
-summation order), one launch and one kernel gap less each: at llama3-8b's batch 1, 96 of a
-step's ~400 kernels.
+So a fused call gives the output of the two launches it replaces (the same for SiLU; within the
+model dtype's rounding for the norm), one launch and one kernel gap less each: at llama3-8b's
+batch 1, 96 of a step's ~400 kernels.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ _PLAIN, _NORM, _SILU = 0, 1, 2
 
 
 @triton.jit
-def _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, rinv, store_residual,
+def _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, ss, store_residual,
                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # the GEMV's input at columns ks, in fp32, as the launches it replaces would have stored it
+    # -> (the GEMV's input at columns ks in fp32, the running sum of squares). The norm's 1/rms is
+    # applied to the dot products at the end, so it needs no first pass over the vector.
     dt = new_r_ptr.dtype.element_ty
     if PROLOGUE == 2:
         gate = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -51,9 +53,9 @@ def _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, rinv, store_resid
                 s = (h + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
                 tl.store(new_r_ptr + ks, s, mask=k_mask & store_residual)
                 h = s.to(tl.float32)
-            g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            h = ((h * rinv).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
-    return h
+            ss += h * h
+            h = h * tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    return h, ss
 
 
 @triton.jit
@@ -68,19 +70,8 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    rinv = 1.0
-    if PROLOGUE == 1:  # the variance of (x + residual) rounded, over all K, before any product
-        ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            k_mask = ks < K
-            h = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                h = (h + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32))
-                h = h.to(new_r_ptr.dtype.element_ty).to(tl.float32)
-            ss += h * h
-        rinv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
@@ -90,14 +81,16 @@ def _gemv_kernel(
         else:
             k_mask = ks < K
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        h = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, rinv, store_residual,
-                        PROLOGUE, HAS_RESIDUAL)
+        h, ss = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, ss, store_residual,
+                            PROLOGUE, HAS_RESIDUAL)
         if GROUP_K == 0:
             acc += w * h[None, :]
         else:
             s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
             acc += w * h[None, :] * s[:, None]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if PROLOGUE == 1:
+        out *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if SCALED and GROUP_K == 0:
         out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -113,20 +106,23 @@ class GemvConfig:
     num_stages: int = 4
 
 
-# FP8 weights, (N, K) -> config where bench/fp8_sweep.py's best beat the default (4, 512, 2, 4):
-# llama3-8b o 7.4 us against 8.6, down 21.6 against 27.5; qwen2.5-32b down 48.2 against 55.4;
-# llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
-_FP8_TUNED = {(4096, 4096): GemvConfig(4, 1024, 4, 1), (4096, 14336): GemvConfig(4, 1024, 4, 3),
-              (5120, 27648): GemvConfig(2, 4096, 4, 1), (10240, 8192): GemvConfig(4, 1024, 4, 3)}
+# (weight kind, N, K, prologue) -> config where a sweep on an H200 beat the default. Plain FP8
+# (bench/fp8_sweep.py, default (4, 512, 2, 4)): llama3-8b o 7.4 us against 8.6, down 21.6 against
+# 27.5; qwen2.5-32b down 48.2 against 55.4; llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
+_TUNED = {("fp8", 4096, 4096, "none"): GemvConfig(4, 1024, 4, 1),
+          ("fp8", 4096, 14336, "none"): GemvConfig(4, 1024, 4, 3),
+          ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),
+          ("fp8", 10240, 8192, "none"): GemvConfig(4, 1024, 4, 3)}
 
 
-def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int = 0) -> GemvConfig:
-    """Rows per program, K tile, warps and stages for one weight shape (bench/fp8_sweep.py's
-    sweep on an H200 for FP8; the same 16-byte loads for 2-byte weights are 256 columns)."""
-    if weight_dtype == FP8_DTYPE:
-        cfg = _FP8_TUNED.get((n, k), GemvConfig())
-    else:
-        cfg = GemvConfig(4, 256 if weight_dtype.itemsize == 4 else 512, 4, 4)
+def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int = 0,
+                       prologue: str = "none") -> GemvConfig:
+    """Rows per program, K tile, warps and stages for one weight shape and prologue ("none",
+    "norm", "silu"): the sweeps' best (bench/fp8_sweep.py, bench/gemv_gpu.py) where one beat the
+    default; 16-byte loads are 16 FP8 or 8 bf16 columns."""
+    kind = "fp8" if weight_dtype == FP8_DTYPE else "fp32" if weight_dtype.itemsize == 4 else "16bit"
+    default = {"fp8": GemvConfig(), "16bit": GemvConfig(4, 512, 4, 4), "fp32": GemvConfig(4, 256, 4, 4)}[kind]
+    cfg = _TUNED.get((kind, n, k, prologue), default)
     if group_k and group_k % cfg.block_k:
         cfg = GemvConfig(cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
     return cfg
@@ -184,7 +180,7 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
             config: GemvConfig | None) -> torch.Tensor:
     require_runnable(x, _gemv_kernel)
     n = weight.shape[0]
-    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k)
+    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, ("none", "norm", "silu")[prologue])
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
