@@ -64,6 +64,7 @@ def _gemv_kernel(
     N, K, stride_wn, stride_sn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,7 +74,22 @@ def _gemv_kernel(
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if USE_PDL:
+        # launched as a programmatic dependent of the kernel before it: no kernel writes weights,
+        # so the first weight tile streams in while that kernel finishes; its output (the input
+        # vector) is read only after gdc_wait. Then the next kernel may be scheduled.
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if GROUP_K != 0:
+            w = w * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[:, None]
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        h, ss = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, rk, k_mask, K, ss, store_residual,
+                            PROLOGUE, HAS_RESIDUAL)
+        acc += w * h[None, :]
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             k_mask = rk < BLOCK_K
@@ -185,14 +201,30 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
+    pdl = _pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
         out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+# Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
+# kernel before it finishes (see _gemv_kernel). False: plain launches (benchmarks compare).
+PDL = True
+_PDL_DEVICES: dict[torch.device, bool] = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    if not PDL or device.type != "cuda":
+        return False
+    ok = _PDL_DEVICES.get(device)
+    if ok is None:
+        ok = _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return ok
 
 
 def _check_row(name: str, x: torch.Tensor) -> None:

@@ -203,3 +203,35 @@ def test_policy_picks_weights():
             assert (gemv_mod.takes(fp8), gemv_mod.takes(bf16)) == want, policy
         finally:
             gemv_mod.POLICY = old
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.engine.kernels.gemv import _gemv_kernel
+sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16", "w_ptr": "*fp8e4nv",
+       "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+       "stride_sn": "i32", "eps": "fp32"}
+for prologue in (0, 1, 2):
+    for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
+        const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
+                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=True)
+        src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
+        assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
+print("compiled")
+"""
+
+
+def test_the_dependent_launch_variant_compiles_for_hopper():
+    """The PDL branch runs only on a Hopper GPU, never under the interpreter: compile it for sm_90
+    here (Triton's own ptxas, no GPU needed), so a type error in it fails CI instead of a GPU run."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.fail(f"Triton's ptxas is missing: {done.stderr[-500:]}")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
