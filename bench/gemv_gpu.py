@@ -7,14 +7,15 @@ One run measures, in order:
   channel): what a one-token step runs today (add + RMSNorm then the projection for q/k/v and
   gate/up; SiLU-and-mul then the projection for down; o alone; bf16 projections in cuBLAS, FP8
   in the GEMV) against the fused GEMV over a few tile configs, each replayed from one CUDA graph
-  over enough weight copies to be past the L2. Prints the best config per shape and the bf16
-  shapes where the fused GEMV beats cuBLAS plus the separate launch (engine.kernels.gemv's
-  MODEL_DTYPE_WINS is meant to hold those);
+  over enough weight copies to be past the L2. Prints the best config per shape and the shapes
+  where the fused GEMV beats the separate launches (engine.kernels.gemv.WINS is meant to hold
+  those that also win in the decode step);
 - llama3-8b-random decode steps at batch 1, context 1k (bench/fp8_gpu.py's decode rows: CUDA
   graphs, the overlapped step, the kernel profile of one eager forward), bf16 with the fused
-  GEMV off, on where the kernel table says it wins, and on for every projection; FP8 with it
-  off and on, each with and without programmatic dependent launch (gemv.PDL); each against the
-  floor (bytes over the copy rate) and FP8 against bf16.
+  GEMV off (cuBLAS and the separate launches), on where engine.kernels.gemv.WINS says (the
+  default), and on for every projection and prologue; FP8 likewise; with programmatic dependent
+  launch off, waiting, or prefetching (gemv.PDL); each against the floor (bytes over the copy
+  rate) and FP8 against bf16.
 
     python3 bench/gemv_gpu.py            # on the GPU; JSON under $OUT (or ./out)
     python3 bench/gemv_gpu.py --dry-run  # CPU (Triton interpreter), tiny shapes: the script's logic
@@ -64,9 +65,10 @@ class GemvBench(FP8Bench):
                 rows.append(self._shape(name, n, k, pre, wdt))
                 print(f"# kernel {rows[-1]}", flush=True)
                 self.save()
-        wins = sorted({(r["n"], r["k"]) for r in rows if r["weight"] == "bf16" and r["fused_us"] < r["separate_us"]})
-        self.results["bf16_wins"] = wins
-        print(f"# bf16 shapes where the fused GEMV wins: {wins}", flush=True)
+        wins = sorted({("16bit" if r["weight"] == "bf16" else "fp8", r["n"], r["k"], r["before"]) for r in rows
+                       if r["fused_us"] < r["separate_us"]})
+        self.results["kernel_wins"] = wins
+        print(f"# shapes where the fused GEMV wins alone: {wins}", flush=True)
         print(f"# best configs (kept for the decode steps): {gemv_mod._TUNED}", flush=True)
 
     def _shape(self, name, n, k, pre, wdt):
@@ -136,10 +138,11 @@ class GemvBench(FP8Bench):
         name = "tiny-random" if self.dry else "llama3-8b-random"
         dtype = "float32" if self.dry else "bfloat16"
         ctx = 64 if self.dry else 1024
-        wins = frozenset(tuple(w) for w in self.results.get("bf16_wins", []))
         rows = self.results["decode_8b"] = []
-        for label, quant, runs in (("8b-bf16", None, (("off", True), ("table", True), ("all", True), ("all", False))),
-                                   ("8b-fp8", "fp8", (("off", False), ("off", True), ("fp8", False), ("fp8", True)))):
+        for label, quant, runs in (("8b-bf16", None, (("off", "off"), ("table", "prefetch"), ("table", "wait"),
+                                                      ("all", "prefetch"))),
+                                   ("8b-fp8", "fp8", (("off", "off"), ("table", "off"), ("table", "prefetch"),
+                                                      ("table", "wait"), ("all", "prefetch")))):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
             self.sync()
@@ -147,14 +150,11 @@ class GemvBench(FP8Bench):
             if self.dry:
                 model.ops = TritonOps()
             for policy, pdl in runs:
-                if policy == "table" and not wins:
-                    continue  # no bf16 shape won: "table" is "off"
-                gemv_mod.POLICY, gemv_mod.MODEL_DTYPE_WINS, gemv_mod.PDL = policy, wins, pdl
-                tag = f"{label}-{policy}{'-pdl' if pdl else ''}"
-                for row in self.decode_rows(tag, model, tok, (1,), ctx):
+                gemv_mod.POLICY, gemv_mod.PDL = policy, pdl
+                for row in self.decode_rows(f"{label}-{policy}-pdl:{pdl}", model, tok, (1,), ctx):
                     row.update(policy=policy, pdl=pdl)
                     rows.append(row)
-            gemv_mod.POLICY, gemv_mod.MODEL_DTYPE_WINS, gemv_mod.PDL = "table", frozenset(), True
+            gemv_mod.POLICY, gemv_mod.PDL = "table", "prefetch"
             del model
             self.free()
         self.save()
@@ -176,7 +176,7 @@ def print_table(R):
         for r in rows:
             print(f"{r['model']:>20} {r['step_ms']:>8.3f} {r['gpu_ms']:>8.3f} {r['floor_ms']:>8.3f} "
                   f"{r['step_ms'] / r['floor_ms']:>7.2f}")
-        plain = next((r["step_ms"] for r in rows if r["model"] == "8b-bf16-off-pdl"), None)
+        plain = next((r["step_ms"] for r in rows if r["model"] == "8b-bf16-off-pdl:off"), None)
         best = min((r["step_ms"] for r in rows if r["model"].startswith("8b-bf16")), default=None)
         for r in rows:
             if r["model"].startswith("8b-fp8") and plain:

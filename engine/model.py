@@ -138,7 +138,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.reduce_output(self.o_proj(o.view(T, self.q_size)))
+        return self.reduce_output(ops.linear(o.view(T, self.q_size), self.o_proj))
 
 
 def latent_attention(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -211,10 +211,11 @@ class TritonOps:
 
     def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
-        where engine.kernels.gemv takes the weight (`gemv.takes`), else rms_norm, then linear."""
+        where engine.kernels.gemv takes the weight with the norm (`gemv.takes`), else rms_norm,
+        then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        if x.shape[0] == 1 and gemv.takes(linear.weight):
+        if x.shape[0] == 1 and gemv.takes(linear.weight, "norm"):
             return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
                                   linear.bias, group_k=linear.group_k)
         h, residual = self.rms_norm(x, norm.weight, norm.eps, residual)
@@ -225,9 +226,17 @@ class TritonOps:
         weight, else silu_and_mul, then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        if gate_up.shape[0] == 1 and gemv.takes(linear.weight):
+        if gate_up.shape[0] == 1 and gemv.takes(linear.weight, "silu"):
             return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
         return linear(self.silu_and_mul(gate_up))
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """linear(x), by engine.kernels.gemv for one token where it takes the weight."""
+        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+
+        if x.shape[0] == 1 and gemv.takes(linear.weight):
+            return gemv.gemv(x, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
+        return linear(x)
 
 
 def default_ops(device: torch.device) -> TorchOps | TritonOps:

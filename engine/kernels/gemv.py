@@ -75,10 +75,12 @@ def _gemv_kernel(
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     start = 0
-    if USE_PDL:
-        # launched as a programmatic dependent of the kernel before it: no kernel writes weights,
-        # so the first weight tile streams in while that kernel finishes; its output (the input
-        # vector) is read only after gdc_wait. Then the next kernel may be scheduled.
+    if USE_PDL == 1:  # launched as a programmatic dependent: wait for the kernel before, then let
+        tl.extra.cuda.gdc_wait()  # the next one be scheduled
+        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL == 2:
+        # as 1, and no kernel writes weights, so the first weight tile streams in while the kernel
+        # before finishes; its output (the input vector) is read only after gdc_wait
         k_mask = rk < K
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if GROUP_K != 0:
@@ -136,7 +138,7 @@ def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int =
     """Rows per program, K tile, warps and stages for one weight shape and prologue ("none",
     "norm", "silu"): the sweeps' best (bench/fp8_sweep.py, bench/gemv_gpu.py) where one beat the
     default; 16-byte loads are 16 FP8 or 8 bf16 columns."""
-    kind = "fp8" if weight_dtype == FP8_DTYPE else "fp32" if weight_dtype.itemsize == 4 else "16bit"
+    kind = _kind(weight_dtype)
     default = {"fp8": GemvConfig(), "16bit": GemvConfig(4, 512, 4, 4), "fp32": GemvConfig(4, 256, 4, 4)}[kind]
     cfg = _TUNED.get((kind, n, k, prologue), default)
     if group_k and group_k % cfg.block_k:
@@ -144,25 +146,34 @@ def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int =
     return cfg
 
 
-# Which one-token projections of the model take this kernel (TritonOps.norm_linear / silu_linear,
-# the norm or SiLU folded in): "table" (the default) FP8 weights, and bf16/fp16 weights of the
-# [N, K] shapes in MODEL_DTYPE_WINS, where it was measured faster than cuBLAS plus the separate
-# launch (bench/gemv_gpu.py); "fp8" FP8 weights only; "all" every weight; "off" none (the separate
-# launches; an FP8 weight still takes `gemv` alone, through engine.quant.fp8.fp8_linear).
+def _kind(dtype: torch.dtype) -> str:
+    return "fp8" if dtype == FP8_DTYPE else "fp32" if dtype.itemsize == 4 else "16bit"
+
+
+# One-token projections of the model (TritonOps.linear / norm_linear / silu_linear) that take this
+# kernel with their prologue ("none", "norm", "silu") folded in: (weight kind, N, K, prologue) where
+# it beat what it replaces on an H200 (bench/gemv_gpu.py, docs/benchmarks.md, issue 23): bf16
+# against cuBLAS (plus the norm's launch) for q/k/v and gate/up with their norms and for o, not for
+# down (its SiLU prologue costs more than the launch it saves); FP8 with the norm for q/k/v only (a
+# prologue costs an FP8 GEMV ~10% of its time, more than a launch saves on the large ones). An FP8
+# projection without its prologue always runs here (engine.quant.fp8.fp8_linear).
+WINS: frozenset[tuple[str, int, int, str]] = frozenset({
+    ("16bit", 6144, 4096, "norm"), ("16bit", 4096, 4096, "none"), ("16bit", 28672, 4096, "norm"),  # llama3-8b
+    ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm"),  # qwen2.5-32b
+    ("fp8", 6144, 4096, "norm"), ("fp8", 7168, 5120, "norm")})
+# "table": WINS; "all": every projection, every prologue; "off": none (the separate launches and
+# cuBLAS; FP8 still takes the plain kernel through fp8_linear). Benchmarks compare.
 POLICY = "table"
-MODEL_DTYPE_WINS: frozenset[tuple[int, int]] = frozenset()
 
 
-def takes(weight: torch.Tensor) -> bool:
-    """Whether a one-token projection with this weight runs here, under POLICY."""
-    if POLICY == "off":
+def takes(weight: torch.Tensor, prologue: str = "none") -> bool:
+    """Whether a one-token projection with this weight, `prologue` folded in, runs here."""
+    kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
+    if POLICY == "off" or kind is None:
         return False
-    if weight.dtype == FP8_DTYPE:
-        return True
     if POLICY == "all":
-        return weight.dtype in FLOAT_DTYPES
-    return (POLICY == "table" and weight.dtype in (torch.bfloat16, torch.float16)
-            and tuple(weight.shape) in MODEL_DTYPE_WINS)
+        return True
+    return (kind, *weight.shape, prologue) in WINS
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -213,18 +224,20 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
 
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
-# kernel before it finishes (see _gemv_kernel). False: plain launches (benchmarks compare).
-PDL = True
-_PDL_DEVICES: dict[torch.device, bool] = {}
+# kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it
+# waits), "wait" (it only waits), "off" (plain launches). Benchmarks compare.
+PDL = "prefetch"
+_PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
+_HOPPER: dict[torch.device, bool] = {}
 
 
-def _pdl(device: torch.device) -> bool:
-    if not PDL or device.type != "cuda":
-        return False
-    ok = _PDL_DEVICES.get(device)
+def _pdl(device: torch.device) -> int:
+    if PDL == "off" or device.type != "cuda":
+        return 0
+    ok = _HOPPER.get(device)
     if ok is None:
-        ok = _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return ok
+        ok = _HOPPER[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_MODES[PDL] if ok else 0
 
 
 def _check_row(name: str, x: torch.Tensor) -> None:

@@ -190,17 +190,24 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
     assert calls == {"norm_gemv": 0, "silu_gemv": 0}
 
 
-def test_policy_picks_weights():
+def test_policy_picks_weights_and_prologues():
     from tandem.engine.kernels import gemv as gemv_mod
 
-    fp8 = torch.empty(8, 16, dtype=torch.float8_e4m3fn)
-    bf16 = torch.empty(8, 16, dtype=torch.bfloat16)
+    def w(dtype, n=6144, k=4096):
+        return torch.empty(n, k, dtype=dtype)
+
     assert gemv_mod.POLICY == "table"
-    assert gemv_mod.takes(fp8) and gemv_mod.takes(bf16) == ((8, 16) in gemv_mod.MODEL_DTYPE_WINS)
-    for policy, want in (("fp8", (True, False)), ("all", (True, True)), ("off", (False, False))):
+    assert gemv_mod.takes(w(torch.bfloat16), "norm") and gemv_mod.takes(w(torch.bfloat16, 4096, 4096))
+    assert not gemv_mod.takes(w(torch.bfloat16, 4096, 14336), "silu")  # cuBLAS keeps down
+    assert not gemv_mod.takes(w(torch.bfloat16, 8, 16), "norm")  # unmeasured shapes stay as they were
+    assert not gemv_mod.takes(w(torch.float32), "norm")
+    assert gemv_mod.takes(w(torch.float8_e4m3fn), "norm")
+    assert not gemv_mod.takes(w(torch.float8_e4m3fn, 28672, 4096), "norm")
+    assert all(prologue in ("none", "norm", "silu") and kind in ("16bit", "fp8") for kind, _, _, prologue in gemv_mod.WINS)
+    for policy, want in (("all", True), ("off", False)):
         old, gemv_mod.POLICY = gemv_mod.POLICY, policy
         try:
-            assert (gemv_mod.takes(fp8), gemv_mod.takes(bf16)) == want, policy
+            assert gemv_mod.takes(w(torch.float32, 8, 16), "silu") == want, policy
         finally:
             gemv_mod.POLICY = old
 
@@ -213,10 +220,10 @@ from tandem.engine.kernels.gemv import _gemv_kernel
 sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16", "w_ptr": "*fp8e4nv",
        "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
        "stride_sn": "i32", "eps": "fp32"}
-for prologue in (0, 1, 2):
+for prologue, pdl in ((0, 1), (0, 2), (1, 2), (2, 2), (1, 1)):
     for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
         const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
-                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=True)
+                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl)
         src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
         assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
