@@ -7,8 +7,8 @@ One run measures, in order:
   channel): what a one-token step runs today (add + RMSNorm then the projection for q/k/v and
   gate/up; SiLU-and-mul then the projection for down; o alone; bf16 projections in cuBLAS, FP8
   in the GEMV) against the fused GEMV over a few tile configs, each replayed from one CUDA graph
-  over enough weight copies to be past the L2. Prints the best config per shape and the shapes
-  where the fused GEMV beats the separate launches (engine.kernels.gemv.WINS is meant to hold
+  over enough weight copies to be past the L2. Prints the best config per shape (the decode steps
+  below use the committed ones) and the shapes where the fused GEMV beats the separate launches (engine.kernels.gemv.WINS is meant to hold
   those that also win in the decode step);
 - llama3-8b-random decode steps at batch 1, context 1k (bench/fp8_gpu.py's decode rows: CUDA
   graphs, the overlapped step, the kernel profile of one eager forward), bf16 with the fused
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -69,7 +70,7 @@ class GemvBench(FP8Bench):
                        if r["fused_us"] < r["separate_us"]})
         self.results["kernel_wins"] = wins
         print(f"# shapes where the fused GEMV wins alone: {wins}", flush=True)
-        print(f"# best configs (kept for the decode steps): {gemv_mod._TUNED}", flush=True)
+
 
     def _shape(self, name, n, k, pre, wdt):
         dt = torch.float32 if self.dry else torch.bfloat16
@@ -128,8 +129,6 @@ class GemvBench(FP8Bench):
                  weight_gbs=n * k * (1 if wdt == "fp8" else 2) / tried[0][0] / 1e3,
                  all=[[round(u, 2), list(c)] for u, c in tried])
         r["fused_over_separate"] = r["fused_us"] / r["separate_us"]
-        kind = "fp8" if wdt == "fp8" else "16bit"
-        gemv_mod._TUNED[(kind, n, k, pre)] = gemv_mod.GemvConfig(*tried[0][1])  # for the rest of the run
         del ws
         self.free()
         return r
@@ -139,21 +138,21 @@ class GemvBench(FP8Bench):
         dtype = "float32" if self.dry else "bfloat16"
         ctx = 64 if self.dry else 1024
         rows = self.results["decode_8b"] = []
-        for label, quant, runs in (("8b-bf16", None, (("off", "off"), ("table", "prefetch"), ("table", "wait"),
-                                                      ("all", "prefetch"))),
+        for label, quant, runs in (("8b-bf16", None, (("off", "off"), ("table", "prefetch"), ("all", "prefetch"))),
                                    ("8b-fp8", "fp8", (("off", "off"), ("table", "off"), ("table", "prefetch"),
-                                                      ("table", "wait"), ("all", "prefetch")))):
+                                                      ("all", "prefetch")))):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
             self.sync()
             self.results[f"load_s_{label}"] = time.perf_counter() - t0
             if self.dry:
                 model.ops = TritonOps()
-            for policy, pdl in runs:
-                gemv_mod.POLICY, gemv_mod.PDL = policy, pdl
-                for row in self.decode_rows(f"{label}-{policy}-pdl:{pdl}", model, tok, (1,), ctx):
-                    row.update(policy=policy, pdl=pdl)
-                    rows.append(row)
+            for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
+                for policy, pdl in runs:
+                    gemv_mod.POLICY, gemv_mod.PDL = policy, pdl
+                    for row in self.decode_rows(f"{label}-{policy}-pdl:{pdl}", model, tok, (1,), ctx):
+                        row.update(policy=policy, pdl=pdl, rep=rep)
+                        rows.append(row)
             gemv_mod.POLICY, gemv_mod.PDL = "table", "prefetch"
             del model
             self.free()
@@ -171,17 +170,22 @@ def print_table(R):
               f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {r['fused_config']}")
     rows = R.get("decode_8b", [])
     if rows:
-        print("\nllama3-8b-random decode, batch 1, context 1k")
-        print(f"{'model':>20} {'step ms':>8} {'GPU ms':>8} {'floor ms':>8} {'x floor':>7}")
+        by = {}
         for r in rows:
-            print(f"{r['model']:>20} {r['step_ms']:>8.3f} {r['gpu_ms']:>8.3f} {r['floor_ms']:>8.3f} "
-                  f"{r['step_ms'] / r['floor_ms']:>7.2f}")
-        plain = next((r["step_ms"] for r in rows if r["model"] == "8b-bf16-off-pdl:off"), None)
-        best = min((r["step_ms"] for r in rows if r["model"].startswith("8b-bf16")), default=None)
-        for r in rows:
-            if r["model"].startswith("8b-fp8") and plain:
-                print(f"# {r['model']} / bf16 (cuBLAS): {r['step_ms'] / plain:.3f}; / best bf16 row: "
-                      f"{r['step_ms'] / best:.3f}")
+            by.setdefault(r["model"], []).append(r)
+        med = {m: statistics.median(r["step_ms"] for r in rs) for m, rs in by.items()}
+        print(f"\nllama3-8b-random decode, batch 1, context 1k: step ms (median of {len(rows) // len(by)} "
+              "interleaved runs; each run the median of its steps)")
+        print(f"{'model':>28} {'step ms':>8} {'runs':>24} {'GPU ms':>8} {'floor ms':>8} {'x floor':>7} "
+              f"{'/ bf16 off':>10} {'/ bf16 table':>12}")
+        bf_off, bf_table = med.get("8b-bf16-off-pdl:off"), med.get("8b-bf16-table-pdl:prefetch")
+        for m, rs in by.items():
+            floor = rs[0]["floor_ms"]
+            runs = " ".join(f"{r['step_ms']:.3f}" for r in rs)
+            gpu = statistics.median(r["gpu_ms"] for r in rs)
+            print(f"{m:>28} {med[m]:>8.3f} {runs:>24} {gpu:>8.3f} {floor:>8.3f} {med[m] / floor:>7.2f} "
+                  f"{med[m] / bf_off if bf_off else float('nan'):>10.3f} "
+                  f"{med[m] / bf_table if bf_table else float('nan'):>12.3f}")
 
 
 def main():
@@ -189,6 +193,7 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,steps")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each decode variant")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -200,6 +205,7 @@ def main():
 
     torch.manual_seed(0)
     b = GemvBench(args.dry_run, args.out, quick=True)
+    b.repeats = args.repeats
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("steps", b.steps)):

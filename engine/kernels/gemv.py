@@ -130,7 +130,16 @@ class GemvConfig:
 _TUNED = {("fp8", 4096, 4096, "none"): GemvConfig(4, 1024, 4, 1),
           ("fp8", 4096, 14336, "none"): GemvConfig(4, 1024, 4, 3),
           ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),
-          ("fp8", 10240, 8192, "none"): GemvConfig(4, 1024, 4, 3)}
+          ("fp8", 10240, 8192, "none"): GemvConfig(4, 1024, 4, 3),
+          # bench/gemv_gpu.py (run 4, PDL prefetching; default for 2-byte weights (4, 1024, 4, 2))
+          ("16bit", 5120, 5120, "none"): GemvConfig(4, 512, 4, 4),
+          ("16bit", 4096, 14336, "silu"): GemvConfig(4, 512, 4, 4),
+          ("16bit", 5120, 27648, "silu"): GemvConfig(4, 512, 4, 4),
+          ("fp8", 7168, 5120, "norm"): GemvConfig(8, 512, 4, 3),
+          ("fp8", 28672, 4096, "norm"): GemvConfig(8, 512, 4, 3),
+          ("fp8", 55296, 5120, "norm"): GemvConfig(32, 256, 8, 3),
+          ("fp8", 4096, 14336, "silu"): GemvConfig(8, 1024, 4, 2),
+          ("fp8", 5120, 27648, "silu"): GemvConfig(16, 512, 8, 3)}
 
 
 def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int = 0,
@@ -139,7 +148,7 @@ def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int =
     "norm", "silu"): the sweeps' best (bench/fp8_sweep.py, bench/gemv_gpu.py) where one beat the
     default; 16-byte loads are 16 FP8 or 8 bf16 columns."""
     kind = _kind(weight_dtype)
-    default = {"fp8": GemvConfig(), "16bit": GemvConfig(4, 512, 4, 4), "fp32": GemvConfig(4, 256, 4, 4)}[kind]
+    default = {"fp8": GemvConfig(), "16bit": GemvConfig(4, 1024, 4, 2), "fp32": GemvConfig(4, 256, 4, 4)}[kind]
     cfg = _TUNED.get((kind, n, k, prologue), default)
     if group_k and group_k % cfg.block_k:
         cfg = GemvConfig(cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
