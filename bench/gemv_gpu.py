@@ -139,7 +139,7 @@ class GemvBench(FP8Bench):
         ctx = 64 if self.dry else 1024
         rows = self.results["decode_8b"] = []
         for label, quant, runs in (("8b-bf16", None, (("off", "off"), ("table", "prefetch"), ("all", "prefetch"))),
-                                   ("8b-fp8", "fp8", (("off", "off"), ("table", "off"), ("table", "prefetch"),
+                                   ("8b-fp8", "fp8", (("table", "off"), ("table", "prefetch"),
                                                       ("all", "prefetch")))):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
@@ -149,11 +149,11 @@ class GemvBench(FP8Bench):
                 model.ops = TritonOps()
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
                 for policy, pdl in runs:
-                    gemv_mod.POLICY, gemv_mod.PDL = policy, pdl
+                    gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl != "off"
                     for row in self.decode_rows(f"{label}-{policy}-pdl:{pdl}", model, tok, (1,), ctx):
                         row.update(policy=policy, pdl=pdl, rep=rep)
                         rows.append(row)
-            gemv_mod.POLICY, gemv_mod.PDL = "table", "prefetch"
+            gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = "table", "prefetch", False
             del model
             self.free()
         self.save()

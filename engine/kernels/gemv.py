@@ -163,13 +163,13 @@ def _kind(dtype: torch.dtype) -> str:
 # kernel with their prologue ("none", "norm", "silu") folded in: (weight kind, N, K, prologue) where
 # it beat what it replaces on an H200 (bench/gemv_gpu.py, docs/benchmarks.md, issue 23): bf16
 # against cuBLAS (plus the norm's launch) for q/k/v and gate/up with their norms and for o, not for
-# down (its SiLU prologue costs more than the launch it saves); FP8 with the norm for q/k/v only (a
-# prologue costs an FP8 GEMV ~10% of its time, more than a launch saves on the large ones). An FP8
-# projection without its prologue always runs here (engine.quant.fp8.fp8_linear).
+# down (its SiLU prologue costs more than the launch it saves). No FP8 entry: a prologue costs an
+# FP8 GEMV ~10% of its time, and the one shape where the kernel alone still won (q/k/v with its
+# norm, 0.86) did not win in the step (2.94-2.95 ms against 2.91). An FP8 projection without its
+# prologue always runs here (engine.quant.fp8.fp8_linear).
 WINS: frozenset[tuple[str, int, int, str]] = frozenset({
     ("16bit", 6144, 4096, "norm"), ("16bit", 4096, 4096, "none"), ("16bit", 28672, 4096, "norm"),  # llama3-8b
-    ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm"),  # qwen2.5-32b
-    ("fp8", 6144, 4096, "norm"), ("fp8", 7168, 5120, "norm")})
+    ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm")})  # qwen2.5-32b
 # "table": WINS; "all": every projection, every prologue; "off": none (the separate launches and
 # cuBLAS; FP8 still takes the plain kernel through fp8_linear). Benchmarks compare.
 POLICY = "table"
@@ -221,7 +221,7 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
-    pdl = _pdl(x.device)
+    pdl = _pdl(x.device, weight.dtype)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
@@ -234,14 +234,18 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
 # kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it
-# waits), "wait" (it only waits), "off" (plain launches). Benchmarks compare.
+# waits), "wait" (it only waits), "off" (plain launches). On the H200 (docs/benchmarks.md, issue
+# 23) it took 0.19 ms off the bf16 8B batch-1 step and cost FP8's 0.1 ms (3.02 against 2.92: its
+# GEMVs follow the separate norm and SiLU launches, which do not trigger it early), so FP8 weights
+# launch plainly unless PDL_FP8. Benchmarks compare.
 PDL = "prefetch"
+PDL_FP8 = False
 _PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
 _HOPPER: dict[torch.device, bool] = {}
 
 
-def _pdl(device: torch.device) -> int:
-    if PDL == "off" or device.type != "cuda":
+def _pdl(device: torch.device, weight_dtype: torch.dtype) -> int:
+    if PDL == "off" or device.type != "cuda" or (weight_dtype == FP8_DTYPE and not PDL_FP8):
         return 0
     ok = _HOPPER.get(device)
     if ok is None:
