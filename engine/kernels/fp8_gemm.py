@@ -165,8 +165,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FP8_MAX: t
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    # IEEE-rounded divisions (div.rn): Triton's `/` is div.full.f32 (within 2 ulp), which now and
+    # then rounds an element to the other side of an e4m3 boundary from torch's x / scale
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

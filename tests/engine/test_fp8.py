@@ -228,3 +228,29 @@ def test_big_presets_have_the_real_shapes(name, params, qkv_bias):
     count = sum(p.numel() for p in model.parameters())
     assert abs(count / params - 1) < 0.005, count
     assert (model.layers[0].self_attn.qkv_proj.bias is not None) == qkv_bias
+
+
+_QUANTIZE_PTX = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.engine.kernels.fp8_gemm import _quantize_rows_kernel
+sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32", "K": "i32"}
+const = dict(FP8_MAX=448.0, MIN_SCALE=1e-12, BLOCK=4096)
+src = ASTSource(_quantize_rows_kernel, {**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
+"""
+
+
+def test_quantize_rows_divides_as_torch_does_on_hopper():
+    """tests/gpu checks quantize_rows bit for bit against torch on random input; Triton's plain `/`
+    compiles to div.full.f32 (within 2 ulp), which broke that now and then. Compiled for sm_90 here
+    (Triton's own ptxas, no GPU): every division must be IEEE-rounded."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", _QUANTIZE_PTX], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['div.rn.f32']", done.stdout
