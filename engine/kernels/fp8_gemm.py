@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from tandem.engine.kernels.gemv import GemvConfig, choose_gemv_config, gemv
-from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
-                                            require_tensor)
+from tandem.engine.kernels.gemv import GemvConfig, check_weight, choose_gemv_config, gemv
+from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_tensor)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -117,24 +116,9 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     per output channel and K group of group_k columns); bias: [N] or None. -> [M, N] in x's dtype."""
     require_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     require_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,))
-    require_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
-    require_same("weight", weight, "x", x, dtype=False)
-    require_same("scale", scale, "x", x, dtype=False)
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight is {tuple(weight.shape)} but x has {k} columns")
-    groups = 1 if group_k == 0 else -(-k // group_k)
-    if group_k < 0 or (group_k and group_k % 16):
-        raise ValueError(f"group_k must be 0 (per channel) or a multiple of 16, got {group_k}")
-    if tuple(scale.shape) != (n, groups) or (groups > 1 and scale.stride(1) != 1):
-        raise ValueError(f"scale must be [{n}, {groups}] float32 with contiguous groups, got "
-                         f"{tuple(scale.shape)} strides {scale.stride()}")
-    if bias is not None:
-        require_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
-        require_same("bias", bias, "x", x, dtype=False)
-        if bias.shape[0] != n:
-            raise ValueError(f"bias has {bias.shape[0]} elements for {n} output channels")
+    check_weight(x, weight, scale, bias, group_k, k)
     require_runnable(x, _fp8_gemm_kernel)
     interpreted = not isinstance(_fp8_gemm_kernel, JITFunction)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

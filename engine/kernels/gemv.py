@@ -185,8 +185,10 @@ def takes(weight: torch.Tensor, prologue: str = "none") -> bool:
     return (kind, *weight.shape, prologue) in WINS
 
 
-def _check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                  group_k: int, k: int) -> None:
+def check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 group_k: int, k: int) -> None:
+    """The checks every projection kernel makes of its weight [N, K] (model dtype, or FP8 with its
+    scale [N, G]: G == 1, or one per group_k columns), scale and bias against x's device and K."""
     require_tensor("weight", weight, ndim=2, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     require_same("weight", weight, "x", x, dtype=False)
     n = weight.shape[0]
@@ -264,7 +266,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype. weight in x's dtype (scale None)
     or float8_e4m3fn with scale [N, G] float32."""
     _check_row("x", x)
-    _check_weight(x, weight, scale, bias, group_k, x.shape[1])
+    check_weight(x, weight, scale, bias, group_k, x.shape[1])
     return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config)
 
 
@@ -283,7 +285,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     require_same("norm_weight", norm_weight, "x", x, dtype=False)
     if norm_weight.shape[0] != k:
         raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}")
-    _check_weight(x, weight, scale, bias, group_k, k)
+    check_weight(x, weight, scale, bias, group_k, k)
     new_residual = x if residual is None else torch.empty_like(x)
     out = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
                   weight, scale, bias, group_k, k, config)
@@ -299,5 +301,5 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [1, 2 * intermediate], got odd width {gate_up.shape[1]}")
     k = gate_up.shape[1] // 2
-    _check_weight(gate_up, weight, scale, bias, group_k, k)
+    check_weight(gate_up, weight, scale, bias, group_k, k)
     return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)
