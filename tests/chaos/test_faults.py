@@ -77,8 +77,10 @@ def test_kill_prefill_actor_mid_transfer(make_cluster):
     c = make_cluster({"model.name": "smollm2-135m", "cache.num_blocks": 1024, "decode.local_prefill_threshold": 0,
                       "prefill.replicas": 1, "decode.replicas": 1, "scheduler.max_num_batched_tokens": 256})
     words = "one two three four five six seven eight nine ten".split()
+    # two ~700-token prompts of 3 chunks each (four took twice as long): the kill finds both admitted
+    # on prefill-0, part way through their chunks
     reqs = [{"prompt": " ".join(words[(i + j) % 10] for j in range(700)) + f" end {i}", "max_tokens": 6}
-            for i in range(4)]
+            for i in range(2)]
     ref = _reference("smollm2-135m", reqs, 1024)
     results, errors = [None] * len(reqs), []
     threads = _streams(c, reqs, results, errors)
@@ -112,15 +114,27 @@ def test_redis_restart_during_traffic(make_cluster, redis_server_factory):
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
+    sessions = c.routers[0][1].sessions
+
+    def served(n):  # n more requests answered from now on (or an error, asserted below)
+        target = done[0] + n
+        return lambda: done[0] >= target or bool(errors)
+
     ts = [threading.Thread(target=traffic, args=(k,)) for k in range(3)]
     for t in ts:
         t.start()
-    time.sleep(2)
+    _wait(served(6), 60, "sessions written to Redis")
     redis.stop()  # kill -9
-    time.sleep(3)
+    # the router notices, serves from its memory and retries Redis (every 1 s) while it is down
+    _wait(lambda: not sessions.redis_up or bool(errors), 60, "the router to notice Redis is down")
+    down_at = time.monotonic()
+    more = served(6)
+    _wait(lambda: more() and time.monotonic() - down_at > 1.5, 60, "requests served while Redis is down")
     restarted = start_redis_server(redis.port)
     try:
-        time.sleep(3)
+        # ... and writes its sessions back once Redis answers again, then goes on through it
+        _wait(lambda: sessions.redis_up or bool(errors), 60, "the router to use Redis again")
+        _wait(served(6), 60, "requests served after the restart")
         stop.set()
         for t in ts:
             t.join(60)

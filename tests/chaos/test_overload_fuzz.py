@@ -1,9 +1,10 @@
-"""Overload and garbage: twice the capacity for 60 s sheds with RESOURCE_EXHAUSTED (with a retry
+"""Overload and garbage: twice the capacity for 20 s sheds with RESOURCE_EXHAUSTED (with a retry
 hint) while admitted requests finish; 1,000 random and malformed GenerateRequests each get a stream
 or a status, the server keeps serving, and KV in use returns to zero."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -16,9 +17,11 @@ TINY = {"model.name": "tiny-random", "cache.num_blocks": 256, "decode.local_pref
         "prefill.replicas": 1, "decode.replicas": 1}
 
 
-def test_twice_capacity_for_60s_sheds_and_serves(make_cluster):
+def test_twice_capacity_for_20s_sheds_and_serves(make_cluster):
     c = make_cluster({**TINY, "router.max_in_flight": 4, "router.max_queue": 4})
-    stop = time.monotonic() + 60
+    # 20 s of overload is ~200 admitted requests and ~3,000 shed ones here: every assertion below
+    # is met many times over (60 s only repeated the same steady state)
+    stop = time.monotonic() + 20
     ok, shed, other, lock = [0], [0], [], threading.Lock()
     hints = []
 
@@ -73,6 +76,11 @@ requests = st.builds(
 
 def test_fuzzed_requests_get_a_stream_or_a_status(make_cluster):
     c = make_cluster(TINY)
+    # a request that leaves max_tokens unset gets the router's default (256), capped at the room
+    # left: keep that path, with a default as short as the explicit cap below (each such request
+    # took ~1 s to stream 256 tokens, most of the test's time)
+    for _, router in c.routers:
+        router.limits = dataclasses.replace(router.limits, default_max_tokens=8)
     outcomes = {"ok": 0}
 
     @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
