@@ -1,6 +1,7 @@
 """A pool actor whose request threads are all waiting still answers its health checks: the
 controller kills an actor whose stats call times out, so a busy actor must never look dead.
-A real pool actor (tandem.workers' WorkerActor, smollm2-135m on CPU) in the session's local Ray."""
+A real pool actor (tandem.workers' WorkerActor, the tiny random model on CPU: it serves no request
+here, so a larger model only slows its start) in the session's local Ray."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tandem.workers.actor import WorkerActor
 
 
 def test_health_calls_answer_while_every_request_thread_waits(ray_session):
-    engine = load_config(None, {"model.name": "smollm2-135m"}).engine
+    engine = load_config(None, {"model.name": "tiny-random"}).engine
     # one request thread, taken by an output long-poll that waits its full 4 s (no outputs)
     store, port = start_rendezvous_store()               # (no transfer here; the actor joins it)
     actor = WorkerActor.options(max_concurrency=1, num_cpus=1).remote("decode-h", "decode", engine,

@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.protos.tandem.v1 import admin_pb2
 
-MODEL = {"model.name": "smollm2-135m", "cache.num_blocks": 256}
+# the tiny random model: the pool's actors start in a few seconds (the model is not what is tested)
+MODEL = {"model.name": "tiny-random", "cache.num_blocks": 256}
 GEN = "tandem.v1.Generation"
 S = health_pb2.HealthCheckResponse
 
