@@ -26,10 +26,11 @@ from tests.conftest import free_port
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     """A Ray head of its own (port, temp dir); its processes are killed at the end (never `ray stop`,
-    which would stop every Ray on the machine)."""
+    which would stop every Ray on the machine). One for the module: each test runs its cluster in
+    a namespace of its own and ends it with `tandem down`."""
     tmp = tempfile.mkdtemp(prefix="tdet-", dir="/tmp")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_AUTH_TOKEN")}
@@ -139,20 +140,25 @@ def test_kill_9_of_tandem_up_loses_no_stream_and_tandem_down_stops_the_lot(ray_h
 
 def _controller_pid(timeout_s: float = 90) -> int:
     """The pid of the (only) `ray::Controller` process on this machine that belongs to this test's
-    head (its raylet's descendant)."""
+    head (its raylet's descendant). The head is the module's: once one controller is there and no
+    other (an earlier test's is gone with its `tandem down`)."""
     from tandem.cluster.reaper import descendants
 
     deadline = time.monotonic() + timeout_s
+    found: set[int] = set()
     while time.monotonic() < deadline:
+        found = set()
         for raylet in _pids_mentioning(_HEAD["tmp"]):
             for pid in descendants(raylet):
                 try:
                     if Path(f"/proc/{pid}/cmdline").read_text().startswith("ray::Controller"):
-                        return pid
+                        found.add(pid)
                 except OSError:
                     pass
+        if len(found) == 1:
+            return found.pop()
         time.sleep(0.5)
-    raise AssertionError("no ray::Controller process")
+    raise AssertionError(f"not one ray::Controller process: {sorted(found)}")
 
 
 _HEAD: dict = {}
