@@ -43,17 +43,22 @@ def _stream(stub, rid: str, max_tokens: int, out: dict, key: str, started: threa
             started.set()
 
 
+# Streams long enough that the second request with the same id arrives while the first one
+# decodes (it is sent after the first one's 3rd token, ~60 tokens before its end)
+N = 64
+
+
 def test_a_request_id_reused_on_another_router_gets_its_own_stream(two_routers):
     c, second = two_routers
-    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=150, ignore_eos=True)
+    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=N, ignore_eos=True)
     # each router numbers its attempts from 1: one request on each brings both to the same number
-    assert c.generate(stub=second, prompt=PROMPT, max_tokens=150, ignore_eos=True)[0] == ref
+    assert c.generate(stub=second, prompt=PROMPT, max_tokens=N, ignore_eos=True)[0] == ref
     out: dict = {}
     started = threading.Event()
-    first = threading.Thread(target=_stream, args=(c.stub, "probe-dup", 150, out, "first", started))
+    first = threading.Thread(target=_stream, args=(c.stub, "probe-dup", N, out, "first", started))
     first.start()
     assert started.wait(60)
-    _stream(second, "probe-dup", 150, out, "second")
+    _stream(second, "probe-dup", N, out, "second")
     first.join(120)
     assert out["second"] == ref, out["second"]
     assert out["first"] == ref, out["first"]
@@ -62,10 +67,10 @@ def test_a_request_id_reused_on_another_router_gets_its_own_stream(two_routers):
 
 def test_a_duplicate_from_the_same_caller_gets_already_exists(two_routers):
     c, _ = two_routers
-    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=120, ignore_eos=True)
+    ref, _, _ = c.generate(prompt=PROMPT, max_tokens=N, ignore_eos=True)
     out: dict = {}
     started = threading.Event()
-    first = threading.Thread(target=_stream, args=(c.stub, "probe-same", 120, out, "first", started))
+    first = threading.Thread(target=_stream, args=(c.stub, "probe-same", N, out, "first", started))
     first.start()
     assert started.wait(60)
     _stream(c.stub, "probe-same", 5, out, "again")
