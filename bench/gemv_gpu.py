@@ -24,6 +24,7 @@ One run measures, in order:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -40,13 +41,17 @@ gemv_mod = fused_mod = None  # tandem.engine.kernels.gemv / .fused, imported aft
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
-          "8b-down": (4096, 14336, "silu"), "32b-qkv": (7168, 5120, "norm"), "32b-o": (5120, 5120, "none"),
+          "8b-down": (4096, 14336, "silu"), "8b-lm_head": (128256, 4096, "none"),
+          "32b-qkv": (7168, 5120, "norm"), "32b-o": (5120, 5120, "none"),
           "32b-gate_up": (55296, 5120, "norm"), "32b-down": (5120, 27648, "silu")}
-# (block_n, block_k, num_warps, num_stages)
-BF16_CANDIDATES = [(4, 512, 4, 4), (4, 256, 2, 4), (8, 256, 4, 3), (2, 512, 2, 4), (4, 1024, 4, 2),
-                   (8, 512, 4, 3), (2, 1024, 4, 3), (16, 256, 8, 3)]
-FP8_CANDIDATES = [(4, 512, 2, 4), (8, 512, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 3), (8, 1024, 4, 2),
-                  (16, 512, 8, 3), (16, 256, 4, 3), (16, 1024, 8, 2), (32, 256, 8, 3), (8, 256, 2, 4)]
+# (block_n, block_k, num_warps, num_stages, thread_sums)
+BF16_CANDIDATES = [(4, 512, 4, 4, False), (4, 256, 2, 4, False), (8, 256, 4, 3, False), (4, 1024, 4, 2, False),
+                   (8, 512, 4, 3, False), (2, 1024, 4, 3, False), (4, 1024, 4, 2, True), (8, 1024, 4, 2, True),
+                   (4, 2048, 8, 2, True)]
+FP8_CANDIDATES = [(4, 512, 2, 4, False), (4, 1024, 4, 1, False), (4, 1024, 4, 3, False), (8, 512, 4, 3, False),
+                  (4, 2048, 4, 2, True), (8, 2048, 4, 2, True), (4, 1024, 4, 3, True), (8, 1024, 4, 3, True),
+                  (8, 2048, 8, 2, True), (16, 2048, 8, 2, True), (8, 1024, 4, 1, True), (16, 1024, 8, 3, True),
+                  (16, 1024, 8, 2, True), (32, 512, 8, 2, True), (32, 512, 4, 2, True), (16, 1024, 4, 2, True)]
 
 
 class GemvBench(FP8Bench):
@@ -57,7 +62,7 @@ class GemvBench(FP8Bench):
     def kernel_shapes(self):
         if self.dry:
             return {"qkv": (48, 64, "norm"), "o": (32, 64, "none"), "down": (32, 96, "silu")}
-        return SHAPES
+        return {k: v for k, v in SHAPES.items() if k.split("-")[0] in self.models}
 
     def kernels(self):
         rows = self.results["kernels"] = []
@@ -87,14 +92,14 @@ class GemvBench(FP8Bench):
         def project(h, c):
             return F.linear(h, c[0]) if c[1] is None else fp8_quant.fp8_linear(h, c[0], c[1], None, 0)
 
-        def separate(c):
+        def separate(c, project_it=True):
             if pre == "norm":
                 h, _ = fused_mod.rms_norm(x, g, 1e-5, res)
             elif pre == "silu":
                 h = fused_mod.silu_and_mul(x)
             else:
                 h = x
-            return project(h, c)
+            return project(h, c) if project_it else h
 
         def fused(c, cfg):
             if pre == "norm":
@@ -108,52 +113,82 @@ class GemvBench(FP8Bench):
              "separate_us": self._graph_us(separate, ws)}
         if pre == "norm":
             r["norm_alone_us"] = self._graph_us(lambda c: fused_mod.rms_norm(x, g, 1e-5, res), ws[:1] * 8)
-        cands = [(8, 32, 2, 2)] if self.dry else (FP8_CANDIDATES if wdt == "fp8" else BF16_CANDIDATES)
+        cands = [(8, 32, 2, 2, False), (8, 32, 2, 2, True)] if self.dry else (
+            FP8_CANDIDATES if wdt == "fp8" else BF16_CANDIDATES)
         committed = gemv_mod.choose_gemv_config(n, k, ws[0][0].dtype, 0, pre)
-        tried = []
-        for c in dict.fromkeys([(committed.block_n, committed.block_k, committed.num_warps, committed.num_stages),
-                                *cands]):
-            cfg = gemv_mod.GemvConfig(*c)
-            try:
-                out = fused(ws[0], cfg).float()
-                err = ((out - ref).norm() / ref.norm()).item()
-                if not err < 2e-2:
-                    raise AssertionError(f"relative error {err:.3g} against the separate launches")
-                tried.append((self._graph_us(lambda w, cfg=cfg: fused(w, cfg), ws), c))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile or is wrong is skipped
-                print(f"# {name} {wdt} {c} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        tried.sort()
+        tried = self._sweep(name, wdt, cands, committed, lambda c, cfg: fused(c, cfg), ref, ws)
         r.update(fused_us=tried[0][0], fused_config=list(tried[0][1]),
-                 committed_us=next((u for u, c in tried if c[:2] == (committed.block_n, committed.block_k)
-                                    and c[2:] == (committed.num_warps, committed.num_stages)), None),
+                 committed_us=next((u for u, c in tried if c == dataclasses.astuple(committed)), None),
                  weight_gbs=n * k * (1 if wdt == "fp8" else 2) / tried[0][0] / 1e3,
                  all=[[round(u, 2), list(c)] for u, c in tried])
+        if pre != "none" and wdt == "fp8":  # an FP8 step that keeps the prologue apart runs the plain GEMV
+            h = separate(None, project_it=False)
+            plain = self._sweep(name + "-plain", wdt, cands, gemv_mod.choose_gemv_config(n, k, ws[0][0].dtype),
+                                lambda c, cfg: gemv_mod.gemv(h, c[0], c[1], config=cfg), ref, ws)
+            r.update(plain_us=plain[0][0], all_plain=[[round(u, 2), list(c)] for u, c in plain])
         r["fused_over_separate"] = r["fused_us"] / r["separate_us"]
+        r["kind"] = "fp8" if wdt == "fp8" else "16bit"
         del ws
         self.free()
         return r
+
+    def _sweep(self, name, wdt, cands, committed, run, ref, ws):
+        """-> [(us, config)] fastest first, of the candidates that compile and match ref."""
+        tried = []
+        for c in dict.fromkeys([dataclasses.astuple(committed), *cands]):
+            cfg = gemv_mod.GemvConfig(*c)
+            try:
+                out = run(ws[0], cfg).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    raise AssertionError(f"relative error {err:.3g} against the separate launches")
+                tried.append((self._graph_us(lambda w, cfg=cfg: run(w, cfg), ws), c))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or is wrong is skipped
+                print(f"# {name} {wdt} {c} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return sorted(tried)
+
+    def use_swept_configs(self):
+        """The decode steps below run with this run's best tile per (weight kind, shape, prologue)
+        (engine.kernels.gemv._TUNED updated in place; --configs swept)."""
+        for r in self.results.get("kernels", []):
+            gemv_mod._TUNED[(r["kind"], r["n"], r["k"], r["before"])] = gemv_mod.GemvConfig(*r["fused_config"])
+            if r["before"] != "none":  # the plain GEMV of the same weight, where a step runs the prologue apart
+                for _, c in r.get("all_plain", [])[:1]:
+                    gemv_mod._TUNED[(r["kind"], r["n"], r["k"], "none")] = gemv_mod.GemvConfig(*c)
+
+    # label -> (gemv.POLICY, gemv.PDL, the FP8 prologues taken in "table" ("norm": q/k/v and gate/up)
+    STEP_VARIANTS = {
+        "bf16": (("off", "off", ""), ("table", "prefetch", ""), ("all", "prefetch", "")),
+        "fp8": (("table", "off", ""), ("table", "prefetch", ""), ("table", "prefetch", "norm"),
+                ("all", "prefetch", "")),
+    }
 
     def steps(self):
         name = "tiny-random" if self.dry else "llama3-8b-random"
         dtype = "float32" if self.dry else "bfloat16"
         ctx = 64 if self.dry else 1024
         rows = self.results["decode_8b"] = []
-        for label, quant, runs in (("8b-bf16", None, (("off", "off"), ("table", "prefetch"), ("all", "prefetch"))),
-                                   ("8b-fp8", "fp8", (("table", "off"), ("table", "prefetch"),
-                                                      ("all", "prefetch")))):
+        if self.configs == "swept":
+            self.use_swept_configs()
+        table = gemv_mod.WINS
+        for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
             self.sync()
             self.results[f"load_s_{label}"] = time.perf_counter() - t0
             if self.dry:
                 model.ops = TritonOps()
+            norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
+                         for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
-                for policy, pdl in runs:
+                for policy, pdl, extra in self.STEP_VARIANTS[label.split("-")[1]]:
                     gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl != "off"
-                    for row in self.decode_rows(f"{label}-{policy}-pdl:{pdl}", model, tok, (1,), ctx):
-                        row.update(policy=policy, pdl=pdl, rep=rep)
+                    gemv_mod.WINS = table | norm_keys if extra == "norm" else table
+                    tag = f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
+                    for row in self.decode_rows(tag, model, tok, (1,), ctx):
+                        row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra)
                         rows.append(row)
-            gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = "table", "prefetch", False
+            gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", False, table
             del model
             self.free()
         self.save()
@@ -164,10 +199,12 @@ def print_table(R):
     print(f"\nceilings: copy {c.get('copy_gbs', 0):.0f} GB/s, bf16 matmul {c.get('matmul_tflops', 0):.0f} TFLOP/s")
     print("\none-token projections, us per call (graph replay past the L2)")
     print(f"{'shape':>12} {'weight':>6} {'before':>6} {'separate':>9} {'fused':>7} {'fused/sep':>9} "
-          f"{'GB/s':>6} config")
+          f"{'GB/s':>6} {'plain':>6} config (plain's)")
     for r in R.get("kernels", []):
+        plain = f"{r['plain_us']:>6.1f}" if "plain_us" in r else f"{'':>6}"
         print(f"{r['shape']:>12} {r['weight']:>6} {r['before']:>6} {r['separate_us']:>9.1f} {r['fused_us']:>7.1f} "
-              f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {r['fused_config']}")
+              f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {plain} {r['fused_config']}"
+              + (f" ({r['all_plain'][0][1]})" if r.get("all_plain") else ""))
     rows = R.get("decode_8b", [])
     if rows:
         by = {}
@@ -194,6 +231,9 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,steps")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each decode variant")
+    parser.add_argument("--models", default="8b,32b", help="kernel shapes of these models: 8b,32b")
+    parser.add_argument("--configs", choices=("committed", "swept"), default="committed",
+                        help="tile configs of the decode steps: engine.kernels.gemv's, or this run's sweep's best")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -205,7 +245,7 @@ def main():
 
     torch.manual_seed(0)
     b = GemvBench(args.dry_run, args.out, quick=True)
-    b.repeats = args.repeats
+    b.repeats, b.configs, b.models = args.repeats, args.configs, set(args.models.split(","))
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("steps", b.steps)):

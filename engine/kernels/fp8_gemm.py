@@ -17,6 +17,7 @@ shape from bench/fp8_sweep.py (`gemv.choose_gemv_config`); ~0.6-0.7x bf16 cuBLAS
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # one token: the CUDA-core kernel (block_m unused)
+    thread_sums: bool = False  # the one-token kernel's GemvConfig.thread_sums
 
 
 def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> GemmConfig:
@@ -95,7 +97,7 @@ def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> 
     wide = n >= 16384  # gate_up
     if m == 1:
         g = choose_gemv_config(n, k, FP8_DTYPE)
-        cfg = GemmConfig(1, g.block_n, g.block_k, g.num_warps, g.num_stages, gemv=True)
+        cfg = GemmConfig(1, g.block_n, g.block_k, g.num_warps, g.num_stages, gemv=True, thread_sums=g.thread_sums)
     elif m <= 16:
         cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
@@ -105,7 +107,7 @@ def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> 
     else:
         cfg = GemmConfig(128, 256, 64, num_warps=8, num_stages=3) if wide else GemmConfig(128, 64, 128)
     if group_k and group_k % cfg.block_k:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, group_k, cfg.num_warps, cfg.num_stages, cfg.gemv)
+        cfg = dataclasses.replace(cfg, block_k=group_k)
     return cfg
 
 
@@ -129,7 +131,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
     if cfg.gemv and m == 1:
         return gemv(x, weight, scale, bias, group_k=group_k,
-                    config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages))
+                    config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.thread_sums))
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k,

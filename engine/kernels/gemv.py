@@ -4,7 +4,8 @@ out[N] = W[N, K] @ x[K] (+ bias), W in the model dtype (bf16/fp16/fp32) or FP8 e
 (`scale [N, G]` as engine.kernels.fp8_gemm: G == 1 per output channel, applied once at the end;
 else one per `group_k` input columns). No tensor cores: each program streams `block_n` weight rows
 in `block_k`-column tiles with 16-byte loads, widens them to fp32 and accumulates `w * x` into a
-[block_n, block_k] register tile, reduced once at the end.
+[block_n, block_k] register tile (`thread_sums`: [block_n, block_k / 16 bytes], each thread's run
+summed first), reduced once at the end.
 
 At batch 1 a Llama layer's add + RMSNorm and SiLU-and-mul are launches of their own that move a
 few KB each; every program of a GEMV reads the whole input vector anyway, so it can compute them
@@ -24,6 +25,7 @@ batch 1, 96 of a step's ~400 kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +61,19 @@ def _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, ss, store_residua
 
 
 @triton.jit
+def _products(w, h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    # w [BLOCK_N, BLOCK_K] * h [BLOCK_K], each run of VEC columns (one thread's 16-byte load) summed
+    # in its thread: the accumulator is [BLOCK_N, BLOCK_K // VEC], so larger tiles fit in registers
+    return tl.sum(tl.reshape(w * h[None, :], (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, g_ptr, new_r_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     N, K, stride_wn, stride_sn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, VEC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,7 +82,7 @@ def _gemv_kernel(
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
     start = 0
     if USE_PDL == 1:  # launched as a programmatic dependent: wait for the kernel before, then let
         tl.extra.cuda.gdc_wait()  # the next one be scheduled
@@ -89,7 +98,7 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         h, ss = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, rk, k_mask, K, ss, store_residual,
                             PROLOGUE, HAS_RESIDUAL)
-        acc += w * h[None, :]
+        acc += _products(w, h, BLOCK_N, BLOCK_K, VEC)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
@@ -102,10 +111,10 @@ def _gemv_kernel(
         h, ss = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, ks, k_mask, K, ss, store_residual,
                             PROLOGUE, HAS_RESIDUAL)
         if GROUP_K == 0:
-            acc += w * h[None, :]
-        else:
+            acc += _products(w, h, BLOCK_N, BLOCK_K, VEC)
+        else:  # block_k divides group_k: one scale per row over the tile
             s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
-            acc += w * h[None, :] * s[:, None]
+            acc += _products(w, h, BLOCK_N, BLOCK_K, VEC) * s[:, None]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if PROLOGUE == 1:
         out *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -122,24 +131,36 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 2
     num_stages: int = 4
+    # each thread sums its 16-byte run of columns before the accumulator ([block_n, block_k / run]
+    # registers instead of [block_n, block_k]): FP8's larger tiles fit (bench/fp8_gemv_variants.py)
+    thread_sums: bool = False
 
 
-# (weight kind, N, K, prologue) -> config where a sweep on an H200 beat the default. Plain FP8
-# (bench/fp8_sweep.py, default (4, 512, 2, 4)): llama3-8b o 7.4 us against 8.6, down 21.6 against
-# 27.5; qwen2.5-32b down 48.2 against 55.4; llama3-70b qkv 28.9 against 32.2 (docs/benchmarks.md)
-_TUNED = {("fp8", 4096, 4096, "none"): GemvConfig(4, 1024, 4, 1),
-          ("fp8", 4096, 14336, "none"): GemvConfig(4, 1024, 4, 3),
-          ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),
+# (weight kind, N, K, prologue) -> config where a sweep on an H200 beat the default.
+# bench/gemv_gpu.py --models 8b (2026-12-02, evening, calls 2-3; docs/benchmarks.md): llama3-8b's
+# projections. Each thread's 16-byte run summed in registers (thread_sums) let FP8 take 2048-column
+# tiles: o 6.6 us against 6.9, gate/up 30.8 against 33.2, down 16.9 against 17.1, the LM head 121
+# against 146 (bench/fp8_gemv_variants.py: the same loop reading int32 words instead, no widening,
+# took 6.0 / 29.2 / 15.7). Older entries: bench/fp8_sweep.py (qwen2.5-32b, llama3-70b FP8) and
+# bench/gemv_gpu.py run 4 of the afternoon (qwen2.5-32b bf16), without thread sums.
+_TUNED = {("16bit", 6144, 4096, "norm"): GemvConfig(8, 1024, 4, 2, True),  # llama3-8b bf16
+          ("16bit", 28672, 4096, "norm"): GemvConfig(4, 2048, 8, 2, True),
+          ("16bit", 4096, 14336, "silu"): GemvConfig(4, 2048, 8, 2, True),
+          ("fp8", 6144, 4096, "none"): GemvConfig(8, 1024, 4, 1, True),  # llama3-8b FP8
+          ("fp8", 6144, 4096, "norm"): GemvConfig(4, 512, 2, 4),
+          ("fp8", 28672, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
+          ("fp8", 28672, 4096, "norm"): GemvConfig(8, 1024, 4, 1, True),
+          ("fp8", 4096, 14336, "silu"): GemvConfig(8, 2048, 8, 2, True),
+          ("fp8", 128256, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
+          ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),  # qwen2.5-32b, llama3-70b
           ("fp8", 10240, 8192, "none"): GemvConfig(4, 1024, 4, 3),
-          # bench/gemv_gpu.py (run 4, PDL prefetching; default for 2-byte weights (4, 1024, 4, 2))
           ("16bit", 5120, 5120, "none"): GemvConfig(4, 512, 4, 4),
-          ("16bit", 4096, 14336, "silu"): GemvConfig(4, 512, 4, 4),
           ("16bit", 5120, 27648, "silu"): GemvConfig(4, 512, 4, 4),
           ("fp8", 7168, 5120, "norm"): GemvConfig(8, 512, 4, 3),
-          ("fp8", 28672, 4096, "norm"): GemvConfig(8, 512, 4, 3),
           ("fp8", 55296, 5120, "norm"): GemvConfig(32, 256, 8, 3),
-          ("fp8", 4096, 14336, "silu"): GemvConfig(8, 1024, 4, 2),
           ("fp8", 5120, 27648, "silu"): GemvConfig(16, 512, 8, 3)}
+_DEFAULT = {"fp8": GemvConfig(4, 2048, 4, 2, True),  # llama3-8b o and down's best, gate/up's second
+            "16bit": GemvConfig(4, 1024, 4, 2), "fp32": GemvConfig(4, 256, 4, 4)}
 
 
 def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int = 0,
@@ -148,10 +169,11 @@ def choose_gemv_config(n: int, k: int, weight_dtype: torch.dtype, group_k: int =
     "norm", "silu"): the sweeps' best (bench/fp8_sweep.py, bench/gemv_gpu.py) where one beat the
     default; 16-byte loads are 16 FP8 or 8 bf16 columns."""
     kind = _kind(weight_dtype)
-    default = {"fp8": GemvConfig(), "16bit": GemvConfig(4, 1024, 4, 2), "fp32": GemvConfig(4, 256, 4, 4)}[kind]
-    cfg = _TUNED.get((kind, n, k, prologue), default)
+    cfg = _TUNED.get((kind, n, k, prologue), _DEFAULT[kind])
+    if cfg.block_k > k:  # a small model: no tile wider than the row
+        cfg = dataclasses.replace(cfg, block_k=max(16, triton.next_power_of_2(k)))
     if group_k and group_k % cfg.block_k:
-        cfg = GemvConfig(cfg.block_n, group_k, cfg.num_warps, cfg.num_stages)
+        cfg = dataclasses.replace(cfg, block_k=group_k)
     return cfg
 
 
@@ -161,14 +183,16 @@ def _kind(dtype: torch.dtype) -> str:
 
 # One-token projections of the model (TritonOps.linear / norm_linear / silu_linear) that take this
 # kernel with their prologue ("none", "norm", "silu") folded in: (weight kind, N, K, prologue) where
-# it beat what it replaces on an H200 (bench/gemv_gpu.py, docs/benchmarks.md, issue 23): bf16
-# against cuBLAS (plus the norm's launch) for q/k/v and gate/up with their norms and for o, not for
-# down (its SiLU prologue costs more than the launch it saves). No FP8 entry: a prologue costs an
-# FP8 GEMV ~10% of its time, and the one shape where the kernel alone still won (q/k/v with its
-# norm, 0.86) did not win in the step (2.94-2.95 ms against 2.91). An FP8 projection without its
-# prologue always runs here (engine.quant.fp8.fp8_linear).
+# it beat what it replaces on an H200 (bench/gemv_gpu.py, docs/benchmarks.md, issues 23 and 24):
+# bf16 against cuBLAS (plus the norm's or SiLU's launch): every llama3-8b projection since the
+# 2048-column tiles (down with its SiLU 29.9 us against 33.0; the step 4.17 ms against 4.31 without
+# it); qwen2.5-32b's q/k/v, o and gate/up (its down was not remeasured with the new tiles). No FP8
+# entry: a prologue costs an FP8 GEMV 5-15% of its time, and FP8 steps with the prologues folded
+# in lost to the plain GEMVs with separate launches (3.03 ms against 2.79). An FP8 projection
+# without its prologue always runs here (engine.quant.fp8.fp8_linear).
 WINS: frozenset[tuple[str, int, int, str]] = frozenset({
     ("16bit", 6144, 4096, "norm"), ("16bit", 4096, 4096, "none"), ("16bit", 28672, 4096, "norm"),  # llama3-8b
+    ("16bit", 4096, 14336, "silu"),
     ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm")})  # qwen2.5-32b
 # "table": WINS; "all": every projection, every prologue; "off": none (the separate launches and
 # cuBLAS; FP8 still takes the plain kernel through fp8_linear). Benchmarks compare.
@@ -224,13 +248,14 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
     pdl = _pdl(x.device, weight.dtype)
+    vec = min(16 // weight.element_size(), cfg.block_k) if cfg.thread_sums else 1
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
         out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, VEC=vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -238,8 +263,9 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
 # kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it
 # waits), "wait" (it only waits), "off" (plain launches). On the H200 (docs/benchmarks.md, issue
 # 23) it took 0.19 ms off the bf16 8B batch-1 step and cost FP8's 0.1 ms (3.02 against 2.92: its
-# GEMVs follow the separate norm and SiLU launches, which do not trigger it early), so FP8 weights
-# launch plainly unless PDL_FP8. Benchmarks compare.
+# GEMVs follow the separate norm and SiLU launches, which do not trigger it early); with the
+# 2048-column FP8 tiles it cost 0.26 ms (3.06 against 2.79), so FP8 weights launch plainly unless
+# PDL_FP8. Benchmarks compare.
 PDL = "prefetch"
 PDL_FP8 = False
 _PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
