@@ -4,6 +4,9 @@
   use their own key prefixes.
 - `redis_server_factory`: starts extra servers a test may kill and restart (`RedisServer.stop()`,
   `start_redis_server(port=same)`); all are stopped when the test ends.
+
+`hf_smollm2` (session scope): transformers' SmolLM2-135M on the GGUF the engine serves, in fp32, the
+reference of tests/engine and tests/cluster (loading it takes ~15 s: once per run).
 """
 
 from __future__ import annotations
@@ -98,3 +101,14 @@ def redis_server_factory():
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.weights import smollm2_gguf_path
+
+    p = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()

@@ -52,7 +52,7 @@ def remote(ray_session):
     c.close()
 
 
-def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
+def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline, hf_smollm2):
     ref = offline([{"prompt": p, "max_tokens": 12} for p in PROMPTS]
                   + [{"messages": CHAT, "max_tokens": 12}])
     for i, p in enumerate(PROMPTS):
@@ -75,15 +75,10 @@ def test_streamed_tokens_match_offline_engine_and_transformers(remote, offline):
         assert stats[actor].mid_step_calls >= 0
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from tandem.engine.weights import smollm2_gguf_path
-
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     prompt_ids = ref[1]["prompt_token_ids"]
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2)
+        out = hf_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2)
     ids, _, _ = remote.generate(prompt_token_ids=prompt_ids, max_tokens=12)
     assert ids == out[0, len(prompt_ids):].tolist()
 
@@ -287,7 +282,8 @@ def test_a_backlogged_prefill_pool_sends_new_prompts_to_local_prefill(make_clust
 
 
 def test_two_routers_share_sessions_through_redis(make_cluster, redis_server):
-    c = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 2}, redis_url=redis_server)
+    # no prefill actor: the decode actors prefill everything here (LOCAL), one would only slow the start
+    c = make_cluster({**LOCAL, "prefill.replicas": 0, "decode.replicas": 2}, redis_url=redis_server)
     other = c.add_router(redis_url=redis_server)
     import grpc as g
 
@@ -344,8 +340,8 @@ def test_metrics_endpoint_after_traffic(remote):
 def test_speculative_decoding_through_the_cluster_keeps_greedy_output(make_cluster, offline):
     """n-gram speculation on the decode actors (deployment config) changes no token; drafts are
     proposed and accepted (usage reports them)."""
-    c = make_cluster({**LOCAL, "prefill.replicas": 1, "decode.replicas": 1, "speculative.method": "ngram",
-                      "speculative.num_tokens": 4})
+    c = make_cluster({**LOCAL, "prefill.replicas": 0, "decode.replicas": 1, "speculative.method": "ngram",
+                      "speculative.num_tokens": 4})     # (LOCAL: a prefill actor would sit unused)
     code = "def area(width, height):\n    return width * height\n\n"
     msgs = [{"role": "user", "content": f"Rename `width` to `w` and `height` to `h` in this code:\n{code}"}]
     ref = offline([{"messages": msgs, "max_tokens": 40}, {"prompt": code * 3, "max_tokens": 30}])

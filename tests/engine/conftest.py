@@ -1,4 +1,5 @@
-"""Engine test fixtures: the real smollm2-135m (ours and transformers' on the same GGUF), a tiny
+"""Engine test fixtures: the real smollm2-135m (ours; transformers' on the same GGUF is tests/conftest's
+`hf_smollm2`, shared with tests/cluster), a tiny
 random Llama (GQA, Llama-3 rope scaling, untied embeddings) with its transformers twin, and a
 check that every engine a test made ends with all its KV blocks free."""
 
@@ -23,16 +24,6 @@ def smollm2():
 
     model, tok, cfg = load_model("smollm2-135m")
     return model, tok
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2():
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.weights import smollm2_gguf_path
-
-    p = smollm2_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
