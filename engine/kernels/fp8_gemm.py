@@ -29,6 +29,8 @@ from tandem.engine.kernels.gemv import GemvConfig, check_weight, choose_gemv_con
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_tensor)
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+FP8_INV_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))  # as engine.quant.fp8 (its note)
 
 
 @triton.jit
@@ -146,14 +148,15 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
-                          MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                          FP8_INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # IEEE-rounded divisions (div.rn): Triton's `/` is div.full.f32 (within 2 ulp), which now and
-    # then rounds an element to the other side of an e4m3 boundary from torch's x / scale
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    # the scale as engine.quant.fp8.quantize_tokens: amax times the fp32 reciprocal of 448. An
+    # IEEE-rounded division (div.rn) for the elements: Triton's `/` is div.full.f32 (within 2 ulp),
+    # which now and then rounds an element to the other side of an e4m3 boundary from torch's
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * FP8_INV_MAX, MIN_SCALE)
     q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
@@ -171,6 +174,6 @@ def quantize_rows(x: torch.Tensor, min_scale: float = 1e-12) -> tuple[torch.Tens
         return q, scale
     block = next_power_of_2(k)
     _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k,
-                                FP8_MAX=float(torch.finfo(FP8_DTYPE).max), MIN_SCALE=min_scale, BLOCK=block,
+                                FP8_MAX=FP8_MAX, FP8_INV_MAX=FP8_INV_MAX, MIN_SCALE=min_scale, BLOCK=block,
                                 num_warps=min(16, max(1, block // 1024)))
     return q, scale

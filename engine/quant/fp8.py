@@ -21,6 +21,11 @@ from tandem.engine.kernels import triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# 1 / 448 rounded to fp32. A token's scale is amax * FP8_INV_MAX, a multiplication, because that is
+# what torch does on CUDA for `amax / 448` (a CPU-scalar divisor becomes a reciprocal multiply, one
+# ulp off the division now and then) and the CPU path and engine.kernels.fp8_gemm.quantize_rows
+# must give the same bits on both devices
+FP8_INV_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))
 # tokens from which a per-channel FP8 GEMM goes to torch._scaled_mm on CUDA: bench/fp8_gpu.py on
 # an H200, the 8B projections summed: the Triton kernel 104 us at 16 tokens against 125, 158 us at
 # 32 against 120 (docs/benchmarks.md)
@@ -66,7 +71,7 @@ def expand_block_scale(scale_inv: torch.Tensor, n: int, block_n: int) -> torch.T
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], scale [M, 1] fp32): per token (the reference of
     engine.kernels.fp8_gemm.quantize_rows)."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (x.abs().amax(dim=1, keepdim=True).float() * FP8_INV_MAX).clamp_min(_MIN_SCALE)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

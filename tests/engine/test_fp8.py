@@ -22,14 +22,15 @@ import pytest  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.kernels import triton_available  # noqa: E402
 from tandem.engine.linear import Linear  # noqa: E402
-from tandem.engine.quant.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8,  # noqa: E402
-                                     quantize_tokens, torch_linear)
+from tandem.engine.quant.fp8 import (FP8_DTYPE, FP8_INV_MAX, FP8_MAX, dequantize_fp8,  # noqa: E402
+                                     quantize_fp8, quantize_tokens, torch_linear)
 from tandem.engine.weights import load_model  # noqa: E402
 from tandem.wire.errors import ConfigError  # noqa: E402
 
 if not triton_available():
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
 
+import tandem.engine.kernels.fp8_gemm as fp8_gemm_mod  # noqa: E402
 from tandem.engine.kernels.fp8_gemm import GemmConfig, choose_config, fp8_gemm, quantize_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,9 +87,14 @@ def test_quantize_rows_matches_torch(dtype):
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(5, 100, generator=gen) * torch.logspace(-2, 2, 5)[:, None]).to(dtype).to(DEVICE)
     x[3] = 0  # an all-zero token gets the minimum scale, not 0 / 0
+    x[4, 0] = 1.5 * x[4].abs().max()  # amax 1.5 * 2^k: amax * fp32(1 / 448) is one ulp off amax / 448
     q, scale = quantize_rows(x)
     q_ref, scale_ref = quantize_tokens(x)
     assert torch.equal(scale, scale_ref)
+    # the rule is torch's on CUDA (a reciprocal multiply), on every device
+    amax = x.abs().amax(dim=1, keepdim=True).float().cpu()
+    assert torch.equal(scale_ref.cpu()[[0, 1, 2, 4]], (amax * fp8_gemm_mod.FP8_INV_MAX)[[0, 1, 2, 4]])
+    assert fp8_gemm_mod.FP8_INV_MAX == FP8_INV_MAX
     a, b = q.float(), q_ref.float()
     if DEVICE == "cuda":
         assert torch.equal(a, b)
@@ -237,7 +243,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.engine.kernels.fp8_gemm import _quantize_rows_kernel
 sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32", "K": "i32"}
-const = dict(FP8_MAX=448.0, MIN_SCALE=1e-12, BLOCK=4096)
+const = dict(FP8_MAX=448.0, FP8_INV_MAX=1 / 448, MIN_SCALE=1e-12, BLOCK=4096)
 src = ASTSource(_quantize_rows_kernel, {**sig, **{k: "constexpr" for k in const}}, constexprs=const)
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
