@@ -158,9 +158,9 @@ class GemvBench(FP8Bench):
 
     # label -> (gemv.POLICY, gemv.PDL, the FP8 prologues taken in "table" ("norm": q/k/v and gate/up)
     STEP_VARIANTS = {
-        "bf16": (("off", "off", ""), ("table", "prefetch", ""), ("all", "prefetch", "")),
-        "fp8": (("table", "off", ""), ("table", "prefetch", ""), ("table", "prefetch", "norm"),
-                ("all", "prefetch", "")),
+        "bf16": (("off", "off", ""), ("table", "prefetch", ""), ("table", "wait", ""), ("table", "off", "")),
+        "fp8": (("table", "off", ""), ("table", "prefetch", ""), ("table", "wait", ""), ("table", "off", "norm"),
+                ("table", "prefetch", "norm"), ("all", "off", ""), ("all", "prefetch", "")),
     }
 
     def steps(self):
