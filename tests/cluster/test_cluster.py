@@ -254,15 +254,24 @@ def _generate_concurrently(c, reqs: list[dict], session_prefix: str) -> list[lis
     return results
 
 
-def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster, offline):
-    c = make_cluster({**MODEL, "decode.local_prefill_threshold": 24, "prefill.replicas": 2, "decode.replicas": 2})
+def test_32_concurrent_streams_over_2_prefill_2_decode(make_cluster):
+    """32 streams at once over 2 prefill and 2 decode actors, some prefilled locally and the rest
+    remotely, each with the offline engine's tokens. The tiny random model (its four actors start in
+    a third of smollm2-135m's time; the engine's tests check it against transformers too): with its
+    byte tokenizer these prompts are 51-109 tokens, the 8 of at most 72 always prefilled locally."""
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    c = make_cluster({"model.name": "tiny-random", "cache.num_blocks": 512, "decode.local_prefill_threshold": 72,
+                      "prefill.replicas": 2, "decode.replicas": 2})
     reqs = [{"prompt": f"{PROMPTS[i % 4]}\n# variant {i}: " + "x = 1\n" * (i % 7), "max_tokens": 6}
             for i in range(32)]
-    ref = offline(reqs)
+    ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=512))).generate(reqs)
     assert _generate_concurrently(c, reqs, "s") == [r["token_ids"] for r in ref]
     stats = c.worker_stats()
     assert all(stats[w].requests > 0 for w in ("decode-0", "decode-1")), "both decode actors should serve"
     assert sum(stats[w].prefills for w in ("prefill-0", "prefill-1")) > 0
+    assert sum(stats[w].local_prefills for w in ("decode-0", "decode-1")) >= 8, "both paths should run"
     assert all(v == 0 for v in c.wait_idle().values())
 
 
