@@ -53,7 +53,8 @@ def _wait(pred, timeout_s, what):
 
 
 def test_kill_decode_actor_mid_stream(make_cluster):
-    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 1, "decode.replicas": 2})
+    # decode actors prefill everything here: no prefill actor (one would only slow the start)
+    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 0, "decode.replicas": 2})
     reqs = [{"prompt": f"migrate me {i} " + "xy" * i, "max_tokens": 400, "ignore_eos": True} for i in range(6)]
     ref = _reference("tiny-random", reqs)
     results, errors = [None] * len(reqs), []
@@ -99,8 +100,8 @@ def test_redis_restart_during_traffic(make_cluster, redis_server_factory):
     from tests.conftest import start_redis_server
 
     redis = redis_server_factory()
-    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 1, "decode.replicas": 1},
-                     redis_url=redis.url)
+    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 0, "decode.replicas": 1},
+                     redis_url=redis.url)     # (local prefill only: no prefill actor)
     stop = threading.Event()
     errors, done = [], [0]
 

@@ -79,7 +79,7 @@ def test_burst_grows_prefill_then_idle_shrinks_it(make_cluster):
 
 def test_drain_in_the_middle_of_streams_loses_nothing(make_cluster):
     c = make_cluster({"model.name": "tiny-random", "cache.num_blocks": 512, "decode.local_prefill_threshold": 10**9,
-                      "prefill.replicas": 1, "decode.replicas": 2})
+                      "prefill.replicas": 0, "decode.replicas": 2})     # (local prefill only: no prefill actor)
     from tandem.engine.config import CacheConfig, EngineConfig
     from tandem.engine.engine import LLMEngine
 
