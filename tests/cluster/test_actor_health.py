@@ -15,7 +15,7 @@ from tandem.workers.actor import WorkerActor
 
 
 def test_health_calls_answer_while_every_request_thread_waits(ray_session):
-    engine = load_config(None, {"model.name": "tiny-random"}).engine
+    engine = load_config(None, {"model.name": "tiny-random", "cache.num_blocks": 256}).engine
     # one request thread, taken by an output long-poll that waits its full 4 s (no outputs)
     store, port = start_rendezvous_store()               # (no transfer here; the actor joins it)
     actor = WorkerActor.options(max_concurrency=1, num_cpus=1).remote("decode-h", "decode", engine,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tandem.decode_workers.worker import DecodeWorker
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.kv_transfer.base import KVTransferError, TransferState
 from tandem.kv_transfer.spec import TransferSpec
@@ -23,7 +23,8 @@ from tandem.wire.messages import DecodeReserve, OutputError, SamplingParams
 @pytest.fixture
 def worker():
     store, port = start_rendezvous_store("127.0.0.1")
-    engine = LLMEngine(EngineConfig(model="smollm2-135m"))
+    # 512 blocks: each test holds a few; the default (sized from memory, 2 GiB on CPU) took ~1.4 s to zero
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=512)))
     tcfg = KVTransferConfig(start_timeout_s=600.0)
     w = DecodeWorker("decode-r", engine, DistConnector("decode-r", f"127.0.0.1:{port}", engine.kv_cache.device, tcfg),
                      local_prefill_threshold=16, transfer_config=tcfg)

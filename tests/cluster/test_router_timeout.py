@@ -8,7 +8,7 @@ import threading
 import time
 
 from tandem.decode_workers.worker import DecodeWorker
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.wire.messages import DecodeReserve, OutputError, SamplingParams, StepOutput
 
@@ -22,7 +22,9 @@ def _until(cond, timeout=20.0):
 
 def test_a_silent_router_loses_its_requests_and_their_kv():
     # ~20+ ms steps: long requests stay running
-    w = DecodeWorker("decode-t", LLMEngine(EngineConfig(model="smollm2-135m")), router_timeout_s=0.6)
+    # (512 KV blocks hold the three requests; the default sizes the cache from memory, 2 GiB on CPU)
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=512)))
+    w = DecodeWorker("decode-t", engine, router_timeout_s=0.6)
     stop = threading.Event()
     live_out: list = []
 
