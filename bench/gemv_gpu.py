@@ -37,7 +37,7 @@ import tandem.engine.quant.fp8 as fp8_quant
 from tandem.engine.model import TritonOps
 from tandem.engine.weights import load_model
 
-gemv_mod = fused_mod = None  # tandem.engine.kernels.gemv / .fused, imported after TRITON_INTERPRET is set
+gemv_mod = fused_mod = pdl_mod = None  # tandem.engine.kernels.gemv / .fused, imported after TRITON_INTERPRET is set
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
@@ -156,11 +156,13 @@ class GemvBench(FP8Bench):
                 for _, c in r.get("all_plain", [])[:1]:
                     gemv_mod._TUNED[(r["kind"], r["n"], r["k"], "none")] = gemv_mod.GemvConfig(*c)
 
-    # label -> (gemv.POLICY, gemv.PDL, the FP8 prologues taken in "table" ("norm": q/k/v and gate/up)
+    # dtype -> (gemv.POLICY, gemv.PDL, the FP8 prologues taken in "table" ("norm": q/k/v and
+    # gate/up), PDL for the small kernels (engine.kernels.pdl.ENABLED))
     STEP_VARIANTS = {
-        "bf16": (("off", "off", ""), ("table", "prefetch", ""), ("table", "wait", ""), ("table", "off", "")),
-        "fp8": (("table", "off", ""), ("table", "prefetch", ""), ("table", "wait", ""), ("table", "off", "norm"),
-                ("table", "prefetch", "norm"), ("all", "off", ""), ("all", "prefetch", "")),
+        "bf16": (("off", "off", "", False), ("table", "prefetch", "", False), ("table", "prefetch", "", True),
+                 ("table", "wait", "", True)),
+        "fp8": (("table", "off", "", False), ("table", "off", "", True), ("table", "prefetch", "", True),
+                ("table", "wait", "", True), ("all", "prefetch", "", True)),
     }
 
     def steps(self):
@@ -181,14 +183,16 @@ class GemvBench(FP8Bench):
             norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
                          for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
-                for policy, pdl, extra in self.STEP_VARIANTS[label.split("-")[1]]:
-                    gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl != "off"
+                for policy, pdl, extra, small in self.STEP_VARIANTS[label.split("-")[1]]:
+                    gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl
+                    pdl_mod.ENABLED = small
                     gemv_mod.WINS = table | norm_keys if extra == "norm" else table
-                    tag = f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
+                    tag = f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}{'+small' if small else ''}"
                     for row in self.decode_rows(tag, model, tok, (1,), ctx):
-                        row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra)
+                        row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small)
                         rows.append(row)
-            gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", False, table
+            gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
+            pdl_mod.ENABLED = False
             del model
             self.free()
         self.save()
@@ -239,9 +243,10 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    global gemv_mod, fused_mod
+    global gemv_mod, fused_mod, pdl_mod
     import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415 (after TRITON_INTERPRET is set)
     import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
+    import tandem.engine.kernels.pdl as pdl_mod  # noqa: PLC0415
 
     torch.manual_seed(0)
     b = GemvBench(args.dry_run, args.out, quick=True)

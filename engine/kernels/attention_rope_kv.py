@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.fused import _rotate_heads, rotary_embedding
 from tandem.engine.kernels.kv_write import write_kv
 from tandem.engine.kernels.validate import next_power_of_2, require_runnable
@@ -33,8 +34,9 @@ def _rotary_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)[None, :]
@@ -102,4 +104,5 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half), num_warps=4 if num_q_heads * head_dim >= 2048 else 1,
+        **pdl.launch_options(q.device),
     )

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
+
 MERGE_TILE = 16  # partitions one merge iteration loads
 _NEG_BIG = tl.constexpr(-1.0e30)  # paged_attention's finite "minus infinity"
 
@@ -84,9 +86,10 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 def _merge_partitions_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,
     partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
-    HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # grid: (sequences of the launch, query heads, longest query of the launch)
+    pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
     t = tl.program_id(2)
@@ -128,5 +131,5 @@ def merge_partitions(out, part_out, part_ml, meta, partition_size: int, first_se
     _merge_partitions_kernel[(num_seqs, num_heads, max_query_len)](
         out, part_out, part_ml, meta.query_start_loc, meta.seq_lens,
         partition_size, first_seq, out.stride(0), out.stride(1), num_heads * num_parts, num_parts,
-        HEAD_DIM=head_dim, TILE=MERGE_TILE, num_warps=4,
+        HEAD_DIM=head_dim, TILE=MERGE_TILE, num_warps=4, **pdl.launch_options(out.device),
     )

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
                                      require_same, require_tensor)
 
@@ -19,9 +20,10 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     eps,
     stride_x, stride_r, stride_o, stride_nr,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
+    pdl.enter(USE_PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -63,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, r, weight, out, new_residual, float(eps),
         x.stride(0), r.stride(0), out.stride(0), new_residual.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **pdl.launch_options(x.device),
     )
     return out, new_residual
 
@@ -137,7 +139,8 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o,
-                         INTER: tl.constexpr, BLOCK: tl.constexpr):
+                         INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -161,6 +164,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, next_power_of_2(inter))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0),
-        INTER=inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        INTER=inter, BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl.launch_options(gate_up.device),
     )
     return out

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.validate import FLOAT_DTYPES, require_runnable, require_same, require_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -261,24 +262,23 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
 # kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it
-# waits), "wait" (it only waits), "off" (plain launches). On the H200 (docs/benchmarks.md, issue
-# 23) it took 0.19 ms off the bf16 8B batch-1 step and cost FP8's 0.1 ms (3.02 against 2.92: its
-# GEMVs follow the separate norm and SiLU launches, which do not trigger it early); with the
-# 2048-column FP8 tiles it cost 0.26 ms (3.06 against 2.79), so FP8 weights launch plainly unless
-# PDL_FP8. Benchmarks compare.
+# waits), "wait" (it only waits), "off" (plain launches); `PDL` for model-dtype weights, `PDL_FP8`
+# for FP8 (None: "wait" where the norm, SiLU and attention kernels are PDL launches too,
+# engine.kernels.pdl.ENABLED, else "off"). On the H200 (docs/benchmarks.md, issues 23 and 24): the
+# bf16 8B batch-1 step 4.188 ms prefetching against 4.705 with cuBLAS; FP8 2.797 plain, 2.645
+# waiting after PDL small kernels, 2.792 prefetching (its 2048-column tile held across the wait
+# costs registers), 3.06 prefetching after plain ones.
 PDL = "prefetch"
-PDL_FP8 = False
+PDL_FP8: str | None = None
 _PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
-_HOPPER: dict[torch.device, bool] = {}
 
 
 def _pdl(device: torch.device, weight_dtype: torch.dtype) -> int:
-    if PDL == "off" or device.type != "cuda" or (weight_dtype == FP8_DTYPE and not PDL_FP8):
-        return 0
-    ok = _HOPPER.get(device)
-    if ok is None:
-        ok = _HOPPER[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL_MODES[PDL] if ok else 0
+    if weight_dtype == FP8_DTYPE:
+        mode = PDL_FP8 if PDL_FP8 is not None else "wait" if pdl.ENABLED else "off"
+    else:
+        mode = PDL
+    return _PDL_MODES[mode] if pdl.supported(device) else 0
 
 
 def _check_row(name: str, x: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention import AttentionMetadata
-from tandem.engine.kernels import attention_split
+from tandem.engine.kernels import attention_split, pdl
 from tandem.engine.kernels.attention_split import choose_partition_size, merge_partitions
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                      require_tensor)
@@ -194,7 +194,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -268,7 +270,9 @@ def _reduce_partitions_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,
     partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -489,7 +493,7 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         meta.block_tables.stride(0), num_heads * num_parts, num_parts,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
         SLIDING=sliding_window is not None, TREE=tree is not None,
-        num_warps=num_warps, num_stages=num_stages, **common,
+        num_warps=num_warps, num_stages=num_stages, **common, **pdl.launch_options(q.device),
     )
     if split and attention_split.POLICY.vector_merge:
         merge_partitions(out, part_out, part_ml, meta, partition_size, seqs.first, seqs.count, seqs.max_query_len)
@@ -497,7 +501,7 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         _reduce_partitions_kernel[(seqs.count, num_kv_heads)](
             out, part_out, part_ml, meta.query_start_loc, meta.seq_lens,
             partition_size, seqs.first, out.stride(0), out.stride(1), num_heads * num_parts,
-            num_parts, num_warps=4, **common,
+            num_parts, num_warps=4, **common, **pdl.launch_options(q.device),
         )
 
 

@@ -1,0 +1,96 @@
+"""Programmatic dependent launch (engine/kernels/pdl.py) for the small kernels of a decode step.
+
+The USE_PDL branch runs only on a Hopper GPU, never under the interpreter, so each kernel is
+compiled here for sm_90 with Triton's own ptxas (no GPU needed): a mistake in that branch fails CI
+instead of a GPU run, and each launch waits (griddepcontrol.wait) before anything else. On the CPU
+the launch options never ask for PDL."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_COMPILE = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.engine.kernels import attention_rope_kv, attention_split, fused, paged_attention
+
+POINTERS = {"positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "block_tables_ptr": "*i32", "tree_mask_ptr": "*i32", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32",
+            "cos_sin_ptr": "*fp32"}
+decode = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, PRECISION="tf32",
+              SLIDING=False, TREE=False)
+KERNELS = {
+    "rms_norm": (fused._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
+    "silu_and_mul": (fused._silu_and_mul_kernel, dict(INTER=14336, BLOCK=1024)),
+    "rotary_write_kv": (attention_rope_kv._rotary_write_kv_kernel,
+                        dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64)),
+    "decode": (paged_attention._decode_kernel, dict(decode, SPLIT=True)),
+    "decode_whole": (paged_attention._decode_kernel, dict(decode, SPLIT=False)),
+    "reduce_partitions": (paged_attention._reduce_partitions_kernel,
+                          dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128)),
+    "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16)),
+}
+for name, (kernel, const) in KERNELS.items():
+    const = {**const, "USE_PDL": True}
+    sig = {}
+    for arg in kernel.arg_names:
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            sig[arg] = POINTERS.get(arg, "*bf16")
+        else:
+            sig[arg] = "fp32" if arg in ("eps", "scale_log2") else "i32"
+    ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    first = re.search(r"\b(ld\.global|griddepcontrol\.wait)", body)
+    print(name, "griddepcontrol.launch_dependents" in body, first.group(1) if first else None)
+"""
+
+
+def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    if "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.fail(f"Triton's ptxas is missing: {done.stderr[-500:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert set(lines) == {"rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
+                          "reduce_partitions", "merge_partitions"}
+    # each kernel lets the next one be scheduled, and waits before its first global load
+    assert all(v == "True griddepcontrol.wait" for v in lines.values()), lines
+
+
+def test_launch_options(monkeypatch):
+    from tandem.engine.kernels import pdl
+
+    assert pdl.ENABLED is (os.environ.get("TANDEM_PDL") == "1")  # off unless asked for
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}  # never off Hopper
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_gemv_modes_by_weight_kind(monkeypatch):
+    """On Hopper a model-dtype GEMV prefetches its first tile before it waits; an FP8 one only
+    waits, and only where the small kernels before it are PDL launches too (docs/benchmarks.md:
+    held across the wait, its 2048-column tile cost registers; after plain launches it lost)."""
+    from tandem.engine.kernels import gemv, pdl
+
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert gemv._pdl(dev, torch.bfloat16) == 2 and gemv._pdl(dev, torch.float8_e4m3fn) == 1
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert gemv._pdl(dev, torch.bfloat16) == 2 and gemv._pdl(dev, torch.float8_e4m3fn) == 0
+    monkeypatch.setattr(gemv, "PDL_FP8", "prefetch")
+    assert gemv._pdl(dev, torch.float8_e4m3fn) == 2
+    monkeypatch.setattr(pdl, "supported", lambda device: False)
+    assert gemv._pdl(dev, torch.bfloat16) == 0
