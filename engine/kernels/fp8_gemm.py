@@ -87,7 +87,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # one token: the CUDA-core kernel (block_m unused)
-    thread_sums: bool = False  # the one-token kernel's GemvConfig.thread_sums
 
 
 def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> GemmConfig:
@@ -99,7 +98,7 @@ def choose_config(m: int, n: int, k: int, group_k: int, elem_bytes: int = 2) -> 
     wide = n >= 16384  # gate_up
     if m == 1:
         g = choose_gemv_config(n, k, FP8_DTYPE)
-        cfg = GemmConfig(1, g.block_n, g.block_k, g.num_warps, g.num_stages, gemv=True, thread_sums=g.thread_sums)
+        cfg = GemmConfig(1, g.block_n, g.block_k, g.num_warps, g.num_stages, gemv=True)
     elif m <= 16:
         cfg = GemmConfig(16, 32, 512, num_warps=4, num_stages=3)
     elif m <= 32:
@@ -131,9 +130,9 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     cfg = config or choose_config(m, n, k, group_k, x.element_size())
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
-    if cfg.gemv and m == 1:
-        return gemv(x, weight, scale, bias, group_k=group_k,
-                    config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.thread_sums))
+    if cfg.gemv and m == 1:  # no config given: gemv picks its own tuned one, whole
+        gemv_cfg = None if config is None else GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        return gemv(x, weight, scale, bias, group_k=group_k, config=gemv_cfg)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k,
