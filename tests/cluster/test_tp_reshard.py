@@ -133,7 +133,9 @@ def test_running_streams_move_with_their_kv_between_tp_sizes_and_back(cluster):
     for wid, role in (("prefill-0", "decode"), ("decode-0", "mixed")):
         ray.get(cluster.cluster.controller.set_role.remote(wid, role, "test: both decode"), timeout=30)
     time.sleep(0.6)
-    prompts, n = [list(range(3, 24)), [7, 7, 200, 31, 64, 90, 12, 5, 250, 41, 18]], 400
+    # 1,500 tokens (2 x 96 blocks, both fit one worker): the second stream can be 250 tokens ahead of
+    # the first when hop 0 starts (its prefill waits for the TP=2 worker), and must outlive hop 1
+    prompts, n = [list(range(3, 24)), [7, 7, 200, 31, 64, 90, 12, 5, 250, 41, 18]], 1500
     ref = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=256))).generate(
         [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for p in prompts])
     streams = [_Stream(cluster, p, n) for p in prompts]
