@@ -5,7 +5,9 @@ them, fed by this actor instead of a prefill actor. As live VM migration does, t
 moves while the sequence keeps decoding (pre-copy); the pause carries only what changed since.
 
 1. `offer` (between steps, on the loop thread): the sequence's router gets a `SequenceMoving`
-   after every output of the sequence so far; the sequence keeps decoding.
+   after every output of the sequence so far; the sequence keeps decoding while it fits what its
+   router reserves (the positions offered plus `MOVE_HEADROOM_BLOCKS`), then waits out of the
+   batch, so a reservation slower than the headroom's steps delays the move but never voids it.
 2. The router reserves on another decode actor (blocks for the sequence's positions plus some
    headroom, both receives registered) and calls `start`: the sequence's full blocks (which no
    step writes any more) go there now over this actor's sender, the path prefills use.
@@ -40,7 +42,7 @@ from tandem.engine.request import RequestStatus
 from tandem.kv_transfer.base import TransferState
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.wire.errors import NoReservation
-from tandem.wire.messages import SequenceMoving, SequencePaused
+from tandem.wire.messages import MOVE_HEADROOM_BLOCKS, SequenceMoving, SequencePaused
 
 if TYPE_CHECKING:   # the worker owns this; a runtime import would be circular
     from tandem.decode_workers.worker import DecodeWorker
@@ -53,6 +55,7 @@ class _Offer:
     """A sequence offered to move: what its router reserved for it, once it has (`start`)."""
     rec: DecodeRequest
     preemptions: int                   # the engine's count for it when offered: a preemption reuses its blocks
+    limit: int                         # the positions its router reserves (those offered plus the headroom)
     tail: TransferSpec | None = None   # the tail's registered receive (its source blocks filled at the pause)
     first_block: int = 0               # the receiving actor holds the blocks before (its cached prefix)
     precopy_src: tuple[int, ...] = ()  # the blocks pre-copied, from first_block on
@@ -98,7 +101,8 @@ class SequenceMoves:
             if w.engine.pause(request_id) is None:
                 return False
             rec.state = DecodeState.PAUSED
-        self._offers[request_id] = _Offer(rec, req.num_preemptions)
+        limit = req.num_tokens - 1 + MOVE_HEADROOM_BLOCKS * w.block_size
+        self._offers[request_id] = _Offer(rec, req.num_preemptions, limit)
         w.outboxes.put(rec.router_id, [SequenceMoving(request_id, req.num_tokens - 1)])
         return True
 
@@ -211,24 +215,37 @@ class SequenceMoves:
             del self._offers[rid]              # finished or aborted meanwhile: its router frees the rest
             self._stop_precopy(offer)
             return
-        if offer.tail is None or (offer.precopy_id is not None and not self._near_capacity(offer)):
-            return                             # not reserved yet, or still pre-copying with room to decode
-        if rec.state is DecodeState.IN_ENGINE:
-            w = self.w
-            w.engine.settle()
-            w.publish(w.engine.take_outputs())
-            if w.requests.get(rid) is not rec:  # that step finished it
-                return self._advance(offer)
-            if w.engine.pause(rid) is None:
-                return self._cancel(offer, "it is not decoding")
-            rec.state = DecodeState.PAUSED
+        if offer.tail is None:                 # not reserved yet: it decodes while it has room
+            if rec.state is DecodeState.IN_ENGINE and self._near_capacity(offer, offer.limit):
+                self._pause(offer)
+            return
+        if offer.precopy_id is not None and not self._near_capacity(offer, offer.tail.num_tokens):
+            return                             # still pre-copying with room to decode
+        if rec.state is DecodeState.IN_ENGINE and not self._pause(offer):
+            return
         self._send_tail(offer)
 
-    def _near_capacity(self, offer: _Offer) -> bool:
-        """Two more steps (one may be in flight) could take it past the positions reserved."""
+    def _pause(self, offer: _Offer) -> bool:
+        """Take the offered sequence out of the batch at this step boundary; False when it is not
+        paused (that step finished it, or it is no longer decoding: the offer is withdrawn)."""
+        w, rec = self.w, offer.rec
+        w.engine.settle()
+        w.publish(w.engine.take_outputs())
+        if w.requests.get(rec.request_id) is not rec:  # that step finished it
+            self._advance(offer)
+            return False
+        if w.engine.pause(rec.request_id) is None:
+            self._cancel(offer, "it is not decoding")
+            return False
+        rec.state = DecodeState.PAUSED
+        return True
+
+    @staticmethod
+    def _near_capacity(offer: _Offer, positions: int) -> bool:
+        """Two more steps (one may be in flight) could take it past `positions`."""
         req = offer.rec.request
         per_step = 1 + (req.sampling.num_speculative_tokens or 0)
-        return req.num_tokens - 1 + 2 * per_step > offer.tail.num_tokens
+        return req.num_tokens - 1 + 2 * per_step > positions
 
     def _send_tail(self, offer: _Offer) -> None:
         """The sequence is paused: the blocks after the pre-copied ones go now, and its router

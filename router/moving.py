@@ -36,13 +36,10 @@ from tandem.kv_transfer.spec import TransferSpec
 from tandem.router.flow import RequestFlow
 from tandem.router.placing import Attempt, Placer
 from tandem.wire.errors import InvalidRequestError, NoReservation, WorkerUnavailable
-from tandem.wire.messages import DecodePlan, DecodeReserve, OutputError, SequenceMoving, SequencePaused
+from tandem.wire.messages import (MOVE_HEADROOM_BLOCKS, DecodePlan, DecodeReserve, OutputError, SequenceMoving,
+                                  SequencePaused)
 
 log = logging.getLogger(__name__)
-
-# positions reserved past the sequence's own, in blocks: what it may decode while its full blocks
-# are pre-copied (it pauses early, with a longer tail, if it would outgrow them)
-HEADROOM_BLOCKS = 2
 
 
 @dataclass(eq=False)
@@ -172,7 +169,7 @@ async def _reserve(placer: Placer, flow: RequestFlow, att: Attempt, rid: str, id
         decode = view.handle(decode_id)
         view.inflight[decode_id] = view.inflight.get(decode_id, 0) + 1
         ask = DecodeReserve(rid, view.router_id, ids, sp, transfer_id=f"{rid}#move", prefill_id=att.decode_id,
-                            move_headroom=HEADROOM_BLOCKS * placer.block_size)
+                            move_headroom=MOVE_HEADROOM_BLOCKS * placer.block_size)
         try:
             plan = await placer.reservation(decode.reserve.remote(ask), undo=lambda d=decode: d.abort.remote(rid))
         except (WorkerUnavailable, InvalidRequestError, ray.exceptions.RayActorError) as e:   # no room there

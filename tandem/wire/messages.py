@@ -209,6 +209,12 @@ class OutputError:
     error: str
 
 
+# Positions reserved for a moving sequence past those its offer names, in blocks: what it may decode
+# while its router reserves and while its full blocks are pre-copied. The offering actor pauses it
+# before it would outgrow them, so a slow reservation costs the sequence a longer pause, never the move.
+MOVE_HEADROOM_BLOCKS = 2
+
+
 @dataclass(frozen=True)
 class SequenceMoving:
     """A decode actor offers a running sequence to move with its KV (it drains, is asked to

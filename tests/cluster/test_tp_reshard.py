@@ -120,10 +120,10 @@ class _Stream(threading.Thread):
             self.error = repr(e)
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:
+def _wait(cond, timeout_s: float, what) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.05)
 
 
@@ -157,7 +157,8 @@ def test_running_streams_move_with_their_kv_between_tp_sizes_and_back(cluster):
         assert count > 0 and ray.get(handles[source].move_out.remote(count=None), timeout=30) == count
         moved[source] += count
         _wait(lambda: cluster.worker_stats()[source].sequences_migrated
-              == before[source].sequences_migrated + moved[source], 120, f"hop {hop} off {source}")
+              == before[source].sequences_migrated + moved[source], 120,
+              lambda: f"hop {hop} off {source}: {[(len(s.ids), s.error) for s in streams]}, {cluster.worker_stats()}")
     for s in streams:
         s.join(240)
     assert [s.error for s in streams] == [None, None]

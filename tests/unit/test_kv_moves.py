@@ -10,6 +10,7 @@ is left held on either side."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -19,8 +20,8 @@ from tandem.kv_transfer.config import KVTransferConfig
 from tandem.kv_transfer.fake import FakeNetwork
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.wire.errors import NoReservation, WorkerUnavailable
-from tandem.wire.messages import (DecodePlan, DecodeReserve, OutputError, SamplingParams, SequenceMoving,
-                                  SequencePaused, StepOutput)
+from tandem.wire.messages import (MOVE_HEADROOM_BLOCKS, DecodePlan, DecodeReserve, OutputError, SamplingParams,
+                                  SequenceMoving, SequencePaused, StepOutput)
 from tests.unit.kv_factories import until
 from tests.unit.worker_factories import create_engine, create_pool_worker
 
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=120, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=120, ignore_eos=True, temperature=1.0, seed=11)
 SHORT = SamplingParams(max_tokens=48, ignore_eos=True)
 LONG = SamplingParams(max_tokens=600, ignore_eos=True)    # still decoding however slow the test
-HEADROOM = 32      # router/moving.py: HEADROOM_BLOCKS of 16-token blocks
+HEADROOM = MOVE_HEADROOM_BLOCKS * 16       # 16-token blocks
 
 
 @pytest.fixture
@@ -181,6 +182,27 @@ def test_a_sequence_that_would_outgrow_the_headroom_pauses_before_the_pre_copy_e
     rest, _ = collect(b, lambda m: isinstance(m, StepOutput) and m.finished)
     assert moved + rest == one_engine(GREEDY)
     assert b.stats().tokens_recomputed == 0
+    assert_nothing_held(a, b)
+
+
+def test_a_sequence_whose_router_is_slow_to_reserve_waits_within_the_headroom_then_moves(a, b):
+    """The router reserves for the positions offered plus MOVE_HEADROOM_BLOCKS: a sequence that
+    would outgrow that before the reservation arrives leaves the batch and waits, and the move
+    still happens (it used to decode on, and the late reservation was refused as too small)."""
+    out, offered = start_and_offer(a, LONG, after=20)
+    until(lambda: "r/1" not in a.engine.scheduler.requests)      # paused, still offered
+    time.sleep(0.2)                                               # the router is slow
+    assert "r/1" not in a.engine.scheduler.requests
+    waited = a.decode.get_outputs("router", timeout_s=0.05)
+    more = [t for m in waited if isinstance(m, StepOutput) for t in m.token_ids]
+    assert not any(isinstance(m, (SequenceMoving, SequencePaused)) for m in waited)
+    assert 0 < len(more) <= HEADROOM
+    plan = reserve_and_start(a, b, out, LONG)
+    moved, paused = hand_over(a, b, out + more, LONG)
+    assert paused.num_tokens == offered.num_tokens + len(more) <= plan.num_tokens
+    rest, _ = collect(b, lambda m: isinstance(m, StepOutput) and m.finished, timeout_s=60)
+    assert moved + rest == one_engine(LONG)
+    assert (a.stats().sequences_migrated, a.stats().migrations_resumed, b.stats().tokens_recomputed) == (1, 0, 0)
     assert_nothing_held(a, b)
 
 
