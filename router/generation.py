@@ -324,7 +324,7 @@ class Router:
                 if not flow.release_decode:     # else its transfer was aborted on purpose
                     log.warning("prefill of %s reported %s after its tokens were streamed", rid, e)
         self.counters["ok"] += 1
-        self.placer.prefix["decode"].record(att.decode_id, block_hashes(flow.prompt + flow.out_ids, self.block_size))
+        self.placer.prefix.record(att.decode_id, block_hashes(flow.prompt + flow.out_ids, self.block_size))
         if v.session_id:
             await self.sessions.put(v.session_id, SessionState(
                 decode_worker=att.decode_id,

@@ -106,7 +106,9 @@ class Placer:
         self.cost = cost
         self.prefill_queued: dict[str, int] = {}   # prompt tokens placed on each prefill actor, not yet delivered
         self.local_queued: dict[str, int] = {}     # ... on each decode actor to prefill itself, no first token yet
-        self.prefix = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
+        # which worker caches which prompt blocks, whatever part it serves: a worker keeps its KV cache
+        # through a role change, so a prompt it decoded is a prefix hit when it is lent to prefill
+        self.prefix = PrefixIndex()
         self._background: set[asyncio.Future] = set()   # fire-and-forget cleanups, kept referenced
         self._attempts = itertools.count(1)
 
@@ -132,7 +134,7 @@ class Placer:
     # ---- the policy ---------------------------------------------------------------------------
     def pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=()) -> str:
         views = [w for w in self.view.views(pool) if w.worker_id not in exclude]
-        hits = {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
+        hits = {w: n * self.block_size for w, n in self.prefix.match(hashes).items()}
         wid = choose_worker(views, session_worker, hits, overload_fn=self.overload)
         if wid is None:
             if any_ready(views):
@@ -183,22 +185,21 @@ class Placer:
         prefill (at each chunk size) and every ready worker that serves prefill and has slack; None
         when no decode worker can take the request."""
         decode_views = self.view.views("decode")
-        hits = {pool: {w: n * self.block_size for w, n in self.prefix[pool].match(hashes).items()}
-                for pool in ("decode", "prefill")}
-        decode_id = choose_worker(decode_views, sess.decode_worker if sess else None, hits["decode"],
+        hits = {w: n * self.block_size for w, n in self.prefix.match(hashes).items()}
+        decode_id = choose_worker(decode_views, sess.decode_worker if sess else None, hits,
                                   overload_fn=self.overload)
         if decode_id is None:
             return None
         dview = next(w for w in decode_views if w.worker_id == decode_id)
         dload = self.engine_load(dview)
         decoding = {w.worker_id for w in decode_views if w.state == READY}
-        others = {w.worker_id: (self.engine_load(w), hits["prefill"].get(w.worker_id, 0))
+        others = {w.worker_id: (self.engine_load(w), hits.get(w.worker_id, 0))
                   for w in self.view.views("prefill")
                   if w.state == READY and not self.overload(w) and w.worker_id != decode_id
                   and has_slack(self.engine_load(w), w.worker_id not in decoding, dload)}
         c = self.cost
         best = choose_prefill(prefill_options(c.perf, num_tokens, decode_id, dload,
-                                              hits["decode"].get(decode_id, 0), others),
+                                              hits.get(decode_id, 0), others),
                               c.slo_ttft_s, c.slo_tpot_s)
         self.counters[f"cost_{best.where}"] = self.counters.get(f"cost_{best.where}", 0) + 1
         return best
@@ -362,7 +363,7 @@ class Placer:
         att.prefill_task = asyncio.ensure_future(prefill.start.remote(spec=spec))
         # the first token as soon as it is sampled, while the last layers are still on the wire
         att.first_task = asyncio.ensure_future(prefill.first_token.remote(transfer_id=tid))
-        self.prefix["prefill"].record(prefill_id, p.hashes[: len(p.ids) // bs])
+        self.prefix.record(prefill_id, p.hashes[: len(p.ids) // bs])
 
     async def _reserve_prefill(self, prefill_id: str, transfer_id: str, ids, sp) -> tuple[Any, PrefillReservation]:
         """-> (the actor's handle, its reservation)."""

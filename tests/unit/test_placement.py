@@ -16,6 +16,7 @@ from tandem.cluster.workloads import RequestSpec
 from tandem.placement import (OverloadLimits, WorkerView, choose_worker, local_prefill_queue,
                               remote_prefill_offered, wants_remote_prefill)
 from tandem.router.placing import Placer
+from tandem.router.prefix_index import block_hashes
 from tandem.router.sessions import SessionState
 
 PERF = PerfModel(local_prefill_threshold=16, prefill_queue_limit=8000, max_batch=8, kv_capacity_tokens=64_000,
@@ -152,3 +153,32 @@ def test_the_simulators_ties_go_to_the_smallest_worker_id_whatever_the_seed():
         picks.add((sim.pick_decode(s.spec).name, sim.pick_prefill(s, 0.0).name))
     assert picks == {("decode-0", "prefill-0")}
 
+
+
+class _Roles:
+    """A cluster view whose workers change part: `serving[w]` is the part w serves now."""
+    router_id = "router-test"
+
+    def __init__(self, serving: dict[str, str]):
+        self.serving, self.inflight, self.queues = serving, {}, {}
+
+    def views(self, pool):
+        return [WorkerView(w, pool, "ready" if part in (pool, "mixed") else "draining")
+                for w, part in sorted(self.serving.items())]
+
+
+def test_a_worker_lent_to_prefill_is_still_known_to_cache_what_it_decoded():
+    """One prefix index for the router, whatever part a worker serves: its KV cache stays through a
+    role change (it used to be one index per pool, so the prefill choice missed that worker's cache)."""
+    view = _Roles({"w-a": "prefill", "w-b": "decode"})
+    placer = Placer(view, 16, 2, {}, local_prefill_threshold=0)
+    prompt = list(range(100, 164))
+    hashes = block_hashes(prompt, 16)
+    assert placer.pick("decode", None, hashes) == "w-b"
+    placer.prefix.record("w-b", hashes)            # as the router does when w-b's turn finishes
+    view.serving = {"w-a": "prefill", "w-b": "prefill"}   # w-b lent to prefill
+    assert placer.pick("prefill", None, hashes) == "w-b"  # its cached prefix beats the smaller id
+    assert placer.pick("prefill", None, block_hashes(list(range(500, 564)), 16)) == "w-a"
+    view.serving = {"w-a": "decode", "w-b": "decode"}     # and back, after w-a prefilled a prompt
+    placer.prefix.record("w-a", hashes[:2])
+    assert placer.pick("decode", None, hashes) == "w-b"   # the longer cached prefix
