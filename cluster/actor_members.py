@@ -64,9 +64,9 @@ class ActorMember:
             return ProbeResult(Probe.FAILED, error=e, dead=True)
         except Exception as e:  # noqa: BLE001 - a missed health check
             return ProbeResult(Probe.FAILED, error=e)
-        if stats.loop_error:
-            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(stats.loop_error),
-                               sent_at=self._stats_sent_at)
+        if stats.loop_error:     # its engine loop stopped for good: no later check can pass
+            return ProbeResult(Probe.FAILED, stats, error=RuntimeError(f"engine loop stopped: {stats.loop_error}"),
+                               dead=True, sent_at=self._stats_sent_at)
         return ProbeResult(Probe.OK, stats, sent_at=self._stats_sent_at)
 
     def drain(self, move: bool = True) -> None:

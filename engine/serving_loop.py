@@ -114,6 +114,7 @@ class EngineLoop:
         self.slow_steps = 0
         self.step_errors = 0          # steps that raised, in all
         self._inject: Callable[[Any], bool] | None = None
+        self._inject_left = [0]       # injected failures still to come
         self.last_step_error: str | None = None
         self.before_step = before_step or (lambda: None)
         self.layer_done = layer_done
@@ -161,13 +162,21 @@ class EngineLoop:
     def run_mid_step(self, fn: Callable[..., Any], *args, timeout: float | None = 60.0, **kwargs) -> Any:
         return self.call_mid_step(fn, *args, **kwargs).result(timeout)
 
-    def inject_step_failure(self, token_id: int | None = None) -> None:
-        """Loop thread (via call/run): make the next step whose requests include a prompt with
-        `token_id` (any step if None) raise InjectedStepFailure, once. For chaos tests."""
+    def inject_step_failure(self, token_id: int | None = None, times: int = 1) -> None:
+        """Loop thread (via call/run): make the next `times` steps whose requests include a prompt
+        with `token_id` (any step if None) raise InjectedStepFailure (`max_consecutive_errors`
+        of them in a row stop the loop). For chaos tests."""
+        if times < 1:
+            raise ValueError(f"times must be >= 1, got {times}")
+        left = [times]
+
         def hit(engine) -> bool:
-            return token_id is None or any(token_id in r.prompt_token_ids
-                                           for r in engine.scheduler.requests.values())
-        self._inject = hit
+            if token_id is not None and not any(token_id in r.prompt_token_ids
+                                                for r in engine.scheduler.requests.values()):
+                return False
+            left[0] -= 1
+            return True
+        self._inject, self._inject_left = hit, left
 
     def wake(self) -> None:
         """Make an idle loop run before_step now (e.g. a KV transfer just finished); any thread."""
@@ -244,7 +253,8 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     continue
                 if self._inject is not None and self._inject(self.engine):
-                    self._inject = None
+                    if self._inject_left[0] <= 0:
+                        self._inject = None
                     raise InjectedStepFailure("injected step failure (chaos test)")
                 t0 = time.perf_counter()
                 self._sampler.begin()

@@ -64,6 +64,7 @@ class RequestFlow:
     migrations: int = 0
     lost: set[str] = field(default_factory=set)  # decode actors that died under it: not used again
     lost_actors: dict[str, str | None] = field(default_factory=dict)  # their Ray actor ids, by worker id
+    failed_on: set[str] = field(default_factory=set)  # decode actors it failed on: used again only if no other can take it
     first_sent: bool = False      # the request's first token is out (TTFT recorded)
     # the prefill actor's first token, for the decode actor once it is streamed
     handover: FirstToken | None = None
@@ -117,6 +118,7 @@ class RequestFlow:
         if isinstance(msg, WorkerLostNotice):
             self.lost.add(decode_id)
             return "decode_lost"
+        self.failed_on.add(decode_id)     # a step error may be that actor's own (a sticky device error)
         return "request_failed"
 
     def moved_continuation(self, num_tokens: int, last: int | None = None) -> tuple[list[int], SamplingParams] | None:

@@ -264,7 +264,7 @@ class Router:
         while True:
             try:
                 return await self.placer.place(flow.cluster_id, ids, sp, None, block_hashes(ids, self.block_size),
-                                               flow.lost, queue, recomputed=len(ids))
+                                               flow.lost, queue, recomputed=len(ids), avoid=flow.failed_on)
             except NoWorkerReady:
                 if time.monotonic() + self.view.refresh_s > give_up:
                     raise

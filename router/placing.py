@@ -206,7 +206,8 @@ class Placer:
 
     # ---- placing ------------------------------------------------------------------------------
     async def place(self, rid: str, ids: list[int], sp: SamplingParams, sess: SessionState | None,
-                    hashes: list[bytes], exclude: set[str], queue: asyncio.Queue, recomputed: int = 0) -> Attempt:
+                    hashes: list[bytes], exclude: set[str], queue: asyncio.Queue, recomputed: int = 0,
+                    avoid: set[str] = frozenset()) -> Attempt:
         """Reserve on a decode actor (the session's, else the best prefix hit, else the least
         loaded), and when it asks for remote prefill, start it on a prefill actor; a worker that is
         draining or gone is skipped, and a prefill that cannot start falls back to local prefill.
@@ -214,16 +215,17 @@ class Placer:
         answers are independent); it is named in the decode actor's reserve, which then registers
         the KV receive from it. Both save a sequential call per remote prefill. The decode actor's
         outputs for the new attempt go to `queue`. `recomputed`: how many of the prompt's tokens were
-        computed before, elsewhere (a request moved by recompute: the workers count them)."""
+        computed before, elsewhere (a request moved by recompute: the workers count them). `avoid`:
+        decode actors tried only once no other one can take it (those the request failed on)."""
         aid = self._attempt_id(rid)
         self._listen(aid, queue)
         try:
-            return await self._place(_Placement(aid, ids, sp, sess, hashes, recomputed=recomputed), exclude)
+            return await self._place(_Placement(aid, ids, sp, sess, hashes, recomputed=recomputed), exclude, avoid)
         except BaseException:
             self.forget(aid)
             raise
 
-    async def _place(self, p: _Placement, exclude: set[str]) -> Attempt:
+    async def _place(self, p: _Placement, exclude: set[str], avoid: set[str]) -> Attempt:
         rid, ids, sp, sess, hashes = p.rid, p.ids, p.sp, p.sess, p.hashes
         p.prefill_hint, p.chunk = self.prefill_plan(sess, len(ids), hashes)
         if p.prefill_hint is not None:
@@ -232,7 +234,7 @@ class Placer:
             p.hold = self.hold(self.prefill_queued, p.prefill_hint, len(ids))
             p.early = asyncio.ensure_future(self._reserve_prefill(p.prefill_hint, p.transfer_id, ids, sp))
         try:
-            att, plan = await self._reserve_decode(p, exclude)
+            att, plan = await self._reserve_decode(p, exclude, avoid)
         except BaseException:
             self.release(p.hold)
             self._drop_prefill_reservation(p.early, p.transfer_id)
@@ -249,10 +251,18 @@ class Placer:
             raise
         return att
 
-    async def _reserve_decode(self, p: _Placement, exclude: set[str]) -> tuple[Attempt, DecodePlan]:
-        tried = set(exclude)
+    async def _reserve_decode(self, p: _Placement, exclude: set[str], avoid: set[str]) -> tuple[Attempt, DecodePlan]:
+        avoid = set(avoid) - set(exclude)
+        tried = set(exclude) | avoid
         while True:
-            decode_id = self.pick("decode", p.sess.decode_worker if p.sess else None, p.hashes, exclude=tried)
+            try:
+                decode_id = self.pick("decode", p.sess.decode_worker if p.sess else None, p.hashes, exclude=tried)
+            except (NoWorkerReady, WorkersOverloaded):
+                if not avoid:
+                    raise
+                tried -= avoid           # no other one can take it: those it failed on may
+                avoid = set()
+                continue
             decode = self.view.handle(decode_id)
             # count it at once, so concurrent arrivals see this load before the worker reports it
             self.view.inflight[decode_id] = self.view.inflight.get(decode_id, 0) + 1

@@ -48,7 +48,11 @@ class PoolActorBase:
 
     @ray.method(concurrency_group="health")
     def stats(self) -> WorkerStats:
-        return dataclasses.replace(self.worker.stats(), process=ProcessStats(**gc_stats()))
+        s = dataclasses.replace(self.worker.stats(), process=ProcessStats(**gc_stats()))
+        error = self.worker.loop.error
+        if error is not None and s.loop_error is None:  # the loop's last snapshot predates its stop
+            s = dataclasses.replace(s, loop_error=repr(error)[:500])
+        return s
 
     @ray.method(concurrency_group="health")
     def set_draining(self, draining: bool = True, move: bool = True):
@@ -62,7 +66,7 @@ class PoolActorBase:
     def shutdown(self):
         self.worker.shutdown()
 
-    def inject_step_failure(self, token_id: int | None = None) -> None:
-        """Chaos testing: the next engine step that holds a request whose prompt contains
-        `token_id` (any step if None) raises, once. Reachable only through Ray, like ray.kill."""
-        self.worker.loop.run(self.worker.loop.inject_step_failure, token_id)
+    def inject_step_failure(self, token_id: int | None = None, times: int = 1) -> None:
+        """Chaos testing: the next `times` engine steps that hold a request whose prompt contains
+        `token_id` (any step if None) raise. Reachable only through Ray, like ray.kill."""
+        self.worker.loop.run(self.worker.loop.inject_step_failure, token_id, times)

@@ -194,3 +194,27 @@ def test_a_failing_prefill_step_falls_back_to_local_prefill(make_cluster):
     before = stats["prefill-0"].prefills
     assert c.generate(prompt="and now a prompt that prefills remotely " * 5, max_tokens=4)[0]
     assert c.worker_stats()["prefill-0"].prefills == before + 1
+
+
+def test_a_worker_whose_engine_loop_stopped_is_replaced(make_cluster):
+    """Three failing steps in a row stop a decode actor's engine loop for good (as a sticky device
+    error would): its health answers carry the loop error, so the controller takes it for dead at
+    once, kills and replaces it. Each request it held is placed again from the tokens it streamed
+    (greedy outputs unchanged), and later ones go elsewhere. A health answer used to reset the
+    count of missed checks before adding this one, so such a worker stayed "ready" for good."""
+    import ray
+
+    c = make_cluster({**TINY, "decode.local_prefill_threshold": 10**9, "prefill.replicas": 0, "decode.replicas": 2})
+    reqs = [{"prompt": f"stop the loop {i} " + "ab" * (i + 2), "max_tokens": 24, "ignore_eos": True} for i in range(4)]
+    ref = _reference("tiny-random", reqs)
+    ray.get(_actor(c, "decode-0").inject_step_failure.remote(None, 3), timeout=30)
+    # one at a time: with both idle, each new request goes to decode-0 (ties go to the smaller
+    # id), fails there and moves on, until the third failure in a row stops its loop
+    results = [c.generate(prompt=r["prompt"], max_tokens=r["max_tokens"], ignore_eos=True, session_id=f"loop{i}",
+                          timeout=120)[0] for i, r in enumerate(reqs)]
+    assert results == ref
+    _wait(lambda: "decode-0" not in c.worker_stats(), 60, "the controller to take decode-0 for dead")
+    _wait(lambda: sum(1 for w in c.worker_stats() if w.startswith("decode")) == 2, 120, "a replacement decode actor")
+    used = c.wait_idle()
+    assert all(v == 0 for v in used.values()), used
+    assert c.generate(prompt=reqs[0]["prompt"], max_tokens=10, ignore_eos=True)[0] == ref[0][:10]
