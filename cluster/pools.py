@@ -80,9 +80,12 @@ class WorkCounters:
 
 @dataclass(frozen=True)
 class PrefillCounters:
-    """The ready workers' counters at one snapshot, by worker id, for the rates of the next."""
+    """The ready workers' counters at one snapshot, by worker id, for the rates of the next; and the
+    last prefill capacity measured (tokens per busy second of one prefill-only worker), which holds
+    through periods too idle to measure one."""
     at: float
     workers: dict[str, WorkCounters]
+    capacity: float | None = None
 
 
 def serving(w: WorkerEntry) -> str:
@@ -116,7 +119,10 @@ def _prefill_rates(pre: list[WorkerEntry], now_counters: dict[str, WorkCounters]
     rate = sum(since(w.worker_id, "computed_tokens") for w in pre) / (now - prev.at)
     steady = [w.worker_id for w in pre if w.worker_id in prev.workers and prev.workers[w.worker_id].part == "prefill"]
     busy = sum(since(wid, "busy_s") for wid in steady)
-    cap = sum(since(wid, "computed_tokens") for wid in steady) / busy if busy > 0.2 * period_s else None
+    tokens = sum(since(wid, "computed_tokens") for wid in steady)
+    # tokens count when a step is scheduled and busy time once it ran, so a period just after a
+    # burst can hold busy time without tokens: that measures nothing
+    cap = tokens / busy if busy > 0.2 * period_s and tokens > 0 else None
     return rate, cap
 
 
@@ -143,6 +149,8 @@ def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | Non
 
     counters = {w.worker_id: WorkCounters(serving(w), w.stats.computed_tokens, w.stats.busy_s) for w in ready}
     rate, cap = _prefill_rates(pre, counters, prev, now, period_s)
+    if cap is None and prev is not None:
+        cap = prev.capacity   # an idle period keeps what was measured, not the config's default
     lat, tpot = _worst_percentiles(pre, "prefill_latency"), _worst_percentiles(dec, "tpot")
     snap = MetricsSnapshot(
         prefill=PrefillMetrics(
@@ -156,7 +164,7 @@ def build_snapshot(workers: tuple[WorkerEntry, ...], prev: PrefillCounters | Non
             kv_blocks_total=total(in_pool("decode"), "kv_blocks_total"),
             kv_blocks_waiting=total(dec, "kv_blocks_waiting"), tpot_p50=tpot.p50, tpot_p90=tpot.p90,
             tpot_p99=tpot.p99, max_seqs_per_worker=max_seqs_per_worker))
-    return snap, PrefillCounters(now, counters)
+    return snap, PrefillCounters(now, counters, cap)
 
 
 class Pools:

@@ -93,6 +93,24 @@ def test_a_worker_returned_to_decoding_takes_its_prefill_tokens_out_of_the_prefi
     assert snap.decode.running_seqs == 3
 
 
+def test_the_measured_prefill_capacity_holds_through_periods_too_idle_to_measure_one():
+    """A period under 20% busy, or one holding only the busy time of tokens counted the period
+    before (counted when scheduled), measures nothing; the last measurement stands, not the config's
+    8000 tok/s default (which kept an idle H200 pool from shrinking)."""
+    def at(tokens, busy):
+        return (worker("prefill-0", "prefill", computed_tokens=tokens, busy_s=busy),)
+    _, counters = build_snapshot(at(0, 0.0), None, 0.0, PERIOD_S)
+    snap, counters = build_snapshot(at(80_000, 2.0), counters, 10.0, PERIOD_S)
+    assert snap.prefill.prefill_tokens_per_s_per_worker == pytest.approx(40_000)
+    snap, counters = build_snapshot(at(80_000, 4.0), counters, 20.0, PERIOD_S)    # busy, no new tokens
+    assert snap.prefill.prefill_tokens_per_s_per_worker == pytest.approx(40_000)
+    snap, counters = build_snapshot(at(81_000, 4.1), counters, 30.0, PERIOD_S)    # 1% busy
+    assert snap.prefill.prefill_tokens_per_s_per_worker == pytest.approx(40_000)
+    assert snap.prefill.prompt_tokens_per_s == pytest.approx(100)
+    snap, _ = build_snapshot(at(141_000, 6.1), counters, 40.0, PERIOD_S)          # a new measurement
+    assert snap.prefill.prefill_tokens_per_s_per_worker == pytest.approx(30_000)
+
+
 def test_the_decode_workers_slots_reach_the_autoscaler():
     """The controller passes scheduler.max_num_seqs: a pool of 128-slot workers at 110 sequences
     each is 0.86 full, not the 0.43 the autoscaler's 256-slot default would read."""
