@@ -75,6 +75,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API (router/openai_api.py); None: off
+    # a plaintext port serving only grpc.health.v1 (the same statuses as `port`), for probes that
+    # cannot speak TLS (the kubelet's gRPC probes) when `port` is TLS; None: off
+    health_port: int | None = None
     redis_url: str | None = None
     session_ttl_s: float = 3600.0
     max_prompt_tokens: int | None = None  # None: the model's context

@@ -35,6 +35,8 @@ async def drain_and_stop(server, router, drain_timeout_s: float, poll_s: float =
         log.info("drained in %.1f s", time.monotonic() - t0)
     if router.http is not None:
         await router.http.cleanup()
+    if getattr(router, "health_server", None) is not None:   # (NOT_SERVING there too since the start)
+        await router.health_server.stop(grace=0)
     await router.view.stop()
     await router.sessions.close()
     return not left

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.wire.cluster import WorkerEntry
 
@@ -59,3 +60,16 @@ class HealthFollower:
     async def _set(self, status) -> None:
         for svc in self.services:
             await self.servicer.set(svc, status)
+
+
+async def serve_health(servicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A plaintext gRPC server with only `servicer` (grpc.health.v1: the statuses the router's own
+    port reports, NOT_SERVING from the drain's start), on `router.health_port`, for probes that
+    cannot speak TLS (the kubelet's); -> (server, bound port)."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"router.health_port: cannot listen on {host}:{port}")
+    await server.start()
+    return server, bound

@@ -22,7 +22,7 @@ from tandem.router.admission import AdmissionConfig, Overloaded, client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
-from tandem.router.health import SERVING, HealthFollower
+from tandem.router.health import SERVING, HealthFollower, serve_health
 from tandem.router.placing import CostPlacement
 from tandem.router.malformed import MalformedRequestInterceptor
 from tandem.router.openai_api import serve_http
@@ -111,6 +111,9 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
 
     view.on_refresh = on_refresh
     router.health = health_servicer
+    router.health_server = None
+    if rc.health_port is not None:     # plaintext, health only: for probes that cannot speak TLS
+        router.health_server, _ = await serve_health(health_servicer, rc.host, rc.health_port)
     router.http, router.http_port = None, None
     if rc.http_port is not None:
         router.http, router.http_port = await serve_http(router, config.engine.model, rc.host, rc.http_port,

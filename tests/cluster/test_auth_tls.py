@@ -369,6 +369,45 @@ def test_tls_and_mutual_tls(pki):
     asyncio.run(main())
 
 
+def test_the_plaintext_health_port_mirrors_the_tls_ports_health_and_serves_nothing_else(pki):
+    """router.health_port (router.health.serve_health): the kubelet's gRPC probes cannot speak TLS,
+    so a TLS router answers them on a second, plaintext port with only grpc.health.v1 and the same
+    servicer: a status set (a drain's NOT_SERVING) shows on both ports, and Generation is not there."""
+    from tandem.router.health import NOT_SERVING, SERVING, serve_health
+
+    tls = TLSConfig(str(pki / "server.pem"), str(pki / "server.key"))
+
+    async def check(channel, service):
+        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                timeout=3.0)).status
+
+    async def main():
+        servicer = health.aio.HealthServicer()
+        server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(ThreeTokens(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
+        await server.start()
+        plain, plain_port = await serve_health(servicer, "127.0.0.1", 0)
+        try:
+            await servicer.set(GEN, SERVING)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plain_port}") as ch, \
+                    grpc.aio.secure_channel(f"127.0.0.1:{port}", channel_credentials(_client(pki)),
+                                            options=channel_options(_client(pki))) as tls_ch:
+                assert await check(ch, GEN) == await check(tls_ch, GEN) == SERVING
+                await servicer.enter_graceful_shutdown()            # what a drain does first
+                assert await check(ch, GEN) == await check(tls_ch, GEN) == NOT_SERVING
+                code, _ = await status_of(generate(ch))
+                assert code == grpc.StatusCode.UNIMPLEMENTED         # health only, in plaintext
+                code, _ = await status_of(generate(grpc.aio.insecure_channel(f"127.0.0.1:{port}")))
+                assert code == grpc.StatusCode.UNAVAILABLE           # the main port stays TLS
+        finally:
+            await plain.stop(None)
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_the_http_edge_serves_https_with_the_same_files(pki):
     mtls = TLSConfig(str(pki / "server.pem"), str(pki / "server.key"),
                      client_ca_file=str(pki / "ca.pem"), require_client_cert=True)

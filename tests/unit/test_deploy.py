@@ -80,6 +80,8 @@ VARIANTS = {
     "custom": CUSTOM_VALUES,
     "no-auth": {"auth": {"enabled": False, "token": "unused"}, "models": {"pvc": {"existingClaim": "weights"}},
                 "autoscaler": {"enabled": True, "upscaleDelaySeconds": 5}},
+    "router-tls": {"routerTLS": {"enabled": True, "secretName": "router-certs", "requireClientCert": True,
+                                 "serverName": "tandem.example.internal"}},
     "ray-tls": {"rayTLS": {"enabled": True, "secretName": "ray-certs"}, "rayAuth": {"mode": "token", "secretName": "ray-token"},
                 "prefill": {"podDisruptionBudget": {"enabled": False}, "drainDeadlineSeconds": 45},
                 "router": {"drainTimeoutSeconds": 200, "preStopDelaySeconds": 0}, "lifecycle": {"terminationMarginSeconds": 10},
@@ -240,8 +242,12 @@ def _check_cluster_consistency(docs: list[dict], tmp_path: Path, optional_refs: 
         head = _head(cluster)
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert ports["grpc"] == cfg.router.port and cfg.router.host == "0.0.0.0", where
+        # the kubelet's gRPC probes speak plaintext: the router's port, or its health port under TLS
+        tls = "--tls-cert-file" in head["args"][0]
+        probed = cfg.router.health_port if tls else cfg.router.port
+        assert probed is not None and (not tls or ports["grpc-health"] == probed), where
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert head[probe]["grpc"]["port"] == cfg.router.port, f"{where}: {probe}"
+            assert head[probe]["grpc"]["port"] == probed, f"{where}: {probe}"
         assert "--config /etc/tandem/config.yaml" in head["args"][0], where
         assert "--block" in head["args"][0] and "exec tandem up" in head["args"][0], where
         mounts = {m["mountPath"] for m in head["volumeMounts"]}

@@ -1,8 +1,9 @@
 """Kubernetes lifecycle of the manifests and the chart (issue 27): preStop hooks that drain (pool
 pods: `tandem drain-worker --self`, parsed by the real CLI; the head: a delay, then SIGTERM drains
 the router), terminationGracePeriodSeconds that cover them, a PodDisruptionBudget per group, Ray's
-auth and TLS options, values.schema.json, and the chart rendered and linted by real Helm (installed
-by `make setup`: deploy/install_helm.py), whose output render.py must match."""
+auth and TLS options, the router's TLS (probes on its plaintext health port), values.schema.json,
+and the chart rendered and linted by real Helm (installed by `make setup`: deploy/install_helm.py),
+whose output render.py must match."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import yaml
 from deploy.install_helm import DEFAULT_DEST as HELM
 from deploy.render import render_manifests
 from tandem.cluster import commands, lifecycle
-from tests.unit.test_deploy import CHART, VARIANTS, _cluster_config, _find, _pod_templates, _raw_docs
+from tests.unit.test_deploy import CHART, VARIANTS, _cluster_config, _find, _head, _pod_templates, _raw_docs
 
 MARGIN_S = 10  # the least time a pod's grace period must leave after its drain
 
@@ -226,3 +227,35 @@ def test_helm_enforces_the_schema():
     assert out.returncode != 0 and "maxUnavailable" in out.stderr
     out = _helm("template", "tandem", str(CHART), "--set", "rayTLS.enabled=true")
     assert out.returncode != 0 and "secretName" in out.stderr
+
+
+def test_chart_router_tls_reaches_the_router_the_probes_and_the_prestop_drain(tmp_path):
+    """routerTLS: the head's `tandem up` serves TLS (mutual, here) from the mounted Secret, its probes
+    ask the plaintext health port (the kubelet's gRPC probes cannot speak TLS) that the config opens,
+    and the pool pods' preStop drain connects with the CA, a client certificate and the server name."""
+    docs = render_manifests(CHART, VARIANTS["router-tls"])
+    cluster = _find(docs, "RayCluster", "tandem-blue")
+    head = _head(cluster)
+    args = head["args"][0]
+    up = _parse_cli(args.split("exec tandem ", 1)[1].split())          # the real CLI takes them
+    assert (up.tls_cert_file, up.tls_key_file, up.tls_client_ca_file, up.tls_require_client_cert) == \
+        ("/etc/tandem-tls/tls.crt", "/etc/tandem-tls/tls.key", "/etc/tandem-tls/ca.crt", True)
+    assert {p["name"]: p["containerPort"] for p in head["ports"]}["grpc-health"] == 50052
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert head[probe]["grpc"]["port"] == 50052, probe
+    assert _cluster_config(cluster, docs, tmp_path).router.health_port == 50052
+    for spec in [cluster["spec"]["headGroupSpec"]["template"]["spec"]] + \
+            [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]:
+        assert {"name": "router-tls", "secret": {"secretName": "router-certs"}} in spec["volumes"]
+        assert any(m["name"] == "router-tls" and m["mountPath"] == "/etc/tandem-tls"
+                   for m in spec["containers"][0]["volumeMounts"])
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        drain = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert drain.endswith("--tls-ca-file /etc/tandem-tls/ca.crt --tls-cert-file /etc/tandem-tls/tls.crt "
+                              "--tls-key-file /etc/tandem-tls/tls.key --tls-server-name tandem.example.internal")
+    plain = render_manifests(CHART, {})
+    head = _head(_find(plain, "RayCluster", "tandem-blue"))
+    assert "--tls" not in head["args"][0] and head["livenessProbe"]["grpc"]["port"] == 50051
+    assert "grpc-health" not in {p["name"] for p in head["ports"]}
+    with pytest.raises(Exception, match="routerTLS"):
+        render_manifests(CHART, {"routerTLS": {"enabled": True}})

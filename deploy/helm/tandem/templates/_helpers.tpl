@@ -101,7 +101,7 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
               - -c
               - >-
                 exec tandem drain-worker --self --target "${FQ_RAY_IP:-{{ include "tandem.clusterName" $root }}-head-svc}:{{ $root.Values.router.port }}"
-                --deadline {{ $pool.drainDeadlineSeconds }}
+                --deadline {{ $pool.drainDeadlineSeconds }}{{ include "tandem.routerTLSClientFlags" $root }}
         {{- with include "tandem.workerEnv" $root | trim }}
         env:
           {{- . | nindent 8 }}
@@ -182,11 +182,52 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
 {{- end }}
 {{- end }}
 
+{{/* The router's TLS (routerTLS): its files on every pod, the head's `tandem up` flags, and the
+flags the pool pods' preStop drain connects with. */}}
+{{- define "tandem.routerTLSMount" -}}
+{{- if .Values.routerTLS.enabled -}}
+- name: router-tls
+  mountPath: /etc/tandem-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.routerTLSVolume" -}}
+{{- if .Values.routerTLS.enabled -}}
+- name: router-tls
+  secret:
+    secretName: {{ required "routerTLS.secretName is required with routerTLS.enabled" .Values.routerTLS.secretName }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.routerTLSServerFlags" -}}
+{{- if .Values.routerTLS.enabled -}}
+{{ " " }}--tls-cert-file /etc/tandem-tls/tls.crt --tls-key-file /etc/tandem-tls/tls.key
+{{- if .Values.routerTLS.requireClientCert }} --tls-client-ca-file /etc/tandem-tls/ca.crt --tls-require-client-cert{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.routerTLSClientFlags" -}}
+{{- if .Values.routerTLS.enabled -}}
+{{ " " }}--tls-ca-file /etc/tandem-tls/ca.crt
+{{- if .Values.routerTLS.requireClientCert }} --tls-cert-file /etc/tandem-tls/tls.crt --tls-key-file /etc/tandem-tls/tls.key{{ end }}
+{{- with .Values.routerTLS.serverName }} --tls-server-name {{ . }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* The port the head's probes ask: the router's own, or its plaintext health port under TLS. */}}
+{{- define "tandem.probePort" -}}
+{{- if .Values.routerTLS.enabled }}{{ .Values.routerTLS.healthPort }}{{ else }}{{ .Values.router.port }}{{ end }}
+{{- end }}
+
 {{- define "tandem.workerMounts" -}}
 {{- with include "tandem.modelsMount" . }}
 {{ . }}
 {{- end }}
 {{- with include "tandem.rayTLSMount" . }}
+{{ . }}
+{{- end }}
+{{- with include "tandem.routerTLSMount" . }}
 {{ . }}
 {{- end }}
 {{- end }}
@@ -196,6 +237,9 @@ redis://{{ include "tandem.fullname" . }}-redis:6379/0
 {{ . }}
 {{- end }}
 {{- with include "tandem.rayTLSVolume" . }}
+{{ . }}
+{{- end }}
+{{- with include "tandem.routerTLSVolume" . }}
 {{ . }}
 {{- end }}
 {{- end }}
