@@ -95,7 +95,16 @@ def layout_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool]:
     seqs = (cluster.get("scheduler") or {}).get("max_num_seqs")
     if seqs:                         # the layout's decode slots per actor, as the bench set them
         model = replace(model, max_batch=int(seqs))
-    return model, colocated
+    return replace(model, overlap=engine_overlaps(cluster)), colocated
+
+
+def engine_overlaps(cluster: dict) -> bool:
+    """Whether the layout's decode engines overlap steps (`LLMEngine.overlap`: on CUDA, one rank,
+    and no speculation, whose drafts read every token before the next step is scheduled)."""
+    model = cluster.get("model") or {}
+    method = (cluster.get("speculative") or {}).get("method", "off")
+    ranks = int((cluster.get("decode") or {}).get("tensor_parallel_size") or model.get("tensor_parallel_size") or 1)
+    return str(model.get("device", "cpu")).startswith("cuda") and method in (None, "off") and ranks == 1
 
 
 def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[float, SimSummary]:

@@ -204,6 +204,7 @@ class Simulation:
                 self._send_to_prefill(s, p, hit, now)
             else:
                 s.kind, s.cached, s.prefill_left, s.context = "local", hit, r.input_tokens - hit, hit
+                s.queued_s = now
                 w.local.append(s)
                 self._step_if_idle(w, now)
 
@@ -237,6 +238,7 @@ class Simulation:
         w.awaiting_kv -= 1
         s.prefiller.prefill_latency.add(now, now - s.prefill_start_s)   # reserve -> KV ready, as live
         s.context = s.spec.input_tokens
+        s.queued_s = now
         self._first_token(s, now)
         self._admit(w, now)
         self._step_if_idle(w, now)
@@ -254,11 +256,18 @@ class Simulation:
         if w.stepping or not (w.running or w.local):
             return
         perf = self.perf
-        batch = list(w.running)
+        batch, local = list(w.running), w.local
+        if perf.overlap and w.step_started_s < now:
+            # this step was scheduled while the one before it computed (perf_model: overlap): work
+            # that reached the engine after that one started waits a step, unless there is no other
+            seen = [s for s in batch if s.queued_s <= w.step_started_s]
+            old = [s for s in w.local if s.queued_s <= w.step_started_s]
+            if seen or old:
+                batch, local = seen, old
         # each decoding sequence takes 1 + its drafts of the step's token budget
         budget = max(perf.max_step_tokens - int(len(batch) * (1 + perf.spec_verify_tokens)), perf.block_tokens)
         chunks = []
-        for s in w.local:  # chunked prefill, FIFO, within the step's token budget
+        for s in local:  # chunked prefill, FIFO, within the step's token budget
             if budget <= 0:
                 break
             n = min(s.prefill_left, budget, s.chunk)

@@ -90,7 +90,7 @@ class PrefixCache:
 class SimSeq:
     __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
                  "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode",
-                 "credit", "chunk", "prefill_start_s", "prefiller")
+                 "credit", "chunk", "prefill_start_s", "prefiller", "queued_s")
 
     def __init__(self, spec: RequestLike, idx: int):
         self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
@@ -105,6 +105,9 @@ class SimSeq:
         self.chunk = 1 << 30  # prompt tokens per step when it prefills in chunks (adaptive: chosen)
         self.prefill_start_s = 0.0  # when another worker reserved its prefill (remote prefills)
         self.prefiller: SimWorker | None = None  # that worker: its prefill latency, once the KV is ready
+        # when it reached its worker's engine as new work (a prompt to prefill, a remote prefill's
+        # KV): an overlapped engine schedules it into the step after the one then computing
+        self.queued_s = 0.0
 
     def emit(self, tokens_per_step: float) -> int:
         """Tokens one decode step emits for this sequence: `tokens_per_step` on average (1 + the

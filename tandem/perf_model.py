@@ -44,6 +44,10 @@ class PerfModel:
     mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base
                     (`step_s`: what one engine step costs, whatever it carries)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
+    overlap       = the engine launches step N+1 before it reads step N's tokens (CUDA, no
+                    speculation, one rank: engine.inflight), so it schedules N+1 while N computes:
+                    work that reaches the worker after N started joins N+2, not N+1 (the
+                    simulator's steps; `layout_perf` sets it from the layout's engine)
     control path  = request_overhead_s on every request's client-visible times (router, actor
                     RPCs, streaming), + remote_overhead_s before a remote prefill's KV is usable
                     (RPCs to the prefill actor, the decode step after the KV lands); both fitted
@@ -74,6 +78,7 @@ class PerfModel:
     verify_token_s: float | None = None
     verify_step_s: float = 0.0
     step_host_s: float = 0.0
+    overlap: bool = False
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
     kv_capacity_tokens: int = 700_000  # KV per worker (decode: running + prefix cache)

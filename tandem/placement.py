@@ -221,8 +221,11 @@ def chunked_prefill_s(perf, load: EngineLoad, new_tokens: int, cached: int, chun
         k = math.ceil((q + new_tokens) / chunk)
         chunked = perf.tpot_s(b, ctx, [(min(chunk, q + new_tokens), cached + new_tokens)])
         during = (k * chunked + horizon_tokens * perf.tpot_s(b, ctx)) / (k + horizon_tokens)
+    # an overlapped engine (perf_model: overlap) has scheduled its next step already: new work on
+    # a busy worker waits that step out first
+    wait = perf.step_s(b, ctx) if perf.overlap and b else 0.0
     # the queue: prompts like this one (their own cached prefixes unknown, taken as this one's)
-    return steps_s(q, cached, new_tokens) + steps_s(new_tokens, cached, new_tokens), during
+    return wait + steps_s(q, cached, new_tokens) + steps_s(new_tokens, cached, new_tokens), during
 
 
 def prefill_option(perf, where: str, worker_id: str, load: EngineLoad, decode_load: EngineLoad,

@@ -4,6 +4,7 @@ hysteresis (cluster.roles), as pure functions with a fake clock."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -33,6 +34,14 @@ def test_chunked_prefill_adds_up_to_the_one_shot_prefill_without_a_batch():
     assert during == 0.0                                  # no batch to slow down
     small, _ = chunked_prefill_s(H200, EngineLoad(), 4096, 0, 256)
     assert small > one_chunk                               # 16 steps pay 16 bases
+
+
+def test_an_overlapped_engine_charges_a_busy_worker_the_step_it_already_scheduled():
+    busy, over = EngineLoad(8, 8 * 4000), replace(H200, overlap=True)
+    plain_s, _ = chunked_prefill_s(H200, busy, 300, 0, 8192)
+    over_s, _ = chunked_prefill_s(over, busy, 300, 0, 8192)
+    assert over_s == pytest.approx(plain_s + H200.step_s(8, 8 * 4000))
+    assert chunked_prefill_s(over, EngineLoad(), 300, 0, 8192) == chunked_prefill_s(H200, EngineLoad(), 300, 0, 8192)
 
 
 def test_a_short_prompt_stays_local_when_both_slos_hold():

@@ -11,7 +11,7 @@ import yaml
 
 from tandem.cluster.layout_predictions import print_predictions, simulate_beside
 from tandem.cluster.config import load_config
-from tandem.cluster.layouts import mode_configs, predict
+from tandem.cluster.layouts import engine_overlaps, layout_perf, mode_configs, predict
 from tandem.perf_model import PerfModel
 
 
@@ -34,6 +34,16 @@ def test_two_modes_split_the_gpus():
     assert c["disaggregated"]["scheduler"]["max_num_seqs"] == 128
     assert c["colocated"]["scheduler"]["max_num_seqs"] == 64
     assert c["colocated"]["scheduler"]["max_num_batched_tokens"] == 8192
+
+
+def test_the_perf_model_overlaps_steps_where_the_layouts_engine_does():
+    """`LLMEngine.overlap`: CUDA, one rank, no speculation; the simulator replays what ran."""
+    c = mode_configs(_args(speculative="off"))["colocated"]
+    assert engine_overlaps(c) and layout_perf(c, PerfModel())[0].overlap
+    assert not engine_overlaps(mode_configs(_args())["colocated"])                   # n-gram drafts
+    assert not engine_overlaps(mode_configs(_args(speculative="off", device="cpu"))["colocated"])
+    tp2 = {**c, "decode": {**c["decode"], "tensor_parallel_size": 2}}
+    assert not engine_overlaps(tp2)
 
 
 def test_layouts_give_one_config_per_split():

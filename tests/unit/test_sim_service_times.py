@@ -89,3 +89,18 @@ def test_verify_tokens_use_the_step_token_budget():
     ttft = {r.session_id: r.ttft_s for r in spec.requests}["p"]
     assert ttft > {r.session_id: r.ttft_s for r in plain.requests}["p"]
     assert ttft >= 10 * 0.016                        # 320 tokens, 32 a step: at least 10 steps
+
+
+def test_an_overlapped_engine_takes_new_work_a_step_later_unless_it_was_idle():
+    """With `overlap` the engine schedules step N+1 while N computes: a prompt that reaches a busy
+    worker mid-step misses the step already scheduled and waits one more decode step (10 ms here);
+    on an idle worker it starts at once, as without overlap."""
+    reqs = [RequestSpec("a", 0, 0.0, 10, 200), RequestSpec("b", 0, 0.015, 10, 5)]
+    # a: prefill [0, 1 ms], decode steps from 1 ms every 10 ms; b arrives in the step [11, 21]
+    plain = {r.session_id: r for r in simulate(reqs, 0, 1, PERF, SLO(), colocated=True).requests}
+    over = {r.session_id: r for r in simulate(reqs, 0, 1, replace(PERF, overlap=True), SLO(),
+                                               colocated=True).requests}
+    assert plain["b"].ttft_s == pytest.approx(0.021 + 0.011 - 0.015)     # joins the step at 21 ms
+    assert over["b"].ttft_s == pytest.approx(plain["b"].ttft_s + 0.010)   # the step at 31 ms
+    assert over["a"].ttft_s == pytest.approx(plain["a"].ttft_s)           # a found the worker idle
+    assert one(replace(PERF, overlap=True)).tpot_s == pytest.approx(0.010)  # steps cost the same
