@@ -24,6 +24,9 @@ MAX_CANDIDATES = 64  # most recent occurrences examined per lookup (bounds the c
 class _NgramIndex:
     ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # min_n-gram -> end positions
     indexed: int = 0  # grams ending before this position are in `ends`
+    # the request's tokens, extended with its new outputs each step: `Request.all_token_ids` would
+    # copy the whole sequence (thousands of tokens on agents' contexts) for every sequence, every step
+    tokens: list[int] = field(default_factory=list)
 
 
 def find_continuation(tokens: list[int], k: int, min_n: int, max_n: int,
@@ -63,10 +66,13 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.index: dict[str, _NgramIndex] = {}
 
-    def _update(self, rid: str, tokens: list[int]) -> _NgramIndex:
+    def _update(self, req: Request) -> _NgramIndex:
+        rid = req.request_id
         idx = self.index.get(rid)
         if idx is None:
-            idx = self.index[rid] = _NgramIndex(indexed=self.min_n)
+            idx = self.index[rid] = _NgramIndex(indexed=self.min_n, tokens=list(req.prompt_token_ids))
+        tokens, prompt = idx.tokens, len(req.prompt_token_ids)
+        tokens.extend(req.output_token_ids[len(tokens) - prompt:])   # a request's tokens only grow
         n = self.min_n
         # index grams ending at positions < len - 1 (the last gram is the lookup key itself)
         for e in range(idx.indexed, len(tokens)):
@@ -79,9 +85,8 @@ class NgramProposer:
         for req, k in wanted:
             if k <= 0:
                 continue
-            tokens = req.all_token_ids
-            idx = self._update(req.request_id, tokens)
-            draft = find_continuation(tokens, k, self.min_n, self.max_n, idx.ends)
+            idx = self._update(req)
+            draft = find_continuation(idx.tokens, k, self.min_n, self.max_n, idx.ends)
             if draft:
                 out[req.request_id] = Draft(draft)
         return out

@@ -55,6 +55,7 @@ class Candidate:
 class _Seq:
     tokens: list[int]
     indexed: int = 0  # grams ending before this position are in the index
+    counted: int = 0  # tokens counted in the corpus' num_tokens (`tokens` may grow in place)
 
 
 @dataclass
@@ -71,8 +72,8 @@ class SuffixCorpus:
         s = self.seqs.get(key)
         if s is None:
             s = self.seqs[key] = _Seq([], self.min_match)
-        self.num_tokens += len(tokens) - len(s.tokens)
-        s.tokens = tokens
+        self.num_tokens += len(tokens) - s.counted
+        s.tokens, s.counted = tokens, len(tokens)
         n = self.min_match
         for e in range(s.indexed, len(tokens) + 1):
             self.ends.setdefault(tuple(tokens[e - n:e]), []).append((key, e))
@@ -82,8 +83,8 @@ class SuffixCorpus:
         s = self.seqs.pop(key, None)
         if s is None:
             return
-        self.num_tokens -= len(s.tokens)
-        self.stale += max(0, len(s.tokens) - self.min_match + 1)
+        self.num_tokens -= s.counted
+        self.stale += max(0, s.counted - self.min_match + 1)
         if self.stale > self.num_tokens:
             self._reindex()
 
@@ -251,7 +252,11 @@ class SuffixProposer:
         if local is None:
             local = self.local[rid] = SuffixCorpus(self.min_match)
             self.requests[rid] = req
-        tokens = req.all_token_ids
+        # the request's tokens, grown in place with its new outputs (`all_token_ids` would copy the
+        # whole sequence, every sequence, every step)
+        seq = local.seqs.get(rid)
+        tokens = seq.tokens if seq is not None else list(req.prompt_token_ids)
+        tokens.extend(req.output_token_ids[len(tokens) - req.num_prompt_tokens:])
         local.extend(rid, tokens)
         args = (k, self.max_match, self.min_token_prob, self.max_spec_factor, self.tree_nodes)
         mine, _ = local.lookup(tokens, *args)
