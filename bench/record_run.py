@@ -2,8 +2,9 @@
 served step and the control path on it while idle (cluster.calibration, on top of the engine's perf
 model from `tandem profile`),
 run `tandem bench` at every rate, stop it, and write bench/results/<name>/:
-run.json (the requests as sent and measured, the cluster config) and perf.json (the perf model
-with speculation's drafts and tokens per step from the run's usage). The full bench report stays in
+run.json (the requests as sent and measured, the cluster config), perf.json (the perf model
+with speculation's drafts and tokens per step from the run's usage) and steps/ (every engine's
+steps, engine.step_trace). The full bench report stays in
 --work.
 
     tandem profile --threads 1 -o /tmp/cpu-profile.json          # once per machine and model
@@ -18,7 +19,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
 from pathlib import Path
 
 import grpc
@@ -30,6 +33,7 @@ from tandem.cluster.loadgen import load_sessions, parse_workload, sessions_neede
 from tandem.cluster.profiling import speculation_from_requests
 from tandem.cluster.workloads import RequestSpec
 from tandem.engine.config import PRESETS
+from tandem.engine.step_trace import TRACE_ENV
 from tandem.perf_model import PerfModel
 from tandem.protos.tandem.v1 import generation_pb2_grpc
 
@@ -78,7 +82,8 @@ def trim(report: dict, cluster: dict, machine: str) -> dict:
                          shared, *(r[c] for c in COLUMNS[6:11]),
                          *(None if r[c] is None else round(r[c], 5) for c in COLUMNS[11:14]), r.get("draft_steps", 0)])
         rows.sort(key=lambda x: x[2])
-        runs.append({"rate": run["rate"], "elapsed_s": run["summary"]["elapsed_s"], "requests": rows})
+        runs.append({"rate": run["rate"], "elapsed_s": run["summary"]["elapsed_s"],
+                     "started_unix": run.get("started_unix"), "requests": rows})
     keep = ("workload", "seed", "rates", "duration_s", "drain_timeout_s", "max_sessions", "max_context", "slo",
             "vocab_size")
     return {"label": report.get("label"), "machine": machine, "created_unix": report.get("created_unix"),
@@ -145,10 +150,15 @@ def main() -> None:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    out = Path(a.results) / a.name
+    # every engine of the cluster traces its steps (engine.step_trace) into the run's directory:
+    # validate_simulator prices the steps the run made; the calibration probes' steps come first
+    traces = out / "steps"
+    shutil.rmtree(traces, ignore_errors=True)
+    os.environ[TRACE_ENV] = str(traces)        # tandem up and its Ray workers inherit it
     report = run_mode(a.name, config, a, work, before_bench=probe)
     spec = speculation_from_requests([r for run in report["runs"] for r in run["requests"]])
     final = dataclasses.replace(fitted["perf"], **spec)
-    out = Path(a.results) / a.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").write_text(json.dumps(trim(report, config, a.machine), separators=(",", ":")))
     perf_doc = {"perf_model": final.to_dict(),

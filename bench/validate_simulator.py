@@ -3,13 +3,16 @@ measured TTFT p50/p90, TPOT p50/p90 and goodput with the relative error; last, `
 
     python -m bench.validate_simulator bench/results/cpu-colocated bench/results/h200-colocated ...
 
-Each run directory (written by bench/record_run.py) holds the requests as sent (open loop at their recorded send
-times, their lengths, sessions and turns), the cluster's config (its layout, local-prefill threshold,
+Each run directory (written by bench/record_run.py) holds the requests as sent (replayed as the bench
+sent them: a session's first turn at its recorded time, each later turn its recorded think time after
+the turn before it ended; their lengths, sessions and turns), the cluster's config (its layout, local-prefill threshold,
 decode slots, step budget, KV blocks) and the perf model `tandem profile` calibrated for that
 machine and model, with the served step and the control path calibrated on the running cluster
 by probe requests (cluster/calibration.py) and speculation's drafts
 and tokens per step from the run's usage (per rate, with how often a sequence drafts, where the
-run counted its draft steps). Nothing is fitted to the latencies being validated.
+run counted its draft steps). Nothing is fitted to the latencies being validated. A run recorded
+with its engines' step traces (`steps/`) gets a second table: the model against each step the run
+made (cluster/step_check.py), after the `max error` line.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tandem.cluster.layouts import layout_perf
 from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
+from tandem.cluster.step_check import format_steps, step_rows
 from tandem.cluster.workloads import RequestSpec
 from tandem.perf_model import PerfModel
 
@@ -45,10 +49,23 @@ def requests_of(run: dict, rate_run: dict) -> list[dict]:
 
 
 def replay_specs(requests: list[dict]) -> list[RequestSpec]:
-    """The requests as the simulator replays them, open loop: each at its recorded send time, with
-    its recorded lengths, session and turn."""
-    return [RequestSpec(r["session_id"], r["turn"], r["arrival_s"], r["prompt_tokens"], r["max_tokens"],
-                        r["shared_prefix_tokens"]) for r in requests]
+    """The requests as the simulator replays them, with their recorded lengths, session and turn: a
+    session's first turn at its recorded send time, each later turn its recorded think time after
+    the turn before it ended, as `tandem bench` sends them (closed loop). The think time is the
+    client's (send time minus the previous turn's send time and end-to-end latency), so a turn the
+    simulation ends later is followed later, as live, instead of arriving before its prefix is
+    cached."""
+    prev: dict[str, dict] = {}
+    out = []
+    for r in sorted(requests, key=lambda r: (r["session_id"], r["turn"])):
+        p = prev.get(r["session_id"])
+        think = 0.0
+        if p is not None:
+            think = max(0.0, r["arrival_s"] - p["arrival_s"] - (p["e2e_s"] if p["e2e_s"] is not None else 0.0))
+        prev[r["session_id"]] = r
+        out.append(RequestSpec(r["session_id"], r["turn"], r["arrival_s"], r["prompt_tokens"], r["max_tokens"],
+                               r["shared_prefix_tokens"], think_s=think))
+    return sorted(out, key=lambda x: x.arrival_s)
 
 
 def cluster_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int, int]:
@@ -108,7 +125,7 @@ def validate_run(run_dir: str | Path) -> list[dict]:
         if not any(r["status"] == "OK" for r in reqs):
             continue                    # nothing was sent (or nothing ended) at this rate
         sim = simulate(replay_specs(reqs), n_prefill, n_decode, with_counted_drafts(model, reqs), slo, colocated=colocated,
-                       pull_prefix=True)
+                       pull_prefix=True, closed_loop=True)
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}
         out.append({"run": Path(run_dir).name, "rate": rate_run["rate"], "requests": len(reqs),
@@ -144,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["run"] == Path(d).name]
         print(f"{Path(d).name}: max error {max_error(mine):.0%}")
     print(f"max error {max_error(rows) * 100:.0f}%")
+    for d in args.runs:     # where a run traced its engines' steps: was it the step costs or the steps?
+        if (Path(d) / "steps").is_dir():
+            run, perf, _ = load_run(d)
+            print("\n" + format_steps(Path(d).name, step_rows(d, run, cluster_perf(run["cluster"], perf)[0])))
     return 0
 
 

@@ -275,7 +275,7 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
         watcher = (asyncio.ensure_future(watch_pools(channel, admin, cfg.watch_pools_s, t_bench, timeline))
                    if cfg.watch_pools_s > 0 and channel is not None else None)
         for i, rate in enumerate(cfg.rates):
-            started_s = time.monotonic() - t_bench
+            started_s, started_unix = time.monotonic() - t_bench, time.time()
             plan = plan_sessions(sessions, session_workload=session_workload, rate=rate,
                                  duration_s=cfg.duration_s, max_sessions=cfg.max_sessions)
             prog = _Progress(cfg.progress, rate, cfg.duration_s)
@@ -285,8 +285,8 @@ async def run_bench(cfg: BenchConfig, args=None, out=sys.stdout) -> dict:
                 metadata=metadata, progress=prog, repeat=list(cfg.rates[:i]).count(rate))
             summary = summarize(records, rate=rate, elapsed_s=elapsed, slo=cfg.slo, not_started=not_started)
             summary["sessions"] = len(plan)
-            runs.append({"rate": rate, "session_prefix": f"{tag}-", "started_s": started_s, "summary": summary,
-                         "requests": [r.to_json() for r in records]})
+            runs.append({"rate": rate, "session_prefix": f"{tag}-", "started_s": started_s,
+                         "started_unix": started_unix, "summary": summary, "requests": [r.to_json() for r in records]})
             print(table_row(summary), file=out, flush=True)
             notes.append(table_notes(summary))
         if watcher is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tandem.engine.stats import EngineStats
+from tandem.engine.step_trace import StepTrace
 from tandem.engine.block_manager import BlockAllocator
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import MAX_GRAPH_QUERY_LEN, batch_buckets
@@ -29,7 +30,7 @@ from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative.speculator import build_speculator
-from tandem.engine.tokenizer import IncrementalDetokenizer
+from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.warmup import WARMUP_SHAPES, warm_up
 from tandem.wire.errors import InvalidRequestError
 from tandem.wire.messages import FinishReason, FirstToken, SamplingParams, TokenLogprob, Usage
@@ -89,6 +90,7 @@ class LLMEngine:
         self._post_s = 0.0                       # post-processing time since the last step's summary
         self.stats = EngineStats()
         self.last_step: tuple = ()  # what the latest step ran; last_step_summary() reads it
+        self.trace = StepTrace.from_env()
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -168,17 +170,14 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self, layer_done=None, after_launch=None) -> list[RequestOutput]:
         """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
-        (prefill actors stream that layer of the requests this step completes).
-        `after_launch(wait_device)` runs once the step's kernels are queued, before the host waits
-        for them; `wait_device()` blocks until they are done (None on CPU, where they already
-        are). On a GPU that is most of a long prefill step: time a serving loop can spend on calls
-        that do not touch the running step (see EngineLoop.call_mid_step).
-
-        With `overlap` (default on CUDA), a plain decode step's tokens stay on the device: the
-        call returns the outputs of the step before (engine.inflight), so the host schedules,
-        prepares and post-processes while the GPU computes. Steps whose inputs need the host's
-        tokens (speculative drafts, layer_done, prefill-only requests, seeded sampling) resolve
-        within the call."""
+        (prefill actors stream that layer of the requests this step completes). `after_launch(wait_device)`
+        runs once the step's kernels are queued, before the host waits for them; `wait_device()` blocks
+        until they are done (None on CPU). On a GPU that is most of a long prefill step: time a serving
+        loop can spend on calls that do not touch the running step (EngineLoop.call_mid_step).
+        With `overlap` (default on CUDA), a plain decode step's tokens stay on the device: the call
+        returns the outputs of the step before (engine.inflight), so the host schedules, prepares and
+        post-processes while the GPU computes. Steps whose inputs need the host's tokens (speculative
+        drafts, layer_done, prefill-only requests, seeded sampling) resolve within the call."""
         t0 = time.perf_counter()
         drafts = {}
         if self.speculator is not None:
@@ -199,6 +198,8 @@ class LLMEngine:
         captures = graphs.captures if graphs is not None else 0
         # prefill positions counted now, before the scheduler advances the requests
         prefill = self.stats.count_prompts(sched.scheduled)
+        if self.trace is not None:
+            self.trace.begin(time.time() - (time.perf_counter() - t0), sched.scheduled)
         t2 = time.perf_counter()
         logits = self.runner.execute(batch, hook)
         launched = None if self.speculator is not None else self._sample(sched, batch, logits)
@@ -224,6 +225,8 @@ class LLMEngine:
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
                           graphs is not None and graphs.captures > captures, phases)
+        if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
+            self.trace.end(keep, self.scheduler.has_work())
         return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:
@@ -348,7 +351,7 @@ class LLMEngine:
         stops = req.sampling.stop
         end = len(detok.text)
         if stops:
-            hit = self._find_stop(detok.text, stops, detok.emitted)
+            hit = find_stop(detok.text, stops, detok.emitted)
             if hit is not None:
                 detok.text = detok.text[:hit]
                 end = hit
@@ -384,7 +387,7 @@ class LLMEngine:
             detok.flush()
         text = detok.text
         if sp.stop:
-            hit = self._find_stop(text, sp.stop, 0)
+            hit = find_stop(text, sp.stop, 0)
             if hit is not None:
                 text, reason = text[:hit], FinishReason.STOP
             elif reason is None:
@@ -434,15 +437,6 @@ class LLMEngine:
         """A paused request is done here (moved, or aborted): its blocks and state go."""
         self._release(req.request_id)
         self.allocator.free(req)
-
-    @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
-        best = None
-        for s in stops:
-            i = text.find(s, max(0, new_from - len(s) + 1))  # only where it can newly appear
-            if i >= 0 and (best is None or i < best):
-                best = i
-        return best
 
     @staticmethod
     def usage(req: Request) -> Usage:

@@ -194,3 +194,14 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
     tok.add_special_tokens(control)
     return tok.to_str()
+
+
+def find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
+    """Where the first of `stops` starts in `text`, looking only where one can newly appear once
+    the text from `new_from` on is new; None if none does."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,87 @@
+"""engine.step_trace: what each step carried and how long it took, as a served engine writes it
+under $TANDEM_STEP_TRACE_DIR, and the step check that prices those steps with the perf model
+(cluster/step_check.py, printed by bench.validate_simulator)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tandem.cluster.step_check import kind_of, model_s, step_rows
+from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.step_trace import TRACE_ENV, StepTrace, read_traces, step_times
+from tandem.perf_model import PerfModel
+from tandem.wire.messages import SamplingParams
+
+
+def _sched(*items):
+    """ScheduledRequest-likes: (computed, prompt, new, drafts)."""
+    return [SimpleNamespace(request=SimpleNamespace(num_computed_tokens=c, num_prompt_tokens=p),
+                            num_new_tokens=n, num_draft_tokens=d) for c, p, n, d in items]
+
+
+def test_a_step_is_split_into_its_decode_part_and_prefill_chunks(tmp_path):
+    t = StepTrace(tmp_path / "steps-1.jsonl", flush_s=0.0)
+    # two decoding sequences (100 and 50 tokens in, 3 and 1 drafts), one prompt chunk of 64 at 128
+    t.begin(1000.0, _sched((99, 40, 4, 3), (49, 20, 2, 1), (128, 300, 64, 0)))
+    t.end(overlapped=False, more=True)
+    ((line,),) = read_traces(tmp_path)
+    assert line[0] == 1000.0 and line[1] >= line[0]
+    assert line[2:7] == [2, 103 + 51, 4, 3, [[64, 192]]]
+    assert line[7:] == [False, True]
+
+
+def _step(start, end, overlapped=False, more=True, decode=1):
+    return [start, end, decode, 100, 0, 0, [], overlapped, more]
+
+
+def test_step_times_follow_the_serving_loop():
+    # resolved steps with more work: call start to the next call's start (the loop's work between is part)
+    plain = [_step(0.0, 0.008), _step(0.010, 0.018), _step(0.020, 0.028, more=False), _step(5.0, 5.008)]
+    got = [dt for _, dt in step_times(plain)]
+    assert got == pytest.approx([0.010, 0.010, 0.008])   # the third: idle after it, its own call
+    # overlapped: a step ran from its call's end to the end of the next call, which read it
+    over = [_step(0.0, 0.001, True), _step(0.0012, 0.009, True), _step(0.0092, 0.017, True)]
+    got = [dt for _, dt in step_times(over)]
+    assert got == pytest.approx([0.008, 0.008])
+    # an overlapped step whose next call came much later (the engine idled, a settle read it): left out
+    assert step_times([_step(0.0, 0.001, True), _step(3.0, 3.009, True)]) == []
+
+
+def test_the_step_check_prices_each_step_by_what_it_carried(tmp_path):
+    perf = PerfModel(prefill_base_s=0.01, prefill_per_token_s=1e-4, prefill_attn_s=0.0, decode_base_s=0.005,
+                     decode_per_seq_s=1e-3, decode_per_ctx_token_s=0.0, step_host_s=0.0)
+    decode = [0.0, 0.0, 4, 4000, 8, 2, [], False, True]
+    assert kind_of(decode) == "decode 1-8"
+    assert model_s(perf, decode) == pytest.approx(0.005 + 4 * 0.001 * (1 + 2))   # padded to the widest draft
+    mixed = [0.0, 0.0, 4, 4000, 0, 0, [[600, 5000]], False, True]
+    assert kind_of(mixed) == "prefill 500-2k"
+    assert model_s(perf, mixed) == pytest.approx(0.005 + 0.004 + 0.01 + 600 * 1e-4)
+    # two rates' windows; each step 20 ms apart, so 20 ms each
+    d = tmp_path / "steps"
+    d.mkdir()
+    rows = [[100.0 + 0.02 * i, 100.0 + 0.02 * i + 0.01, 4, 4000, 0, 0, [], False, True] for i in range(50)]
+    (d / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = {"runs": [{"rate": 1, "started_unix": 100.0, "elapsed_s": 0.5}, {"rate": 2, "started_unix": 100.5,
+                                                                            "elapsed_s": 0.5}]}
+    got = step_rows(tmp_path, run, perf)
+    assert [(r["rate"], r["kind"], r["steps"]) for r in got] == [(1, "decode 1-8", 25), (2, "decode 1-8", 24)]
+    assert got[0]["measured_p50"] == pytest.approx(0.02) and got[0]["model_p50"] == pytest.approx(0.009)
+
+
+def test_a_served_engine_traces_its_steps_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=64))).trace is None
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "steps"))
+    e = LLMEngine(EngineConfig(model="tiny-random", cache=CacheConfig(num_blocks=64)))
+    e.add_request("a", prompt_token_ids=list(range(3, 40)), sampling=SamplingParams(max_tokens=5, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    e.trace.flush()
+    (steps,) = read_traces(tmp_path / "steps")
+    assert steps[0][2] == 0 and steps[0][6] == [[37, 37]]       # the prompt, in one chunk
+    assert [s[2:4] for s in steps[1:]] == [[1, 38], [1, 39], [1, 40], [1, 41]]  # then one sequence decodes
+    assert steps[-1][8] is False                                  # nothing left after the last
