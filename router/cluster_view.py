@@ -35,6 +35,9 @@ class ClusterView:
         self._pumps: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self.on_refresh = None  # called with each new state (metrics)
+        # called with the id of a worker that left the cluster or whose output pump failed: what it
+        # held (KV, cached prefixes) is gone; a worker coming back under the same id starts cold
+        self.on_gone = None
 
     async def start(self) -> None:
         await self.refresh()
@@ -67,6 +70,11 @@ class ClusterView:
                 pump = self._pumps.pop(wid, None)
                 if pump is not None:
                     pump.cancel()
+                self._gone(wid)
+
+    def _gone(self, wid: str) -> None:
+        if self.on_gone is not None:
+            self.on_gone(wid)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -89,6 +97,7 @@ class ClusterView:
                     q.put_nowait(WorkerLostNotice(wid, f"worker {wid} lost: {e}"))
                 self._pumps.pop(wid, None)
                 self.handles.pop(wid, None)
+                self._gone(wid)
                 return
             for m in msgs:
                 q = self.queues.get(m.request_id)

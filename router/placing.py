@@ -109,6 +109,7 @@ class Placer:
         # which worker caches which prompt blocks, whatever part it serves: a worker keeps its KV cache
         # through a role change, so a prompt it decoded is a prefix hit when it is lent to prefill
         self.prefix = PrefixIndex()
+        view.on_gone = self.prefix.forget_worker    # a worker that left took its cache with it
         self._background: set[asyncio.Future] = set()   # fire-and-forget cleanups, kept referenced
         self._attempts = itertools.count(1)
 
