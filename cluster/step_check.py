@@ -8,6 +8,7 @@ the ones the simulator made (the scheduling).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -28,9 +29,13 @@ def kind_of(step: list) -> str:
 
 
 def model_s(model: PerfModel, step: list) -> float:
-    """What the model charges this step: every decoding sequence verifies the step's widest draft."""
+    """What the model charges this step: every decoding sequence verifies the step's widest draft
+    (the engine pads them to it), and a step with any draft pays `verify_step_s`."""
     _, _, decode, context, _, widest, chunks = step[:7]
-    return model.verifying(float(widest)).step_s(decode, context, [(n, ctx) for n, ctx in chunks])
+    drafted = 1.0 if widest else 0.0
+    m = dataclasses.replace(model, spec_verify_tokens=float(widest), spec_draft_prob=drafted,
+                            spec_draft_len=float(widest))
+    return m.step_s(decode, context, [(n, ctx) for n, ctx in chunks])
 
 
 def step_rows(run_dir: str | Path, run: dict, model: PerfModel) -> list[dict]:

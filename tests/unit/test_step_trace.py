@@ -53,10 +53,12 @@ def test_step_times_follow_the_serving_loop():
 
 def test_the_step_check_prices_each_step_by_what_it_carried(tmp_path):
     perf = PerfModel(prefill_base_s=0.01, prefill_per_token_s=1e-4, prefill_attn_s=0.0, decode_base_s=0.005,
-                     decode_per_seq_s=1e-3, decode_per_ctx_token_s=0.0, step_host_s=0.0)
+                     decode_per_seq_s=1e-3, decode_per_ctx_token_s=0.0, step_host_s=0.0, verify_step_s=0.002)
     decode = [0.0, 0.0, 4, 4000, 8, 2, [], False, True]
     assert kind_of(decode) == "decode 1-8"
-    assert model_s(perf, decode) == pytest.approx(0.005 + 4 * 0.001 * (1 + 2))   # padded to the widest draft
+    # padded to the widest draft, and the verify pass a drafting step pays
+    assert model_s(perf, decode) == pytest.approx(0.005 + 4 * 0.001 * (1 + 2) + 0.002)
+    assert model_s(perf, [0.0, 0.0, 4, 4000, 0, 0, [], False, True]) == pytest.approx(0.005 + 4 * 0.001)
     mixed = [0.0, 0.0, 4, 4000, 0, 0, [[600, 5000]], False, True]
     assert kind_of(mixed) == "prefill 500-2k"
     assert model_s(perf, mixed) == pytest.approx(0.005 + 0.004 + 0.01 + 600 * 1e-4)
