@@ -48,6 +48,16 @@ def requests_of(run: dict, rate_run: dict) -> list[dict]:
     return [dict(zip(run["columns"], row)) for row in rate_run["requests"]]
 
 
+def tokens_per_step(r: dict) -> float | None:
+    """What each of the request's decode steps emitted, from its usage (speculation accepts more
+    drafts on some requests' text than on others'); None where it did not end or had one token."""
+    out = (r.get("completion_tokens") or 0) - 1
+    if r["status"] != "OK" or out <= 0:
+        return None
+    accepted = r.get("accepted_draft_tokens") or 0
+    return out / max(out - accepted, 1)
+
+
 def replay_specs(requests: list[dict]) -> list[RequestSpec]:
     """The requests as the simulator replays them, with their recorded lengths, session and turn: a
     session's first turn at its recorded send time, each later turn its recorded think time after
@@ -64,7 +74,7 @@ def replay_specs(requests: list[dict]) -> list[RequestSpec]:
             think = max(0.0, r["arrival_s"] - p["arrival_s"] - (p["e2e_s"] if p["e2e_s"] is not None else 0.0))
         prev[r["session_id"]] = r
         out.append(RequestSpec(r["session_id"], r["turn"], r["arrival_s"], r["prompt_tokens"], r["max_tokens"],
-                               r["shared_prefix_tokens"], think_s=think))
+                               r["shared_prefix_tokens"], think_s=think, tokens_per_step=tokens_per_step(r)))
     return sorted(out, key=lambda x: x.arrival_s)
 
 

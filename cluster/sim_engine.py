@@ -283,7 +283,7 @@ class Simulation:
         w.stepping = False
         w.busy_s += now - w.step_started_s
         for s in batch:
-            n = s.emit(self.perf.spec_tokens_per_step)
+            n = s.emit(getattr(s.spec, "tokens_per_step", None) or self.perf.spec_tokens_per_step)
             s.generated += n
             s.context += n
             if s.generated >= s.spec.output_tokens:

@@ -104,3 +104,15 @@ def test_an_overlapped_engine_takes_new_work_a_step_later_unless_it_was_idle():
     assert over["b"].ttft_s == pytest.approx(plain["b"].ttft_s + 0.010)   # the step at 31 ms
     assert over["a"].ttft_s == pytest.approx(plain["a"].ttft_s)           # a found the worker idle
     assert one(replace(PERF, overlap=True)).tpot_s == pytest.approx(0.010)  # steps cost the same
+
+
+def test_a_request_can_carry_its_own_tokens_per_step():
+    """A replay knows each request's accepted drafts from its usage: a request whose drafts were
+    accepted twice as often emits twice the tokens per step, whatever the model's mean."""
+    spec = replace(PERF, spec_tokens_per_step=1.5)
+    reqs = [RequestSpec("a", 0, 0.0, 10, 41, tokens_per_step=1.0), RequestSpec("b", 0, 0.0, 10, 41, tokens_per_step=2.0),
+            RequestSpec("c", 0, 0.0, 10, 41)]
+    got = {r.session_id: r for r in simulate(reqs, 0, 1, spec, SLO(), colocated=True).requests}
+    # 40 tokens after the first: 40, 20 and 27 steps of the same three-sequence batch, while it lasts
+    assert got["a"].e2e_s > got["c"].e2e_s > got["b"].e2e_s
+    assert got["b"].e2e_s - got["b"].ttft_s == pytest.approx(20 * spec.step_s(3, 0), rel=0.01)
