@@ -31,11 +31,11 @@ class RequestSpec:
     # Leading prompt tokens identical to an earlier request's (the previous turn's prompt + output).
     shared_prefix_tokens: int = 0
     think_s: float = 0.0  # client think time before this turn; closed-loop replays wait this long
+    hash_ids: tuple[int, ...] = ()  # block hashes (Mooncake): equal leading ids = shared prefix
+    hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS
     # tokens a decode step emits for this request (1 + its accepted drafts per step), where a replay
     # knows it from the request's usage; None: the perf model's spec_tokens_per_step
     tokens_per_step: float | None = None
-    hash_ids: tuple[int, ...] = ()  # block hashes (Mooncake): equal leading ids = shared prefix
-    hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
