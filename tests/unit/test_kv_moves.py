@@ -82,6 +82,15 @@ def collect(worker, until_msg, timeout_s: float = 20.0, router: str = "router") 
     return ids, msgs
 
 
+def pending(worker, router: str = "router") -> list:
+    """Every message queued for `router` now: what `collect` kept from its last poll, then the
+    worker's queue."""
+    inbox = worker.__dict__.setdefault("test_inbox", {}).setdefault(router, [])
+    msgs = inbox + worker.decode.get_outputs(router, timeout_s=0.05)
+    inbox.clear()
+    return msgs
+
+
 def start_and_offer(a, sp: SamplingParams, rid: str = "r/1", after: int = 1) -> tuple[list[int], SequenceMoving]:
     """A request decoding on `a`, offered to move after at least `after` tokens: (tokens streamed,
     its notice)."""
@@ -193,7 +202,7 @@ def test_a_sequence_whose_router_is_slow_to_reserve_waits_within_the_headroom_th
     until(lambda: "r/1" not in a.engine.scheduler.requests)      # paused, still offered
     time.sleep(0.2)                                               # the router is slow
     assert "r/1" not in a.engine.scheduler.requests
-    waited = a.decode.get_outputs("router", timeout_s=0.05)
+    waited = pending(a)          # with what came after the offer in collect's last poll
     more = [t for m in waited if isinstance(m, StepOutput) for t in m.token_ids]
     assert not any(isinstance(m, (SequenceMoving, SequencePaused)) for m in waited)
     assert 0 < len(more) <= HEADROOM
