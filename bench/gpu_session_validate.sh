@@ -7,6 +7,9 @@
 #   PROFILE_FROM=bench/perf/h200-llama3-8b-profile.json bash bench/gpu_session_validate.sh
 #       (a shorter call: that profile's prefill and whole-step timings, this GPU's decode, verify and
 #       padded steps from bench/verify_padding.py)
+#   PROFILE_READY=bench/perf/h200-llama3-8b-profile-7.json bash bench/gpu_session_validate.sh
+#       (the record only, with a profile an earlier call made; unpack $OUT/steps-NAME.tgz into
+#       bench/results/NAME/ for validate_simulator's step table)
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
@@ -17,7 +20,9 @@ python3 -c "import tomllib, os; m = tomllib.load(open('pyproject.toml', 'rb'))['
 NAME=${NAME:-h200-colocated}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 TANDEM="python3 -c 'import sys; from tandem.cluster.cli import main; sys.exit(main())'"
-if [ -n "${PROFILE_FROM:-}" ]; then   # keep PROFILE_FROM's prefill and whole-step timings, time the decode steps again
+if [ -n "${PROFILE_READY:-}" ]; then   # a profile this GPU kind made already: record only
+  cp "$PROFILE_READY" "$OUT/profile.json"
+elif [ -n "${PROFILE_FROM:-}" ]; then   # keep PROFILE_FROM's prefill and whole-step timings, time the decode steps again
   TAIL=40 step padding ${PROFILE_LIMIT:-150} python3 bench/verify_padding.py --model llama3-8b-random --device cuda \
     --dtype bfloat16 --merge "$PROFILE_FROM" -o "$OUT/profile-merged.json"
   TAIL=3 step refit 60 bash -c "$TANDEM profile --from $OUT/profile-merged.json -o $OUT/profile.json"
@@ -35,5 +40,8 @@ TAIL=30 step record ${RECORD_LIMIT:-330} python3 bench/record_run.py --profile "
 A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)
 grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A
 for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$f: $n slow steps"; done
+# the device tool leaves results/NAME/steps out ("depth"): the step traces come back as one archive
+[ -d "$OUT/results/$NAME/steps" ] && tar -czf "$OUT/steps-$NAME.tgz" -C "$OUT/results/$NAME" steps \
+  && rm -rf "$OUT/results/$NAME/steps"
 tar -czf "$OUT/rec.tgz" -C / tmp/rec $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
 ls -la "$OUT" "$OUT/results"/*

@@ -21,6 +21,8 @@ PREFILL = (("prefill <500", 0, 499), ("prefill 500-2k", 500, 1999), ("prefill 2k
 
 
 def kind_of(step: list) -> str:
+    if len(step) > 9 and step[9]:
+        return "graph capture"      # a one-off stall the model does not price: shown apart
     chunks = step[6]
     if chunks:
         n = sum(c[0] for c in chunks)
@@ -48,7 +50,7 @@ def step_rows(run_dir: str | Path, run: dict, model: PerfModel) -> list[dict]:
             continue
         t1 = t0 + rate_run["elapsed_s"]
         mine = [(s, dt) for s, dt in timed if t0 <= s[0] < t1]
-        for name in [k[0] for k in KINDS + PREFILL]:
+        for name in [k[0] for k in KINDS + PREFILL] + ["graph capture"]:
             got = [(dt, model_s(model, s)) for s, dt in mine if kind_of(s) == name]
             if not got:
                 continue

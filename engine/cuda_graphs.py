@@ -188,8 +188,9 @@ class StaticInputs:
 
 class DecodeGraphs:
     """Captured steps by GraphKey. `step(key)` runs the forward on the static buffers and returns
-    the logits of all key.tokens rows; it is captured on first use of a key (the run before the
-    capture, which compiles kernels, is that step's result). With `capture=False` (CPU tests)
+    the logits of all key.tokens rows; a key is captured ahead (`capture_empty`, at warmup) or on
+    its `capture_after`-th step, the ones before it eager (the run before the capture, which
+    compiles kernels, is that step's result). With `capture=False` (CPU tests)
     every run is eager through the same static buffers.
 
     Capture shares the GPU with the KV transport's threads (NCCL sends and receives, gathers and
@@ -201,9 +202,16 @@ class DecodeGraphs:
     shape; only `max_failures` failures in all turn capturing off."""
 
     def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256,
-                 max_failures: int = 8):
+                 max_failures: int = 8, capture_after: int = 2):
         self.step = step
         self.capture = capture
+        # a key warmup did not capture is captured on its capture_after-th step; the steps before
+        # run eagerly through the same static buffers. A capture stalls the batch ~40 ms (llama3-8b,
+        # H200: the eager run, the recording, the instantiation) against a few ms for an eager step,
+        # and serving meets many shapes once (verify widths x context buckets x batch buckets)
+        self.capture_after = max(1, capture_after)
+        self._seen: dict[GraphKey, int] = {}
+        self.eager_runs = 0     # steps of keys not (yet) captured, run eagerly
         self.max_graphs = max_graphs
         self.max_failures = max_failures
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -225,6 +233,10 @@ class DecodeGraphs:
             return self.step(key)
         entry = self.graphs.get(key)
         if entry is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen < self.capture_after:
+                self.eager_runs += 1
+                return self.step(key)
             return self._capture(key)
         entry[0].replay()
         self.replays += 1

@@ -226,7 +226,7 @@ class LLMEngine:
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
                           graphs is not None and graphs.captures > captures, phases)
         if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
-            self.trace.end(keep, self.scheduler.has_work())
+            self.trace.end(keep, self.scheduler.has_work(), self.last_step[4])
         return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:

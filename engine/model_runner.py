@@ -24,7 +24,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.block_tables import BlockTables
 from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
-                                capture_query_lens, graph_key, token_buckets)
+                                capture_query_lens, graph_key, next_power_of_2, token_buckets)
 from tandem.engine.kv_cache import KVCache
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.speculative.tree import ancestor_masks, check_tree, depths
@@ -272,18 +272,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, s.logits_rows[:T]))
 
     @torch.inference_mode()
-    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None, context_len: int = 2048) -> int:
+    def capture_graphs(self, batch_sizes: tuple[int, ...] | None = None, context_len: int = 2048,
+                       all_contexts: bool = False) -> int:
         """Capture the decode graphs (one new token per sequence) of these batch sizes for
-        contexts up to context_len now, instead of on their first step. Returns graphs captured."""
+        contexts up to context_len now, instead of on their first steps; with `all_contexts`, for
+        every context bucket up to the longest context the graphs serve too (a batch small enough
+        that the decode kernel splits contexts has one graph per bucket: agents' contexts of 8k to
+        128k would otherwise capture theirs mid-serving). Returns graphs captured."""
         if self.graphs is None or not self._fused():
             return 0
         before = self.graphs.captures
         s = self.static
         s.buffer[:s.header_len].copy_(torch.from_numpy(s.empty_header))
         self._static_batch = None
-        for b in batch_sizes or self.batch_sizes:
-            key = graph_key([1] * b, context_len, batch_sizes=self.batch_sizes, token_sizes=self.token_sizes,
-                            max_context=s.max_blocks * self.block_size, splits=self._splits)
+        max_context = s.max_blocks * self.block_size
+        contexts = [min(context_len, max_context)]
+        while all_contexts and contexts[-1] < max_context:
+            contexts.append(min(2 * next_power_of_2(contexts[-1]), max_context))
+        keys = dict.fromkeys(graph_key([1] * b, c, batch_sizes=self.batch_sizes, token_sizes=self.token_sizes,
+                                       max_context=max_context, splits=self._splits)
+                             for b in batch_sizes or self.batch_sizes for c in contexts)
+        for key in keys:
             if key is not None:
                 self.graphs.capture_empty(key)
         return self.graphs.captures - before
@@ -310,8 +319,8 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int | str | None]:
         g = self.graphs
         if g is None:
-            return {"graphs": 0, "captures": 0, "replays": 0, "capture_failures": 0, "capture_s": 0.0,
+            return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "capture_failures": 0, "capture_s": 0.0,
                     "last_capture_failure": None, "failed": None}
-        return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays,
+        return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "eager_runs": g.eager_runs,
                 "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
                 "last_capture_failure": g.last_failure, "failed": g.failed}

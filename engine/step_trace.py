@@ -5,11 +5,12 @@ step with `PerfModel.step_s` and sets it beside the time the step took.
 Off unless `$TANDEM_STEP_TRACE_DIR` names a directory (a diagnostic, like a profiler): each engine
 then appends one JSON line per step to `steps-<pid>.jsonl` there, flushed about once a second. A
 line is `[start_unix, end_unix, decoding sequences, their context tokens, their draft tokens, the
-widest draft, [[prompt tokens computed, context once in], ...], overlapped, more]`: when the
+widest draft, [[prompt tokens computed, context once in], ...], overlapped, more, captured]`: when the
 `LLMEngine.step` call began and returned, the step's decode part and prefill chunks as the
 scheduler gave them, whether its tokens stayed on the device while the next step launched
-(engine.inflight: the next call waits for it), and whether the scheduler had more work then (the
-serving loop steps again at once).
+(engine.inflight: the next call waits for it), whether the scheduler had more work then (the
+serving loop steps again at once), and whether the step captured a CUDA graph (a one-off stall the
+perf model does not price; traces written before it have 9 fields).
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ class StepTrace:
                 drafts, widest = drafts + x.num_draft_tokens, max(widest, x.num_draft_tokens)
         self._open = [round(start_unix, 6), 0.0, decode, context, drafts, widest, chunks]
 
-    def end(self, overlapped: bool, more: bool) -> None:
+    def end(self, overlapped: bool, more: bool, captured: bool = False) -> None:
         if self._open is not None:
             self._open[1] = round(time.time(), 6)
-            self._pending.append(self._open + [bool(overlapped), bool(more)])
+            self._pending.append(self._open + [bool(overlapped), bool(more), bool(captured)])
             self._open = None
         if time.monotonic() - self._flushed >= self.flush_s:
             self.flush()

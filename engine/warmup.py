@@ -21,7 +21,7 @@ def warm_up(engine, shapes: tuple[tuple[int, int], ...] = WARMUP_SHAPES, decode_
     """Compile every attention kernel variant (`compile_variants`), then run synthetic requests
     through the paths serving takes, so that Triton has compiled its kernels and the decode
     steps' CUDA graphs are captured now rather than inside the first real requests (then the
-    decode graph of every other batch bucket, at contexts up to 2k). `shapes`:
+    decode graph of every other batch bucket and context bucket). `shapes`:
     (prompt tokens, concurrent requests) pairs; each covers a prefill (chunked when longer than
     the step's token budget), decode steps at that batch and context, and speculative verify steps
     (the prompts repeat a phrase, so an n-gram proposer drafts). One more request extends a warm
@@ -33,8 +33,9 @@ def warm_up(engine, shapes: tuple[tuple[int, int], ...] = WARMUP_SHAPES, decode_
     t0 = time.perf_counter()
     launches = _compile_kernels(engine)
     ran = _run_warmup_requests(engine, shapes, decode_tokens, random.Random(seed))
-    # a decode graph for every batch bucket the scheduler can form (the shapes above cover a few)
-    engine.runner.capture_graphs(context_len=min(2048, engine.max_model_len))
+    # a decode graph for every batch bucket the scheduler can form and every context bucket (the
+    # shapes above cover a few)
+    engine.runner.capture_graphs(context_len=min(2048, engine.max_model_len), all_contexts=True)
     engine.allocator.reset_prefix_cache()
     engine.allocator.prefix_queries = engine.allocator.prefix_hits = 0
     engine.stats = EngineStats()

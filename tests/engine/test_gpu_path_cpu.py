@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from tandem.engine.cuda_graphs import (GraphKey, StaticInputs, capture_query_lens, graph_key, round_up,
+from tandem.engine.cuda_graphs import (DecodeGraphs, GraphKey, StaticInputs, capture_query_lens, graph_key, round_up,
                                 token_buckets)
 from tandem.engine.engine import LLMEngine
 
@@ -118,3 +118,55 @@ def test_static_buffer_steps_match_the_cpu_path(tiny, spec, overlap):
     assert stats["replays"] > 0, "no step went through the static buffers"
     if spec:
         assert e.stats.draft_tokens > 0, "the prompts were meant to give n-gram drafts"
+
+
+def test_warmup_keys_cover_every_context_bucket_where_the_kernel_splits(tiny, monkeypatch):
+    """Agents' contexts reach 8k-128k: a batch small enough that the decode kernel splits its
+    contexts needs one graph per context bucket, and warmup captures them all, so serving does not
+    stall a batch ~40 ms to capture one (the H200 run h200-colocated-8 traced ~200 such steps)."""
+    pytest.importorskip("triton")
+    model, tok, _ = tiny
+    e = _engine(model, tok, graphs=True)
+    keys = []
+    monkeypatch.setattr(e.runner.graphs, "capture_empty", keys.append)
+    monkeypatch.setattr(e.runner, "_splits", lambda b, c: b <= 4 and c > 128)   # an H200's rule, scaled down
+    max_context = e.runner.static.max_blocks * e.runner.block_size
+    e.runner.capture_graphs(context_len=64)
+    only_64 = list(keys)
+    keys.clear()
+    e.runner.capture_graphs(context_len=64, all_contexts=True)
+    assert set(only_64) <= set(keys) and len(keys) == len(set(keys))
+    assert {k.batch for k in keys} == {1, 2, 4, 8} and all(k.query_len == 1 for k in keys)
+    split = sorted({k.context for k in keys if k.context})
+    assert split
+    assert split[-1] == max_context and len(split) > len({k.context for k in only_64 if k.context})
+    # every context a step can have maps to a key warmup captured
+    for b in (1, 2, 3, 5, 8):
+        for ctx in (1, 100, 257, max_context // 2 + 1, max_context):
+            want = graph_key([1] * b, ctx, batch_sizes=e.runner.batch_sizes, token_sizes=e.runner.token_sizes,
+                             max_context=max_context, splits=e.runner._splits)
+            assert want in keys, (b, ctx, want)
+
+
+class _Counting(DecodeGraphs):
+    def _capture(self, key):
+        self.captures += 1
+        self.graphs[key] = (None, None)
+        return self.step(key)
+
+
+def test_a_shape_is_captured_on_its_second_step_and_runs_eagerly_before():
+    ran = []
+    g = _Counting(lambda key: ran.append(key) or torch.zeros(1), capture=False)
+    g.capture = True                      # the policy, without a GPU: _capture only records
+    a, b = GraphKey(4, 4, 1, 0), GraphKey(8, 8, 1, 0)
+    g.run(a)
+    assert (g.captures, g.eager_runs, ran) == (0, 1, [a])        # seen once: eager, no capture
+    g.run(a)
+    assert (g.captures, g.eager_runs) == (1, 1)                  # the second time: captured
+    g.capture_empty(b)                                           # warmup: ahead of any step
+    assert g.captures == 2 and b in g.graphs
+    now = _Counting(lambda key: torch.zeros(1), capture=False, capture_after=1)
+    now.capture = True
+    now.run(a)
+    assert (now.captures, now.eager_runs) == (1, 0)

@@ -27,11 +27,11 @@ def test_a_step_is_split_into_its_decode_part_and_prefill_chunks(tmp_path):
     t = StepTrace(tmp_path / "steps-1.jsonl", flush_s=0.0)
     # two decoding sequences (100 and 50 tokens in, 3 and 1 drafts), one prompt chunk of 64 at 128
     t.begin(1000.0, _sched((99, 40, 4, 3), (49, 20, 2, 1), (128, 300, 64, 0)))
-    t.end(overlapped=False, more=True)
+    t.end(overlapped=False, more=True, captured=True)
     ((line,),) = read_traces(tmp_path)
     assert line[0] == 1000.0 and line[1] >= line[0]
     assert line[2:7] == [2, 103 + 51, 4, 3, [[64, 192]]]
-    assert line[7:] == [False, True]
+    assert line[7:] == [False, True, True]
 
 
 def _step(start, end, overlapped=False, more=True, decode=1):
@@ -61,6 +61,7 @@ def test_the_step_check_prices_each_step_by_what_it_carried(tmp_path):
     assert model_s(perf, [0.0, 0.0, 4, 4000, 0, 0, [], False, True]) == pytest.approx(0.005 + 4 * 0.001)
     mixed = [0.0, 0.0, 4, 4000, 0, 0, [[600, 5000]], False, True]
     assert kind_of(mixed) == "prefill 500-2k"
+    assert kind_of(decode + [True]) == "graph capture" and kind_of(decode + [False]) == "decode 1-8"
     assert model_s(perf, mixed) == pytest.approx(0.005 + 0.004 + 0.01 + 600 * 1e-4)
     # two rates' windows; each step 20 ms apart, so 20 ms each
     d = tmp_path / "steps"
@@ -87,3 +88,4 @@ def test_a_served_engine_traces_its_steps_only_when_asked(tmp_path, monkeypatch)
     assert steps[0][2] == 0 and steps[0][6] == [[37, 37]]       # the prompt, in one chunk
     assert [s[2:4] for s in steps[1:]] == [[1, 38], [1, 39], [1, 40], [1, 41]]  # then one sequence decodes
     assert steps[-1][8] is False                                  # nothing left after the last
+    assert not any(s[9] for s in steps)                           # no CUDA graph on this CPU
