@@ -223,10 +223,10 @@ class LLMEngine:
         # host time per phase: "sample" includes waiting for the device to finish the step whose
         # tokens are read now (overlapped: the one before); "output" is detokenizing them
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
-        self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key,
-                          graphs is not None and graphs.captures > captures, phases)
+        captured = graphs is not None and graphs.captures > captures
+        self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key, captured, phases)
         if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
-            self.trace.end(keep, self.scheduler.has_work(), self.last_step[4])
+            self.trace.end(keep, self.scheduler.has_work(), captured)
         return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:
