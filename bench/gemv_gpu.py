@@ -37,8 +37,7 @@ import tandem.engine.quant.fp8 as fp8_quant
 from tandem.engine.model import TritonOps
 from tandem.engine.weights import load_model
 
-gemv_mod = fused_mod = pdl_mod = l2_mod = None  # tandem.engine.kernels.gemv / .fused / .pdl / .l2_prefetch,
-# imported after TRITON_INTERPRET is set
+gemv_mod = fused_mod = pdl_mod = None  # tandem.engine.kernels.gemv / .fused, imported after TRITON_INTERPRET is set
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
@@ -157,60 +156,13 @@ class GemvBench(FP8Bench):
                 for _, c in r.get("all_plain", [])[:1]:
                     gemv_mod._TUNED[(r["kind"], r["n"], r["k"], "none")] = gemv_mod.GemvConfig(*c)
 
-    def l2(self):
-        """engine.kernels.l2_prefetch on its own: per mode, one layer's o and gate/up weights (bf16
-        and FP8) prefetched, then read by their GEMVs on the same stream, each replayed from one
-        graph over weight copies past the L2; against the GEMVs alone and the prefetch alone."""
-        rows = self.results["l2"] = []
-        shapes = {"o": (32, 64), "gate_up": (96, 64)} if self.dry else {"o": (4096, 4096), "gate_up": (28672, 4096)}
-        budget = 4096 if self.dry else l2_mod.budget(self.dev)
-        for wdt in ("bf16", "fp8"):
-            dt = torch.float32 if self.dry else torch.bfloat16
-            ncopy = 2 if self.dry else 8
-            copies = []
-            for _ in range(ncopy):
-                pair = [torch.randn(n, k, device=self.dev, dtype=dt) * k ** -0.5 for n, k in shapes.values()]
-                copies.append([fp8_quant.quantize_fp8(w) if wdt == "fp8" else (w, None) for w in pair])
-            x = torch.randn(1, shapes["o"][1], device=self.dev, dtype=dt)
-
-            def gemvs(c):
-                for w, scale in c:
-                    gemv_mod.gemv(x, w, scale)
-
-            alone = self._graph_us(gemvs, copies)
-            r = {"weight": wdt, "gemvs_us": alone, "bytes": sum(w.numel() * w.element_size() for w, _ in copies[0])}
-            for mode in () if self.dry else ("line", "last", "bulk"):
-                def pre(c, mode=mode):
-                    p = l2_mod.plan([w for w, _ in c], budget)
-                    for w, n in p.parts:
-                        l2_mod.prefetch(w, n, mode)
-                    return p
-
-                r[f"{mode}_prefetch_us"] = self._graph_us(pre, copies)
-                r[f"{mode}_then_gemvs_us"] = self._graph_us(lambda c, pre=pre: (pre(c), gemvs(c)), copies)
-                r["prefetched_bytes"] = pre(copies[0]).nbytes
-            rows.append(r)
-            print(f"# l2 {r}", flush=True)
-            del copies
-            self.free()
-        self.save()
-
     # dtype -> (gemv.POLICY, gemv.PDL, the FP8 prologues taken in "table" ("norm": q/k/v and
-    # gate/up), PDL for the small kernels (engine.kernels.pdl.ENABLED), L2 prefetch mode[@budget])
+    # gate/up), PDL for the small kernels (engine.kernels.pdl.ENABLED))
     STEP_VARIANTS = {
-        "bf16": (("off", "off", "", False, "off"), ("table", "prefetch", "", False, "off"),
-                 ("table", "prefetch", "", True, "off"), ("table", "wait", "", True, "off")),
-        "fp8": (("table", "off", "", False, "off"), ("table", "off", "", True, "off"),
-                ("table", "prefetch", "", True, "off"), ("table", "wait", "", True, "off"),
-                ("all", "prefetch", "", True, "off")),
-    }
-    L2_VARIANTS = {
-        "bf16": (("table", "prefetch", "", False, "off"), ("table", "prefetch", "", False, "line"),
-                 ("table", "prefetch", "", False, "last"), ("table", "prefetch", "", False, "bulk")),
-        "fp8": (("table", "off", "", False, "off"), ("table", "off", "", False, "line"),
-                ("table", "off", "", False, "last"), ("table", "off", "", False, "bulk"),
-                ("table", "off", "", False, "last@0.3"), ("table", "off", "", False, "last@0.9"),
-                ("table", "wait", "", True, "off"), ("table", "wait", "", True, "last")),
+        "bf16": (("off", "off", "", False), ("table", "prefetch", "", False), ("table", "prefetch", "", True),
+                 ("table", "wait", "", True)),
+        "fp8": (("table", "off", "", False), ("table", "off", "", True), ("table", "prefetch", "", True),
+                ("table", "wait", "", True), ("all", "prefetch", "", True)),
     }
 
     def steps(self):
@@ -220,7 +172,7 @@ class GemvBench(FP8Bench):
         rows = self.results["decode_8b"] = []
         if self.configs == "swept":
             self.use_swept_configs()
-        table, default_budget = gemv_mod.WINS, l2_mod.BUDGET
+        table = gemv_mod.WINS
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
@@ -231,20 +183,16 @@ class GemvBench(FP8Bench):
             norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
                          for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
-                variants = (self.L2_VARIANTS if self.l2_steps else self.STEP_VARIANTS)[label.split("-")[1]]
-                for policy, pdl, extra, small, l2 in variants:
+                for policy, pdl, extra, small in self.STEP_VARIANTS[label.split("-")[1]]:
                     gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl
                     pdl_mod.ENABLED = small
-                    l2_mod.MODE, _, budget = l2.partition("@")
-                    l2_mod.BUDGET = float(budget or default_budget)
                     gemv_mod.WINS = table | norm_keys if extra == "norm" else table
-                    tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}{'+small' if small else ''}"
-                           + (f"-l2:{l2}" if l2 != "off" else ""))
+                    tag = f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}{'+small' if small else ''}"
                     for row in self.decode_rows(tag, model, tok, (1,), ctx):
-                        row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small, l2=l2)
+                        row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small)
                         rows.append(row)
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
-            pdl_mod.ENABLED, l2_mod.MODE, l2_mod.BUDGET = False, "off", default_budget
+            pdl_mod.ENABLED = False
             del model
             self.free()
         self.save()
@@ -261,10 +209,6 @@ def print_table(R):
         print(f"{r['shape']:>12} {r['weight']:>6} {r['before']:>6} {r['separate_us']:>9.1f} {r['fused_us']:>7.1f} "
               f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {plain} {r['fused_config']}"
               + (f" ({r['all_plain'][0][1]})" if r.get("all_plain") else ""))
-    for r in R.get("l2", []):
-        print(f"# L2 prefetch, {r['weight']}: GEMVs alone {r['gemvs_us']:.1f} us; "
-              + "; ".join(f"{m}: prefetch {r[m + '_prefetch_us']:.1f}, then GEMVs {r[m + '_then_gemvs_us']:.1f}"
-                          for m in ("line", "last", "bulk") if m + "_prefetch_us" in r))
     rows = R.get("decode_8b", [])
     if rows:
         by = {}
@@ -289,9 +233,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model and sizes (Triton interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,l2,steps")
-    parser.add_argument("--l2-steps", action="store_true",
-                        help="decode steps with engine.kernels.l2_prefetch's modes instead of the PDL variants")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,steps")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each decode variant")
     parser.add_argument("--models", default="8b,32b", help="kernel shapes of these models: 8b,32b")
     parser.add_argument("--configs", choices=("committed", "swept"), default="committed",
@@ -301,19 +243,17 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    global gemv_mod, fused_mod, pdl_mod, l2_mod
+    global gemv_mod, fused_mod, pdl_mod
     import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415 (after TRITON_INTERPRET is set)
     import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
-    import tandem.engine.kernels.l2_prefetch as l2_mod  # noqa: PLC0415
     import tandem.engine.kernels.pdl as pdl_mod  # noqa: PLC0415
 
     torch.manual_seed(0)
     b = GemvBench(args.dry_run, args.out, quick=True)
     b.repeats, b.configs, b.models = args.repeats, args.configs, set(args.models.split(","))
-    b.l2_steps = args.l2_steps
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
-    for name, fn in (("kernels", b.kernels), ("l2", b.l2), ("steps", b.steps)):
+    for name, fn in (("kernels", b.kernels), ("steps", b.steps)):
         if name not in skip:
             b.section(name, fn)
     print_table(b.results)

@@ -176,8 +176,6 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if isinstance(attn, Attention):
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-            if isinstance(mlp, MLP):  # the attention's window: o and gate/up into the L2 (one token)
-                ops.prefetch_ahead(qkv, attn.o_proj.weight, mlp.gate_up_proj.weight)
             h = attn.attend_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
         else:
             h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
@@ -210,28 +208,6 @@ class TritonOps:
 
         self.write_kv, self.attention, self.rotary_write_kv = write_kv, paged_attention, rotary_write_kv
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
-        self._l2 = None  # engine.kernels.l2_prefetch.SideStream, made on the first prefetch
-
-    def prefetch_ahead(self, x: torch.Tensor, *weights: torch.Tensor) -> None:
-        """For a one-token step with L2 prefetch on (engine.kernels.l2_prefetch.MODE): start
-        pulling `weights` (in the order the step reads them, as much as the L2 budget holds) into
-        the L2 on a side stream; the GEMV that reads each joins it first."""
-        from tandem.engine.kernels import l2_prefetch  # noqa: PLC0415 (as __init__'s)
-
-        if x.shape[0] != 1 or l2_prefetch.MODE == "off" or not x.is_cuda:
-            return
-        if self._l2 is None:
-            self._l2 = l2_prefetch.SideStream()
-        self._l2.fork(l2_prefetch.plan(list(weights), l2_prefetch.budget(x.device)))
-
-    def _join(self, weight: torch.Tensor) -> None:
-        if self._l2 is not None:
-            self._l2.join(weight)
-
-    def join_prefetches(self) -> None:
-        """Every prefetch still pending joined into the current stream (end of a forward)."""
-        if self._l2 is not None:
-            self._l2.join_all()
 
     def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
@@ -239,7 +215,6 @@ class TritonOps:
         then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        self._join(linear.weight)
         if x.shape[0] == 1 and gemv.takes(linear.weight, "norm"):
             return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
                                   linear.bias, group_k=linear.group_k)
@@ -251,7 +226,6 @@ class TritonOps:
         weight, else silu_and_mul, then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        self._join(linear.weight)
         if gate_up.shape[0] == 1 and gemv.takes(linear.weight, "silu"):
             return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
         return linear(self.silu_and_mul(gate_up))
@@ -260,7 +234,6 @@ class TritonOps:
         """linear(x), by engine.kernels.gemv for one token where it takes the weight."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        self._join(linear.weight)
         if x.shape[0] == 1 and gemv.takes(linear.weight):
             return gemv.gemv(x, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
         return linear(x)
@@ -329,7 +302,6 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward_fused(x, residual, positions, cos_sin, kv_cache, meta, ops)
             if layer_done is not None:
                 layer_done(i)
-        ops.join_prefetches()
         return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
