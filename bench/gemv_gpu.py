@@ -180,19 +180,24 @@ class GemvBench(FP8Bench):
             self.results[f"load_s_{label}"] = time.perf_counter() - t0
             if self.dry:
                 model.ops = TritonOps()
+            silu_out_keys = {("fp8", *layer.mlp.gate_up_proj.weight.shape, "silu_out") for layer in model.layers}
             norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
                          for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
-                for policy, pdl, extra, small in self.STEP_VARIANTS[label.split("-")[1]]:
-                    gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8 = policy, pdl, pdl
+                for policy, pdl, extra, small in (self.variants or self.STEP_VARIANTS)[label.split("-")[1]]:
+                    # "auto": the defaults (bf16 prefetching; FP8 as the small kernels go)
+                    gemv_mod.POLICY, gemv_mod.PDL = policy, "prefetch" if pdl == "auto" else pdl
+                    gemv_mod.PDL_FP8 = None if pdl == "auto" else pdl
                     pdl_mod.ENABLED = small
-                    gemv_mod.WINS = table | norm_keys if extra == "norm" else table
-                    tag = f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}{'+small' if small else ''}"
-                    for row in self.decode_rows(tag, model, tok, (1,), ctx):
+                    gemv_mod.WINS = table | (norm_keys if "norm" in extra.split("+") else set()) | (
+                        silu_out_keys if "silu_out" in extra.split("+") else set())
+                    tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
+                           + {True: "+small", False: "", None: "+auto"}[small])
+                    for row in self.decode_rows(tag, model, tok, self.batches, ctx):
                         row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small)
                         rows.append(row)
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
-            pdl_mod.ENABLED = False
+            pdl_mod.ENABLED = None
             del model
             self.free()
         self.save()
@@ -213,20 +218,42 @@ def print_table(R):
     if rows:
         by = {}
         for r in rows:
-            by.setdefault(r["model"], []).append(r)
+            by.setdefault(r["model"] + (f" x{r['batch']}" if r["batch"] != 1 else ""), []).append(r)
         med = {m: statistics.median(r["step_ms"] for r in rs) for m, rs in by.items()}
-        print(f"\nllama3-8b-random decode, batch 1, context 1k: step ms (median of {len(rows) // len(by)} "
+        print(f"\nllama3-8b-random decode, context 1k (batch 1 unless xN): step ms (median of {len(rows) // len(by)} "
               "interleaved runs; each run the median of its steps)")
-        print(f"{'model':>28} {'step ms':>8} {'runs':>24} {'GPU ms':>8} {'floor ms':>8} {'x floor':>7} "
-              f"{'/ bf16 off':>10} {'/ bf16 table':>12}")
-        bf_off, bf_table = med.get("8b-bf16-off-pdl:off"), med.get("8b-bf16-table-pdl:prefetch")
+        print(f"{'model':>34} {'step ms':>8} {'runs':>24} {'GPU ms':>8} {'floor ms':>8} {'x floor':>7} "
+              f"{'/ bf16 off':>10} {'/ bf16 first':>12}")
+        # per batch size: against bf16 with the fused GEMV off, and against the first bf16 variant
+        first_bf16 = {}
         for m, rs in by.items():
-            floor = rs[0]["floor_ms"]
+            if m.startswith("8b-bf16"):
+                first_bf16.setdefault(rs[0]["batch"], med[m])
+        for m, rs in by.items():
+            floor, batch = rs[0]["floor_ms"], rs[0]["batch"]
+            bf_off = med.get("8b-bf16-off-pdl:off" + (f" x{batch}" if batch != 1 else ""))
+            bf_first = first_bf16.get(batch)
             runs = " ".join(f"{r['step_ms']:.3f}" for r in rs)
             gpu = statistics.median(r["gpu_ms"] for r in rs)
-            print(f"{m:>28} {med[m]:>8.3f} {runs:>24} {gpu:>8.3f} {floor:>8.3f} {med[m] / floor:>7.2f} "
+            print(f"{m:>34} {med[m]:>8.3f} {runs:>24} {gpu:>8.3f} {floor:>8.3f} {med[m] / floor:>7.2f} "
                   f"{med[m] / bf_off if bf_off else float('nan'):>10.3f} "
-                  f"{med[m] / bf_table if bf_table else float('nan'):>12.3f}")
+                  f"{med[m] / bf_first if bf_first else float('nan'):>12.3f}")
+
+
+def parse_variants(spec: str) -> dict:
+    """'bf16:table/prefetch//0,fp8:all/wait/norm/1' -> STEP_VARIANTS' form: per weight kind,
+    (gemv.POLICY, gemv.PDL, the FP8 folds added to gemv.WINS, "+"-separated: "norm" on q/k/v and
+    gate/up, "silu_out" the gate/up GEMV's SiLU epilogue; PDL for the small kernels)."""
+    out = {"bf16": [], "fp8": []}
+    for item in filter(None, spec.split(",")):
+        kind, _, rest = item.partition(":")
+        fields = rest.split("/")
+        small = {"0": False, "1": True, "a": None}
+        if kind not in out or len(fields) != 4 or fields[3] not in small:
+            raise SystemExit(f"--variants: {item!r} is not KIND:POLICY/PDL/PROLOGUES/SMALL_PDL "
+                             "(KIND bf16 or fp8, SMALL_PDL 0, 1 or a: the model's default)")
+        out[kind].append((fields[0], fields[1], fields[2], small[fields[3]]))
+    return out
 
 
 def main():
@@ -235,6 +262,10 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,steps")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each decode variant")
+    parser.add_argument("--variants", default="",
+                        help="decode-step variants instead of the built-in set, e.g. "
+                             "'bf16:table/prefetch//0,fp8:table/wait/norm/1' (KIND:POLICY/PDL/PROLOGUES/SMALL_PDL)")
+    parser.add_argument("--batches", default="1", help="decode-step batch sizes, e.g. 1,64,256")
     parser.add_argument("--models", default="8b,32b", help="kernel shapes of these models: 8b,32b")
     parser.add_argument("--configs", choices=("committed", "swept"), default="committed",
                         help="tile configs of the decode steps: engine.kernels.gemv's, or this run's sweep's best")
@@ -251,6 +282,8 @@ def main():
     torch.manual_seed(0)
     b = GemvBench(args.dry_run, args.out, quick=True)
     b.repeats, b.configs, b.models = args.repeats, args.configs, set(args.models.split(","))
+    b.variants = parse_variants(args.variants) if args.variants else None
+    b.batches = tuple(int(v) for v in args.batches.split(","))
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("steps", b.steps)):

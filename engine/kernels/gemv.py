@@ -74,12 +74,20 @@ def _gemv_kernel(
     N, K, stride_wn, stride_sn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, VEC: tl.constexpr,
+    USE_PDL: tl.constexpr, VEC: tl.constexpr, SILU_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_OUT:
+        # a gate/up weight [2 * I, K] (N == I): gate row i and up row I + i side by side, so the
+        # program has both halves of its BLOCK_N // 2 outputs and writes SiLU(gate) * up
+        j = tl.arange(0, BLOCK_N)
+        half = pid_n * (BLOCK_N // 2) + j // 2
+        rn = half + (j % 2) * N
+        n_mask = half < N
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -91,12 +99,14 @@ def _gemv_kernel(
     if USE_PDL == 2:
         # as 1, and no kernel writes weights, so the first weight tile streams in while the kernel
         # before finishes; its output (the input vector) is read only after gdc_wait
+        # the raw tile is what waits (FP8: a quarter of the registers the widened one would hold)
         k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if GROUP_K != 0:
-            w = w * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[:, None]
+        w_raw = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        w = w_raw.to(tl.float32)
+        if GROUP_K != 0:
+            w = w * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[:, None]
         h, ss = _input_tile(x_ptr, r_ptr, g_ptr, new_r_ptr, rk, k_mask, K, ss, store_residual,
                             PROLOGUE, HAS_RESIDUAL)
         acc += _products(w, h, BLOCK_N, BLOCK_K, VEC)
@@ -123,7 +133,13 @@ def _gemv_kernel(
         out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    dt = out_ptr.dtype.element_ty
+    if SILU_OUT:  # rounded as the projection's output would be, then as fused.silu_and_mul rounds
+        gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
+        ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + ro, (gate * tl.sigmoid(gate) * up).to(dt), mask=ro < N)
+    else:
+        tl.store(out_ptr + rn, out.to(dt), mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,7 @@ _TUNED = {("16bit", 6144, 4096, "norm"): GemvConfig(8, 1024, 4, 2, True),  # lla
           ("fp8", 6144, 4096, "norm"): GemvConfig(4, 512, 2, 4),
           ("fp8", 28672, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
           ("fp8", 28672, 4096, "norm"): GemvConfig(8, 1024, 4, 1, True),
+          ("fp8", 28672, 4096, "silu_out"): GemvConfig(8, 2048, 4, 2, True),  # as its plain GEMV's
           ("fp8", 4096, 14336, "silu"): GemvConfig(8, 2048, 8, 2, True),
           ("fp8", 128256, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
           ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),  # qwen2.5-32b, llama3-70b
@@ -201,7 +218,8 @@ POLICY = "table"
 
 
 def takes(weight: torch.Tensor, prologue: str = "none") -> bool:
-    """Whether a one-token projection with this weight, `prologue` folded in, runs here."""
+    """Whether a one-token projection with this weight, `prologue` folded in ("none", "norm",
+    "silu"; "silu_out": a gate/up projection writing SiLU(gate) * up, `gemv_silu`), runs here."""
     kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
     if POLICY == "off" or kind is None:
         return False
@@ -240,34 +258,40 @@ def check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 
 def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, scale, bias, group_k, k,
-            config: GemvConfig | None) -> torch.Tensor:
+            config: GemvConfig | None, silu_out: bool = False) -> torch.Tensor:
     require_runnable(x, _gemv_kernel)
     n = weight.shape[0]
-    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, ("none", "norm", "silu")[prologue])
+    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k,
+                                       "silu_out" if silu_out else ("none", "norm", "silu")[prologue])
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if silu_out and cfg.block_n % 2:
+        raise ValueError(f"the SiLU epilogue takes an even block_n (gate and up rows in pairs), got {cfg.block_n}")
+    n_out = n // 2 if silu_out else n
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
     pdl = _pdl(x.device, weight.dtype)
     vec = min(16 // weight.element_size(), cfg.block_k) if cfg.thread_sums else 1
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    rows = 2 * n_out if silu_out else n
+    _gemv_kernel[(triton.cdiv(rows, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
-        out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
+        out, n_out, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        USE_PDL=pdl, VEC=vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, VEC=vec, SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
 # kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it
 # waits), "wait" (it only waits), "off" (plain launches); `PDL` for model-dtype weights, `PDL_FP8`
-# for FP8 (None: "wait" where the norm, SiLU and attention kernels are PDL launches too,
-# engine.kernels.pdl.ENABLED, else "off"). On the H200 (docs/benchmarks.md, issues 23 and 24): the
-# bf16 8B batch-1 step 4.188 ms prefetching against 4.705 with cuBLAS; FP8 2.797 plain, 2.645
-# waiting after PDL small kernels, 2.792 prefetching (its 2048-column tile held across the wait
-# costs registers), 3.06 prefetching after plain ones.
+# for FP8 (None: "prefetch" where the norm, SiLU and attention kernels are PDL launches too,
+# engine.kernels.pdl.on(), else "off"). On the H200 (docs/benchmarks.md, issues 23 and 24): the
+# bf16 8B batch-1 step 4.188 ms prefetching against 4.705 with cuBLAS; FP8 2.78 plain, 2.64
+# waiting after PDL small kernels, 2.59 prefetching (2.79 while the tile was widened to fp32
+# before the wait, four times the registers), 3.06 prefetching after plain ones.
 PDL = "prefetch"
 PDL_FP8: str | None = None
 _PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
@@ -275,7 +299,7 @@ _PDL_MODES = {"off": 0, "wait": 1, "prefetch": 2}
 
 def _pdl(device: torch.device, weight_dtype: torch.dtype) -> int:
     if weight_dtype == FP8_DTYPE:
-        mode = PDL_FP8 if PDL_FP8 is not None else "wait" if pdl.ENABLED else "off"
+        mode = PDL_FP8 if PDL_FP8 is not None else "prefetch" if pdl.on() else "off"
     else:
         mode = PDL
     return _PDL_MODES[mode] if pdl.supported(device) else 0
@@ -329,3 +353,17 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     k = gate_up.shape[1] // 2
     check_weight(gate_up, weight, scale, bias, group_k, k)
     return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, *, group_k: int = 0,
+              config: GemvConfig | None = None) -> torch.Tensor:
+    """SiLU(gate) * up of the gate/up projection x [1, K] @ weight[2 * I, K]^T (gate rows first):
+    what `gemv` followed by `fused.silu_and_mul` gives, in one launch (each program computes its
+    gate rows and the matching up rows, and writes the product). -> [1, I]."""
+    _check_row("x", x)
+    if weight.ndim == 2 and weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has 2 * intermediate rows, got {weight.shape[0]}")
+    check_weight(x, weight, scale, bias, group_k, x.shape[1])
+    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config,
+                   silu_out=True)

@@ -10,25 +10,45 @@ which load a weight tile before their wait) overlaps each kernel's launch with t
 A kernel that reads nothing another wrote before `enter` is always safe; every kernel here calls it
 before any load.
 
-`ENABLED` switches it for the small kernels (benchmarks compare; CUDA graphs record the launches
-in force at capture; TANDEM_PDL=1 in the environment turns it on for a process). It is off by
-default: on the H200 (docs/benchmarks.md, issue 23) it took the 8B FP8 batch-1 step from 2.797 to
-2.645 ms (with FP8 GEMVs waiting, `gemv.PDL_FP8`), left bf16's at 1k context as it was, and made
-the bf16 batch-1 step at 8k context 5% slower (4.70 against 4.45-4.48 ms decode-only, two runs
-each), which was not taken apart. engine.kernels.gemv has its own modes (`gemv.PDL`,
-`gemv.PDL_FP8`).
+`ENABLED` switches it for the small kernels: True or False where set (benchmarks compare;
+TANDEM_PDL=1 or 0 in the environment sets it for a process), None (the default) leaves it to each
+forward, which the model runs under `auto(on)`: on for models with FP8 projection weights, off for
+16-bit ones. CUDA graphs record the launches in force at capture. On the H200 (docs/benchmarks.md,
+issues 23 and 24) it took the 8B FP8 batch-1 step from 2.78 to 2.59 ms (with FP8 GEMVs prefetching
+their first tile, engine.kernels.gemv), left bf16's at 1k context as it was, and made the bf16
+batch-1 step at 8k context 5% slower (4.70 against 4.45-4.48 ms decode-only, two runs each), which
+was not taken apart. engine.kernels.gemv has its own modes (`gemv.PDL`, `gemv.PDL_FP8`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("TANDEM_PDL", "0") == "1"
+ENABLED: bool | None = {"1": True, "0": False}.get(os.environ.get("TANDEM_PDL", ""))
 _HOPPER: dict[torch.device, bool] = {}
+_auto = False  # what `auto` set for the forward running now
+
+
+def on() -> bool:
+    """Whether the small kernels launched now are PDL launches (where the device supports it)."""
+    return ENABLED if ENABLED is not None else _auto
+
+
+@contextmanager
+def auto(enable: bool) -> Iterator[None]:
+    """The launches inside run with PDL `enable`d, unless ENABLED says otherwise."""
+    global _auto
+    old, _auto = _auto, enable
+    try:
+        yield
+    finally:
+        _auto = old
 
 
 def supported(device: torch.device) -> bool:
@@ -44,8 +64,8 @@ def supported(device: torch.device) -> bool:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a small kernel's launch: its USE_PDL constexpr, and Triton's
     launch_pdl where PDL is on."""
-    on = ENABLED and supported(device)
-    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
+    use = on() and supported(device)
+    return {"USE_PDL": use, "launch_pdl": True} if use else {"USE_PDL": False}
 
 
 @triton.jit

@@ -69,7 +69,21 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
 def test_launch_options(monkeypatch):
     from tandem.engine.kernels import pdl
 
-    assert pdl.ENABLED is (os.environ.get("TANDEM_PDL") == "1")  # off unless asked for
+    assert pdl.ENABLED is {"1": True, "0": False}.get(os.environ.get("TANDEM_PDL", ""))  # None: per model
+    monkeypatch.setattr(pdl, "ENABLED", None)
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    cpu = torch.device("cpu")
+    assert pdl.launch_options(cpu) == {"USE_PDL": False}  # off outside a forward that asks for it
+    with pdl.auto(True):
+        assert pdl.launch_options(cpu) == {"USE_PDL": True, "launch_pdl": True}
+        with pdl.auto(False):
+            assert pdl.launch_options(cpu) == {"USE_PDL": False}
+        assert pdl.on()
+    assert not pdl.on()
+    monkeypatch.setattr(pdl, "ENABLED", False)  # set: it wins over the forward's choice
+    with pdl.auto(True):
+        assert pdl.launch_options(cpu) == {"USE_PDL": False}
+    monkeypatch.undo()
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}  # never off Hopper
     monkeypatch.setattr(pdl, "supported", lambda device: True)
@@ -79,18 +93,18 @@ def test_launch_options(monkeypatch):
 
 
 def test_gemv_modes_by_weight_kind(monkeypatch):
-    """On Hopper a model-dtype GEMV prefetches its first tile before it waits; an FP8 one only
-    waits, and only where the small kernels before it are PDL launches too (docs/benchmarks.md:
-    held across the wait, its 2048-column tile cost registers; after plain launches it lost)."""
+    """On Hopper a model-dtype GEMV prefetches its first tile before it waits; an FP8 one too,
+    but only where the small kernels before it are PDL launches (docs/benchmarks.md: after plain
+    launches it lost)."""
     from tandem.engine.kernels import gemv, pdl
 
     monkeypatch.setattr(pdl, "supported", lambda device: True)
     dev = torch.device("cpu")
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert gemv._pdl(dev, torch.bfloat16) == 2 and gemv._pdl(dev, torch.float8_e4m3fn) == 1
+    assert gemv._pdl(dev, torch.bfloat16) == 2 and gemv._pdl(dev, torch.float8_e4m3fn) == 2
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert gemv._pdl(dev, torch.bfloat16) == 2 and gemv._pdl(dev, torch.float8_e4m3fn) == 0
-    monkeypatch.setattr(gemv, "PDL_FP8", "prefetch")
-    assert gemv._pdl(dev, torch.float8_e4m3fn) == 2
+    monkeypatch.setattr(gemv, "PDL_FP8", "wait")
+    assert gemv._pdl(dev, torch.float8_e4m3fn) == 1
     monkeypatch.setattr(pdl, "supported", lambda device: False)
     assert gemv._pdl(dev, torch.bfloat16) == 0
