@@ -145,6 +145,8 @@ def run_floors(bench) -> None:
         r.update(floor_ms=fl, x_floor=r["step_ms"] / fl, tok_s=b / r["step_ms"] * 1e3)
         r["decode_only_ms"] = _decode_only_ms(bench, e, b, ctx + (short + long_) // 2)
         r["decode_only_x_floor"] = r["decode_only_ms"] / fl
+        if getattr(bench, "floor_profile", False):  # the kernels of one eager decode step of this row
+            r["profile"] = bench.profile(e, b, ctx + (short + long_) // 2)
         res["decode"].append(r)
         print(f"# floor decode {r}", flush=True)
         bench.save()

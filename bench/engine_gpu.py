@@ -452,6 +452,8 @@ def main():
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: floor,llama,gemm,peer,small")
     parser.add_argument("--floor-rows", default="", help="the floor section's rows, e.g. 1x1024,256x1024 "
                         "(default: bench/engine_floor.ROWS)")
+    parser.add_argument("--floor-profile", action="store_true",
+                        help="also profile one eager decode step of each floor row (kernel times)")
     parser.add_argument("--floor-offline", default="on", choices=("on", "off"),
                         help="the floor section's 512 x (1k in, 256 out) offline run")
     args = parser.parse_args()
@@ -463,6 +465,7 @@ def main():
     b = Bench(args.dry_run, args.out)
     b.floor_rows = [tuple(int(x) for x in r.split("x")) for r in args.floor_rows.split(",") if r]
     b.floor_offline = args.floor_offline == "on"
+    b.floor_profile = args.floor_profile
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     b.section("ceilings", b.ceilings)
