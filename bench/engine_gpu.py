@@ -454,6 +454,8 @@ def main():
                         "(default: bench/engine_floor.ROWS)")
     parser.add_argument("--floor-profile", action="store_true",
                         help="also profile one eager decode step of each floor row (kernel times)")
+    parser.add_argument("--split-below", type=int, default=0,
+                        help="SplitPolicy.split_below for this run (0: the default)")
     parser.add_argument("--floor-offline", default="on", choices=("on", "off"),
                         help="the floor section's 512 x (1k in, 256 out) offline run")
     args = parser.parse_args()
@@ -466,6 +468,10 @@ def main():
     b.floor_rows = [tuple(int(x) for x in r.split("x")) for r in args.floor_rows.split(",") if r]
     b.floor_offline = args.floor_offline == "on"
     b.floor_profile = args.floor_profile
+    if args.split_below:  # the decode attention's split plan (engine.kernels.attention_split), to compare
+        from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415 (after TRITON_INTERPRET)
+
+        set_split_policy(split_below=args.split_below)
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     b.section("ceilings", b.ceilings)

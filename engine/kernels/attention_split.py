@@ -38,9 +38,13 @@ class SplitPolicy:
     the kernel alone is fastest at about 4 programs per SM where the context allows it (1 x 1k:
     16 partitions of 64 keys, 7.4 us against 11.2 for the old plan's 4 of 256; 32 x 8k: 2048-key
     partitions, 250 us against 339 unsplit), and with 512 programs unsplit (64 x 1k) a split only
-    adds the merge."""
+    adds the merge. `split_below` from bench/engine_gpu.py's floor rows at 32, 33 and 48 x 5.8k
+    (docs/benchmarks.md, issue 22: the step-time cliff at 33 sequences)."""
     min_partition: int = 64  # keys: a partition is at least this long (a multiple of block_n)
-    split_below: int = 2  # split when the (sequence, KV head) programs are fewer than this per SM
+    # split when the (sequence, KV head) programs are fewer than this per SM: at 2 per SM the
+    # unsplit kernel reads K/V at 78% of the copy rate (33 x 5.8k: 7.65 ms a step against 5.79
+    # split at 32 x 5.8k; a step 23% slower for one more sequence), at 2.9 per SM at 97% (48 x 5.8k)
+    split_below: int = 3
     programs_per_sm: int = 4  # then split until the programs reach this many per SM
     vector_merge: bool = True  # merge with _merge_partitions_kernel (else the looping reduce)
     # plan for the lower end of the context's power-of-two bucket, as a CUDA graph of that bucket

@@ -86,6 +86,11 @@ def test_default_plan_is_the_sweeps_best():
     assert choose_partition_size(1, 8, 8200, 132) == 128
     assert choose_partition_size(8, 8, 8200, 132) == 960
     assert choose_partition_size(32, 8, 8200, 132) == 2752
+    # 33 sequences (264 programs, 2 per SM) split in two: unsplit, they read K/V at 78% of the
+    # copy rate; 64 (512 programs) stay whole
+    assert choose_partition_size(33, 8, 5800, 132) == 2048
+    assert choose_partition_size(48, 8, 5800, 132) == 2048
+    assert choose_partition_size(64, 8, 5800, 132) is None
     assert attention_split.POLICY.vector_merge
 
 
