@@ -180,7 +180,6 @@ class GemvBench(FP8Bench):
             self.results[f"load_s_{label}"] = time.perf_counter() - t0
             if self.dry:
                 model.ops = TritonOps()
-            silu_out_keys = {("fp8", *layer.mlp.gate_up_proj.weight.shape, "silu_out") for layer in model.layers}
             norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
                          for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
@@ -189,8 +188,7 @@ class GemvBench(FP8Bench):
                     gemv_mod.POLICY, gemv_mod.PDL = policy, "prefetch" if pdl == "auto" else pdl
                     gemv_mod.PDL_FP8 = None if pdl == "auto" else pdl
                     pdl_mod.ENABLED = small
-                    gemv_mod.WINS = table | (norm_keys if "norm" in extra.split("+") else set()) | (
-                        silu_out_keys if "silu_out" in extra.split("+") else set())
+                    gemv_mod.WINS = table | norm_keys if extra == "norm" else table
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
                     for row in self.decode_rows(tag, model, tok, self.batches, ctx):
@@ -242,8 +240,8 @@ def print_table(R):
 
 def parse_variants(spec: str) -> dict:
     """'bf16:table/prefetch//0,fp8:all/wait/norm/1' -> STEP_VARIANTS' form: per weight kind,
-    (gemv.POLICY, gemv.PDL, the FP8 folds added to gemv.WINS, "+"-separated: "norm" on q/k/v and
-    gate/up, "silu_out" the gate/up GEMV's SiLU epilogue; PDL for the small kernels)."""
+    (gemv.POLICY, gemv.PDL, "norm": the FP8 norms folded into q/k/v and gate/up, PDL for the
+    small kernels: 0, 1, or None for the model's default)."""
     out = {"bf16": [], "fp8": []}
     for item in filter(None, spec.split(",")):
         kind, _, rest = item.partition(":")

@@ -181,8 +181,7 @@ class DecoderLayer(nn.Module):
             h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
             h = attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
         if isinstance(mlp, MLP):
-            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj,
-                                                silu_out=True)
+            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
             return mlp.down_fused(gate_up, ops), residual
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
@@ -210,31 +209,23 @@ class TritonOps:
         self.write_kv, self.attention, self.rotary_write_kv = write_kv, paged_attention, rotary_write_kv
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
 
-    def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear,
-                    silu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
         where engine.kernels.gemv takes the weight with the norm (`gemv.takes`), else rms_norm,
-        then linear. `silu_out` (a gate/up projection): where the norm is not folded in and the
-        GEMV takes the SiLU epilogue, the output is SiLU(gate) * up [T, I] instead of [T, 2I]
-        (silu_linear then projects it as it is)."""
+        then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
         if x.shape[0] == 1 and gemv.takes(linear.weight, "norm"):
             return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
                                   linear.bias, group_k=linear.group_k)
         h, residual = self.rms_norm(x, norm.weight, norm.eps, residual)
-        if silu_out and x.shape[0] == 1 and gemv.takes(linear.weight, "silu_out"):
-            return gemv.gemv_silu(h, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k), residual
         return linear(h), residual
 
     def silu_linear(self, gate_up: torch.Tensor, linear: Linear) -> torch.Tensor:
         """linear(SiLU(gate) * up): one launch for one token where engine.kernels.gemv takes the
-        weight, else silu_and_mul, then linear. gate_up [T, 2I]; [T, I] is SiLU(gate) * up already
-        (norm_linear's `silu_out`), projected as it is."""
+        weight, else silu_and_mul, then linear."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
-        if gate_up.shape[1] == linear.weight.shape[1]:
-            return self.linear(gate_up, linear)
         if gate_up.shape[0] == 1 and gemv.takes(linear.weight, "silu"):
             return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
         return linear(self.silu_and_mul(gate_up))

@@ -74,20 +74,12 @@ def _gemv_kernel(
     N, K, stride_wn, stride_sn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, VEC: tl.constexpr, SILU_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr, VEC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    if SILU_OUT:
-        # a gate/up weight [2 * I, K] (N == I): gate row i and up row I + i side by side, so the
-        # program has both halves of its BLOCK_N // 2 outputs and writes SiLU(gate) * up
-        j = tl.arange(0, BLOCK_N)
-        half = pid_n * (BLOCK_N // 2) + j // 2
-        rn = half + (j % 2) * N
-        n_mask = half < N
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -133,13 +125,7 @@ def _gemv_kernel(
         out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    if SILU_OUT:  # rounded as the projection's output would be, then as fused.silu_and_mul rounds
-        gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
-        ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + ro, (gate * tl.sigmoid(gate) * up).to(dt), mask=ro < N)
-    else:
-        tl.store(out_ptr + rn, out.to(dt), mask=n_mask)
+    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -167,7 +153,6 @@ _TUNED = {("16bit", 6144, 4096, "norm"): GemvConfig(8, 1024, 4, 2, True),  # lla
           ("fp8", 6144, 4096, "norm"): GemvConfig(4, 512, 2, 4),
           ("fp8", 28672, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
           ("fp8", 28672, 4096, "norm"): GemvConfig(8, 1024, 4, 1, True),
-          ("fp8", 28672, 4096, "silu_out"): GemvConfig(8, 2048, 4, 2, True),  # as its plain GEMV's
           ("fp8", 4096, 14336, "silu"): GemvConfig(8, 2048, 8, 2, True),
           ("fp8", 128256, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
           ("fp8", 5120, 27648, "none"): GemvConfig(2, 4096, 4, 1),  # qwen2.5-32b, llama3-70b
@@ -218,8 +203,7 @@ POLICY = "table"
 
 
 def takes(weight: torch.Tensor, prologue: str = "none") -> bool:
-    """Whether a one-token projection with this weight, `prologue` folded in ("none", "norm",
-    "silu"; "silu_out": a gate/up projection writing SiLU(gate) * up, `gemv_silu`), runs here."""
+    """Whether a one-token projection with this weight, `prologue` folded in, runs here."""
     kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
     if POLICY == "off" or kind is None:
         return False
@@ -258,28 +242,23 @@ def check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 
 def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, scale, bias, group_k, k,
-            config: GemvConfig | None, silu_out: bool = False) -> torch.Tensor:
+            config: GemvConfig | None) -> torch.Tensor:
     require_runnable(x, _gemv_kernel)
     n = weight.shape[0]
-    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k,
-                                       "silu_out" if silu_out else ("none", "norm", "silu")[prologue])
+    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, ("none", "norm", "silu")[prologue])
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
-    if silu_out and cfg.block_n % 2:
-        raise ValueError(f"the SiLU epilogue takes an even block_n (gate and up rows in pairs), got {cfg.block_n}")
-    n_out = n // 2 if silu_out else n
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
     pdl = _pdl(x.device, weight.dtype)
     vec = min(16 // weight.element_size(), cfg.block_k) if cfg.thread_sums else 1
-    rows = 2 * n_out if silu_out else n
-    _gemv_kernel[(triton.cdiv(rows, cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
-        out, n_out, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
+        out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        USE_PDL=pdl, VEC=vec, SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, VEC=vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -354,16 +333,3 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     check_weight(gate_up, weight, scale, bias, group_k, k)
     return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)
 
-
-def gemv_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, *, group_k: int = 0,
-              config: GemvConfig | None = None) -> torch.Tensor:
-    """SiLU(gate) * up of the gate/up projection x [1, K] @ weight[2 * I, K]^T (gate rows first):
-    what `gemv` followed by `fused.silu_and_mul` gives, in one launch (each program computes its
-    gate rows and the matching up rows, and writes the product). -> [1, I]."""
-    _check_row("x", x)
-    if weight.ndim == 2 and weight.shape[0] % 2:
-        raise ValueError(f"a gate/up weight has 2 * intermediate rows, got {weight.shape[0]}")
-    check_weight(x, weight, scale, bias, group_k, x.shape[1])
-    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config,
-                   silu_out=True)

@@ -26,8 +26,7 @@ if not triton_available():
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
 
 from tandem.engine.kernels.fused import rms_norm, silu_and_mul  # noqa: E402
-from tandem.engine.kernels.gemv import (  # noqa: E402
-    GemvConfig, choose_gemv_config, gemv, gemv_silu, norm_gemv, silu_gemv)
+from tandem.engine.kernels.gemv import GemvConfig, choose_gemv_config, gemv, norm_gemv, silu_gemv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # 64 does not divide K = 96 or 160; thread_sums: each 16-byte run of columns summed in its thread
@@ -109,26 +108,6 @@ def test_silu_gemv_is_silu_and_mul_then_gemv(dtype, kind):
     # gate and up are not interchangeable: swapping the halves changes the result
     swapped = torch.cat([gate_up[:, k:], gate_up[:, :k]], dim=1)
     assert rel_err(silu_gemv(swapped, w, scale), ref) > 0.1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
-def test_gemv_silu_is_gemv_then_silu_and_mul_bit_for_bit(dtype, kind):
-    # each row's dot product runs the same loop as the plain GEMV's with the same tile, and the
-    # epilogue rounds gate and up to the model dtype as the plain GEMV's store does
-    gen = torch.Generator().manual_seed(13)
-    inter, k = 20, 160  # 20 outputs: the last program's pairs are partly masked at block_n 8
-    w, scale, group_k, _ = weights(kind, 2 * inter, k, gen, dtype)
-    bias = torch.randn(2 * inter, generator=gen).to(dtype).to(DEVICE)
-    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
-    for cfg in (BLOCK_TILES if group_k else TILES):
-        out = gemv_silu(x, w, scale, bias, group_k=group_k, config=cfg)
-        assert out.shape == (1, inter)
-        assert torch.equal(out, silu_and_mul(gemv(x, w, scale, bias, group_k=group_k, config=cfg))), cfg
-    with pytest.raises(ValueError, match="2 \\* intermediate rows, got 39"):
-        gemv_silu(x, w[:39], None if scale is None else scale[:39], group_k=group_k)
-    with pytest.raises(ValueError, match="even block_n"):
-        gemv_silu(x, w, scale, group_k=group_k, config=GemvConfig(3, 32, 2, 2))
 
 
 def test_configs_fit_block_scales():
@@ -238,31 +217,6 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
     assert calls == {"norm_gemv": 0, "silu_gemv": 0}
 
 
-@torch.inference_mode()
-def test_fp8_one_token_steps_take_the_silu_epilogue_and_keep_the_tokens(make_engine, monkeypatch):
-    """With the gate/up shape in WINS as "silu_out", each FP8 layer of a one-token step runs its
-    norm, then the gate/up GEMV writing SiLU(gate) * up, then the plain down GEMV, and the greedy
-    tokens are the torch path's."""
-    import copy
-
-    from tandem.engine.kernels import gemv as gemv_mod
-    from tandem.engine.model import TritonOps
-    from tandem.engine.weights import load_model
-
-    model, tok, cfg = load_model("tiny-random", seed=1234, quantization="fp8")
-    prompt = list(range(7, 30))
-    ref = _greedy(make_engine, model, tok, [prompt])
-    fused = copy.deepcopy(model)
-    fused.ops = TritonOps()
-    gate_up = fused.layers[0].mlp.gate_up_proj.weight
-    monkeypatch.setattr(gemv_mod, "WINS", frozenset({("fp8", *gate_up.shape, "silu_out")}))
-    calls = []
-    real = gemv_mod.gemv_silu
-    monkeypatch.setattr(gemv_mod, "gemv_silu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    assert _greedy(make_engine, fused, tok, [prompt]) == ref
-    assert len(calls) == cfg.num_layers * 4  # 4 one-token steps
-
-
 def test_policy_picks_weights_and_prologues():
     from tandem.engine.kernels import gemv as gemv_mod
 
@@ -276,7 +230,7 @@ def test_policy_picks_weights_and_prologues():
     assert not gemv_mod.takes(w(torch.bfloat16, 8, 16), "norm")  # unmeasured shapes stay as they were
     assert not gemv_mod.takes(w(torch.float32), "norm")
     assert not gemv_mod.takes(w(torch.float8_e4m3fn), "norm")  # FP8 keeps its norm launch
-    assert all(prologue in ("none", "norm", "silu", "silu_out") and kind in ("16bit", "fp8") for kind, _, _, prologue in gemv_mod.WINS)
+    assert all(prologue in ("none", "norm", "silu") and kind in ("16bit", "fp8") for kind, _, _, prologue in gemv_mod.WINS)
     for policy, want in (("all", True), ("off", False)):
         old, gemv_mod.POLICY = gemv_mod.POLICY, policy
         try:
@@ -293,12 +247,10 @@ from tandem.engine.kernels.gemv import _gemv_kernel
 sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16", "w_ptr": "*fp8e4nv",
        "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
        "stride_sn": "i32", "eps": "fp32"}
-for prologue, pdl, vec, silu_out in ((0, 1, 1, False), (0, 2, 1, False), (1, 2, 16, False), (2, 2, 16, False),
-                                     (1, 1, 1, False), (0, 2, 16, True), (0, 1, 1, True)):
+for prologue, pdl, vec in ((0, 1, 1), (0, 2, 1), (1, 2, 16), (2, 2, 16), (1, 1, 1), (0, 2, 16)):
     for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
         const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
-                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2),
-                     SILU_OUT=silu_out)
+                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2))
         src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
         assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
