@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -32,23 +33,23 @@ import triton.language as tl
 
 ENABLED: bool | None = {"1": True, "0": False}.get(os.environ.get("TANDEM_PDL", ""))
 _HOPPER: dict[torch.device, bool] = {}
-_auto = False  # what `auto` set for the forward running now
+# what `auto` set for the forward running now (per thread: two engines of a process may step at once)
+_auto: ContextVar[bool] = ContextVar("tandem_pdl_auto", default=False)
 
 
 def on() -> bool:
     """Whether the small kernels launched now are PDL launches (where the device supports it)."""
-    return ENABLED if ENABLED is not None else _auto
+    return ENABLED if ENABLED is not None else _auto.get()
 
 
 @contextmanager
 def auto(enable: bool) -> Iterator[None]:
     """The launches inside run with PDL `enable`d, unless ENABLED says otherwise."""
-    global _auto
-    old, _auto = _auto, enable
+    token = _auto.set(enable)
     try:
         yield
     finally:
-        _auto = old
+        _auto.reset(token)
 
 
 def supported(device: torch.device) -> bool:

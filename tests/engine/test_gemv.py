@@ -217,6 +217,27 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
     assert calls == {"norm_gemv": 0, "silu_gemv": 0}
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@torch.inference_mode()
+def test_forwards_ask_for_pdl_launches_only_for_fp8_weights(make_engine, monkeypatch, quantization):
+    """Every kernel launch of an FP8 model's forward (and its LM head) asks for PDL
+    (engine.kernels.pdl.auto; off the GPU the launch itself stays plain), none of a 16-bit one's."""
+    from tandem.engine.kernels import pdl
+    from tandem.engine.model import TritonOps
+    from tandem.engine.weights import load_model
+
+    model, tok, _ = load_model("tiny-random", seed=5, quantization=quantization)
+    model.ops = TritonOps()
+    assert model.fp8_weights is (quantization == "fp8")
+    monkeypatch.setattr(pdl, "ENABLED", None)
+    asked = []
+    real = pdl.launch_options
+    monkeypatch.setattr(pdl, "launch_options", lambda device: asked.append(pdl.on()) or real(device))
+    _greedy(make_engine, model, tok, [list(range(7, 20))], max_tokens=3)
+    assert asked and set(asked) == {quantization == "fp8"}
+    assert not pdl.on()  # nothing leaks past the forward
+
+
 def test_policy_picks_weights_and_prologues():
     from tandem.engine.kernels import gemv as gemv_mod
 

@@ -8,6 +8,7 @@ the launch options never ask for PDL."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -80,6 +81,12 @@ def test_launch_options(monkeypatch):
             assert pdl.launch_options(cpu) == {"USE_PDL": False}
         assert pdl.on()
     assert not pdl.on()
+    seen = []  # another thread's forward does not see this one's choice
+    with pdl.auto(True):
+        t = threading.Thread(target=lambda: seen.append(pdl.on()))
+        t.start()
+        t.join()
+    assert seen == [False]
     monkeypatch.setattr(pdl, "ENABLED", False)  # set: it wins over the forward's choice
     with pdl.auto(True):
         assert pdl.launch_options(cpu) == {"USE_PDL": False}
