@@ -143,7 +143,10 @@ def _deepseek_fields(cfg: dict[str, Any], arch: Architecture, source: str) -> di
                     rope_interleave=arch.name == "DeepseekV2ForCausalLM" or cfg.get("rope_interleave", True) is not False)
     if cfg.get("quantization_config"):
         raise _refuse(source, arch, "quantization_config (FP8) with latent attention")
-    return {"mla": mla, "moe": _deepseek_moe(cfg, arch, source)}
+    mtp = (cfg.get("num_nextn_predict_layers") or 0) if arch.name == "DeepseekV3ForCausalLM" else 0
+    if not isinstance(mtp, int) or mtp < 0:
+        raise UnsupportedModelError(f"{source}: num_nextn_predict_layers must be an int >= 0, got {mtp!r}")
+    return {"mla": mla, "moe": _deepseek_moe(cfg, arch, source), "mtp_layers": mtp}
 
 
 def _deepseek_moe(cfg: dict[str, Any], arch: Architecture, source: str) -> MoEConfig | None:
@@ -304,7 +307,9 @@ def check_tensors(cfg: ModelConfig, found: dict[str, tuple[tuple[int, ...], str]
         if tuple(got) != shape:
             raise UnsupportedModelError(f"{file}: tensor {name!r} has shape {list(got)}, "
                                         f"{cfg.architecture} with this config.json needs {list(shape)}")
+    # DeepSeek-V3's multi-token-prediction layers follow the decoder's: shipped, not run (unread)
+    mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
     for name, (_, file) in sorted(found.items()):
-        if name not in expected and not name.endswith(_IGNORED_SUFFIXES):
+        if name not in expected and not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(mtp):
             hint = " (config.json has tie_word_embeddings true)" if name == "lm_head.weight" else ""
             raise UnsupportedModelError(f"{file}: tensor {name!r} is not used by {cfg.architecture}{hint}")

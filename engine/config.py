@@ -127,8 +127,14 @@ class ModelConfig:
     weight_block_size: tuple[int, int] | None = None
     mla: MLAConfig | None = None  # DeepSeek: latent attention (head_dim is qk_nope + qk_rope)
     moe: MoEConfig | None = None  # Qwen3-MoE, DeepSeek: mixture-of-experts MLPs (engine.moe)
+    # DeepSeek-V3 (and Kimi K2): multi-token-prediction layers, model.layers.{num_layers}.. in the
+    # checkpoint (num_nextn_predict_layers). Decoding does not run them: their tensors are left
+    # unread, as transformers' DeepseekV3ForCausalLM leaves them.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
+        if self.mtp_layers < 0:
+            raise ConfigError(f"model config: mtp_layers must be >= 0, got {self.mtp_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -185,6 +191,8 @@ def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim,
         "rope_interleave": m.rope_interleave}
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        d["num_nextn_predict_layers"] = cfg.mtp_layers
     if getattr(cfg, "moe", None) is None:  # every layer dense
         d["first_k_dense_replace"] = cfg.num_layers
     return d

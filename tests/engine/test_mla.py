@@ -192,3 +192,45 @@ V2_LITE_HUB = {
 
 def test_v2_lite_hub_config_reads_as_the_preset():
     assert config_from_hf(V2_LITE_HUB) == PRESETS["deepseek-v2-lite-random"]
+
+
+@torch.inference_mode()
+def test_a_v3_checkpoint_with_its_multi_token_prediction_layer_loads_and_leaves_it_unread(
+        tmp_path, make_engine, monkeypatch):
+    """Real DeepSeek-V3 checkpoints ship layer num_hidden_layers (the MTP module: enorm, hnorm,
+    eh_proj, a whole decoder layer, its own embedding and head) under config.json's
+    num_nextn_predict_layers. It loads, its tensors are never read, and the logits are
+    transformers' (whose DeepseekV3ForCausalLM drops them too); one layer past it is refused."""
+    from safetensors.torch import save_file
+
+    from tandem.engine import build
+    from tandem.engine.weights import load_model
+
+    hf = build_deepseek_dir("v3", tmp_path, moe=True)
+    layers, h = hf.config.num_hidden_layers, hf.config.hidden_size
+    assert hf.config.num_nextn_predict_layers == 1  # transformers' default for V3
+    p = f"model.layers.{layers}."
+    mtp = {p + "enorm.weight": torch.ones(h), p + "hnorm.weight": torch.ones(h),
+           p + "eh_proj.weight": torch.randn(h, 2 * h), p + "embed_tokens.weight": torch.randn(256, h),
+           p + "shared_head.head.weight": torch.randn(256, h), p + "self_attn.kv_a_proj_with_mqa.weight":
+           torch.randn(40, h), p + "mlp.experts.0.down_proj.weight": torch.randn(h, 32)}
+    save_file(mtp, str(tmp_path / "model-mtp.safetensors"))
+    read = []
+    real = build.CheckpointReader.get
+    monkeypatch.setattr(build.CheckpointReader, "get", lambda self, name: read.append(name) or real(self, name))
+    model, tok, cfg = load_model(str(tmp_path))
+    assert cfg.mtp_layers == 1 and read and not any(n.startswith(p) for n in read)
+    ids = _prompt(40, 3)
+    _close(_our_logits(make_engine, model, tok, ids), hf(torch.tensor([ids])).logits[0].float())
+    assert config_from_hf(cfg.to_hf()) == cfg
+
+    save_file({f"model.layers.{layers + 1}.enorm.weight": torch.ones(h)}, str(tmp_path / "model-extra.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=rf"model-extra.safetensors: tensor 'model.layers.{layers + 1}"
+                                                    r"\.enorm\.weight' is not used by DeepseekV3ForCausalLM"):
+        load_model(str(tmp_path))
+    (tmp_path / "model-extra.safetensors").unlink()
+    config = (tmp_path / "config.json").read_text().replace('"num_nextn_predict_layers": 1',
+                                                           '"num_nextn_predict_layers": 0')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(UnsupportedModelError, match=f"tensor '{p}"):  # no MTP layer declared
+        load_model(str(tmp_path))
