@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200, ~8 min): `tandem profile` of llama3-8b-random on the GPU (forward
 # passes, verify steps, whole engine steps), then one colocated worker recorded under `tandem bench`
-# at RATES for the simulator's validation (bench/record_run.py): $OUT/results/NAME/{run,perf}.json
-# go to bench/results/NAME, $OUT/profile.json to bench/perf/, the full bench JSON and logs in rec.tgz.
+# at RATES for the simulator's validation (bench/record_run.py): the run's files go to
+# bench/results/NAME (below), $OUT/profile.json to bench/perf/, the full bench JSON and logs in rec.tgz.
 #   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20 SPEC=ngram
 #   PROFILE_FROM=bench/perf/h200-llama3-8b-profile.json bash bench/gpu_session_validate.sh
 #       (a shorter call: that profile's prefill and whole-step timings, this GPU's decode, verify and
 #       padded steps from bench/verify_padding.py)
 #   PROFILE_READY=bench/perf/h200-llama3-8b-profile-7.json bash bench/gpu_session_validate.sh
-#       (the record only, with a profile an earlier call made; unpack $OUT/steps-NAME.tgz into
-#       bench/results/NAME/ for validate_simulator's step table)
+#       (the record only, with a profile an earlier call made)
+# The run comes back as $OUT/steps-NAME.tgz (run.json, perf.json, steps/): unpack it into
+# bench/results/NAME/ for validate_simulator (and its step table).
 set -u
 source bench/gpu_session_common.sh
 export PYTHONUNBUFFERED=1
@@ -40,8 +41,10 @@ TAIL=30 step record ${RECORD_LIMIT:-330} python3 bench/record_run.py --profile "
 A=$(ls /tmp/ray/session_*/logs/worker-*.err 2>/dev/null)
 grep -ho '[a-z]*-[0-9]* warmed up in [0-9.]* s (CUDA_MODULE_LOADING=[A-Z]*)' $A
 for f in $A; do n=$(grep -c 'slow engine step' $f); [ "$n" -gt 0 ] && echo "$f: $n slow steps"; done
-# the device tool leaves results/NAME/steps out ("depth"): the step traces come back as one archive
-[ -d "$OUT/results/$NAME/steps" ] && tar -czf "$OUT/steps-$NAME.tgz" -C "$OUT/results/$NAME" steps \
-  && rm -rf "$OUT/results/$NAME/steps"
+# the device tool leaves results/NAME/steps out ("depth") and returns at most 8 files a call
+# ("count": h200-colocated-10 lost its run.json and perf.json that way): the run's directory comes
+# back as one archive, unpacked with `tar -xzf steps-NAME.tgz -C bench/results/NAME`
+[ -d "$OUT/results/$NAME" ] && tar -czf "$OUT/steps-$NAME.tgz" -C "$OUT/results/$NAME" . \
+  && rm -rf "$OUT/results"
 tar -czf "$OUT/rec.tgz" -C / tmp/rec $(ls -d /tmp/ray/session_*/logs 2>/dev/null | sed 's|^/||') 2>/dev/null
-ls -la "$OUT" "$OUT/results"/*
+ls -la "$OUT"
