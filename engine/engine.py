@@ -195,7 +195,7 @@ class LLMEngine:
             feed_pending(batch, sched.scheduled, self._inflight)
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
         graphs = self.runner.graphs
-        captures = graphs.captures if graphs is not None else 0
+        captures, eager_runs = (graphs.captures, graphs.eager_runs) if graphs is not None else (0, 0)
         # prefill positions counted now, before the scheduler advances the requests
         prefill = self.stats.count_prompts(sched.scheduled)
         if self.trace is not None:
@@ -224,9 +224,11 @@ class LLMEngine:
         # tokens are read now (overlapped: the one before); "output" is detokenizing them
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
         captured = graphs is not None and graphs.captures > captures
+        # a graph-shaped step whose shape is not captured yet (DecodeGraphs.capture_after)
+        uncaptured = graphs is not None and graphs.eager_runs > eager_runs
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key, captured, phases)
         if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
-            self.trace.end(keep, self.scheduler.has_work(), captured)
+            self.trace.end(keep, self.scheduler.has_work(), captured, uncaptured)
         return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:

@@ -6,6 +6,7 @@ for staggered arrivals, chunked prefill and speculative verification (1 + k quer
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -170,3 +171,32 @@ def test_a_shape_is_captured_on_its_second_step_and_runs_eagerly_before():
     now.capture = True
     now.run(a)
     assert (now.captures, now.eager_runs) == (1, 0)
+
+
+class _Replaying(DecodeGraphs):
+    """A "graph" that replays by running the step eagerly into the captured output."""
+    def _capture(self, key):
+        self.captures += 1
+        out = self.step(key)
+        self.graphs[key] = (SimpleNamespace(replay=lambda: out.copy_(self.step(key))), out)
+        return out
+
+
+def test_the_step_trace_marks_the_eager_step_before_a_capture_and_the_capture(tiny, tmp_path, monkeypatch):
+    """A served engine's trace says which steps ran eagerly because their graph shape was not
+    captured yet, and which captured: one sequence decoding meets its shape once (eager), captures
+    it on the second step, then replays it."""
+    pytest.importorskip("triton")
+    from tandem.engine.step_trace import TRACE_ENV, read_traces
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    model, tok, _ = tiny
+    e = _engine(model, tok, graphs=True)
+    g = e.runner.graphs
+    g.__class__, g.capture = _Replaying, True    # the capture policy without a GPU
+    e.generate([{"prompt_token_ids": list(range(5, 25)), "max_tokens": 6, "ignore_eos": True}])  # one prefill step
+    e.trace.flush()
+    ((*steps,),) = read_traces(tmp_path)
+    decode = [s for s in steps if not s[6]]      # the prefill step is not graph-shaped
+    assert [(s[9], s[10]) for s in decode] == [(False, True), (True, False)] + [(False, False)] * (len(decode) - 2)
+    assert (g.eager_runs, g.captures) == (1, 1) and len(decode) >= 4

@@ -28,10 +28,13 @@ def test_a_step_is_split_into_its_decode_part_and_prefill_chunks(tmp_path):
     # two decoding sequences (100 and 50 tokens in, 3 and 1 drafts), one prompt chunk of 64 at 128
     t.begin(1000.0, _sched((99, 40, 4, 3), (49, 20, 2, 1), (128, 300, 64, 0)))
     t.end(overlapped=False, more=True, captured=True)
-    ((line,),) = read_traces(tmp_path)
+    t.begin(1001.0, _sched((103, 40, 1, 0)))
+    t.end(overlapped=True, more=False, uncaptured=True)
+    ((line, second),) = read_traces(tmp_path)
     assert line[0] == 1000.0 and line[1] >= line[0]
     assert line[2:7] == [2, 103 + 51, 4, 3, [[64, 192]]]
-    assert line[7:] == [False, True, True]
+    assert line[7:] == [False, True, True, False]
+    assert second[7:] == [True, False, False, True]
 
 
 def _step(start, end, overlapped=False, more=True, decode=1):
@@ -62,6 +65,7 @@ def test_the_step_check_prices_each_step_by_what_it_carried(tmp_path):
     mixed = [0.0, 0.0, 4, 4000, 0, 0, [[600, 5000]], False, True]
     assert kind_of(mixed) == "prefill 500-2k"
     assert kind_of(decode + [True]) == "graph capture" and kind_of(decode + [False]) == "decode 1-8"
+    assert kind_of(decode + [False, True]) == "eager, no graph" and kind_of(decode + [False, False]) == "decode 1-8"
     assert model_s(perf, mixed) == pytest.approx(0.005 + 0.004 + 0.01 + 600 * 1e-4)
     # two rates' windows; each step 20 ms apart, so 20 ms each
     d = tmp_path / "steps"
