@@ -168,6 +168,12 @@ class LLMEngine:
             self.speculator.release(rid)  # frees a draft model's blocks at once
 
     # ---- one step ---------------------------------------------------------------------------
+    def _graph_counts(self) -> tuple[int, int]:
+        """(CUDA graphs captured, graph-shaped steps run eagerly because their shape was not
+        captured yet: DecodeGraphs.capture_after) so far; a step that raises one did that."""
+        graphs = self.runner.graphs
+        return (graphs.captures, graphs.eager_runs) if graphs is not None else (0, 0)
+
     def step(self, layer_done=None, after_launch=None) -> list[RequestOutput]:
         """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
         (prefill actors stream that layer of the requests this step completes). `after_launch(wait_device)`
@@ -194,8 +200,7 @@ class LLMEngine:
         if self._inflight is not None:
             feed_pending(batch, sched.scheduled, self._inflight)
         hook = (lambda layer: layer_done(layer, sched)) if layer_done is not None else None
-        graphs = self.runner.graphs
-        captures, eager_runs = (graphs.captures, graphs.eager_runs) if graphs is not None else (0, 0)
+        graphs_before = self._graph_counts()
         # prefill positions counted now, before the scheduler advances the requests
         prefill = self.stats.count_prompts(sched.scheduled)
         if self.trace is not None:
@@ -223,9 +228,7 @@ class LLMEngine:
         # host time per phase: "sample" includes waiting for the device to finish the step whose
         # tokens are read now (overlapped: the one before); "output" is detokenizing them
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
-        captured = graphs is not None and graphs.captures > captures
-        # a graph-shaped step whose shape is not captured yet (DecodeGraphs.capture_after)
-        uncaptured = graphs is not None and graphs.eager_runs > eager_runs
+        captured, uncaptured = (now > then for now, then in zip(self._graph_counts(), graphs_before))
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key, captured, phases)
         if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
             self.trace.end(keep, self.scheduler.has_work(), captured, uncaptured)
