@@ -296,10 +296,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_cache, meta, ops, layer_done) -> torch.Tensor:
+        with self._kernel_launches():
+            return self._layers_fused(input_ids, positions, kv_cache, meta, ops, layer_done)
+
+    def _kernel_launches(self):
+        """The scope the GPU path's kernels launch in: PDL for an FP8 model (engine.kernels.pdl.auto)."""
         from tandem.engine.kernels import pdl  # noqa: PLC0415 (triton loads only where kernels run)
 
-        with pdl.auto(self.fp8_weights):
-            return self._layers_fused(input_ids, positions, kv_cache, meta, ops, layer_done)
+        return pdl.auto(self.fp8_weights)
 
     @property
     def fp8_weights(self) -> bool:
@@ -322,9 +326,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not getattr(self.ops_for(hidden.device), "fused", False):
             return self.lm_head(hidden).float()
-        from tandem.engine.kernels import pdl  # noqa: PLC0415 (as _forward_fused's)
-
-        with pdl.auto(self.fp8_weights):
+        with self._kernel_launches():
             return self.lm_head(hidden).float()
 
     # ---- weights ----------------------------------------------------------------------------

@@ -332,4 +332,3 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     k = gate_up.shape[1] // 2
     check_weight(gate_up, weight, scale, bias, group_k, k)
     return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)
-

@@ -80,4 +80,3 @@ def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(mon
     assert calls, "no one-token step took the fused GEMV"
     assert e.runner.graph_stats["replays"] > 0
     assert tokens == ref
-
