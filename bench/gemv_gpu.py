@@ -172,7 +172,8 @@ class GemvBench(FP8Bench):
         rows = self.results["decode_8b"] = []
         if self.configs == "swept":
             self.use_swept_configs()
-        table = gemv_mod.WINS
+        table, folding = gemv_mod.WINS, gemv_mod.FOLD_KINDS
+        fold_kinds = {"fold": frozenset({"16bit", "fp8", "fp32"}), "nofold": frozenset()}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
@@ -182,19 +183,26 @@ class GemvBench(FP8Bench):
                 model.ops = TritonOps()
             norm_keys = {("fp8", *lin.weight.shape, "norm") for layer in model.layers
                          for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)}
+            silu_keys = {("fp8", *layer.mlp.down_proj.weight.shape, "silu") for layer in model.layers}
+            tuned = dict(gemv_mod._TUNED)
             for rep in range(self.repeats):  # interleaved, so a drift of the machine hits every variant
                 for policy, pdl, extra, small in (self.variants or self.STEP_VARIANTS)[label.split("-")[1]]:
                     # "auto": the defaults (bf16 prefetching; FP8 as the small kernels go)
                     gemv_mod.POLICY, gemv_mod.PDL = policy, "prefetch" if pdl == "auto" else pdl
                     gemv_mod.PDL_FP8 = None if pdl == "auto" else pdl
                     pdl_mod.ENABLED = small
-                    gemv_mod.WINS = table | norm_keys if extra == "norm" else table
+                    tokens = set(filter(None, extra.split("+")))
+                    gemv_mod.WINS = (table | (norm_keys if "norm" in tokens else set())
+                                     | (silu_keys if "silu" in tokens else set()))
+                    gemv_mod.FOLD_KINDS = next((fold_kinds[t] for t in tokens if t in fold_kinds), folding)
+                    gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
                     for row in self.decode_rows(tag, model, tok, self.batches, ctx):
                         row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small)
                         rows.append(row)
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
+            gemv_mod.FOLD_KINDS, gemv_mod._TUNED = folding, tuned
             pdl_mod.ENABLED = None
             del model
             self.free()
@@ -238,10 +246,26 @@ def print_table(R):
                   f"{med[m] / bf_first if bf_first else float('nan'):>12.3f}")
 
 
+def tile_overrides(kind: str, tokens: set[str]) -> dict:
+    """PROLOGUES tokens 'N.K=BN.BK.WARPS.STAGES.SUMS' -> engine.kernels.gemv._TUNED entries for the
+    plain (and folded-norm) GEMV of that shape, in this variant only."""
+    out = {}
+    for t in tokens:
+        if "=" in t:
+            shape, cfg = t.split("=")
+            n, k = map(int, shape.split("."))
+            bn, bk, nw, ns, ts = map(int, cfg.split("."))
+            out[("16bit" if kind == "bf16" else kind, n, k, "none")] = gemv_mod.GemvConfig(bn, bk, nw, ns, bool(ts))
+    return out
+
+
 def parse_variants(spec: str) -> dict:
     """'bf16:table/prefetch//0,fp8:all/wait/norm/1' -> STEP_VARIANTS' form: per weight kind,
-    (gemv.POLICY, gemv.PDL, "norm": the FP8 norms folded into q/k/v and gate/up, PDL for the
-    small kernels: 0, 1, or None for the model's default)."""
+    (gemv.POLICY, gemv.PDL, PROLOGUES, PDL for the small kernels: 0, 1, or None for the model's
+    default). PROLOGUES: "" (the defaults) or tokens joined by "+": "norm" (the FP8 norms folded
+    into q/k/v and gate/up), "silu" (the FP8 SiLU into down), "fold" or "nofold" (every weight
+    kind's norms folded into the o and down GEMVs before them, gemv.FOLD_KINDS, or none's),
+    "N.K=BN.BK.WARPS.STAGES.SUMS" (that shape's plain GEMV tile, tile_overrides)."""
     out = {"bf16": [], "fp8": []}
     for item in filter(None, spec.split(",")):
         kind, _, rest = item.partition(":")

@@ -101,7 +101,7 @@ def label_model(model, ops) -> _Patches:
                 p.wrap(m.shared_experts, "forward_fused", "shared experts")
         else:
             p.wrap(m, "forward_fused", "dense MLP")
-            p.wrap(m, "down_fused", "dense MLP")  # DecoderLayer's path: gate/up beside the norm
+            p.wrap(m, "down_residual", "dense MLP")  # DecoderLayer's path: gate/up beside the norm
     return p
 
 

@@ -128,6 +128,12 @@ class Attention(nn.Module):
 
     def attend_fused(self, qkv, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
         """The layer from its fused q/k/v projection [T, q_size + 2 * kv_size] on."""
+        o = self.attention_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
+        return self.reduce_output(ops.linear(o, self.o_proj))
+
+    def attention_fused(self, qkv, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+        """Rotary, the KV write and attention from the fused q/k/v projection: the heads' output
+        [T, q_size], before o_proj."""
         T = qkv.shape[0]
         q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
@@ -138,7 +144,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.reduce_output(ops.linear(o.view(T, self.q_size), self.o_proj))
+        return o.view(T, self.q_size)
 
 
 def latent_attention(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -166,26 +172,37 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, residual, positions, cos_sin, kv_cache, meta, ops):
+    def forward_fused(self, x, residual, positions, cos_sin, kv_cache, meta, ops, next_norm=None):
         """x: this layer's input before the pending residual add (residual None: x is the
-        residual stream itself). -> (MLP output, residual stream): the sum is left to the next norm.
-        Each norm goes to `ops.norm_linear` with the projection that reads it (q/k/v, gate/up), and
-        SiLU-and-mul with the down projection to `ops.silu_linear`, which fold them into one launch
-        where they can (a one-token step); latent attention and a mixture of experts read the
-        normalised activations themselves."""
+        residual stream itself), or an engine.kernels.gemv.NormedRow (the add done, the norm
+        begun). -> (MLP output, residual stream): the sum is left to the next norm.
+        Each norm goes to `ops.norm_linear` with the projection that reads it (q/k/v, gate/up),
+        SiLU-and-mul with the down projection to `ops.silu_linear`, and each projection into the
+        residual stream (o, down) to `ops.residual_linear` with the norm after it (`next_norm`:
+        the next layer's, where that layer's attention takes it); they fold into the GEMVs where
+        they can (a one-token step). Latent attention and a mixture of experts read the normalised
+        activations themselves."""
         attn, mlp = self.self_attn, self.mlp
+        dense = isinstance(mlp, MLP)
         if isinstance(attn, Attention):
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-            h = attn.attend_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
+            o = attn.attention_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
+            h, residual = ops.residual_linear(o, attn.o_proj, residual, self.post_attention_layernorm if dense else None,
+                                              attn.reduce_output)
         else:
             h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
             h = attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
-        if isinstance(mlp, MLP):
+        if dense:
             gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-            return mlp.down_fused(gate_up, ops), residual
+            return mlp.down_residual(gate_up, residual, next_norm, ops)
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
         return mlp.forward_fused(h, ops), residual
+
+    def takes_folded_norm(self) -> bool:
+        """Whether this layer's first projection reads a norm folded into the layer before
+        (forward_fused's `next_norm`): q/k/v of grouped-query attention, not latent attention."""
+        return isinstance(self.self_attn, Attention)
 
 
 class TorchOps:
@@ -212,9 +229,13 @@ class TritonOps:
     def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
         where engine.kernels.gemv takes the weight with the norm (`gemv.takes`), else rms_norm,
-        then linear."""
+        then linear. x a gemv.NormedRow (the GEMV before began this norm): the GEMV finishes it."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
+        if isinstance(x, gemv.NormedRow):
+            if x.norm_weight is not norm.weight:
+                raise RuntimeError("a folded norm reached a projection after another norm")
+            return gemv.scaled_gemv(x, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k), residual
         if x.shape[0] == 1 and gemv.takes(linear.weight, "norm"):
             return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
                                   linear.bias, group_k=linear.group_k)
@@ -229,6 +250,25 @@ class TritonOps:
         if gate_up.shape[0] == 1 and gemv.takes(linear.weight, "silu"):
             return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
         return linear(self.silu_and_mul(gate_up))
+
+    def residual_linear(self, x, linear: Linear, residual, next_norm: RMSNorm | None, reduce,
+                        silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A projection into the residual stream (`silu`: of SiLU(gate) * up, inside the GEMV where
+        `gemv.takes` it), reduced over tensor-parallel ranks by `reduce`. -> (its output,
+        residual), the sum left to the next norm; or, for one token where engine.kernels.gemv
+        folds the weight (`gemv.folds`) and there is no reduction, (gemv.NormedRow begun with
+        `next_norm`, the new residual stream)."""
+        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+
+        if (next_norm is not None and residual is not None and reduce is no_reduce and x.shape[0] == 1
+                and gemv.folds(linear.weight)):
+            if silu and not gemv.takes(linear.weight, "silu"):  # the SiLU stays a launch of its own
+                x, silu = self.silu_and_mul(x), False
+            return gemv.residual_gemv(x, linear.weight, linear.weight_scale, linear.bias, residual=residual,
+                                      norm_weight=next_norm.weight, eps=next_norm.eps, silu=silu,
+                                      group_k=linear.group_k)
+        out = self.silu_linear(x, linear) if silu else self.linear(x, linear)
+        return reduce(out), residual
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """linear(x), by engine.kernels.gemv for one token where it takes the weight."""
@@ -317,8 +357,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         cos_sin = self.rotary.cos_sin
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward_fused(x, residual, positions, cos_sin, kv_cache, meta, ops)
+        layers = self.layers
+        for i, layer in enumerate(layers):
+            after = layers[i + 1] if i + 1 < len(layers) else None
+            next_norm = after.input_layernorm if after is not None and after.takes_folded_norm() else None
+            x, residual = layer.forward_fused(x, residual, positions, cos_sin, kv_cache, meta, ops, next_norm)
             if layer_done is not None:
                 layer_done(i)
         return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]

@@ -54,6 +54,11 @@ class MLP(nn.Module):
         """The MLP from its gate/up projection [T, 2I] on (ops.silu_linear: one launch for one token)."""
         return self.reduce_output(ops.silu_linear(gate_up, self.down_proj))
 
+    def down_residual(self, gate_up, residual, next_norm, ops):
+        """As down_fused, into the residual stream (ops.residual_linear: the next norm begun inside
+        the down GEMV for one token where it folds). -> (output, residual)."""
+        return ops.residual_linear(gate_up, self.down_proj, residual, next_norm, self.reduce_output, silu=True)
+
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         gate, up = self.gate_up_proj.weight.detach().split(self.intermediate, 0)
         return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,

@@ -36,7 +36,8 @@ from tandem.engine.kernels import pdl
 from tandem.engine.kernels.validate import FLOAT_DTYPES, require_runnable, require_same, require_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
-_PLAIN, _NORM, _SILU = 0, 1, 2
+_PLAIN, _NORM, _SILU, _SCALED = 0, 1, 2, 3
+_PROLOGUE_NAMES = ("none", "norm", "silu", "none")  # a scaled input reads as a plain one
 
 
 @triton.jit
@@ -71,10 +72,11 @@ def _products(w, h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.conste
 @triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, g_ptr, new_r_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    N, K, stride_wn, stride_sn, eps,
+    ss_ptr, er_ptr, eg_ptr, enew_r_ptr,
+    N, K, stride_wn, stride_sn, eps, NUM_SS,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, VEC: tl.constexpr,
+    USE_PDL: tl.constexpr, VEC: tl.constexpr, RESIDUAL_NORM: tl.constexpr, BLOCK_SS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,6 +105,9 @@ def _gemv_kernel(
                             PROLOGUE, HAS_RESIDUAL)
         acc += _products(w, h, BLOCK_N, BLOCK_K, VEC)
         start = BLOCK_K
+    if PROLOGUE == 3:  # the producer's sums of squares, read after the wait, summed at the end
+        rs = tl.arange(0, BLOCK_SS)
+        sums = tl.load(ss_ptr + rs, mask=rs < NUM_SS, other=0.0)
     for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
@@ -121,10 +126,21 @@ def _gemv_kernel(
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if PROLOGUE == 1:
         out *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if PROLOGUE == 3:
+        out *= tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
     if SCALED and GROUP_K == 0:
         out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if RESIDUAL_NORM:
+        # the output joins the residual stream (rounded as rms_norm rounds the sum); this program's
+        # rows of the new stream, their sum of squares, and the stream times the next norm's weight
+        dt = out_ptr.dtype.element_ty
+        s_new = (out.to(dt).to(tl.float32) + tl.load(er_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(enew_r_ptr + rn, s_new, mask=n_mask)
+        sf = s_new.to(tl.float32)
+        tl.store(ss_ptr + pid_n, tl.sum(sf * sf, axis=0))
+        out = sf * tl.load(eg_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -242,25 +258,36 @@ def check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 
 def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, scale, bias, group_k, k,
-            config: GemvConfig | None) -> torch.Tensor:
+            config: GemvConfig | None, sums: torch.Tensor | None = None,
+            fold: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (out [1, N], the sums of squares the residual-norm epilogue wrote: one per program, or None).
+    `sums`: the input's sums of squares (prologue _SCALED); `fold`: (residual, the next norm's weight,
+    the new residual stream to write) for the epilogue."""
     require_runnable(x, _gemv_kernel)
     n = weight.shape[0]
-    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, ("none", "norm", "silu")[prologue])
+    cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, _PROLOGUE_NAMES[prologue])
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
+    grid = triton.cdiv(n, cfg.block_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if fold is not None:
+        sums = torch.empty(grid, dtype=torch.float32, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
+    er, eg, enew = fold if fold is not None else (anchor, anchor, anchor)
     pdl = _pdl(x.device, weight.dtype)
     vec = min(16 // weight.element_size(), cfg.block_k) if cfg.thread_sums else 1
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    num_ss = sums.numel() if sums is not None else 1
+    _gemv_kernel[(grid,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else anchor,
         new_residual if new_residual is not None else out, weight, anchor, bias if bias is not None else anchor,
-        out, n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps),
+        out, sums if sums is not None else anchor, er, eg, enew,
+        n, k, weight.stride(0), scale.stride(0) if scale is not None else 0, float(eps), num_ss,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        USE_PDL=pdl, VEC=vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}))
-    return out
+        USE_PDL=pdl, VEC=vec, RESIDUAL_NORM=fold is not None, BLOCK_SS=triton.next_power_of_2(num_ss),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+    return out, sums if fold is not None else None
 
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
@@ -296,7 +323,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     or float8_e4m3fn with scale [N, G] float32."""
     _check_row("x", x)
     check_weight(x, weight, scale, bias, group_k, x.shape[1])
-    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config)
+    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config)[0]
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -316,8 +343,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}")
     check_weight(x, weight, scale, bias, group_k, k)
     new_residual = x if residual is None else torch.empty_like(x)
-    out = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
-                  weight, scale, bias, group_k, k, config)
+    out, _ = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
+                     weight, scale, bias, group_k, k, config)
     return out, new_residual
 
 
@@ -331,4 +358,84 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
         raise ValueError(f"gate_up must be [1, 2 * intermediate], got odd width {gate_up.shape[1]}")
     k = gate_up.shape[1] // 2
     check_weight(gate_up, weight, scale, bias, group_k, k)
-    return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)
+    return _launch(_SILU, gate_up, None, None, None, 0.0, weight, scale, bias, group_k, k, config)[0]
+
+
+# ---- the next norm folded into the GEMV before it ----------------------------------------------
+# A layer's o and down projections feed the residual stream, and the RMSNorm after each sum feeds
+# the next projection. The norm needs the whole vector, which no one program of a GEMV holds, so
+# it is split between the two GEMVs around it: the producer's programs each add their rows to the
+# residual stream, write them times the norm's weight, and write their rows' sum of squares
+# (`residual_gemv`); the consumer reads that vector like a plain input and scales its dot products
+# by 1 / rms from the sums (`scaled_gemv`). No norm launch, and no extra pass over the vector in
+# either GEMV (where `norm_gemv` makes every program read the input, the residual and the norm's
+# weight: for FP8 weights that costs more than the launch it saves). Which weight kinds fold:
+# `FOLD_KINDS` (measured on the H200, docs/benchmarks.md, issue 24).
+FOLD_KINDS: frozenset[str] = frozenset({"fp8"})
+
+
+@dataclass
+class NormedRow:
+    """One token's RMSNorm, left for the GEMV that reads it to finish (`residual_gemv` makes it):
+    `y` [1, K] = the residual stream times the norm's weight (model dtype), `sums` [P] fp32 = sums
+    of squares of the residual stream over P slices. RMSNorm(stream) = y * rsqrt(sum(sums) / K + eps),
+    as `scaled_gemv` applies it, or `finish` for any other reader."""
+    y: torch.Tensor
+    sums: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.y.shape
+
+    def finish(self) -> torch.Tensor:
+        """The normalised activations [1, K] in the model dtype."""
+        inv = torch.rsqrt(self.sums.sum() / self.y.shape[1] + self.eps)
+        return (self.y.float() * inv).to(self.y.dtype)
+
+
+def folds(weight: torch.Tensor) -> bool:
+    """Whether a one-token projection with this weight, feeding the residual stream, takes the next
+    norm into its GEMV (`residual_gemv`): its weight kind is in FOLD_KINDS ("fp8", "16bit", "fp32")
+    and POLICY is not "off"."""
+    kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
+    return POLICY != "off" and kind in FOLD_KINDS
+
+
+def residual_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, *, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  eps: float, silu: bool = False, group_k: int = 0,
+                  config: GemvConfig | None = None) -> tuple[NormedRow, torch.Tensor]:
+    """`gemv(x)` (`silu`: of SiLU(gate) * up, x = gate_up [1, 2K]) added to `residual`, and the
+    RMSNorm with `norm_weight` of that sum begun: -> (NormedRow, the new residual stream [1, N]).
+    The new stream has the bits `fused.rms_norm(gemv(x), norm_weight, eps, residual)` gives it."""
+    _check_row("x", x)
+    if silu and x.shape[1] % 2:
+        raise ValueError(f"gate_up must be [1, 2 * intermediate], got odd width {x.shape[1]}")
+    k = x.shape[1] // 2 if silu else x.shape[1]
+    check_weight(x, weight, scale, bias, group_k, k)
+    n = weight.shape[0]
+    require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
+    require_same("residual", residual, "x", x)
+    if tuple(residual.shape) != (1, n):
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, the output is [1, {n}]")
+    require_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    require_same("norm_weight", norm_weight, "x", x, dtype=False)
+    if norm_weight.shape[0] != n:
+        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {n}")
+    new_residual = torch.empty_like(residual)
+    y, sums = _launch(_SILU if silu else _PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, k,
+                      config, fold=(residual, norm_weight, new_residual))
+    return NormedRow(y, sums, norm_weight, float(eps)), new_residual
+
+
+def scaled_gemv(row: NormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, *, group_k: int = 0,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """The projection of a NormedRow's normalised activations (what `gemv(row.finish())` gives,
+    without rounding them to the model dtype): one launch, the 1/rms applied to the dot products."""
+    _check_row("row.y", row.y)
+    check_weight(row.y, weight, scale, bias, group_k, row.y.shape[1])
+    return _launch(_SCALED, row.y, None, None, None, row.eps, weight, scale, bias, group_k, row.y.shape[1],
+                   config, sums=row.sums)[0]

@@ -26,7 +26,8 @@ if not triton_available():
     pytest.fail("Triton is not installed, or there is no CUDA and TRITON_INTERPRET is off", pytrace=False)
 
 from tandem.engine.kernels.fused import rms_norm, silu_and_mul  # noqa: E402
-from tandem.engine.kernels.gemv import GemvConfig, choose_gemv_config, gemv, norm_gemv, silu_gemv  # noqa: E402
+from tandem.engine.kernels.gemv import (GemvConfig, choose_gemv_config, gemv, norm_gemv, residual_gemv,  # noqa: E402
+                                        scaled_gemv, silu_gemv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # 64 does not divide K = 96 or 160; thread_sums: each 16-byte run of columns summed in its thread
@@ -110,6 +111,36 @@ def test_silu_gemv_is_silu_and_mul_then_gemv(dtype, kind):
     assert rel_err(silu_gemv(swapped, w, scale), ref) > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
+@pytest.mark.parametrize("silu", [False, True])
+def test_a_norm_folded_between_two_gemvs_is_the_separate_launches(dtype, kind, silu):
+    """residual_gemv (o or down: the output added to the residual stream, the next norm begun) then
+    scaled_gemv (q/k/v or gate/up: the norm finished) against gemv, rms_norm, gemv: the new residual
+    stream bit for bit, the second output within rounding, for every tile of either GEMV."""
+    gen = torch.Generator().manual_seed(21 + silu)
+    n, k, n2 = 64, 96, 40
+    w1, s1, gk1, _ = weights(kind, n, k, gen, dtype)
+    w2, s2, gk2, ref_w2 = weights(kind, n2, n, gen, dtype)
+    x = torch.randn(1, 2 * k if silu else k, generator=gen).to(dtype).to(DEVICE)
+    residual = (torch.randn(1, n, generator=gen) * 3).to(dtype).to(DEVICE)
+    g = (torch.rand(n, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    first = silu_gemv if silu else gemv
+    tiles = TILES if gk1 != 32 else BLOCK_TILES
+    for cfg, cfg2 in zip(tiles, reversed(tiles)):
+        h, ref_residual = rms_norm(first(x, w1, s1, group_k=gk1, config=cfg), g, 1e-5, residual)
+        row, new_residual = residual_gemv(x, w1, s1, residual=residual, norm_weight=g, eps=1e-5, silu=silu,
+                                          group_k=gk1, config=cfg)
+        assert torch.equal(new_residual, ref_residual), cfg  # the residual stream, bit for bit
+        assert row.sums.numel() == -(-n // cfg.block_n) and row.norm_weight is g
+        assert rel_err(row.finish(), h) < tol(dtype)
+        out = scaled_gemv(row, w2, s2, group_k=gk2, config=cfg2)
+        assert rel_err(out, h.double() @ ref_w2.T) < tol(dtype), (cfg, cfg2)
+    if not silu:  # the norm is really finished: the same stream scaled by 4 gives the same output
+        row4, _ = residual_gemv(x * 4, w1, s1, residual=residual * 4, norm_weight=g, eps=1e-5, group_k=gk1)
+        assert rel_err(scaled_gemv(row4, w2, s2, group_k=gk2), h.double() @ ref_w2.T) < tol(dtype) * 2
+
+
 def test_configs_fit_block_scales():
     for n, k in ((6144, 4096), (4096, 14336), (5120, 27648)):
         for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32):
@@ -164,6 +195,13 @@ def test_bad_input_is_refused_by_name():
         norm_gemv(x, torch.randn(1, 16).to(DEVICE), torch.ones(32).to(DEVICE), 1e-5, w)
     with pytest.raises(ValueError, match="odd width"):
         silu_gemv(torch.randn(1, 33).to(DEVICE), w)
+    with pytest.raises(ValueError, match=r"residual has shape \(1, 32\), the output is \[1, 16\]"):
+        residual_gemv(x, w, residual=x, norm_weight=torch.ones(16).to(DEVICE), eps=1e-5)
+    with pytest.raises(ValueError, match="norm_weight has 32 elements for hidden size 16"):
+        residual_gemv(x, w, residual=torch.zeros(1, 16).to(DEVICE), norm_weight=torch.ones(32).to(DEVICE), eps=1e-5)
+    with pytest.raises(ValueError, match="odd width"):
+        residual_gemv(torch.randn(1, 33).to(DEVICE), w, residual=torch.zeros(1, 16).to(DEVICE),
+                      norm_weight=torch.ones(16).to(DEVICE), eps=1e-5, silu=True)
     with pytest.raises(ValueError, match="block_k 64 must divide group_k 32"):
         gemv(x, q, torch.ones(16, 1).to(DEVICE), group_k=32, config=GemvConfig(4, 64))
 
@@ -172,7 +210,7 @@ def test_bad_input_is_refused_by_name():
 def _count_calls(monkeypatch):
     from tandem.engine.kernels import gemv as gemv_mod
 
-    calls = {"norm_gemv": 0, "silu_gemv": 0}
+    calls = {"norm_gemv": 0, "silu_gemv": 0, "residual_gemv": 0, "scaled_gemv": 0}
     for name in calls:
         real = getattr(gemv_mod, name)
 
@@ -188,13 +226,16 @@ def _greedy(make_engine, model, tok, prompts, max_tokens=5):
     return [r["token_ids"] for r in make_engine(model, tok).generate(reqs)]
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @torch.inference_mode()
-def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, monkeypatch, quantization):
+def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, monkeypatch, quantization, fold):
     """A single sequence decodes one token a step: under POLICY "all" each layer's two norms and
     its SiLU run inside the projections' GEMVs, and the greedy tokens are the plain torch path's
-    (fp32, and FP8 weights, which both paths read the same). Two sequences at once (T = 2) take
-    the separate launches."""
+    (fp32, and FP8 weights, which both paths read the same). With the norms folded into the GEMVs
+    before them (`fold`: FOLD_KINDS), o and down begin the next norm (residual_gemv) and q/k/v and
+    gate/up finish it (scaled_gemv); only layer 0's input norm is norm_gemv's, and only the last
+    down its own silu_gemv. Two sequences at once (T = 2) take the separate launches."""
     import copy
 
     from tandem.engine.kernels import gemv as gemv_mod
@@ -207,14 +248,43 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
     fused = copy.deepcopy(model)
     fused.ops = TritonOps()
     monkeypatch.setattr(gemv_mod, "POLICY", "all")
+    monkeypatch.setattr(gemv_mod, "FOLD_KINDS", frozenset({"fp8", "16bit", "fp32"} if fold else ()))
     calls = _count_calls(monkeypatch)
     assert _greedy(make_engine, fused, tok, [prompt]) == ref
-    decode_steps = 4  # 5 tokens: the first from the prompt's step
-    assert calls == {"norm_gemv": 2 * cfg.num_layers * decode_steps, "silu_gemv": cfg.num_layers * decode_steps}
-    calls.update(norm_gemv=0, silu_gemv=0)
+    steps, layers = 4, cfg.num_layers  # 5 tokens: the first from the prompt's step
+    if fold:
+        folded = (2 * layers - 1) * steps
+        want = {"norm_gemv": steps, "silu_gemv": steps, "residual_gemv": folded, "scaled_gemv": folded}
+    else:
+        want = {"norm_gemv": 2 * layers * steps, "silu_gemv": layers * steps, "residual_gemv": 0, "scaled_gemv": 0}
+    assert calls == want
+    calls.update(dict.fromkeys(calls, 0))
     two = [prompt, prompt[::-1]]
     assert _greedy(make_engine, fused, tok, two, max_tokens=3) == _greedy(make_engine, model, tok, two, 3)
-    assert calls == {"norm_gemv": 0, "silu_gemv": 0}
+    assert set(calls.values()) == {0}
+
+
+@torch.inference_mode()
+def test_fp8_defaults_fold_the_norms_and_keep_the_silu_launch(make_engine, monkeypatch):
+    """The default policy for an FP8 model: every norm after layer 0's input norm folded into the
+    o and down GEMVs before it (FOLD_KINDS), SiLU-and-mul still a launch of its own (no FP8 entry
+    in WINS), the greedy tokens the plain torch path's."""
+    import copy
+
+    from tandem.engine.kernels import gemv as gemv_mod
+    from tandem.engine.model import TritonOps
+    from tandem.engine.weights import load_model
+
+    assert gemv_mod.POLICY == "table" and gemv_mod.FOLD_KINDS == {"fp8"}
+    model, tok, cfg = load_model("tiny-random", seed=99, quantization="fp8")
+    prompt = list(range(3, 21))
+    ref = _greedy(make_engine, model, tok, [prompt])
+    fused = copy.deepcopy(model)
+    fused.ops = TritonOps()
+    calls = _count_calls(monkeypatch)
+    assert _greedy(make_engine, fused, tok, [prompt]) == ref
+    folded = (2 * cfg.num_layers - 1) * 4
+    assert calls == {"norm_gemv": 0, "silu_gemv": 0, "residual_gemv": folded, "scaled_gemv": folded}
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -266,12 +336,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.engine.kernels.gemv import _gemv_kernel
 sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-       "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
-       "stride_sn": "i32", "eps": "fp32"}
-for prologue, pdl, vec in ((0, 1, 1), (0, 2, 1), (1, 2, 16), (2, 2, 16), (1, 1, 1), (0, 2, 16)):
+       "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "ss_ptr": "*fp32", "er_ptr": "*bf16",
+       "eg_ptr": "*bf16", "enew_r_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+       "stride_sn": "i32", "eps": "fp32", "NUM_SS": "i32"}
+# (prologue, PDL mode, 16-byte run, residual-norm epilogue): 3 is the scaled input of a folded norm
+for prologue, pdl, vec, fold in ((0, 1, 1, 0), (0, 2, 1, 0), (1, 2, 16, 0), (2, 2, 16, 0), (1, 1, 1, 0),
+                                 (0, 2, 16, 0), (3, 2, 16, 0), (3, 1, 1, 0), (0, 2, 16, 1), (2, 2, 16, 1)):
     for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
         const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
-                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2))
+                     BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2),
+                     RESIDUAL_NORM=bool(fold), BLOCK_SS=1024)
         src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
         assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]

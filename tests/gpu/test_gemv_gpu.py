@@ -1,7 +1,8 @@
 """The one-token GEMV with its norm / SiLU folded in (engine/kernels/gemv.py) on the GPU: at
 llama3-8b's projection shapes against the two launches it replaces (bf16 and FP8 weights), fp32
-against float64, and in the engine: one sequence decoding through CUDA graphs with every
-projection fused gives the CPU path's greedy tokens (fp32)."""
+against float64; a norm folded between two GEMVs against the three launches it replaces; and in
+the engine: one sequence decoding through CUDA graphs with every projection fused (and every
+norm folded) gives the CPU path's greedy tokens (fp32)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,41 @@ def test_fused_gemv_matches_the_separate_launches(n, k, before, weight):
         assert rel_err(out, F.linear(h, q)) < 1e-2
 
 
-def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(monkeypatch):
+@pytest.mark.parametrize("n,k,silu,n2", [(4096, 4096, False, 6144), (4096, 14336, True, 28672)])
+@pytest.mark.parametrize("weight", ["bf16", "fp8"])
+def test_norm_folded_between_gemvs_matches_the_separate_launches(n, k, silu, n2, weight):
+    """o (or down with its SiLU) begins the next RMSNorm, q/k/v (or gate/up) finishes it
+    (gemv.residual_gemv, gemv.scaled_gemv) at llama3-8b's shapes, PDL launches as an FP8 model's
+    forward makes them: the residual stream bit for bit, the second output against float64."""
+    from tandem.engine.kernels import gemv, pdl
+    from tandem.engine.kernels.fused import rms_norm, silu_and_mul
+
+    torch.manual_seed(n2 + k)
+    weights = []
+    for rows, cols in ((n, k), (n2, n)):
+        w = torch.randn(rows, cols, device="cuda") * cols ** -0.5
+        if weight == "fp8":
+            q, scale = quantize_fp8(w)
+            weights.append((q, scale, dequantize_fp8(q, scale, 0, torch.float64)))
+        else:
+            weights.append((w.bfloat16(), None, w.bfloat16().double()))
+    (q1, s1, w1), (q2, s2, w2) = weights
+    x = torch.randn(1, 2 * k if silu else k, device="cuda").bfloat16()
+    residual = (torch.randn(1, n, device="cuda") * 3).bfloat16()
+    g = (torch.rand(n, device="cuda") + 0.5).bfloat16()
+    with pdl.auto(weight == "fp8"):
+        out1 = gemv.silu_gemv(x, q1, s1) if silu else gemv.gemv(x, q1, s1)
+        h, ref_residual = rms_norm(out1, g, 1e-5, residual)
+        row, new_residual = gemv.residual_gemv(x, q1, s1, residual=residual, norm_weight=g, eps=1e-5, silu=silu)
+        out = gemv.scaled_gemv(row, q2, s2)
+    assert torch.equal(new_residual, ref_residual)
+    assert rel_err(out, h.double() @ w2.T) < 1e-2
+    h_ref = (silu_and_mul(x) if silu else x).double() @ w1.T + residual.double()
+    assert rel_err(new_residual, h_ref) < 1e-2
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(monkeypatch, fold):
     from tandem.engine.kernels import gemv
 
     model, tok, _ = load_model("smollm2-135m-random", "float32", "cpu", seed=7)
@@ -76,7 +111,12 @@ def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(mon
     real = gemv.norm_gemv
     monkeypatch.setattr(gemv, "norm_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(gemv, "POLICY", "all")
+    monkeypatch.setattr(gemv, "FOLD_KINDS", frozenset({"fp32"} if fold else ()))
+    folded = []
+    real_fold = gemv.residual_gemv
+    monkeypatch.setattr(gemv, "residual_gemv", lambda *a, **kw: folded.append(1) or real_fold(*a, **kw))
     tokens, e = generate("cuda")
+    assert bool(folded) == fold
     assert calls, "no one-token step took the fused GEMV"
     assert e.runner.graph_stats["replays"] > 0
     assert tokens == ref
