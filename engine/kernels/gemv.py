@@ -161,11 +161,13 @@ class GemvConfig:
 # tiles: o 6.6 us against 6.9, gate/up 30.8 against 33.2, down 16.9 against 17.1, the LM head 121
 # against 146 (bench/fp8_gemv_variants.py: the same loop reading int32 words instead, no widening,
 # took 6.0 / 29.2 / 15.7). Older entries: bench/fp8_sweep.py (qwen2.5-32b, llama3-70b FP8) and
-# bench/gemv_gpu.py run 4 of the afternoon (qwen2.5-32b bf16), without thread sums.
+# bench/gemv_gpu.py run 4 of the afternoon (qwen2.5-32b bf16), without thread sums. (*) FP8 q/k/v
+# since the norms fold into it: the step 2.507 and 2.521 ms against 2.513 and 2.527 with (8, 1024,
+# 4, 1), two calls of `gemv_gpu.py --variants`; o, down, gate/up and head tiles tried beside it lost.
 _TUNED = {("16bit", 6144, 4096, "norm"): GemvConfig(8, 1024, 4, 2, True),  # llama3-8b bf16
           ("16bit", 28672, 4096, "norm"): GemvConfig(4, 2048, 8, 2, True),
           ("16bit", 4096, 14336, "silu"): GemvConfig(4, 2048, 8, 2, True),
-          ("fp8", 6144, 4096, "none"): GemvConfig(8, 1024, 4, 1, True),  # llama3-8b FP8
+          ("fp8", 6144, 4096, "none"): GemvConfig(4, 1024, 4, 2, True),  # llama3-8b FP8 (2026-12-03 *)
           ("fp8", 6144, 4096, "norm"): GemvConfig(4, 512, 2, 4),
           ("fp8", 28672, 4096, "none"): GemvConfig(8, 2048, 4, 2, True),
           ("fp8", 28672, 4096, "norm"): GemvConfig(8, 1024, 4, 1, True),
