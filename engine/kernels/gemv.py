@@ -70,6 +70,28 @@ def _products(w, h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.conste
 
 
 @triton.jit
+def _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # the per-output-channel scale of FP8 weights, then the bias
+    if ROW_SCALE:
+        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr):
+    # the output joins the residual stream (rounded as rms_norm rounds the sum): write this program's
+    # rows of the new stream and their sum of squares; -> the stream times the next norm's weight
+    dt = out_ptr.dtype.element_ty
+    s_new = (out.to(dt).to(tl.float32) + tl.load(er_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)).to(dt)
+    tl.store(enew_r_ptr + rn, s_new, mask=n_mask)
+    sf = s_new.to(tl.float32)
+    tl.store(ss_ptr + pid_n, tl.sum(sf * sf, axis=0))
+    return sf * tl.load(eg_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, g_ptr, new_r_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     ss_ptr, er_ptr, eg_ptr, enew_r_ptr,
@@ -92,8 +114,8 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL == 2:
         # as 1, and no kernel writes weights, so the first weight tile streams in while the kernel
-        # before finishes; its output (the input vector) is read only after gdc_wait
-        # the raw tile is what waits (FP8: a quarter of the registers the widened one would hold)
+        # before finishes (its output, the input vector, is read after gdc_wait); the raw tile is
+        # what waits (FP8: a quarter of the registers the widened one would hold)
         k_mask = rk < K
         w_raw = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
@@ -105,9 +127,8 @@ def _gemv_kernel(
                             PROLOGUE, HAS_RESIDUAL)
         acc += _products(w, h, BLOCK_N, BLOCK_K, VEC)
         start = BLOCK_K
-    if PROLOGUE == 3:  # the producer's sums of squares, read after the wait, summed at the end
-        rs = tl.arange(0, BLOCK_SS)
-        sums = tl.load(ss_ptr + rs, mask=rs < NUM_SS, other=0.0)
+    if PROLOGUE == 3:  # the norm's sums of squares are the producer's (read after the wait)
+        ss = tl.load(ss_ptr + tl.arange(0, BLOCK_SS), mask=tl.arange(0, BLOCK_SS) < NUM_SS, other=0.0)
     for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
@@ -124,23 +145,11 @@ def _gemv_kernel(
             s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
             acc += _products(w, h, BLOCK_N, BLOCK_K, VEC) * s[:, None]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 or PROLOGUE == 3:
         out *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    if PROLOGUE == 3:
-        out *= tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
-    if SCALED and GROUP_K == 0:
-        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    out = _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, SCALED and GROUP_K == 0, HAS_BIAS)
     if RESIDUAL_NORM:
-        # the output joins the residual stream (rounded as rms_norm rounds the sum); this program's
-        # rows of the new stream, their sum of squares, and the stream times the next norm's weight
-        dt = out_ptr.dtype.element_ty
-        s_new = (out.to(dt).to(tl.float32) + tl.load(er_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)).to(dt)
-        tl.store(enew_r_ptr + rn, s_new, mask=n_mask)
-        sf = s_new.to(tl.float32)
-        tl.store(ss_ptr + pid_n, tl.sum(sf * sf, axis=0))
-        out = sf * tl.load(eg_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        out = _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
