@@ -278,6 +278,10 @@ def main() -> None:
                     help="128 x 128 tiles for prefill-sized expert runs (default: as engine.kernels.moe)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
                     help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
+    ap.add_argument("--gemv", choices=("table", "all", "off"), default=None,
+                    help="engine.kernels.gemv.POLICY for one-token projections (default: table)")
+    ap.add_argument("--pdl", choices=("on", "off"), default=None,
+                    help="PDL launches for the small kernels (engine.kernels.pdl.ENABLED; default: per model)")
     args = ap.parse_args()
     set_options(args)
     b = MLABench(DRY, args.out)
@@ -307,6 +311,16 @@ def set_options(args) -> None:
         moe_kernels.PREFILL_TILE_128 = args.prefill_tile == "on"
     if getattr(args, "split_down", None):
         moe_kernels.SPLIT_DOWN_GEMV = args.split_down == "on"
+    if getattr(args, "gemv", None):
+        import tandem.engine.kernels.gemv as gemv  # noqa: PLC0415 (as above)
+
+        gemv.POLICY = args.gemv
+        print(f"# gemv.POLICY {gemv.POLICY}", flush=True)
+    if getattr(args, "pdl", None):
+        import tandem.engine.kernels.pdl as pdl  # noqa: PLC0415 (as above)
+
+        pdl.ENABLED = args.pdl == "on"
+        print(f"# pdl.ENABLED {pdl.ENABLED}", flush=True)
     print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}, "
           f"split_down {moe_kernels.SPLIT_DOWN_GEMV}", flush=True)
 

@@ -149,6 +149,11 @@ def latent_attention_torch(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: i
     return out
 
 
+def _call(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """layer(x): the projection runner of the plain path (the GPU path passes ops.linear)."""
+    return layer(x)
+
+
 class LatentAttention(nn.Module):
     """DeepSeek's attention block under Hugging Face names (`self_attn.`: q_proj or q_a_proj +
     q_a_layernorm + q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
@@ -196,16 +201,19 @@ class LatentAttention(nn.Module):
         return self._attend(x, positions, rotary.cos_sin, kv_cache, meta, kernel=None)
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+        """The GPU path: the Triton decode kernel, and the projections through `ops.linear` (the
+        one-token GEMV where engine.kernels.gemv takes the weight)."""
         from tandem.engine.kernels.mla_decode import mla_decode  # noqa: PLC0415 (triton loads only where kernels run)
 
-        return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode)
+        return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode, linear=ops.linear)
 
-    def _attend(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, kernel) -> torch.Tensor:
+    def _attend(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, kernel,
+                linear=_call) -> torch.Tensor:
         if getattr(meta, "tree_mask", None) is not None:
             raise NotImplementedError("tree speculation with latent attention is not implemented "
                                       "(chain drafts are: ngram, suffix and draft without trees)")
         T = x.shape[0]
-        q, kv = self.project(x)
+        q, kv = self.project(x, linear)
         cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
         if kernel is not None and self.fused_prepare:
             from tandem.engine.kernels.mla_prepare import mla_prepare  # noqa: PLC0415 (as forward_fused's)
@@ -224,13 +232,14 @@ class LatentAttention(nn.Module):
             o = self._absorbed(q_nope, q_pe, cache, meta, kernel)
         else:
             o = self._expanded(q_nope, q_pe, cache, meta)
-        return self.reduce_output(self.o_proj(o.reshape(T, self.num_heads * self.v_dim)))
+        return self.reduce_output(linear(o.reshape(T, self.num_heads * self.v_dim), self.o_proj))
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (q [T, H, nope + rope], kv [T, rank + rope]: the latent c, then k_pe), views."""
-        q, kv = self.qkv_a_proj(x).split([self.q_a_out, self.rank + self.rope], dim=-1)
+    def project(self, x: torch.Tensor, linear=_call) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (q [T, H, nope + rope], kv [T, rank + rope]: the latent c, then k_pe), views.
+        `linear(x, layer)` runs each projection (the GPU path's ops.linear)."""
+        q, kv = linear(x, self.qkv_a_proj).split([self.q_a_out, self.rank + self.rope], dim=-1)
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = linear(self.q_a_layernorm(q).contiguous(), self.q_b_proj)
         return q.view(x.shape[0], self.num_heads, self.nope + self.rope), kv
 
     def _absorbed(self, q_nope, q_pe, cache, meta, kernel) -> torch.Tensor:

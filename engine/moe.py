@@ -48,7 +48,7 @@ class MLP(nn.Module):
         return self.reduce_output(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, x, ops):
-        return self.down_fused(self.gate_up_proj(x), ops)
+        return self.down_fused(ops.linear(x, self.gate_up_proj), ops)
 
     def down_fused(self, gate_up, ops):
         """The MLP from its gate/up projection [T, 2I] on (ops.silu_linear: one launch for one token)."""

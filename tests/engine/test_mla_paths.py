@@ -2,7 +2,8 @@
 on engine.kernels.mla_decode, the fused norm kernels and the static-buffer (CUDA graph) steps give
 the plain-torch path's greedy tokens (also with the one-kernel norm + rope + cache write), with staggered arrivals and chunked prefill (a 35-token prompt
 under a 24-token budget); speculative verify steps (1 + 3 query tokens per sequence, drafts partly
-accepted, partly rolled back) on both paths give plain greedy decoding's tokens."""
+accepted, partly rolled back) on both paths give plain greedy decoding's tokens; the one-token
+projections through engine.kernels.gemv give them too."""
 
 from __future__ import annotations
 
@@ -43,6 +44,39 @@ def test_triton_path_matches_the_cpu_path(v3, overlap, fused_prepare, monkeypatc
     e.overlap = overlap
     assert _generate(e) == ref
     assert e.runner.graph_stats["replays"] > 0, "no step went through the static buffers"
+
+
+@pytest.fixture(scope="module")
+def v3_moe(tmp_path_factory):
+    from tandem.engine.weights import load_model
+
+    path = tmp_path_factory.mktemp("tiny-deepseek-v3-moe-paths")
+    build_deepseek_dir("v3", path, moe=True)
+    model, tok, _ = load_model(str(path))
+    return model, tok
+
+
+def test_one_token_projections_take_the_gemv_and_keep_the_tokens(v3_moe, monkeypatch):
+    """gemv.POLICY "all": a lone sequence's one-token steps run the latent attention's q/kv_a and o
+    projections and the shared experts' gate/up through engine.kernels.gemv (and their down with
+    its SiLU folded in), with the plain path's greedy tokens."""
+    pytest.importorskip("triton")
+    from tandem.engine.kernels import gemv
+
+    model, tok = v3_moe
+    req = [{"prompt_token_ids": PROMPTS[0], "max_tokens": 5, "ignore_eos": True}]
+    ref = [r["token_ids"] for r in _engine(model, tok).generate(req)]
+    shapes = []
+    for name in ("gemv", "silu_gemv"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda x, w, *a, _real=real, **kw: shapes.append(tuple(w.shape)) or _real(x, w, *a, **kw))
+    monkeypatch.setattr(gemv, "POLICY", "all")
+    assert [r["token_ids"] for r in _engine(model, tok, graphs=True).generate(req)] == ref
+    attn = model.layers[0].self_attn
+    mlp = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "shared_experts"))
+    want = {tuple(attn.qkv_a_proj.weight.shape), tuple(attn.o_proj.weight.shape),
+            tuple(mlp.shared_experts.gate_up_proj.weight.shape), tuple(mlp.shared_experts.down_proj.weight.shape)}
+    assert want <= set(shapes), (want, set(shapes))
 
 
 class _HalfRightProposer:
