@@ -200,20 +200,22 @@ class LatentAttention(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta, ops) -> torch.Tensor:
         return self._attend(x, positions, rotary.cos_sin, kv_cache, meta, kernel=None)
 
-    def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops) -> torch.Tensor:
+    def forward_fused(self, x, positions, cos_sin, kv_cache, meta, ops, projected: bool = False) -> torch.Tensor:
         """The GPU path: the Triton decode kernel, and the projections through `ops.linear` (the
-        one-token GEMV where engine.kernels.gemv takes the weight)."""
+        one-token GEMV where engine.kernels.gemv takes the weight). `projected`: x is already
+        qkv_a_proj's output (DecoderLayer runs it with the norm before it, ops.norm_linear)."""
         from tandem.engine.kernels.mla_decode import mla_decode  # noqa: PLC0415 (triton loads only where kernels run)
 
-        return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode, linear=ops.linear)
+        return self._attend(x, positions, cos_sin, kv_cache, meta, kernel=mla_decode, linear=ops.linear,
+                            projected=projected)
 
     def _attend(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, kernel,
-                linear=_call) -> torch.Tensor:
+                linear=_call, projected: bool = False) -> torch.Tensor:
         if getattr(meta, "tree_mask", None) is not None:
             raise NotImplementedError("tree speculation with latent attention is not implemented "
                                       "(chain drafts are: ngram, suffix and draft without trees)")
         T = x.shape[0]
-        q, kv = self.project(x, linear)
+        q, kv = self.project(x, linear, projected)
         cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
         if kernel is not None and self.fused_prepare:
             from tandem.engine.kernels.mla_prepare import mla_prepare  # noqa: PLC0415 (as forward_fused's)
@@ -234,10 +236,12 @@ class LatentAttention(nn.Module):
             o = self._expanded(q_nope, q_pe, cache, meta)
         return self.reduce_output(linear(o.reshape(T, self.num_heads * self.v_dim), self.o_proj))
 
-    def project(self, x: torch.Tensor, linear=_call) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, linear=_call, projected: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (q [T, H, nope + rope], kv [T, rank + rope]: the latent c, then k_pe), views.
-        `linear(x, layer)` runs each projection (the GPU path's ops.linear)."""
-        q, kv = linear(x, self.qkv_a_proj).split([self.q_a_out, self.rank + self.rope], dim=-1)
+        `linear(x, layer)` runs each projection (the GPU path's ops.linear); `projected`: x is
+        qkv_a_proj's output already."""
+        a = x if projected else linear(x, self.qkv_a_proj)
+        q, kv = a.split([self.q_a_out, self.rank + self.rope], dim=-1)
         if self.q_lora:
             q = linear(self.q_a_layernorm(q).contiguous(), self.q_b_proj)
         return q.view(x.shape[0], self.num_heads, self.nope + self.rope), kv

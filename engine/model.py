@@ -180,8 +180,8 @@ class DecoderLayer(nn.Module):
         SiLU-and-mul with the down projection to `ops.silu_linear`, and each projection into the
         residual stream (o, down) to `ops.residual_linear` with the norm after it (`next_norm`:
         the next layer's, where that layer's attention takes it); they fold into the GEMVs where
-        they can (a one-token step). Latent attention and a mixture of experts read the normalised
-        activations themselves."""
+        they can (a one-token step); latent attention's first projection (q/kv_a) takes its norm
+        the same way. A mixture of experts reads the normalised activations itself."""
         attn, mlp = self.self_attn, self.mlp
         dense = isinstance(mlp, MLP)
         if isinstance(attn, Attention):
@@ -189,9 +189,9 @@ class DecoderLayer(nn.Module):
             o = attn.attention_fused(qkv, positions, cos_sin, kv_cache, meta, ops)
             h, residual = ops.residual_linear(o, attn.o_proj, residual, self.post_attention_layernorm if dense else None,
                                               attn.reduce_output)
-        else:
-            h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
-            h = attn.forward_fused(h, positions, cos_sin, kv_cache, meta, ops)
+        else:  # latent attention: its first projection with the norm
+            a, residual = ops.norm_linear(x, residual, self.input_layernorm, attn.qkv_a_proj)
+            h = attn.forward_fused(a, positions, cos_sin, kv_cache, meta, ops, projected=True)
         if dense:
             gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
             return mlp.down_residual(gate_up, residual, next_norm, ops)

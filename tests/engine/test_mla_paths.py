@@ -57,9 +57,9 @@ def v3_moe(tmp_path_factory):
 
 
 def test_one_token_projections_take_the_gemv_and_keep_the_tokens(v3_moe, monkeypatch):
-    """gemv.POLICY "all": a lone sequence's one-token steps run the latent attention's q/kv_a and o
-    projections and the shared experts' gate/up through engine.kernels.gemv (and their down with
-    its SiLU folded in), with the plain path's greedy tokens."""
+    """gemv.POLICY "all": a lone sequence's one-token steps run the latent attention's q/kv_a (with
+    the layer's input norm folded in) and o projections and the shared experts' gate/up through
+    engine.kernels.gemv (and their down with its SiLU folded in), with the plain path's greedy tokens."""
     pytest.importorskip("triton")
     from tandem.engine.kernels import gemv
 
@@ -67,9 +67,10 @@ def test_one_token_projections_take_the_gemv_and_keep_the_tokens(v3_moe, monkeyp
     req = [{"prompt_token_ids": PROMPTS[0], "max_tokens": 5, "ignore_eos": True}]
     ref = [r["token_ids"] for r in _engine(model, tok).generate(req)]
     shapes = []
-    for name in ("gemv", "silu_gemv"):
+    for name in ("gemv", "silu_gemv", "norm_gemv"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, w, *a, _real=real, **kw: shapes.append(tuple(w.shape)) or _real(x, w, *a, **kw))
+        monkeypatch.setattr(gemv, name, lambda *a, _real=real, **kw: shapes.append(tuple(a[4 if len(a) > 4 else 1].shape))
+                            or _real(*a, **kw))
     monkeypatch.setattr(gemv, "POLICY", "all")
     assert [r["token_ids"] for r in _engine(model, tok, graphs=True).generate(req)] == ref
     attn = model.layers[0].self_attn
