@@ -223,7 +223,12 @@ def _kind(dtype: torch.dtype) -> str:
 WINS: frozenset[tuple[str, int, int, str]] = frozenset({
     ("16bit", 6144, 4096, "norm"), ("16bit", 4096, 4096, "none"), ("16bit", 28672, 4096, "norm"),  # llama3-8b
     ("16bit", 4096, 14336, "silu"),
-    ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm")})  # qwen2.5-32b
+    ("16bit", 7168, 5120, "norm"), ("16bit", 5120, 5120, "none"), ("16bit", 55296, 5120, "norm"),  # qwen2.5-32b
+    # deepseek-v2-lite: latent attention's q/kv_a with its norm and o, the shared experts' gate/up
+    # and down, the dense layer 0's MLP (bench/mla_gpu.py --gemv all against table: the batch-1
+    # step 2.59 ms against 2.76, batch 64 unchanged; docs/benchmarks.md, issue 29)
+    ("16bit", 3648, 2048, "norm"), ("16bit", 2048, 2048, "none"), ("16bit", 5632, 2048, "none"),
+    ("16bit", 2048, 2816, "silu"), ("16bit", 21888, 2048, "norm"), ("16bit", 2048, 10944, "silu")})
 # "table": WINS; "all": every projection, every prologue; "off": none (the separate launches and
 # cuBLAS; FP8 still takes the plain kernel through fp8_linear). Benchmarks compare.
 POLICY = "table"
