@@ -125,6 +125,7 @@ def test_a_norm_folded_between_two_gemvs_is_the_separate_launches(dtype, kind, s
     x = torch.randn(1, 2 * k if silu else k, generator=gen).to(dtype).to(DEVICE)
     residual = (torch.randn(1, n, generator=gen) * 3).to(dtype).to(DEVICE)
     g = (torch.rand(n, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    bias2 = torch.randn(n2, generator=gen).to(dtype).to(DEVICE)  # Qwen2's q/k/v bias: after the 1/rms
     first = silu_gemv if silu else gemv
     tiles = TILES if gk1 != 32 else BLOCK_TILES
     for cfg, cfg2 in zip(tiles, reversed(tiles)):
@@ -134,11 +135,11 @@ def test_a_norm_folded_between_two_gemvs_is_the_separate_launches(dtype, kind, s
         assert torch.equal(new_residual, ref_residual), cfg  # the residual stream, bit for bit
         assert row.sums.numel() == -(-n // cfg.block_n) and row.norm_weight is g
         assert rel_err(row.finish(), h) < tol(dtype)
-        out = scaled_gemv(row, w2, s2, group_k=gk2, config=cfg2)
-        assert rel_err(out, h.double() @ ref_w2.T) < tol(dtype), (cfg, cfg2)
+        out = scaled_gemv(row, w2, s2, bias2, group_k=gk2, config=cfg2)
+        assert rel_err(out, h.double() @ ref_w2.T + bias2.double()) < tol(dtype), (cfg, cfg2)
     if not silu:  # the norm is really finished: the same stream scaled by 4 gives the same output
         row4, _ = residual_gemv(x * 4, w1, s1, residual=residual * 4, norm_weight=g, eps=1e-5, group_k=gk1)
-        assert rel_err(scaled_gemv(row4, w2, s2, group_k=gk2), h.double() @ ref_w2.T) < tol(dtype) * 2
+        assert rel_err(scaled_gemv(row4, w2, s2, bias2, group_k=gk2), h.double() @ ref_w2.T + bias2.double()) < tol(dtype) * 2
 
 
 def test_configs_fit_block_scales():
