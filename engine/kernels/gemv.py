@@ -211,6 +211,11 @@ def _kind(dtype: torch.dtype) -> str:
     return "fp8" if dtype == FP8_DTYPE else "fp32" if dtype.itemsize == 4 else "16bit"
 
 
+def _weight_kind(weight: torch.Tensor) -> str | None:
+    """The kind of a projection weight this kernel can read ("fp8", "16bit", "fp32"), else None."""
+    return _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
+
+
 # One-token projections of the model (TritonOps.linear / norm_linear / silu_linear) that take this
 # kernel with their prologue ("none", "norm", "silu") folded in: (weight kind, N, K, prologue) where
 # it beat what it replaces on an H200 (bench/gemv_gpu.py, docs/benchmarks.md, issues 23 and 24):
@@ -236,7 +241,7 @@ POLICY = "table"
 
 def takes(weight: torch.Tensor, prologue: str = "none") -> bool:
     """Whether a one-token projection with this weight, `prologue` folded in, runs here."""
-    kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
+    kind = _weight_kind(weight)
     if POLICY == "off" or kind is None:
         return False
     if POLICY == "all":
@@ -327,6 +332,13 @@ def _pdl(device: torch.device, weight_dtype: torch.dtype) -> int:
     return _PDL_MODES[mode] if pdl.supported(device) else 0
 
 
+def _check_norm_weight(norm_weight: torch.Tensor, x: torch.Tensor, hidden: int) -> None:
+    require_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    require_same("norm_weight", norm_weight, "x", x, dtype=False)
+    if norm_weight.shape[0] != hidden:
+        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {hidden}")
+
+
 def _check_row(name: str, x: torch.Tensor) -> None:
     require_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.shape[0] != 1:
@@ -353,10 +365,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     if residual is not None:
         require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
         require_same("residual", residual, "x", x, shape=True)
-    require_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
-    require_same("norm_weight", norm_weight, "x", x, dtype=False)
-    if norm_weight.shape[0] != k:
-        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}")
+    _check_norm_weight(norm_weight, x, k)
     check_weight(x, weight, scale, bias, group_k, k)
     new_residual = x if residual is None else torch.empty_like(x)
     out, _ = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
@@ -415,8 +424,7 @@ def folds(weight: torch.Tensor) -> bool:
     """Whether a one-token projection with this weight, feeding the residual stream, takes the next
     norm into its GEMV (`residual_gemv`): its weight kind is in FOLD_KINDS ("fp8", "16bit", "fp32")
     and POLICY is not "off"."""
-    kind = _kind(weight.dtype) if weight.dtype in (*FLOAT_DTYPES, FP8_DTYPE) else None
-    return POLICY != "off" and kind in FOLD_KINDS
+    return POLICY != "off" and _weight_kind(weight) in FOLD_KINDS
 
 
 def residual_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -436,10 +444,7 @@ def residual_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     require_same("residual", residual, "x", x)
     if tuple(residual.shape) != (1, n):
         raise ValueError(f"residual has shape {tuple(residual.shape)}, the output is [1, {n}]")
-    require_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
-    require_same("norm_weight", norm_weight, "x", x, dtype=False)
-    if norm_weight.shape[0] != n:
-        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {n}")
+    _check_norm_weight(norm_weight, x, n)
     new_residual = torch.empty_like(residual)
     y, sums = _launch(_SILU if silu else _PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, k,
                       config, fold=(residual, norm_weight, new_residual))
