@@ -23,7 +23,7 @@ def test_ready_layers_beyond_the_window_wait_for_room():
     a second for two once room frees up, in order, bit-exact."""
     src = TensorBlockStore(num_layers=6, num_blocks=12, generator=torch.Generator().manual_seed(4))
     dst = TensorBlockStore(num_layers=6, num_blocks=12)
-    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=LAYER_BYTES, max_inflight_messages=4)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     try:
@@ -105,7 +105,7 @@ def test_transfers_stage_their_messages_in_the_preallocated_ring(monkeypatch):
     taken = ring_leases(monkeypatch)
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(6))
     dst = TensorBlockStore(num_blocks=12)
-    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=2 * LAYER_BYTES)
     sender, receiver, _ = make_fake_pair(src, dst, config=config)
     try:
@@ -207,7 +207,7 @@ def test_layers_ready_together_travel_as_few_messages(max_layers, messages):
     still bit-exact."""
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(3))
     dst = TensorBlockStore(num_blocks=12)
-    config = KVTransferConfig(timeout_s=0.3, start_timeout_s=2.0, connect_timeout_s=2.0,
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=max_layers * LAYER_BYTES)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     try:
@@ -250,7 +250,7 @@ def test_ready_layers_beyond_a_window_of_bytes_go_in_turns_of_equal_messages():
     four once room frees up), bit-exact both times."""
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(11))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
-    config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=4 * LAYER_BYTES)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
@@ -264,7 +264,7 @@ def test_ready_layers_beyond_a_window_of_bytes_go_in_turns_of_equal_messages():
         assert net._pipes[("prefill-0", "decode-0")].frames_sent == 1
         posted = [int(what.split()[1]) for _t, what, _rid in sender.trace if what.startswith("send.posted")]
         assert posted == [4, 4, 4]
-        sender.config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+        sender.config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                                          max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=2)
         sender.trace = []
         frames = net._pipes[("prefill-0", "decode-0")].frames_sent
@@ -289,7 +289,7 @@ def test_a_window_of_bytes_sends_ready_layers_in_turns_staged_in_the_ring(monkey
     taken = ring_leases(monkeypatch)
     src = TensorBlockStore(num_layers=12, num_blocks=12, generator=torch.Generator().manual_seed(12))
     dst = TensorBlockStore(num_layers=12, num_blocks=12)
-    config = KVTransferConfig(timeout_s=0.5, start_timeout_s=2.0, connect_timeout_s=2.0,
+    config = KVTransferConfig(timeout_s=2.0, start_timeout_s=2.0, connect_timeout_s=2.0,
                               max_message_bytes=4 * LAYER_BYTES, max_inflight_messages=1)
     sender, receiver, net = make_fake_pair(src, dst, config=config)
     sender.trace = []
