@@ -172,8 +172,9 @@ class GemvBench(FP8Bench):
         rows = self.results["decode_8b"] = []
         if self.configs == "swept":
             self.use_swept_configs()
-        table, folding = gemv_mod.WINS, gemv_mod.FOLD_KINDS
-        fold_kinds = {"fold": frozenset({"16bit", "fp8", "fp32"}), "nofold": frozenset()}
+        table, folding, acting = gemv_mod.WINS, gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS
+        every, none = frozenset({"16bit", "fp8", "fp32"}), frozenset()
+        fold_kinds, act_kinds = {"fold": every, "nofold": none}, {"act": every, "noact": none}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
             t0 = time.perf_counter()
             model, tok, _ = load_model(name, dtype, str(self.dev), seed=0, quantization=quant)
@@ -195,6 +196,7 @@ class GemvBench(FP8Bench):
                     gemv_mod.WINS = (table | (norm_keys if "norm" in tokens else set())
                                      | (silu_keys if "silu" in tokens else set()))
                     gemv_mod.FOLD_KINDS = next((fold_kinds[t] for t in tokens if t in fold_kinds), folding)
+                    gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
@@ -202,7 +204,7 @@ class GemvBench(FP8Bench):
                         row.update(policy=policy, pdl=pdl, rep=rep, prologues=extra, small_kernels_pdl=small)
                         rows.append(row)
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
-            gemv_mod.FOLD_KINDS, gemv_mod._TUNED = folding, tuned
+            gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS, gemv_mod._TUNED = folding, acting, tuned
             pdl_mod.ENABLED = None
             del model
             self.free()
@@ -264,7 +266,8 @@ def parse_variants(spec: str) -> dict:
     (gemv.POLICY, gemv.PDL, PROLOGUES, PDL for the small kernels: 0, 1, or None for the model's
     default). PROLOGUES: "" (the defaults) or tokens joined by "+": "norm" (the FP8 norms folded
     into q/k/v and gate/up), "silu" (the FP8 SiLU into down), "fold" or "nofold" (every weight
-    kind's norms folded into the o and down GEMVs before them, gemv.FOLD_KINDS, or none's),
+    kind's norms folded into the o and down GEMVs before them, gemv.FOLD_KINDS, or none's), "act" or
+    "noact" (every weight kind's SiLU in its gate/up GEMV's epilogue, gemv.ACT_KINDS, or none's),
     "N.K=BN.BK.WARPS.STAGES.SUMS" (that shape's plain GEMV tile, tile_overrides)."""
     out = {"bf16": [], "fp8": []}
     for item in filter(None, spec.split(",")):

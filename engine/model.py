@@ -177,7 +177,8 @@ class DecoderLayer(nn.Module):
         residual stream itself), or an engine.kernels.gemv.NormedRow (the add done, the norm
         begun). -> (MLP output, residual stream): the sum is left to the next norm.
         Each norm goes to `ops.norm_linear` with the projection that reads it (q/k/v, gate/up),
-        SiLU-and-mul with the down projection to `ops.silu_linear`, and each projection into the
+        SiLU-and-mul to the gate/up GEMV's epilogue or the down projection's prologue (MLP.norm_residual),
+        and each projection into the
         residual stream (o, down) to `ops.residual_linear` with the norm after it (`next_norm`:
         the next layer's, where that layer's attention takes it); they fold into the GEMVs where
         they can (a one-token step); latent attention's first projection (q/kv_a) takes its norm
@@ -193,8 +194,7 @@ class DecoderLayer(nn.Module):
             a, residual = ops.norm_linear(x, residual, self.input_layernorm, attn.qkv_a_proj)
             h = attn.forward_fused(a, positions, cos_sin, kv_cache, meta, ops, projected=True)
         if dense:
-            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-            return mlp.down_residual(gate_up, residual, next_norm, ops)
+            return mlp.norm_residual(h, residual, self.post_attention_layernorm, next_norm, ops)
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, residual)
         return mlp.forward_fused(h, ops), residual
@@ -226,21 +226,31 @@ class TritonOps:
         self.write_kv, self.attention, self.rotary_write_kv = write_kv, paged_attention, rotary_write_kv
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
 
-    def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear,
+                    silu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """linear(RMSNorm(x + residual)) and the new residual stream: one launch for one token
         where engine.kernels.gemv takes the weight with the norm (`gemv.takes`), else rms_norm,
-        then linear. x a gemv.NormedRow (the GEMV before began this norm): the GEMV finishes it."""
+        then linear. x a gemv.NormedRow (the GEMV before began this norm): the GEMV finishes it.
+        `silu_out` (where `activates` says so): a gate/up projection whose GEMV returns
+        SiLU(gate) * up."""
         from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
 
+        w, s, b, gk = linear.weight, linear.weight_scale, linear.bias, linear.group_k
         if isinstance(x, gemv.NormedRow):
             if x.norm_weight is not norm.weight:
                 raise RuntimeError("a folded norm reached a projection after another norm")
-            return gemv.scaled_gemv(x, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k), residual
-        if x.shape[0] == 1 and gemv.takes(linear.weight, "norm"):
-            return gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale,
-                                  linear.bias, group_k=linear.group_k)
+            return gemv.scaled_gemv(x, w, s, b, group_k=gk, silu_out=silu_out), residual
+        if x.shape[0] == 1 and gemv.takes(w, "norm"):
+            return gemv.norm_gemv(x, residual, norm.weight, norm.eps, w, s, b, group_k=gk, silu_out=silu_out)
         h, residual = self.rms_norm(x, norm.weight, norm.eps, residual)
-        return linear(h), residual
+        return (gemv.gemv(h, w, s, b, group_k=gk, silu_out=True) if silu_out else linear(h)), residual
+
+    def activates(self, x, linear: Linear) -> bool:
+        """Whether a gate/up projection of x takes norm_linear's `silu_out`: one token (x a
+        tensor or a gemv.NormedRow) and a weight engine.kernels.gemv activates."""
+        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+
+        return x.shape[0] == 1 and gemv.activates(linear.weight)
 
     def silu_linear(self, gate_up: torch.Tensor, linear: Linear) -> torch.Tensor:
         """linear(SiLU(gate) * up): one launch for one token where engine.kernels.gemv takes the

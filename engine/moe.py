@@ -54,6 +54,17 @@ class MLP(nn.Module):
         """The MLP from its gate/up projection [T, 2I] on (ops.silu_linear: one launch for one token)."""
         return self.reduce_output(ops.silu_linear(gate_up, self.down_proj))
 
+    def norm_residual(self, x, residual, norm, next_norm, ops):
+        """The MLP of RMSNorm(x + residual) into the residual stream (DecoderLayer.forward_fused):
+        gate/up with the norm (ops.norm_linear), SiLU-and-mul in that GEMV's epilogue where one
+        token's weight takes it (ops.activates), else with the down projection (down_residual).
+        -> (output, residual)."""
+        if ops.activates(x, self.gate_up_proj):
+            act, residual = ops.norm_linear(x, residual, norm, self.gate_up_proj, silu_out=True)
+            return ops.residual_linear(act, self.down_proj, residual, next_norm, self.reduce_output)
+        gate_up, residual = ops.norm_linear(x, residual, norm, self.gate_up_proj)
+        return self.down_residual(gate_up, residual, next_norm, ops)
+
     def down_residual(self, gate_up, residual, next_norm, ops):
         """As down_fused, into the residual stream (ops.residual_linear: the next norm begun inside
         the down GEMV for one token where it folds). -> (output, residual)."""

@@ -92,6 +92,18 @@ def _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew
 
 
 @triton.jit
+def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
+    # -> (the weight rows of this program's tile, which of them exist). SILU_OUT: gate/up pairs,
+    # row j of the tile is gate row i (j even) or up row i (j odd) of the program's channels i
+    if SILU_OUT:
+        j = tl.arange(0, BLOCK_N)
+        pair = pid_n * (BLOCK_N // 2) + j // 2
+        return pair + (j % 2) * (N // 2), pair < N // 2
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rn, rn < N
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, g_ptr, new_r_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     ss_ptr, er_ptr, eg_ptr, enew_r_ptr,
@@ -99,11 +111,11 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, VEC: tl.constexpr, RESIDUAL_NORM: tl.constexpr, BLOCK_SS: tl.constexpr,
+    SILU_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_OUT)
     rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     store_residual = (rk * 0 + pid_n) == 0  # [BLOCK_K]: program 0 writes the new residual
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -150,7 +162,20 @@ def _gemv_kernel(
     out = _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, SCALED and GROUP_K == 0, HAS_BIAS)
     if RESIDUAL_NORM:
         out = _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    _store_out(out, rn, n_mask, pid_n, N, out_ptr, BLOCK_N, SILU_OUT)
+
+
+@triton.jit
+def _store_out(out, rn, n_mask, pid_n, N, out_ptr, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
+    # SILU_OUT: out [BLOCK_N] holds (gate, up) pairs -> SiLU(gate) * up, each rounded as
+    # silu_and_mul rounds it, at the program's channels
+    dt = out_ptr.dtype.element_ty
+    if SILU_OUT:
+        gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
+        ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + ro, (gate * tl.sigmoid(gate) * up).to(dt), mask=ro < N // 2)
+    else:
+        tl.store(out_ptr + rn, out.to(dt), mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -280,18 +305,22 @@ def check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, scale, bias, group_k, k,
             config: GemvConfig | None, sums: torch.Tensor | None = None,
-            fold: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            fold: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, silu_out: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (out [1, N], the sums of squares the residual-norm epilogue wrote: one per program, or None).
-    `sums`: the input's sums of squares (prologue _SCALED); `fold`: (residual, the next norm's weight,
-    the new residual stream to write) for the epilogue."""
+    """-> (out [1, N], or [1, N / 2] with `silu_out`; the sums of squares the residual-norm epilogue
+    wrote: one per program, or None). `sums`: the input's sums of squares (prologue _SCALED);
+    `fold`: (residual, the next norm's weight, the new residual stream to write) for the epilogue."""
     require_runnable(x, _gemv_kernel)
     n = weight.shape[0]
     cfg = config or choose_gemv_config(n, k, weight.dtype, group_k, _PROLOGUE_NAMES[prologue])
     if group_k and group_k % cfg.block_k:
         raise ValueError(f"block_k {cfg.block_k} must divide group_k {group_k}")
-    grid = triton.cdiv(n, cfg.block_n)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if silu_out and (n % 2 or cfg.block_n % 2):
+        raise ValueError(f"SiLU(gate) * up needs an even number of weight rows and of rows per program, "
+                         f"got {n} and block_n {cfg.block_n}")
+    n_out = n // 2 if silu_out else n
+    grid = triton.cdiv(n_out, cfg.block_n // 2 if silu_out else cfg.block_n)
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     if fold is not None:
         sums = torch.empty(grid, dtype=torch.float32, device=x.device)
     anchor = scale if scale is not None else weight  # any tensor stands in for an unused pointer
@@ -307,7 +336,7 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         USE_PDL=pdl, VEC=vec, RESIDUAL_NORM=fold is not None, BLOCK_SS=triton.next_power_of_2(num_ss),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     return out, sums if fold is not None else None
 
 
@@ -346,20 +375,25 @@ def _check_row(name: str, x: torch.Tensor) -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, *, group_k: int = 0, config: GemvConfig | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, *, group_k: int = 0, config: GemvConfig | None = None,
+         silu_out: bool = False) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype. weight in x's dtype (scale None)
-    or float8_e4m3fn with scale [N, G] float32."""
+    or float8_e4m3fn with scale [N, G] float32. `silu_out`: weight is a gate/up projection [2I, K]
+    (gate rows first) and the output is SiLU(gate) * up [1, I], what `fused.silu_and_mul` makes of
+    the plain output (each program computes gate and up rows of the same channels)."""
     _check_row("x", x)
     check_weight(x, weight, scale, bias, group_k, x.shape[1])
-    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config)[0]
+    return _launch(_PLAIN, x, None, None, None, 0.0, weight, scale, bias, group_k, x.shape[1], config,
+                   silu_out=silu_out)[0]
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-              group_k: int = 0, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              group_k: int = 0, config: GemvConfig | None = None,
+              silu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection of RMSNorm(x + residual): what `fused.rms_norm(x, norm_weight, eps, residual)`
-    followed by `gemv` on its output gives, in one launch. -> (out [1, N], new residual [1, K];
-    x itself when residual is None)."""
+    followed by `gemv` (`silu_out` as gemv's) on its output gives, in one launch. -> (out [1, N],
+    new residual [1, K]; x itself when residual is None)."""
     _check_row("x", x)
     k = x.shape[1]
     if residual is not None:
@@ -369,7 +403,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     check_weight(x, weight, scale, bias, group_k, k)
     new_residual = x if residual is None else torch.empty_like(x)
     out, _ = _launch(_NORM, x, residual, norm_weight, new_residual if residual is not None else None, eps,
-                     weight, scale, bias, group_k, k, config)
+                     weight, scale, bias, group_k, k, config, silu_out=silu_out)
     return out, new_residual
 
 
@@ -420,6 +454,18 @@ class NormedRow:
         return (self.y.float() * inv).to(self.y.dtype)
 
 
+# A gate/up projection's SiLU-and-mul as its GEMV's epilogue (`silu_out`): no SiLU launch, and the
+# down projection reads a plain input. Which weight kinds take it: `ACT_KINDS` (measured on the H200,
+# docs/benchmarks.md, issue 24); the others keep the SiLU where `takes(down, "silu")` puts it.
+ACT_KINDS: frozenset[str] = frozenset({"fp8"})
+
+
+def activates(weight: torch.Tensor) -> bool:
+    """Whether a one-token gate/up projection with this weight [2I, K] computes SiLU(gate) * up
+    in its GEMV (`silu_out`): its weight kind is in ACT_KINDS and POLICY is not "off"."""
+    return POLICY != "off" and _weight_kind(weight) in ACT_KINDS and weight.shape[0] % 2 == 0
+
+
 def folds(weight: torch.Tensor) -> bool:
     """Whether a one-token projection with this weight, feeding the residual stream, takes the next
     norm into its GEMV (`residual_gemv`): its weight kind is in FOLD_KINDS ("fp8", "16bit", "fp32")
@@ -453,10 +499,11 @@ def residual_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
 
 def scaled_gemv(row: NormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, *, group_k: int = 0,
-                config: GemvConfig | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None, silu_out: bool = False) -> torch.Tensor:
     """The projection of a NormedRow's normalised activations (what `gemv(row.finish())` gives,
-    without rounding them to the model dtype): one launch, the 1/rms applied to the dot products."""
+    without rounding them to the model dtype; `silu_out` as gemv's): one launch, the 1/rms applied
+    to the dot products."""
     _check_row("row.y", row.y)
     check_weight(row.y, weight, scale, bias, group_k, row.y.shape[1])
     return _launch(_SCALED, row.y, None, None, None, row.eps, weight, scale, bias, group_k, row.y.shape[1],
-                   config, sums=row.sums)[0]
+                   config, sums=row.sums, silu_out=silu_out)[0]

@@ -142,6 +142,35 @@ def test_a_norm_folded_between_two_gemvs_is_the_separate_launches(dtype, kind, s
         assert rel_err(scaled_gemv(row4, w2, s2, bias2, group_k=gk2), h.double() @ ref_w2.T + bias2.double()) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
+def test_silu_out_is_the_gemv_then_silu_and_mul(dtype, kind):
+    """A gate/up projection with SiLU-and-mul as its epilogue (`silu_out`: each program takes gate
+    and up rows of the same channels) gives silu_and_mul of the plain GEMV's output bit for bit, as a
+    plain GEMV, with its norm (norm_gemv) and finishing a folded norm (scaled_gemv), for every tile;
+    the intermediate size (36) is not a multiple of any tile's channels."""
+    gen = torch.Generator().manual_seed(31 + len(kind))
+    inter, k = 36, 96
+    w, scale, group_k, _ = weights(kind, 2 * inter, k, gen, dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    row, _ = residual_gemv(x, torch.eye(k).to(dtype).to(DEVICE), residual=residual, norm_weight=g, eps=1e-5)
+    for cfg in TILES if group_k != 32 else BLOCK_TILES:
+        plain = gemv(x, w, scale, group_k=group_k, config=cfg)
+        out = gemv(x, w, scale, group_k=group_k, config=cfg, silu_out=True)
+        assert out.shape == (1, inter) and torch.equal(out, silu_and_mul(plain)), cfg
+        normed, stream = norm_gemv(x, residual, g, 1e-5, w, scale, group_k=group_k, config=cfg, silu_out=True)
+        plain, stream_ref = norm_gemv(x, residual, g, 1e-5, w, scale, group_k=group_k, config=cfg)
+        assert torch.equal(normed, silu_and_mul(plain)) and torch.equal(stream, stream_ref), cfg
+        scaled = scaled_gemv(row, w, scale, group_k=group_k, config=cfg, silu_out=True)
+        assert torch.equal(scaled, silu_and_mul(scaled_gemv(row, w, scale, group_k=group_k, config=cfg))), cfg
+    # gate and up are not interchangeable: the up rows first give another output
+    swapped = torch.cat([w[inter:], w[:inter]])
+    s2 = None if scale is None else torch.cat([scale[inter:], scale[:inter]])
+    assert not torch.allclose(gemv(x, swapped, s2, group_k=group_k, silu_out=True), out.to(DEVICE), atol=1e-2)
+
+
 def test_configs_fit_block_scales():
     for n, k in ((6144, 4096), (4096, 14336), (5120, 27648)):
         for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32):
@@ -205,6 +234,10 @@ def test_bad_input_is_refused_by_name():
                       norm_weight=torch.ones(16).to(DEVICE), eps=1e-5, silu=True)
     with pytest.raises(ValueError, match="block_k 64 must divide group_k 32"):
         gemv(x, q, torch.ones(16, 1).to(DEVICE), group_k=32, config=GemvConfig(4, 64))
+    with pytest.raises(ValueError, match="even number of weight rows and of rows per program, got 15"):
+        gemv(x, w[:15], silu_out=True)
+    with pytest.raises(ValueError, match="got 16 and block_n 1"):
+        gemv(x, w, silu_out=True, config=GemvConfig(1, 32))
 
 
 # ---- in the model: TritonOps.norm_linear / silu_linear on one-token steps -----------------------
@@ -250,6 +283,7 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
     fused.ops = TritonOps()
     monkeypatch.setattr(gemv_mod, "POLICY", "all")
     monkeypatch.setattr(gemv_mod, "FOLD_KINDS", frozenset({"fp8", "16bit", "fp32"} if fold else ()))
+    monkeypatch.setattr(gemv_mod, "ACT_KINDS", frozenset())  # the SiLU in the down GEMV's prologue
     calls = _count_calls(monkeypatch)
     assert _greedy(make_engine, fused, tok, [prompt]) == ref
     steps, layers = 4, cfg.num_layers  # 5 tokens: the first from the prompt's step
@@ -266,26 +300,36 @@ def test_one_token_steps_fold_norm_and_silu_and_keep_the_tokens(make_engine, mon
 
 
 @torch.inference_mode()
-def test_fp8_defaults_fold_the_norms_and_keep_the_silu_launch(make_engine, monkeypatch):
+def test_fp8_defaults_fold_the_norms_and_the_silu(make_engine, monkeypatch):
     """The default policy for an FP8 model: every norm after layer 0's input norm folded into the
-    o and down GEMVs before it (FOLD_KINDS), SiLU-and-mul still a launch of its own (no FP8 entry
-    in WINS), the greedy tokens the plain torch path's."""
+    o and down GEMVs before it (FOLD_KINDS), SiLU-and-mul the gate/up GEMV's epilogue (ACT_KINDS:
+    no SiLU launch in a one-token step, the down GEMV reads a plain input), the greedy tokens the
+    plain torch path's."""
     import copy
 
     from tandem.engine.kernels import gemv as gemv_mod
     from tandem.engine.model import TritonOps
     from tandem.engine.weights import load_model
 
-    assert gemv_mod.POLICY == "table" and gemv_mod.FOLD_KINDS == {"fp8"}
+    assert gemv_mod.POLICY == "table" and gemv_mod.FOLD_KINDS == {"fp8"} and gemv_mod.ACT_KINDS == {"fp8"}
     model, tok, cfg = load_model("tiny-random", seed=99, quantization="fp8")
     prompt = list(range(3, 21))
     ref = _greedy(make_engine, model, tok, [prompt])
     fused = copy.deepcopy(model)
     fused.ops = TritonOps()
+    silu_rows = []
+    real_silu = fused.ops.silu_and_mul
+    fused.ops.silu_and_mul = lambda x: silu_rows.append(x.shape[0]) or real_silu(x)
     calls = _count_calls(monkeypatch)
+    counted, activated = gemv_mod.scaled_gemv, []
+    monkeypatch.setattr(gemv_mod, "scaled_gemv",
+                        lambda *a, **kw: activated.append(kw.get("silu_out", False)) or counted(*a, **kw))
     assert _greedy(make_engine, fused, tok, [prompt]) == ref
-    folded = (2 * cfg.num_layers - 1) * 4
+    steps = 4
+    folded = (2 * cfg.num_layers - 1) * steps
     assert calls == {"norm_gemv": 0, "silu_gemv": 0, "residual_gemv": folded, "scaled_gemv": folded}
+    assert sum(activated) == cfg.num_layers * steps  # every layer's gate/up, every one-token step
+    assert silu_rows == [len(prompt)] * cfg.num_layers  # only the prompt's step launches SiLU
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -323,10 +367,14 @@ def test_policy_picks_weights_and_prologues():
     assert not gemv_mod.takes(w(torch.float32), "norm")
     assert not gemv_mod.takes(w(torch.float8_e4m3fn), "norm")  # FP8 keeps its norm launch
     assert all(prologue in ("none", "norm", "silu") and kind in ("16bit", "fp8") for kind, _, _, prologue in gemv_mod.WINS)
+    # the SiLU as the gate/up GEMV's epilogue: FP8 weights (ACT_KINDS), an even number of rows
+    assert gemv_mod.activates(w(torch.float8_e4m3fn, 28672)) and not gemv_mod.activates(w(torch.float8_e4m3fn, 7))
+    assert not gemv_mod.activates(w(torch.bfloat16, 28672))
     for policy, want in (("all", True), ("off", False)):
         old, gemv_mod.POLICY = gemv_mod.POLICY, policy
         try:
             assert gemv_mod.takes(w(torch.float32, 8, 16), "silu") == want, policy
+            assert gemv_mod.activates(w(torch.float8_e4m3fn, 28672)) == want, policy
         finally:
             gemv_mod.POLICY = old
 
@@ -340,13 +388,15 @@ sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16
        "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "ss_ptr": "*fp32", "er_ptr": "*bf16",
        "eg_ptr": "*bf16", "enew_r_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
        "stride_sn": "i32", "eps": "fp32", "NUM_SS": "i32"}
-# (prologue, PDL mode, 16-byte run, residual-norm epilogue): 3 is the scaled input of a folded norm
-for prologue, pdl, vec, fold in ((0, 1, 1, 0), (0, 2, 1, 0), (1, 2, 16, 0), (2, 2, 16, 0), (1, 1, 1, 0),
-                                 (0, 2, 16, 0), (3, 2, 16, 0), (3, 1, 1, 0), (0, 2, 16, 1), (2, 2, 16, 1)):
+# (prologue, PDL mode, 16-byte run, residual-norm epilogue, SiLU epilogue): 3 is the scaled input of
+# a folded norm
+for prologue, pdl, vec, fold, act in ((0, 1, 1, 0, 0), (0, 2, 1, 0, 0), (1, 2, 16, 0, 0), (2, 2, 16, 0, 0),
+                                      (1, 1, 1, 0, 0), (0, 2, 16, 0, 0), (3, 2, 16, 0, 0), (3, 1, 1, 0, 0),
+                                      (0, 2, 16, 1, 0), (2, 2, 16, 1, 0), (3, 2, 16, 0, 1), (1, 2, 16, 0, 1)):
     for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
         const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
                      BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2),
-                     RESIDUAL_NORM=bool(fold), BLOCK_SS=1024)
+                     RESIDUAL_NORM=bool(fold), BLOCK_SS=1024, SILU_OUT=bool(act))
         src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
         assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]

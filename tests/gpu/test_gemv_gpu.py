@@ -2,7 +2,7 @@
 llama3-8b's projection shapes against the two launches it replaces (bf16 and FP8 weights), fp32
 against float64; a norm folded between two GEMVs against the three launches it replaces; and in
 the engine: one sequence decoding through CUDA graphs with every projection fused (and every
-norm folded) gives the CPU path's greedy tokens (fp32)."""
+norm folded, every SiLU in its gate/up GEMV) gives the CPU path's greedy tokens (fp32)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,27 @@ def test_norm_folded_between_gemvs_matches_the_separate_launches(n, k, silu, n2,
     assert rel_err(new_residual, h_ref) < 1e-2
 
 
+@pytest.mark.parametrize("weight", ["bf16", "fp8"])
+def test_silu_epilogue_is_the_gate_up_gemv_then_silu_and_mul(weight):
+    """llama3-8b's gate/up [28672, 4096] finishing a folded norm with SiLU-and-mul as its epilogue
+    (gemv.scaled_gemv(..., silu_out=True), PDL launches as an FP8 forward makes them, the tuned
+    tile): silu_and_mul of the plain GEMV's output, bit for bit."""
+    from tandem.engine.kernels import gemv, pdl
+    from tandem.engine.kernels.fused import silu_and_mul
+
+    torch.manual_seed(5)
+    w = torch.randn(28672, 4096, device="cuda") * 4096 ** -0.5
+    q, scale = quantize_fp8(w) if weight == "fp8" else (w.bfloat16(), None)
+    o = torch.randn(4096, 4096, device="cuda").bfloat16() * 4096 ** -0.5
+    x, residual = torch.randn(2, 1, 4096, device="cuda").bfloat16()
+    g = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+    with pdl.auto(weight == "fp8"):
+        row, _ = gemv.residual_gemv(x, o, residual=residual, norm_weight=g, eps=1e-5)
+        act = gemv.scaled_gemv(row, q, scale, silu_out=True)
+        ref = silu_and_mul(gemv.scaled_gemv(row, q, scale))
+    assert act.shape == (1, 14336) and torch.equal(act, ref)
+
+
 @pytest.mark.parametrize("fold", [False, True])
 def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(monkeypatch, fold):
     from tandem.engine.kernels import gemv
@@ -112,6 +133,7 @@ def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(mon
     monkeypatch.setattr(gemv, "norm_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(gemv, "POLICY", "all")
     monkeypatch.setattr(gemv, "FOLD_KINDS", frozenset({"fp32"} if fold else ()))
+    monkeypatch.setattr(gemv, "ACT_KINDS", frozenset({"fp32"} if fold else ()))  # SiLU: gate/up's epilogue
     folded = []
     real_fold = gemv.residual_gemv
     monkeypatch.setattr(gemv, "residual_gemv", lambda *a, **kw: folded.append(1) or real_fold(*a, **kw))
