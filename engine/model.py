@@ -138,12 +138,12 @@ class Attention(nn.Module):
         q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # in place: rotary_write_kv reads these views
+        if self.q_norm is not None:  # in place: rotary_kv_attention reads these views
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
-        ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        o = ops.attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
+        o = ops.rotary_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
+                                    sliding_window=self.sliding_window)
         return o.view(T, self.q_size)
 
 
@@ -218,12 +218,13 @@ class TritonOps:
     fused = True
 
     def __init__(self):
-        from tandem.engine.kernels.attention_rope_kv import rotary_write_kv  # noqa: PLC0415 (triton loads only where kernels run)
+        from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention, rotary_write_kv  # noqa: PLC0415 (triton loads only where kernels run)
         from tandem.engine.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: PLC0415 (as above)
         from tandem.engine.kernels.kv_write import write_kv  # noqa: PLC0415 (as above)
         from tandem.engine.kernels.paged_attention import paged_attention  # noqa: PLC0415 (as above)
 
         self.write_kv, self.attention, self.rotary_write_kv = write_kv, paged_attention, rotary_write_kv
+        self.rotary_kv_attention = rotary_kv_attention
         self.rms_norm, self.rotary_embedding, self.silu_and_mul = rms_norm, rotary_embedding, silu_and_mul
 
     def norm_linear(self, x, residual, norm: RMSNorm, linear: Linear,

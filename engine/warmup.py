@@ -59,9 +59,15 @@ def _compile_kernels(engine) -> int:
         from tandem.engine.kernels.paged_attention import compile_variants  # noqa: PLC0415 (as above)
 
         kv = engine.kv_cache.tensor[0]
+        from tandem.engine.kernels.attention_rope_kv import IN_ATTENTION  # noqa: PLC0415 (as above)
+
+        # the variants that rotate and write the new K/V themselves, where decode steps launch them
+        # (latent attention has kernels of its own)
+        rope = IN_ATTENTION and engine.model_config.mla is None
         launches = compile_variants(kv[0], kv[1], engine.model_config.num_heads,
                                     sliding_window=engine.model_config.sliding_window,
-                                    trees=bool(engine.config.speculative.suffix_tree_nodes))
+                                    trees=bool(engine.config.speculative.suffix_tree_nodes),
+                                    rope_cache=engine.model.rotary.cos_sin if rope else None)
     if engine.kv_cache.uses_triton_copy():  # the KV transport's gather/scatter of blocks
         from tandem.engine.kernels.block_copy import compile_variants as compile_block_copy  # noqa: PLC0415 (as above)
 

@@ -12,6 +12,15 @@ k, v go to their slots of k_cache, v_cache [blocks, block_size, Hkv, D] (views a
 `ENABLED` (on) picks it; `TritonOps.rotary_write_kv` reads it on each call. On the H200 it gave
 the two launches' bytes at 8B sizes (tests/gpu/test_rope_kv_gpu.py) and took llama3-8b's batch-1
 step from 431 to 399 kernels (with the split-K defaults of the same run, 4.80 -> 4.67 ms).
+
+`rotary_kv_attention` goes one step further for a step the decode kernel takes whole (every
+sequence at most MAX_DECODE_QUERY_LEN new tokens): the decode attention kernel rotates q in
+registers and writes the new K/V itself before it reads the cache (`paged_decode_attention(rope=)`),
+so rotary and the KV write cost no launch at all (`IN_ATTENTION`). Other steps take the launch
+above, then `paged_attention`. IN_ATTENTION is off until it is measured on the H200: it was built
+and checked on the CPU (Triton's interpreter, bit for bit against the launch above then attention)
+in a session whose GPU time had run out; tests/gpu/test_rope_kv_gpu.py checks it on the GPU and
+`bench/gemv_gpu.py --variants` (`inattn`) times it.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ import triton.language as tl
 from tandem.engine.kernels import pdl
 from tandem.engine.kernels.fused import _rotate_heads, rotary_embedding
 from tandem.engine.kernels.kv_write import write_kv
+from tandem.engine.kernels.paged_attention import (MAX_DECODE_QUERY_LEN, NewKV, paged_attention,
+                                                   paged_decode_attention)
 from tandem.engine.kernels.validate import next_power_of_2, require_runnable
 
 ENABLED = True
+IN_ATTENTION = False
 
 
 @triton.jit
@@ -79,19 +91,9 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         rotary_embedding(q, k, positions, cos_sin_cache)
         write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
-    num_tokens = q.shape[0]
-    # the same argument checks as the two launches it replaces, on empty views (nothing runs)
-    if positions.ndim != 1 or positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
-                         f"need one entry per token ({num_tokens})")
-    rotary_embedding(q[:0], k[:0], positions[:0], cos_sin_cache)
-    write_kv(k[:0], v[:0], k_cache, v_cache, slot_mapping[:0])
-    if k.shape[0] != num_tokens or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k has shape {tuple(k.shape)}, expected [{num_tokens}, kv_heads, {q.shape[2]}]")
-    if q.shape[2] % 2 or cos_sin_cache.shape[1] != q.shape[2]:
-        raise ValueError(f"cos_sin_cache must be [max_position, head_dim={q.shape[2]}] with an even "
-                         f"head_dim, got {tuple(cos_sin_cache.shape)}")
+    _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     require_runnable(q, _rotary_write_kv_kernel)
+    num_tokens = q.shape[0]
     if num_tokens == 0:
         return
     num_q_heads, head_dim = q.shape[1:]
@@ -106,3 +108,37 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         BLOCK_HALF=next_power_of_2(half), num_warps=4 if num_q_heads * head_dim >= 2048 else 1,
         **pdl.launch_options(q.device),
     )
+
+
+def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+    """The same argument checks as the two launches rotary_write_kv replaces, on empty views
+    (nothing runs)."""
+    num_tokens = q.shape[0]
+    if positions.ndim != 1 or positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         f"need one entry per token ({num_tokens})")
+    rotary_embedding(q[:0], k[:0], positions[:0], cos_sin_cache)
+    write_kv(k[:0], v[:0], k_cache, v_cache, slot_mapping[:0])
+    if k.shape[0] != num_tokens or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected [{num_tokens}, kv_heads, {q.shape[2]}]")
+    if q.shape[2] % 2 or cos_sin_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"cos_sin_cache must be [max_position, head_dim={q.shape[2]}] with an even "
+                         f"head_dim, got {tuple(cos_sin_cache.shape)}")
+
+
+def rotary_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                        scale: float, sliding_window: int | None = None,
+                        in_attention: bool | None = None) -> torch.Tensor:
+    """`rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)`
+    then `paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=...)` -> out [T, Hq, D].
+    A step the decode kernel takes whole, with `in_attention` (None: IN_ATTENTION): one launch, the
+    decode kernel rotating q in registers (q is left unrotated, k too) and writing the new K/V
+    (the cache ends as the two launches leave it)."""
+    in_attention = IN_ATTENTION if in_attention is None else in_attention
+    if in_attention and q.shape[0] and meta.max_query_len <= MAX_DECODE_QUERY_LEN:
+        _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                      rope=NewKV(k, v, positions, cos_sin_cache, meta.slot_mapping))
+    rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)

@@ -43,6 +43,8 @@ GPU that path runs on FMA units and spills registers; serve in bf16 or fp16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -187,14 +189,15 @@ def _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N: tl.constex
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_mask_ptr,
+    k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
     scale_log2, partition_size, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_pt, stride_ph,
+    stride_bt, stride_pt, stride_ph, stride_kt, stride_knh, stride_vt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
@@ -208,17 +211,15 @@ def _decode_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     ctx_len = seq_len - q_len
+    if ROPE:  # the step's new keys in this partition: rotated, with their values, into the cache
+        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr, q_start, q_len,
+                      ctx_len, part_start, part_end, kv_head, stride_kt, stride_knh, stride_vt, stride_vnh, stride_cs,
+                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, BLOCK_Q, HEAD_DIM)
+        tl.debug_barrier()  # the program's stores are visible to its own loads below
 
-    # rows: every (query token t, head g of this KV group), t-major: [BLOCK_Q * BLOCK_G]
-    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
-    t = rows // BLOCK_G
-    g = rows % BLOCK_G
-    row_ok = (t < q_len) & (g < GROUP)
-    dims = tl.arange(0, HEAD_DIM)
-    tokens = (q_start + t).to(tl.int64)
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q, t, tokens, heads, dims, row_ok = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
+                                                    positions_ptr, cos_sin_ptr, stride_cs,
+                                                    GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM, ROPE)
     q_pos = ctx_len + t
     tree_bits = 0
     if TREE:  # keys up to ctx_len (context + root) are every tree row's: the unmasked tiles hold
@@ -244,6 +245,68 @@ def _decode_kernel(
     _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
                   out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
                   HEAD_DIM, SPLIT)
+
+
+@triton.jit
+def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, positions_ptr, cos_sin_ptr, stride_cs,
+                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                ROPE: tl.constexpr):
+    """A decode program's rows: every (query token t, head g of its KV group), t-major,
+    [BLOCK_Q * BLOCK_G]. -> (q [rows, D], rotated by its positions where ROPE; t, tokens, heads,
+    dims, row_ok)."""
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    t = rows // BLOCK_G
+    g = rows % BLOCK_G
+    row_ok = (t < q_len) & (g < GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + t).to(tl.int64)
+    heads = kv_head * GROUP + g
+    q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if ROPE:
+        q = _rope(q, q_rows, dims, row_ok, tl.load(positions_ptr + tokens, mask=row_ok, other=0),
+                  cos_sin_ptr, stride_cs, HEAD_DIM)
+    return q, t, tokens, heads, dims, row_ok
+
+
+@triton.jit
+def _rope(x, row_ptrs, dims, ok, pos, cos_sin_ptr, stride_cs, HEAD_DIM: tl.constexpr):
+    """Rows x [M, D] (at row_ptrs [M, 1] + dims) rotated by the angles of positions pos [M],
+    rotate-half pairing, in fp32, rounded to x's dtype: what engine.kernels.fused's rotary stores.
+    cos_sin [max_position, D]: cos in the first half of a row, sin in the second."""
+    pair = tl.load(row_ptrs + (dims[None, :] + HEAD_DIM // 2) % HEAD_DIM, mask=ok[:, None], other=0.0)
+    angle = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + dims[None, :] % (HEAD_DIM // 2)
+    cos = tl.load(angle, mask=ok[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(angle + HEAD_DIM // 2, mask=ok[:, None], other=0.0).to(tl.float32)
+    xf, pf = x.to(tl.float32), pair.to(tl.float32)
+    return tl.where(dims[None, :] < HEAD_DIM // 2, xf * cos - pf * sin, xf * cos + pf * sin).to(x.dtype)
+
+
+@triton.jit
+def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+                  q_start, q_len, ctx_len, part_start, part_end, kv_head,
+                  stride_kt, stride_knh, stride_vt, stride_vnh, stride_cs,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The new tokens of a sequence whose keys (context index ctx_len + t) fall in
+    [part_start, part_end): k [T, Hkv, D] rotated and v, this KV head's, to their cache slots
+    (slot_ptr [T]; -1 skips), as engine.kernels.attention_rope_kv.rotary_write_kv writes them."""
+    t = tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + t).to(tl.int64)
+    slot = tl.load(slot_ptr + tokens, mask=t < q_len, other=-1).to(tl.int64)
+    ok = (t < q_len) & (ctx_len + t >= part_start) & (ctx_len + t < part_end) & (slot >= 0)
+    k_rows = k_ptr + tokens[:, None] * stride_kt + kv_head * stride_knh
+    k = tl.load(k_rows + dims[None, :], mask=ok[:, None], other=0.0)
+    k = _rope(k, k_rows, dims, ok, tl.load(positions_ptr + tokens, mask=ok, other=0), cos_sin_ptr, stride_cs,
+              HEAD_DIM)
+    block = tl.where(ok, slot, 0) // BLOCK_SIZE
+    offset = tl.where(ok, slot, 0) % BLOCK_SIZE
+    k_dst = k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
+    tl.store(k_dst, k, mask=ok[:, None])
+    v = tl.load(v_ptr + tokens[:, None] * stride_vt + kv_head * stride_vnh + dims[None, :], mask=ok[:, None], other=0.0)
+    v_dst = v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + dims[None, :]
+    tl.store(v_dst, v, mask=ok[:, None])
 
 
 @triton.jit
@@ -363,6 +426,18 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
 
 
+class NewKV(NamedTuple):
+    """A step's new keys and values as the q/k/v projection left them (not rotated, not in the
+    cache), for the decode kernel to rotate and write (`paged_decode_attention(rope=...)`):
+    k, v [T, Hkv, D] (views allowed), positions [T], the cos/sin cache [max_position, D] (cos in
+    the first half of a row), slot_mapping [T] (-1: no write)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class _SeqRange:
     """The sequences [first, first + count) of a batch, with their host-side maxima."""
 
@@ -434,10 +509,14 @@ _WHOLE_CONTEXT = 2**30
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                            partition_size: int | str | None = "auto",
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, rope: NewKV | None = None) -> torch.Tensor:
     """Attention for 1..MAX_DECODE_QUERY_LEN new tokens per sequence (decode, speculative verify).
     q: [T, Hq, D] -> out [T, Hq, D]. partition_size: "auto" picks the split-K plan from the batch
-    shape and the SM count; None forces one pass; an int (a multiple of 64) forces that split."""
+    shape and the SM count; None forces one pass; an int (a multiple of 64) forces that split.
+    `rope`: q and the step's new keys are not rotated yet and the new K/V not in the cache: the
+    kernel rotates q in registers (q itself is left as it is) and writes the new K/V first, each
+    program the keys of its own partition, as attention_rope_kv.rotary_write_kv would (checked
+    there: `rotary_kv_attention` is the entry point)."""
     out = _check_attention_args(q, k_cache, v_cache, meta, out, _decode_kernel, sliding_window)
     if meta.max_query_len > MAX_DECODE_QUERY_LEN:
         raise ValueError(f"paged_decode_attention takes at most {MAX_DECODE_QUERY_LEN} query tokens "
@@ -449,21 +528,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"partition_size must be \"auto\", None or a positive multiple of "
                          f"{_DECODE_BLOCK_N}, got {partition_size!r}")
     if q.shape[0]:
-        _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), partition_size, sliding_window)
+        _decode(q, k_cache, v_cache, meta, scale, out, _SeqRange(meta), partition_size, sliding_window, rope)
     return out
 
 
 def _decode(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, partition_size="auto",
-            sliding_window=None):
+            sliding_window=None, rope: NewKV | None = None):
     if partition_size == "auto":
         partition_size = choose_partition_size(seqs.count, k_cache.shape[2], seqs.max_seq_len,
                                                _num_sms(q.device), _DECODE_BLOCK_N)
     _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, _DECODE_BLOCK_N,
-                   num_warps=4, num_stages=2, seqs=seqs, sliding_window=sliding_window)
+                   num_warps=4, num_stages=2, seqs=seqs, sliding_window=sliding_window, rope=rope)
 
 
 def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_n, num_warps,
-                   num_stages, seqs: _SeqRange | None = None, sliding_window: int | None = None):
+                   num_stages, seqs: _SeqRange | None = None, sliding_window: int | None = None,
+                   rope: NewKV | None = None):
     seqs = seqs or _SeqRange(meta)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -483,16 +563,19 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         part_out = part_ml = out  # unused by the kernel
     common = dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim)
     tree = meta.tree_mask
+    new = rope or NewKV(q, q, meta.seq_lens, q, meta.seq_lens)  # unread stand-ins without rope
     _decode_kernel[(seqs.count, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, tree if tree is not None else meta.seq_lens,
+        new.k, new.v, new.positions, new.cos_sin, new.slot_mapping,
         scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), num_heads * num_parts, num_parts,
+        new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos_sin.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
-        SLIDING=sliding_window is not None, TREE=tree is not None,
+        SLIDING=sliding_window is not None, TREE=tree is not None, ROPE=rope is not None,
         num_warps=num_warps, num_stages=num_stages, **common, **pdl.launch_options(q.device),
     )
     if split and attention_split.POLICY.vector_merge:
@@ -530,13 +613,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                     sliding_window: int | None = None, trees: bool = False) -> int:
+                     sliding_window: int | None = None, trees: bool = False,
+                     rope_cache: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> int:
     """Launch every kernel variant the dispatch above can pick for this cache (each prefill tile
     shape; each decode query tile, with and without split-K) on a small problem, so Triton has
     compiled them (or loaded them from its cache) before serving needs one: a first compile takes
     a second or more, and inside a step it stalls every sequence of the batch. Reads blocks 0..15
     of the cache and writes nothing to it. `trees`: the tree-mask variants too (tree drafts on).
-    Returns the number of launches."""
+    `rope_cache` (the model's cos/sin cache): each decode variant also as the model's decode steps
+    launch it, rotating and writing the new K/V itself (`rope`; positions and slots of
+    `index_dtype`, every slot -1: nothing is written). Returns the number of launches."""
     device, dtype = k_cache.device, k_cache.dtype
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     context = 256
@@ -565,8 +651,13 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
             launches += 1
         for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
             q_len = max(q_len, 2) if tree else q_len  # a tree step: the root and a node at least
+            ropes = [None] if rope_cache is None else [None, NewKV(
+                q(q_len)[:, :num_kv_heads], q(q_len)[:, :num_kv_heads],
+                torch.zeros(q_len, dtype=index_dtype, device=device), rope_cache,
+                torch.full((q_len,), -1, dtype=index_dtype, device=device))]
             for partition in (None, _DECODE_BLOCK_N):
-                paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0,
-                                       partition_size=partition, sliding_window=sliding_window)
-                launches += 1
+                for rope in ropes:
+                    paged_decode_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0,
+                                           partition_size=partition, sliding_window=sliding_window, rope=rope)
+                    launches += 1
     return launches

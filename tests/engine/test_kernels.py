@@ -461,7 +461,7 @@ def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeyp
                 launch = self.kernel[grid]
 
                 def run(*args, **kw):
-                    seen.add((self.name, kw.get("BLOCK_M"), kw.get("BLOCK_Q"), kw.get("SPLIT")))
+                    seen.add((self.name, kw.get("BLOCK_M"), kw.get("BLOCK_Q"), kw.get("SPLIT"), kw.get("ROPE")))
                     return launch(*args, **kw)
                 return run
         monkeypatch.setattr(pa, name, Spy(kernel, name))
@@ -472,5 +472,13 @@ def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeyp
     assert {(s[2], s[3]) for s in seen if s[0] == "_decode_kernel"} == {(q, split) for q in (4, 8, 16)
                                                                          for split in (False, True)}
     assert launches == 4 + 6 == len(seen)
+    assert torch.equal(kv, before)
+    # with the model's cos/sin cache: each decode tile also rotating and writing the new K/V itself
+    # (as a model's decode steps launch it), every slot -1: still nothing written
+    seen.clear()
+    launches = pa.compile_variants(kv[0], kv[1], num_heads=8, rope_cache=make_cos_sin_cache(64, 32))
+    assert {(s[2], s[3], s[4]) for s in seen if s[0] == "_decode_kernel"} == {
+        (q, split, rope) for q in (4, 8, 16) for split in (False, True) for rope in (False, True)}
+    assert launches == 4 + 12 == len(seen)
     assert torch.equal(kv, before)
     assert pa.compile_variants(kv[0, :8], kv[1, :8], num_heads=8) == 0   # too few blocks: skipped

@@ -32,6 +32,7 @@ KERNELS = {
                         dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64)),
     "decode": (paged_attention._decode_kernel, dict(decode, SPLIT=True)),
     "decode_whole": (paged_attention._decode_kernel, dict(decode, SPLIT=False)),
+    "decode_rope": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True)),
     "reduce_partitions": (paged_attention._reduce_partitions_kernel,
                           dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128)),
     "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16)),
@@ -61,7 +62,7 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
         pytest.fail(f"Triton's ptxas is missing: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert set(lines) == {"rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
+    assert set(lines) == {"rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole", "decode_rope",
                           "reduce_partitions", "merge_partitions"}
     # each kernel lets the next one be scheduled, and waits before its first global load
     assert all(v == "True griddepcontrol.wait" for v in lines.values()), lines

@@ -1,16 +1,21 @@
 """The fused rotary + KV write (engine.kernels.attention_rope_kv) against plain torch (rotate-half
 rotary, then the cache scatter), on views of a fused qkv output and a strided layer of a paged
-cache, under TRITON_INTERPRET=1 on CPU; and a tiny model decoding the same greedy tokens with it
-on and off."""
+cache, under TRITON_INTERPRET=1 on CPU; the decode attention kernel that rotates and writes the new
+K/V itself against that launch then attention, bit for bit; and a tiny model decoding the same
+greedy tokens with each on and off."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from tests.engine.test_kernels import DEVICE, make_cos_sin_cache, rel_err, rotary_reference  # sets TRITON_INTERPRET
+from tests.engine.test_kernels import (DEVICE, make_batch, make_cos_sin_cache, rel_err,  # sets TRITON_INTERPRET
+                                       rotary_reference)
 
 from tandem.engine.attention import write_kv_torch  # noqa: E402
 from tandem.engine.kernels import attention_rope_kv  # noqa: E402
-from tandem.engine.kernels.attention_rope_kv import rotary_write_kv  # noqa: E402
+from tandem.engine.kernels import paged_attention as pa  # noqa: E402
+from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention, rotary_write_kv  # noqa: E402
 
 
 def _case(dtype, seed=0, tokens=5, heads=4, kv_heads=2, head_dim=32, block_size=16, num_blocks=6):
@@ -55,6 +60,64 @@ def test_fused_refuses_what_the_two_launches_refuse():
         rotary_write_kv(q, k, v, positions, cos_sin, cache[1, 0, :, :, :1], cache[1, 1, :, :, :1], slots, fused=True)
 
 
+def _step(query_lens, ctx_lens, seed, tree=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, k_cache, v_cache, meta = make_batch(gen, query_lens, ctx_lens, 8, 2, 32, 16, dtype=torch.float16)
+    kv = torch.randn(q.shape[0], 4, 32, generator=gen).to(torch.float16).to(DEVICE)  # a q/k/v output's k, v
+    # rotary positions need not be the slots' (tree drafts rotate by depth)
+    positions = torch.randint(0, 500, (q.shape[0],), generator=gen).to(DEVICE)
+    if tree:  # per sequence: the root, a child, and the root's second child (not the first's)
+        bits = [b for n in query_lens for b in (1, 3, 5, 11)[:n]]
+        meta = dataclasses.replace(meta, tree_mask=torch.tensor(bits, dtype=torch.int64, device=DEVICE))
+    return q, kv[:, :2], kv[:, 2:], positions, k_cache, v_cache, meta, make_cos_sin_cache(512, 32).to(DEVICE)
+
+
+@pytest.mark.parametrize("query_lens,ctx_lens,partition,window,tree", [
+    ([1], [300], 64, None, False),              # one new token, the context split in partitions
+    ([4], [126], 64, None, False),              # new keys on both sides of a partition boundary
+    ([1, 3, 2], [40, 190, 7], None, None, False),  # one pass per sequence, verify rows
+    ([2, 1], [150, 90], 64, 50, False),         # a sliding window
+    ([3, 4], [100, 61], 64, None, True),        # tree drafts
+])
+def test_decode_kernel_that_writes_the_new_kv_is_the_fused_launch_then_attention(query_lens, ctx_lens, partition,
+                                                                                  window, tree):
+    """paged_decode_attention(rope=...) rotates q in registers and writes the step's new K/V
+    (each program the keys of its partition) before it reads them: its output and the cache are
+    rotary_write_kv then paged_decode_attention's, bit for bit; q is left unrotated."""
+    q, k, v, positions, k_cache, v_cache, meta, cos_sin = _step(query_lens, ctx_lens, len(query_lens) + ctx_lens[0], tree)
+    q_ref, k_ref, kc_ref, vc_ref = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    rotary_write_kv(q_ref, k_ref, v, positions, cos_sin, kc_ref, vc_ref, meta.slot_mapping, fused=True)
+    ref = pa.paged_decode_attention(q_ref, kc_ref, vc_ref, meta, 0.3, partition_size=partition, sliding_window=window)
+    q_before, k_before = q.clone(), k.clone()
+    out = pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, partition_size=partition, sliding_window=window,
+                                    rope=pa.NewKV(k, v, positions, cos_sin, meta.slot_mapping))
+    assert torch.equal(out, ref)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    assert not torch.equal(k_cache, k_cache.new_zeros(()).expand_as(k_cache))
+
+
+def test_rotary_kv_attention_takes_the_decode_kernel_only_for_decode_steps(monkeypatch):
+    """rotary_kv_attention: a decode/verify step in one launch (IN_ATTENTION), the same output and
+    cache as the two launches; a step with a long prefill row takes the two launches; bad input
+    is refused as rotary_write_kv refuses it."""
+    launches = []
+    real = pa.paged_decode_attention
+    monkeypatch.setattr(attention_rope_kv, "paged_decode_attention",
+                        lambda *a, **kw: launches.append(kw.get("rope") is not None) or real(*a, **kw))
+    for query_lens, fused_launches in (([1, 2], [True]), ([1, 20], [])):
+        q, k, v, positions, k_cache, v_cache, meta, cos_sin = _step(query_lens, [70, 33], 9)
+        a = (q.clone(), k.clone(), v, positions, cos_sin, k_cache.clone(), v_cache.clone(), meta, 0.3)
+        b = (q.clone(), k.clone(), v, positions, cos_sin, k_cache.clone(), v_cache.clone(), meta, 0.3)
+        launches.clear()
+        out = rotary_kv_attention(*a, in_attention=True)
+        assert launches == fused_launches
+        assert torch.equal(out, rotary_kv_attention(*b, in_attention=False))
+        assert torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])
+    with pytest.raises(ValueError, match="one entry per token"):
+        rotary_kv_attention(q, k, v, positions[:3], cos_sin, k_cache, v_cache, meta, 0.3, in_attention=True)
+
+
 def test_tiny_model_decodes_the_same_tokens_fused(make_engine, monkeypatch):
     from tandem.engine.model import TritonOps
     from tandem.engine.model_runner import ModelRunner
@@ -63,10 +126,16 @@ def test_tiny_model_decodes_the_same_tokens_fused(make_engine, monkeypatch):
     model, tok, _ = load_model("tiny-random", seed=7)
     model.ops = TritonOps()
     prompts = [{"prompt_token_ids": list(range(3, 3 + n)), "max_tokens": 5, "ignore_eos": True} for n in (7, 20)]
-    tokens = []
-    for on in (False, True):
+    tokens, in_attention = [], []
+    real = pa.paged_decode_attention
+    monkeypatch.setattr(attention_rope_kv, "paged_decode_attention",
+                        lambda *a, **kw: in_attention.append(1) or real(*a, **kw))
+    for on, inside in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(attention_rope_kv, "ENABLED", on)
+        monkeypatch.setattr(attention_rope_kv, "IN_ATTENTION", inside)
+        in_attention.clear()
         e = make_engine(model, tok)
         e.runner = ModelRunner(model, e.kv_cache, "cpu", cuda_graphs=True, capture=False)
         tokens.append([o["token_ids"] for o in e.generate(prompts)])
-    assert tokens[0] == tokens[1]
+        assert bool(in_attention) == inside  # the decode steps' attention wrote their K/V itself
+    assert tokens[0] == tokens[1] == tokens[2]

@@ -35,3 +35,32 @@ def test_fused_rotary_kv_write_equals_the_two_launches():
         _run(a, True)
         _run(b, False)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_decode_attention_writing_the_new_kv_matches_the_fused_launch_then_attention():
+    """rotary_kv_attention at llama3-8b's heads in bf16: the decode kernel that rotates q and writes
+    the step's new K/V itself (each program the keys of its partition, read back after a barrier)
+    against rotary_write_kv then paged_attention; batch 1 split in partitions, a verify step over a
+    partition boundary, and 64 sequences in one pass. V bit for bit; K and the outputs within
+    rounding, nearly all bits equal (the compiler may contract the rotation's products
+    differently in the two kernels)."""
+    from tests.engine.test_kernels import make_batch
+
+    from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention
+
+    for query_lens, ctx_lens in (([1], [1000]), ([4], [1022]), ([1] * 64, list(range(200, 200 + 64 * 30, 30)))):
+        gen = torch.Generator().manual_seed(len(query_lens) + ctx_lens[0])
+        q, k_cache, v_cache, meta = make_batch(gen, query_lens, ctx_lens, 32, 8, 128, 16, dtype=torch.bfloat16)
+        kv = torch.randn(q.shape[0], 16, 128, device="cuda", dtype=torch.bfloat16)
+        positions = torch.tensor([c + t for c, n in zip(ctx_lens, query_lens) for t in range(n)], device="cuda")
+        _, _, _, _, cos_sin = _case(1)
+        outs, caches = [], []
+        for inside in (True, False):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            outs.append(rotary_kv_attention(q.clone(), kv[:, :8].clone(), kv[:, 8:], positions, cos_sin, kc, vc, meta,
+                                            128 ** -0.5, in_attention=inside))
+            caches.append((kc, vc))
+        torch.cuda.synchronize()
+        assert torch.equal(caches[0][1], caches[1][1]), query_lens      # V: copied
+        for a, b in ((caches[0][0].float(), caches[1][0].float()), (outs[0].float(), outs[1].float())):
+            assert (a - b).abs().max().item() < 2e-2 and (a == b).float().mean().item() > 0.999, query_lens
