@@ -39,6 +39,10 @@ FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput")
 def load_run(run_dir: str | Path) -> tuple[dict, PerfModel, dict]:
     """-> (run.json, the perf model of perf.json, perf.json's provenance notes)."""
     d = Path(run_dir)
+    missing = [name for name in ("run.json", "perf.json") if not (d / name).is_file()]
+    if missing:
+        raise SystemExit(f"{d}: not a recorded run (no {' or '.join(missing)}); bench/record_run.py "
+                         "writes one directory per run")
     run = json.loads((d / "run.json").read_text())
     perf = json.loads((d / "perf.json").read_text())
     return run, PerfModel.from_dict(perf["perf_model"]), perf.get("notes", {})

@@ -52,3 +52,12 @@ def test_a_run_with_a_step_trace_gets_the_step_table():
     for ln in table:
         steps = int(ln.split()[3])
         assert steps > 0
+
+
+def test_a_directory_that_is_not_a_recorded_run_is_refused_by_name():
+    """bench/results also holds the soak test's results: no run.json, so a one-line error naming the
+    directory and what it lacks, not a traceback."""
+    done = subprocess.run([sys.executable, "-m", "bench.validate_simulator", "bench/results/h200-colocated-9",
+                           "bench/results/soak"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "bench/results/soak: not a recorded run (no run.json or perf.json)" in done.stderr
