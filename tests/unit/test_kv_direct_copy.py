@@ -253,7 +253,7 @@ def test_a_copy_seen_after_the_timeout_is_not_counted():
     receiver sees complete later than that must not make the transfer DONE."""
     class SlowCopy(TensorBlockStore):
         def copy_from_peer(self, *args):
-            threading.Event().wait(0.5)
+            threading.Event().wait(FAST.timeout_s + 0.5)
             super().copy_from_peer(*args)
 
     src = TensorBlockStore(num_blocks=12, generator=torch.Generator().manual_seed(4), shareable=True)

@@ -146,7 +146,7 @@ def test_slow_peer_times_out_and_releases(pair):
     sender, receiver, net, src, dst, s_rel, r_rel = pair
     spec = make_spec(layers=(0, 1))
     receiver.expect(spec)
-    stream(sender, spec, 0.6)                                 # > timeout_s between layers
+    stream(sender, spec, FAST.timeout_s + 0.5)                # > timeout_s between layers
     until(lambda: receiver.progress(spec.request_id)[0] == 1)
     with pytest.raises(KVTransferTimeout):
         receiver.wait(spec.request_id, timeout=5)
