@@ -37,8 +37,9 @@ import tandem.engine.quant.fp8 as fp8_quant
 from tandem.engine.model import TritonOps
 from tandem.engine.weights import load_model
 
-# tandem.engine.kernels.gemv / .fused / .pdl / .attention_rope_kv, imported after TRITON_INTERPRET is set
-gemv_mod = fused_mod = pdl_mod = rope_kv = None
+# tandem.engine.kernels.gemv / .fused / .pdl / .attention_rope_kv / .attention_split, imported after
+# TRITON_INTERPRET is set
+gemv_mod = fused_mod = pdl_mod = rope_kv = split_mod = None
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
@@ -174,7 +175,7 @@ class GemvBench(FP8Bench):
         if self.configs == "swept":
             self.use_swept_configs()
         table, folding, acting = gemv_mod.WINS, gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS
-        in_attention = rope_kv.IN_ATTENTION
+        in_attention, fused_merge = rope_kv.IN_ATTENTION, split_mod.POLICY.fused_merge
         every, none = frozenset({"16bit", "fp8", "fp32"}), frozenset()
         fold_kinds, act_kinds = {"fold": every, "nofold": none}, {"act": every, "noact": none}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
@@ -200,6 +201,7 @@ class GemvBench(FP8Bench):
                     gemv_mod.FOLD_KINDS = next((fold_kinds[t] for t in tokens if t in fold_kinds), folding)
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     rope_kv.IN_ATTENTION = "inattn" in tokens or (in_attention and "noinattn" not in tokens)
+                    split_mod.set_split_policy(fused_merge="fmerge" in tokens or (fused_merge and "nofmerge" not in tokens))
                     gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
@@ -209,6 +211,7 @@ class GemvBench(FP8Bench):
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
             gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS, gemv_mod._TUNED = folding, acting, tuned
             rope_kv.IN_ATTENTION = in_attention
+            split_mod.set_split_policy(fused_merge=fused_merge)
             pdl_mod.ENABLED = None
             del model
             self.free()
@@ -273,7 +276,8 @@ def parse_variants(spec: str) -> dict:
     kind's norms folded into the o and down GEMVs before them, gemv.FOLD_KINDS, or none's), "act" or
     "noact" (every weight kind's SiLU in its gate/up GEMV's epilogue, gemv.ACT_KINDS, or none's),
     "inattn" or "noinattn" (the decode attention kernel rotating and writing the new K/V itself,
-    engine.kernels.attention_rope_kv.IN_ATTENTION, or the rotary + KV write launch),
+    engine.kernels.attention_rope_kv.IN_ATTENTION, or the rotary + KV write launch), "fmerge" or
+    "nofmerge" (split decode attention merging its partitions in the launch, SplitPolicy.fused_merge),
     "N.K=BN.BK.WARPS.STAGES.SUMS" (that shape's plain GEMV tile, tile_overrides)."""
     out = {"bf16": [], "fp8": []}
     for item in filter(None, spec.split(",")):
@@ -305,8 +309,9 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    global gemv_mod, fused_mod, pdl_mod, rope_kv
+    global gemv_mod, fused_mod, pdl_mod, rope_kv, split_mod
     import tandem.engine.kernels.attention_rope_kv as rope_kv  # noqa: PLC0415 (after TRITON_INTERPRET is set)
+    import tandem.engine.kernels.attention_split as split_mod  # noqa: PLC0415
     import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415
     import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
     import tandem.engine.kernels.pdl as pdl_mod  # noqa: PLC0415

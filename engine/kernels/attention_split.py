@@ -14,6 +14,10 @@ Two merge kernels, the same arithmetic (fp32, m/l rescaling in the log2 domain):
   one round of loads. Used when `SplitPolicy.vector_merge` (the default: on the H200 it took 1 x 8k
   at 256-key partitions from 22.5 to 15.4 us, 1 x 1k at 64-key ones from 11.1 to 7.4).
 
+With `SplitPolicy.fused_merge` there is no second kernel: each program of the split launch counts
+itself done on a counter per (sequence, KV head) (`merge_counters`), and the last one merges (built
+and checked on the CPU; off until it is timed on the H200).
+
 `POLICY` is the process's plan; `set_split_policy` replaces it (benchmarks compare plans). CUDA
 graphs record the plan in force at capture: set it before the engine captures any.
 """
@@ -21,8 +25,10 @@ graphs record the plan in force at capture: set it before the engine captures an
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -47,6 +53,9 @@ class SplitPolicy:
     split_below: int = 3
     programs_per_sm: int = 4  # then split until the programs reach this many per SM
     vector_merge: bool = True  # merge with _merge_partitions_kernel (else the looping reduce)
+    # merge inside the split launch: the last program of each (sequence, KV head) to finish merges
+    # its partitions (paged_attention._merge_if_last), no second launch. Off until timed on the H200
+    fused_merge: bool = False
     # plan for the lower end of the context's power-of-two bucket, as a CUDA graph of that bucket
     # must (its plan serves every context in it); else for max_seq_len itself
     bucket_plan: bool = True
@@ -137,3 +146,25 @@ def merge_partitions(out, part_out, part_ml, meta, partition_size: int, first_se
         partition_size, first_seq, out.stride(0), out.stride(1), num_heads * num_parts, num_parts,
         HEAD_DIM=head_dim, TILE=MERGE_TILE, num_warps=4, **pdl.launch_options(out.device),
     )
+
+
+# (device, thread) -> the zeroed int32 counters of the merge inside a split launch; buffers a grown
+# one replaced stay alive, since CUDA graphs captured with them still point at them
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least `n` int32 counters at 0 for a split launch's merge inside it (each program pair's
+    last one leaves its counter at 0 again), one buffer per device and thread (two engines stepping
+    at once on one GPU each have theirs). Grown only outside CUDA graph capture: None then (the
+    caller merges with a second launch)."""
+    key = (device, threading.get_ident())
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf

@@ -189,7 +189,7 @@ def _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N: tl.constex
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_mask_ptr,
-    k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+    k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slot_ptr, counter_ptr,
     scale_log2, partition_size, first_seq, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -197,7 +197,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
-    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, MERGE: tl.constexpr = False, MTILE: tl.constexpr = 16, USE_PDL: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
@@ -243,8 +243,9 @@ def _decode_kernel(
                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING, TREE)
 
     _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
-                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
-                  HEAD_DIM, SPLIT)
+                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph, counter_ptr, seq,
+                  kv_head, q_start, q_len, tl.cdiv(seq_len, partition_size), HEAD_DIM, SPLIT, MERGE, GROUP, BLOCK_G,
+                  MTILE)
 
 
 @triton.jit
@@ -311,21 +312,67 @@ def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin
 
 @triton.jit
 def _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
-                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
-                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph, counter_ptr, seq,
+                  kv_head, q_start, q_len, num_parts, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                  MERGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, MTILE: tl.constexpr):
     if SPLIT:
         # unnormalised partial state of this launch's token rows: acc [rows, Hq, P, D] and
-        # (m, l) [rows, Hq, P, 2], merged by _reduce_partitions_kernel
+        # (m, l) [rows, Hq, P, 2], merged by a second kernel, or (MERGE) by the last program
         first_token = tl.load(query_start_loc_ptr + first_seq)
         part_rows = (tokens - first_token) * stride_pt + heads * stride_ph + part
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=row_ok[:, None])
         tl.store(part_ml_ptr + part_rows * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part_rows * 2 + 1, l_i, mask=row_ok)
+        if MERGE:
+            _merge_if_last(counter_ptr, out_ptr, part_out_ptr, part_ml_ptr, first_token, first_seq, seq, kv_head,
+                           q_start, q_len, num_parts, stride_ot, stride_oh, stride_pt, stride_ph,
+                           GROUP, BLOCK_G, HEAD_DIM, MTILE)
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_if_last(counter_ptr, out_ptr, part_out_ptr, part_ml_ptr, first_token, first_seq, seq, kv_head,
+                   q_start, q_len, num_parts, stride_ot, stride_oh, stride_pt, stride_ph,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, MTILE: tl.constexpr):
+    """The merge inside the split launch: the partial states are stored; the program that finishes
+    a (sequence, KV head)'s partitions last (a counter per pair, counter_ptr [launch's sequences,
+    KV heads], left at 0 again) merges them for every query token and head of the group, as
+    attention_split._merge_partitions_kernel does, MTILE partitions a round."""
+    tl.debug_barrier()  # every thread's partial state is stored before the counter moves
+    counter = counter_ptr + (seq - first_seq) * tl.num_programs(1) + kv_head
+    # acq_rel at GPU scope: releases this program's stores, and the last one acquires the others'
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_parts - 1:
+        return
+    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replays)
+    g = tl.arange(0, BLOCK_G)
+    p = tl.arange(0, MTILE)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    for t in range(0, q_len):
+        base = (q_start + t - first_token).to(tl.int64) * stride_pt + heads * stride_ph  # [G]
+        m = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for p0 in range(0, num_parts, MTILE):
+            ok = ((p0 + p) < num_parts)[:, None] & (g < GROUP)[None, :]  # [P, G]
+            at = base[None, :] + p0 + p[:, None]
+            m_p = tl.load(part_ml_ptr + at * 2, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
+            l_p = tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o_p = tl.load(part_out_ptr + at[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok[:, :, None],
+                          other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(m_p, 0))
+            a = tl.exp2(m - m_new)
+            b = tl.exp2(m_p - m_new[None, :])  # [P, G]; masked partitions weigh 0
+            acc = acc * a[:, None] + tl.sum(o_p * b[:, :, None], 0)
+            denom = denom * a + tl.sum(l_p * b, 0)
+            m = m_new
+        token = (q_start + t).to(tl.int64)
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
 @triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_pt', 'stride_ph'])
@@ -564,10 +611,14 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
     common = dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim)
     tree = meta.tree_mask
     new = rope or NewKV(q, q, meta.seq_lens, q, meta.seq_lens)  # unread stand-ins without rope
+    policy = attention_split.POLICY
+    counters = (attention_split.merge_counters(q.device, seqs.count * num_kv_heads)
+                if split and policy.fused_merge else None)
     _decode_kernel[(seqs.count, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, tree if tree is not None else meta.seq_lens,
         new.k, new.v, new.positions, new.cos_sin, new.slot_mapping,
+        counters if counters is not None else meta.seq_lens,
         scale * _LOG2E, partition_size if split else _WHOLE_CONTEXT, seqs.first, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -576,9 +627,12 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos_sin.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
         SLIDING=sliding_window is not None, TREE=tree is not None, ROPE=rope is not None,
+        MERGE=counters is not None, MTILE=max(1, min(attention_split.MERGE_TILE, 64 // block_g)),
         num_warps=num_warps, num_stages=num_stages, **common, **pdl.launch_options(q.device),
     )
-    if split and attention_split.POLICY.vector_merge:
+    if counters is not None:
+        return
+    if split and policy.vector_merge:
         merge_partitions(out, part_out, part_ml, meta, partition_size, seqs.first, seqs.count, seqs.max_query_len)
     elif split:
         _reduce_partitions_kernel[(seqs.count, num_kv_heads)](

@@ -20,13 +20,17 @@ def policy():
     attention_split.POLICY = old
 
 
-@pytest.mark.parametrize("vector_merge", [False, True], ids=["loop-reduce", "vector-merge"])
+@pytest.mark.parametrize("vector_merge,fused_merge", [(False, False), (True, False), (True, True)],
+                         ids=["loop-reduce", "vector-merge", "fused-merge"])
 @pytest.mark.parametrize("query_lens,ctx_lens", [
     ([1, 1, 1], [200, 63, 1100]),     # decode; 1101 keys in 64-key partitions: 18, two merge tiles
     ([3, 1, 2], [130, 0, 70]),        # verify rows
 ], ids=["decode", "verify"])
-def test_split_merge_matches_reference(monkeypatch, policy, vector_merge, query_lens, ctx_lens):
-    policy(vector_merge=vector_merge)
+def test_split_merge_matches_reference(monkeypatch, policy, vector_merge, fused_merge, query_lens, ctx_lens):
+    """Each merge of the split launch's partitions against the reference: the looping reduce, the
+    vector merge kernel, and the merge inside the launch (`fused_merge`: no second launch, the
+    counters left at 0 for the next launch)."""
+    policy(vector_merge=vector_merge, fused_merge=fused_merge)
     merges = []
     monkeypatch.setattr(pa, "merge_partitions", lambda *a: merges.append(a) or attention_split.merge_partitions(*a))
     gen = torch.Generator().manual_seed(sum(ctx_lens))
@@ -37,7 +41,29 @@ def test_split_merge_matches_reference(monkeypatch, policy, vector_merge, query_
         pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.2, out=out, partition_size=partition_size)
         assert rel_err(out, ref) < TOL[torch.float32], partition_size
     splits = sum(p < meta.max_seq_len for p in (64, 192))  # a partition as long as the context: one pass
-    assert len(merges) == (splits if vector_merge else 0)   # the policy picks the merge kernel
+    assert len(merges) == (splits if vector_merge and not fused_merge else 0)   # the policy picks the merge
+    if fused_merge:
+        assert not attention_split.merge_counters(q.device, 1).any()
+
+
+def test_merge_inside_the_launch_over_three_merge_tiles_with_a_window_and_a_late_start(policy):
+    """The fused merge where it differs from the vector merge: a launch over sequences [1, 3) of the
+    batch (counters and partial states indexed from the launch's first), 40 partitions in tiles of
+    16 (8 query heads per KV head: a smaller tile), partitions wholly outside a sliding window, and
+    counters grown for a bigger launch while the old ones stay alive."""
+    policy(fused_merge=True)
+    gen = torch.Generator().manual_seed(12)
+    q, k_cache, v_cache, meta = make_batch(gen, [2, 1, 3], [90, 2530, 150], 8, 1, 16, 16)
+    ref = reference(q, k_cache, v_cache, meta, 0.3)
+    out = torch.full_like(q, float("nan"))
+    pa._decode(q, k_cache, v_cache, meta, 0.3, out, pa._SeqRange(meta, 1, 2), partition_size=64)
+    assert out[:2].isnan().all() and rel_err(out[2:], ref[2:]) < TOL[torch.float32]
+    windowed, whole = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, out=windowed, partition_size=64, sliding_window=100)
+    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, out=whole, partition_size=None, sliding_window=100)
+    assert rel_err(windowed, whole) < TOL[torch.float32]
+    small = attention_split.merge_counters(q.device, 1)
+    assert attention_split.merge_counters(q.device, 5000).numel() >= 5000 and any(t is small for t in attention_split._RETIRED)
 
 
 def test_vector_merge_of_a_launch_that_starts_past_the_first_sequence(policy):

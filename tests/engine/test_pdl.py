@@ -22,9 +22,9 @@ from tandem.engine.kernels import attention_rope_kv, attention_split, fused, pag
 
 POINTERS = {"positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
             "block_tables_ptr": "*i32", "tree_mask_ptr": "*i32", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32",
-            "cos_sin_ptr": "*fp32"}
+            "cos_sin_ptr": "*fp32", "counter_ptr": "*i32"}
 decode = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, PRECISION="tf32",
-              SLIDING=False, TREE=False)
+              SLIDING=False, TREE=False, ROPE=False, MERGE=False, MTILE=16)
 KERNELS = {
     "rms_norm": (fused._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
     "silu_and_mul": (fused._silu_and_mul_kernel, dict(INTER=14336, BLOCK=1024)),
@@ -33,6 +33,7 @@ KERNELS = {
     "decode": (paged_attention._decode_kernel, dict(decode, SPLIT=True)),
     "decode_whole": (paged_attention._decode_kernel, dict(decode, SPLIT=False)),
     "decode_rope": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True)),
+    "decode_merge": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True, MERGE=True)),
     "reduce_partitions": (paged_attention._reduce_partitions_kernel,
                           dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128)),
     "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16)),
@@ -63,7 +64,7 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert set(lines) == {"rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole", "decode_rope",
-                          "reduce_partitions", "merge_partitions"}
+                          "decode_merge", "reduce_partitions", "merge_partitions"}
     # each kernel lets the next one be scheduled, and waits before its first global load
     assert all(v == "True griddepcontrol.wait" for v in lines.values()), lines
 
