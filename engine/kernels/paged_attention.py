@@ -249,19 +249,24 @@ def _decode_kernel(
 
 
 @triton.jit
-def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, positions_ptr, cos_sin_ptr, stride_cs,
-                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                ROPE: tl.constexpr):
-    """A decode program's rows: every (query token t, head g of its KV group), t-major,
-    [BLOCK_Q * BLOCK_G]. -> (q [rows, D], rotated by its positions where ROPE; t, tokens, heads,
-    dims, row_ok)."""
+def _group_rows(q_start, q_len, kv_head, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """The rows of a (sequence, KV head) program: every (query token t, head g of the KV group),
+    t-major, [BLOCK_Q * BLOCK_G]. -> (t, tokens, heads, dims, row_ok)."""
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)
     t = rows // BLOCK_G
     g = rows % BLOCK_G
-    row_ok = (t < q_len) & (g < GROUP)
-    dims = tl.arange(0, HEAD_DIM)
     tokens = (q_start + t).to(tl.int64)
-    heads = kv_head * GROUP + g
+    return t, tokens, kv_head * GROUP + g, tl.arange(0, HEAD_DIM), (t < q_len) & (g < GROUP)
+
+
+@triton.jit
+def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, positions_ptr, cos_sin_ptr, stride_cs,
+                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                ROPE: tl.constexpr):
+    """A decode program's rows (_group_rows) -> (q [rows, D], rotated by its positions where ROPE;
+    t, tokens, heads, dims, row_ok)."""
+    t, tokens, heads, dims, row_ok = _group_rows(q_start, q_len, kv_head, GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM)
     q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
     if ROPE:
@@ -390,13 +395,7 @@ def _reduce_partitions_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     num_parts = tl.cdiv(seq_len, partition_size)
 
-    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
-    t = rows // BLOCK_G
-    g = rows % BLOCK_G
-    row_ok = (t < q_len) & (g < GROUP)
-    dims = tl.arange(0, HEAD_DIM)
-    tokens = (q_start + t).to(tl.int64)
-    heads = kv_head * GROUP + g
+    _, tokens, heads, dims, row_ok = _group_rows(q_start, q_len, kv_head, GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM)
     base_rows = (tokens - tl.load(query_start_loc_ptr + first_seq)) * stride_pt + heads * stride_ph
 
     m = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)

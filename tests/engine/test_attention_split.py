@@ -46,30 +46,26 @@ def test_split_merge_matches_reference(monkeypatch, policy, vector_merge, fused_
         assert not attention_split.merge_counters(q.device, 1).any()
 
 
-def test_merge_inside_the_launch_over_three_merge_tiles_with_a_window_and_a_late_start(policy):
-    """The fused merge where it differs from the vector merge: a launch over sequences [1, 3) of the
-    batch (counters and partial states indexed from the launch's first), 40 partitions in tiles of
-    16 (8 query heads per KV head: a smaller tile), partitions wholly outside a sliding window, and
-    counters grown for a bigger launch while the old ones stay alive."""
+def test_merge_inside_the_launch_over_three_merge_tiles_and_grown_counters(policy):
+    """The fused merge where the vector merge's tests do not reach it: 40 partitions in tiles of 8
+    (8 query heads per KV head: a smaller tile), and counters grown for a bigger launch while the
+    old ones stay alive (graphs captured with them still point at them)."""
     policy(fused_merge=True)
     gen = torch.Generator().manual_seed(12)
-    q, k_cache, v_cache, meta = make_batch(gen, [2, 1, 3], [90, 2530, 150], 8, 1, 16, 16)
-    ref = reference(q, k_cache, v_cache, meta, 0.3)
+    q, k_cache, v_cache, meta = make_batch(gen, [2, 1], [90, 2530], 8, 1, 16, 16)
     out = torch.full_like(q, float("nan"))
-    pa._decode(q, k_cache, v_cache, meta, 0.3, out, pa._SeqRange(meta, 1, 2), partition_size=64)
-    assert out[:2].isnan().all() and rel_err(out[2:], ref[2:]) < TOL[torch.float32]
-    windowed, whole = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, out=windowed, partition_size=64, sliding_window=100)
-    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, out=whole, partition_size=None, sliding_window=100)
-    assert rel_err(windowed, whole) < TOL[torch.float32]
+    pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, out=out, partition_size=64)
+    assert rel_err(out, reference(q, k_cache, v_cache, meta, 0.3)) < TOL[torch.float32]
     small = attention_split.merge_counters(q.device, 1)
-    assert attention_split.merge_counters(q.device, 5000).numel() >= 5000 and any(t is small for t in attention_split._RETIRED)
+    assert attention_split.merge_counters(q.device, 5000).numel() >= 5000
+    assert any(t is small for t in attention_split._RETIRED)
 
 
-def test_vector_merge_of_a_launch_that_starts_past_the_first_sequence(policy):
-    # a decode launch over sequences [1, 3) of the batch: partial states are indexed from the
-    # launch's first token, the output rows are the batch's
-    policy(vector_merge=True)
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["vector-merge", "fused-merge"])
+def test_merge_of_a_launch_that_starts_past_the_first_sequence(policy, fused_merge):
+    # a decode launch over sequences [1, 3) of the batch: partial states (and the fused merge's
+    # counters) are indexed from the launch's first, the output rows are the batch's
+    policy(vector_merge=True, fused_merge=fused_merge)
     gen = torch.Generator().manual_seed(5)
     q, k_cache, v_cache, meta = make_batch(gen, [2, 1, 3], [90, 300, 150], 4, 1, 16, 16)
     ref = reference(q, k_cache, v_cache, meta, 0.3)
@@ -79,9 +75,10 @@ def test_vector_merge_of_a_launch_that_starts_past_the_first_sequence(policy):
     assert rel_err(out[2:], ref[2:]) < TOL[torch.float32]
 
 
-def test_vector_merge_with_a_sliding_window(policy):
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["vector-merge", "fused-merge"])
+def test_merge_with_a_sliding_window(policy, fused_merge):
     # partitions wholly before the window keep m = -1e30, l = 0 and weigh nothing in the merge
-    policy(vector_merge=True)
+    policy(vector_merge=True, fused_merge=fused_merge)
     gen = torch.Generator().manual_seed(9)
     q, k_cache, v_cache, meta = make_batch(gen, [1, 2], [400, 90], 4, 2, 32, 16)
     out = torch.full_like(q, float("nan"))
