@@ -200,7 +200,8 @@ class GemvBench(FP8Bench):
                                      | (silu_keys if "silu" in tokens else set()))
                     gemv_mod.FOLD_KINDS = next((fold_kinds[t] for t in tokens if t in fold_kinds), folding)
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
-                    rope_kv.IN_ATTENTION = "inattn" in tokens or (in_attention and "noinattn" not in tokens)
+                    rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
+                                            else in_attention)
                     split_mod.set_split_policy(fused_merge="fmerge" in tokens or (fused_merge and "nofmerge" not in tokens))
                     gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
@@ -275,8 +276,9 @@ def parse_variants(spec: str) -> dict:
     into q/k/v and gate/up), "silu" (the FP8 SiLU into down), "fold" or "nofold" (every weight
     kind's norms folded into the o and down GEMVs before them, gemv.FOLD_KINDS, or none's), "act" or
     "noact" (every weight kind's SiLU in its gate/up GEMV's epilogue, gemv.ACT_KINDS, or none's),
-    "inattn" or "noinattn" (the decode attention kernel rotating and writing the new K/V itself,
-    engine.kernels.attention_rope_kv.IN_ATTENTION, or the rotary + KV write launch), "fmerge" or
+    "inattn" or "noinattn" (the decode attention kernel rotating and writing the new K/V itself at
+    every batch, or never: the rotary + KV write launch; the default: up to
+    engine.kernels.attention_rope_kv.IN_ATTENTION tokens), "fmerge" or
     "nofmerge" (split decode attention merging its partitions in the launch, SplitPolicy.fused_merge),
     "N.K=BN.BK.WARPS.STAGES.SUMS" (that shape's plain GEMV tile, tile_overrides)."""
     out = {"bf16": [], "fp8": []}

@@ -63,7 +63,7 @@ def _compile_kernels(engine) -> int:
 
         # the variants that rotate and write the new K/V themselves, where decode steps launch them
         # (latent attention has kernels of its own)
-        rope = IN_ATTENTION and engine.model_config.mla is None
+        rope = IN_ATTENTION > 0 and engine.model_config.mla is None
         launches = compile_variants(kv[0], kv[1], engine.model_config.num_heads,
                                     sliding_window=engine.model_config.sliding_window,
                                     trees=bool(engine.config.speculative.suffix_tree_nodes),

@@ -16,11 +16,12 @@ step from 431 to 399 kernels (with the split-K defaults of the same run, 4.80 ->
 `rotary_kv_attention` goes one step further for a step the decode kernel takes whole (every
 sequence at most MAX_DECODE_QUERY_LEN new tokens): the decode attention kernel rotates q in
 registers and writes the new K/V itself before it reads the cache (`paged_decode_attention(rope=)`),
-so rotary and the KV write cost no launch at all (`IN_ATTENTION`). Other steps take the launch
-above, then `paged_attention`. IN_ATTENTION is off until it is measured on the H200: it was built
-and checked on the CPU (Triton's interpreter, bit for bit against the launch above then attention)
-in a session whose GPU time had run out; tests/gpu/test_rope_kv_gpu.py checks it on the GPU and
-`bench/gemv_gpu.py --variants` (`inattn`) times it.
+so rotary and the KV write cost no launch at all. `IN_ATTENTION` is the most tokens a step may
+carry for that (0: never); other steps take the launch above, then `paged_attention`. On the H200
+(llama3-8b-random, context 1k, docs/benchmarks.md, issue 24; tests/gpu/test_rope_kv_gpu.py checks
+it there): the step at batch 1 bf16 4.106 ms against 4.182, FP8 2.499 against 2.535; at 64
+7.086 / 6.830 against 7.144 / 6.868; at 256 1% slower (16.220 / 14.391 against 16.065 / 14.250),
+so it stops at 64 tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tandem.engine.kernels.paged_attention import (MAX_DECODE_QUERY_LEN, NewKV, 
 from tandem.engine.kernels.validate import next_power_of_2, require_runnable
 
 ENABLED = True
-IN_ATTENTION = False
+IN_ATTENTION = 64
 
 
 @triton.jit
@@ -132,10 +133,10 @@ def rotary_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         in_attention: bool | None = None) -> torch.Tensor:
     """`rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)`
     then `paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=...)` -> out [T, Hq, D].
-    A step the decode kernel takes whole, with `in_attention` (None: IN_ATTENTION): one launch, the
-    decode kernel rotating q in registers (q is left unrotated, k too) and writing the new K/V
-    (the cache ends as the two launches leave it)."""
-    in_attention = IN_ATTENTION if in_attention is None else in_attention
+    A step the decode kernel takes whole, with `in_attention` (None: at most IN_ATTENTION tokens):
+    one launch, the decode kernel rotating q in registers (q is left unrotated, k too) and writing
+    the new K/V (the cache ends as the two launches leave it)."""
+    in_attention = 0 < q.shape[0] <= IN_ATTENTION if in_attention is None else in_attention
     if in_attention and q.shape[0] and meta.max_query_len <= MAX_DECODE_QUERY_LEN:
         _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         return paged_decode_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,

@@ -132,7 +132,7 @@ def test_tiny_model_decodes_the_same_tokens_fused(make_engine, monkeypatch):
                         lambda *a, **kw: in_attention.append(1) or real(*a, **kw))
     for on, inside in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(attention_rope_kv, "ENABLED", on)
-        monkeypatch.setattr(attention_rope_kv, "IN_ATTENTION", inside)
+        monkeypatch.setattr(attention_rope_kv, "IN_ATTENTION", 64 if inside else 0)
         in_attention.clear()
         e = make_engine(model, tok)
         e.runner = ModelRunner(model, e.kv_cache, "cpu", cuda_graphs=True, capture=False)
