@@ -15,6 +15,8 @@ steps run through `LLMEngine.step`. Per row and mode it prints:
 `--generate BxC` then breaks engine_floor's measurement (two `generate` calls, 8 and 72 output
 tokens, step = the difference / 64) into its steps: how many were decode-only graph replays, how
 many mixed or prefill steps, captures, and the wall time of each kind, in both calls.
+`--captures BxC,...` times a decode shape met at runtime: its eager step, the step that captures
+it and the replays after (medians of 3 runs, each on fresh graphs).
 `--attn` times the decode attention kernel alone (replayed from a CUDA graph) at each split-K
 partition size, to tune `choose_partition_size`.
 
@@ -33,6 +35,7 @@ from engine_floor import _prompts, floor_engine  # sibling files: bench scripts 
 from engine_gpu import Bench
 from torch.profiler import ProfilerActivity, profile
 
+from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.model import TritonOps
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.weights import load_model
@@ -254,6 +257,45 @@ def attention_sweep(bench: Bench, shapes, sizes) -> list[dict]:
     return rows
 
 
+def capture_costs(bench: Bench, model, tok, shapes, repeats: int = 3) -> list[dict]:
+    """What a decode shape met for the first time in serving costs (issue 22: runtime captures
+    stall every running sequence): per (batch, context), with graphs captured as serving does
+    (`DecodeGraphs.capture_after` = 2: the shape's first step runs eagerly, its second captures),
+    the wall ms of the eager step, the capture step and the replays after it; `repeats` times,
+    each on a fresh set of graphs, after one untimed pass that compiles the shape's kernels."""
+    e = bench.engine(model, tok, num_blocks=max(b * (c + 64) for b, c in shapes) // 16 + 64)
+    e.overlap = False  # each step's wall is its own
+    if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here: nothing captures)
+        e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
+    rows = []
+    for b, ctx in shapes:
+        walls = []
+        for rep in range(repeats + 1):
+            # a fresh set of graphs (its own memory pool) each time, as a new engine would have
+            e.runner.graphs = DecodeGraphs(e.runner._static_step, capture=e.runner.graphs.capture)
+            reqs = bench.admit(e, b, ctx, 16, f"cap-{rep}-{b}x{ctx}")
+            w = []
+            for _ in range(5):
+                bench.sync()
+                t0 = time.perf_counter()
+                e.step()
+                bench.sync()
+                w.append((time.perf_counter() - t0) * 1e3)
+            for r in reqs:
+                e.abort(r.request_id)
+            e.step()
+            e.settle()
+            if rep:
+                walls.append(w)
+        r = {"batch": b, "ctx": ctx, "eager_ms": statistics.median(w[0] for w in walls),
+             "capture_ms": statistics.median(w[1] for w in walls),
+             "replay_ms": statistics.median(x for w in walls for x in w[2:])}
+        rows.append(r)
+        print(f"| {b} x {ctx} | {r['eager_ms']:.1f} | {r['capture_ms']:.1f} | {r['replay_ms']:.1f} | "
+              f"{' '.join(f'{w[0]:.1f}/{w[1]:.1f}' for w in walls)} |", flush=True)
+    return rows
+
+
 def profile_rows(bench: Bench, model, tok, rows, args) -> None:
     e = bench.engine(model, tok, num_blocks=max(b * (c + 128) for b, c in rows) // 16 + 64)
     if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here), overlapped as on CUDA
@@ -293,6 +335,8 @@ def main() -> None:
                     "run split by step kind, e.g. 8192,16384 ('' to skip)")
     ap.add_argument("--attn", default="1x1024,4x1024,16x1024,64x1024,1x8192,8x8192,32x8192",
                     help="shapes for the attention sweep ('' to skip)")
+    ap.add_argument("--captures", default="1x1024,8x1024,32x1024,64x1024",
+                    help="shapes for the runtime capture costs ('' to skip)")
     ap.add_argument("--policy", default="", help="split plan for the engine rows, e.g. "
                     "min_partition=64,programs_per_sm=2,vector_merge=1 (attention_split.SplitPolicy)")
     ap.add_argument("--rope-kv", default="on", choices=("on", "off"),
@@ -312,11 +356,11 @@ def main() -> None:
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
-    rows, gens = parse(args.rows), parse(args.generate)
+    rows, gens, caps = parse(args.rows), parse(args.generate), parse(args.captures)
     if bench.dry:  # the tiny model's shapes in place of any given
-        rows, gens = small[:len(rows) and 2], small[1:len(gens) and 2]
+        rows, gens, caps = small[:len(rows) and 2], small[1:len(gens) and 2], small[:len(caps) and 2]
     bench.ceilings()
-    if rows or gens or args.offline:
+    if rows or gens or args.offline or caps:
         name = "tiny-random" if bench.dry else "llama3-8b-random"
         model, tok, _ = load_model(name, "float32" if bench.dry else "bfloat16", str(bench.dev), seed=0)
         if bench.dry:
@@ -324,6 +368,10 @@ def main() -> None:
         if rows:
             profile_rows(bench, model, tok, rows, args)
         bench.results["generate"] = [generate_breakdown(bench, model, tok, b, c) for b, c in gens]
+        if caps:
+            print("\n| batch x ctx | eager step ms | capture step ms | replay ms | each run: eager/capture |"
+                  "\n|---|---:|---:|---:|---|")
+            bench.results["captures"] = capture_costs(bench, model, tok, caps)
         if args.offline:
             n, ctx, out = (8, 64, 8) if bench.dry else (512, 1024, 256)
             bench.results["offline"] = offline_breakdown(bench, model, tok, n, ctx, out,
