@@ -202,7 +202,8 @@ class DecodeGraphs:
     shape; only `max_failures` failures in all turn capturing off."""
 
     def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256,
-                 max_failures: int = 8, capture_after: int = 2):
+                 max_failures: int = 8, capture_after: int = 2, cover_waste: float = 2.0,
+                 capture_covered_after: int = 32):
         self.step = step
         self.capture = capture
         # a key warmup did not capture is captured on its capture_after-th step; the steps before
@@ -210,8 +211,19 @@ class DecodeGraphs:
         # H200: the eager run, the recording, the instantiation) against a few ms for an eager step,
         # and serving meets many shapes once (verify widths x context buckets x batch buckets)
         self.capture_after = max(1, capture_after)
+        # a key not captured yet runs padded on a captured one that covers it (`cover`: the same
+        # context plan and tree flag, at least its sequences, tokens and longest query, at most
+        # cover_waste times its tokens) instead of eagerly, and is captured itself only on its
+        # capture_covered_after-th step: a replay with some padding costs a fraction of a
+        # millisecond where the eager step and the capture cost 17-45 ms each (bench/step_profile.py
+        # --captures; the served run h200-colocated-10 met ~50 shapes after warmup per rate)
+        self.cover_waste = cover_waste
+        self.capture_covered_after = max(1, capture_covered_after)
+        self._covers: dict[GraphKey, GraphKey | None] = {}  # for _covers_of graphs (only ever added)
+        self._covers_of = 0
         self._seen: dict[GraphKey, int] = {}
         self.eager_runs = 0     # steps of keys not (yet) captured, run eagerly
+        self.covered_runs = 0   # steps of keys not (yet) captured, replayed on a covering graph
         self.max_graphs = max_graphs
         self.max_failures = max_failures
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -225,7 +237,8 @@ class DecodeGraphs:
         self.failed: str | None = None  # why capturing stopped, if it did
 
     def can_run(self, key: GraphKey) -> bool:
-        return self.failed is None and (key in self.graphs or len(self.graphs) < self.max_graphs)
+        return self.failed is None and (key in self.graphs or len(self.graphs) < self.max_graphs
+                                        or self.cover(key) is not None)
 
     def run(self, key: GraphKey) -> torch.Tensor:
         if not self.capture:
@@ -234,13 +247,35 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             seen = self._seen[key] = self._seen.get(key, 0) + 1
-            if seen < self.capture_after:
+            full = len(self.graphs) >= self.max_graphs
+            cover = self.cover(key) if seen < self.capture_covered_after or full else None
+            if cover is not None:
+                self.covered_runs += 1
+                entry = self.graphs[cover]
+            elif seen < self.capture_after:
                 self.eager_runs += 1
                 return self.step(key)
-            return self._capture(key)
+            else:
+                return self._capture(key)
         entry[0].replay()
         self.replays += 1
         return entry[1]
+
+    def cover(self, key: GraphKey) -> GraphKey | None:
+        """The captured key a step of `key` can replay padded on, or None: the same context plan
+        and tree flag, at least its sequences, tokens and longest query (padding as a bucket pads:
+        the extra sequences have no tokens, the extra tokens write no KV and their logits rows are
+        not read), and at most cover_waste times its tokens; the fewest tokens, then sequences."""
+        if self._covers_of != len(self.graphs):
+            self._covers.clear()
+            self._covers_of = len(self.graphs)
+        if key in self._covers:
+            return self._covers[key]
+        fits = [k for k in self.graphs if k.context == key.context and k.tree == key.tree
+                and k.batch >= key.batch and k.query_len >= key.query_len
+                and key.tokens <= k.tokens <= self.cover_waste * key.tokens]
+        best = self._covers[key] = min(fits, key=lambda k: (k.tokens, k.batch, k.query_len), default=None)
+        return best
 
     def _capture(self, key: GraphKey) -> torch.Tensor:
         t0 = time.perf_counter()

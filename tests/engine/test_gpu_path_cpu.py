@@ -173,6 +173,40 @@ def test_a_shape_is_captured_on_its_second_step_and_runs_eagerly_before():
     assert (now.captures, now.eager_runs) == (1, 0)
 
 
+def test_a_new_shape_replays_padded_on_a_captured_graph_that_covers_it():
+    """A shape met for the first time after warmup is an eager step and then a capture, each a
+    17-45 ms stall of every running sequence on the H200; one that a captured graph covers (same
+    context plan and tree flag, at least its sequences, tokens and longest query, at most twice
+    its tokens) replays that graph padded instead, and is captured only once it recurs often."""
+    ran = []
+    g = _Counting(lambda key: ran.append(key) or torch.zeros(1), capture=False, capture_covered_after=3)
+    g.capture = True
+    big = GraphKey(8, 16, 2, 0)
+    g.graphs[big] = (SimpleNamespace(replay=lambda: ran.append(("replay", big))), torch.ones(1))
+    small = GraphKey(4, 8, 2, 0)
+    assert g.cover(small) == big and g.can_run(small)
+    assert g.run(small).item() == 1 and ran == [("replay", big)]       # no eager step, no capture
+    assert (g.covered_runs, g.eager_runs, g.captures) == (1, 0, 0)
+    # not covered: too much padding (16 > 2 x 4 tokens), a longer query, another context plan or tree
+    for other in (GraphKey(4, 4, 2, 0), GraphKey(4, 8, 4, 0), GraphKey(4, 8, 2, 2048), GraphKey(4, 8, 2, 0, True),
+                  GraphKey(16, 16, 2, 0)):
+        assert g.cover(other) is None
+    ran.clear()
+    g.run(GraphKey(4, 4, 2, 0))
+    assert ran == [GraphKey(4, 4, 2, 0)] and g.eager_runs == 1        # the old policy: eager first
+    g.run(small)
+    g.run(small)                                                      # its third step: it recurs, capture it
+    assert small in g.graphs and g.captures == 1 and g.covered_runs == 2
+    tiny_key = GraphKey(2, 8, 2, 0)                                   # a new graph is a candidate at once
+    assert g.cover(tiny_key) == small
+    full = _Counting(lambda key: torch.zeros(1), capture=False, max_graphs=1, capture_covered_after=1)
+    full.capture = True
+    full.graphs[big] = g.graphs[big]
+    assert full.can_run(small) and not full.can_run(GraphKey(16, 16, 2, 0))  # no room, no cover: eager
+    full.run(small)
+    assert (full.covered_runs, full.captures) == (1, 0)               # no room for its own: covered
+
+
 class _Replaying(DecodeGraphs):
     """A "graph" that replays by running the step eagerly into the captured output."""
     def _capture(self, key):
@@ -200,3 +234,21 @@ def test_the_step_trace_marks_the_eager_step_before_a_capture_and_the_capture(ti
     decode = [s for s in steps if not s[6]]      # the prefill step is not graph-shaped
     assert [(s[9], s[10]) for s in decode] == [(False, True), (True, False)] + [(False, False)] * (len(decode) - 2)
     assert (g.eager_runs, g.captures) == (1, 1) and len(decode) >= 4
+
+
+def test_speculative_steps_replayed_on_covering_graphs_match_the_cpu_path(tiny):
+    """Verify steps of shapes no graph was captured for run on a larger captured shape, padded
+    (emulated: the "graph" runs the covering key's padded step through the Triton kernels): the
+    greedy tokens stay the plain CPU path's."""
+    pytest.importorskip("triton")
+    model, tok, _ = tiny
+    ref = _generate(_engine(model, tok))
+    e = _engine(model, tok, spec=True, graphs=True)
+    g = e.runner.graphs
+    g.__class__, g.capture = _Replaying, True
+    g.cover_waste, g.capture_covered_after = 8.0, 1000  # every shape a covering graph serves stays covered
+    e.runner.capture_graphs(context_len=64)             # decode graphs (query length 1), as warmup does
+    big = GraphKey(8, 32, 4, 0)                         # and one verify graph covering smaller ones
+    g.capture_empty(big)
+    assert _generate(e) == ref
+    assert g.covered_runs > 0, "no verify step ran on the covering graph"

@@ -38,7 +38,7 @@ def prompts(vocab: int):
     return out
 
 
-def run(model, tok, device, spec=False, ops=None):
+def run(model, tok, device, spec=False, ops=None, setup=None):
     model = copy.deepcopy(model).to(device)
     model.ops = ops
     cfg = EngineConfig(model="test", device=device,
@@ -47,6 +47,8 @@ def run(model, tok, device, spec=False, ops=None):
                        speculative=SpeculativeConfig(method="ngram", num_tokens=4, min_n=2, max_n=4)
                        if spec else SpeculativeConfig())
     e = LLMEngine(cfg, model=model, tokenizer=tok)
+    if setup is not None:
+        setup(e)
     ps = prompts(model.config.vocab_size)
     reqs = [{"prompt_token_ids": p, "max_tokens": 20 + 3 * i, "ignore_eos": True} for i, p in enumerate(ps)]
     out = e.generate(reqs, arrivals=[0, 0, 1, 2, 2, 5, 9, 9])
@@ -71,6 +73,26 @@ def test_gpu_speculative_graph_path_greedy_matches_cpu_fp32(cpu_model, cpu_token
     tokens, e = run(*cpu_model, "cuda", spec=True)
     assert e.stats.accepted_draft_tokens > 0
     assert e.runner.graph_stats["replays"] > 0
+    assert tokens == cpu_tokens
+
+
+def test_gpu_speculative_steps_replayed_on_covering_graphs_match_cpu_fp32(cpu_model, cpu_tokens):
+    """Verify steps whose shape no graph was captured for replay a captured larger one, padded
+    (DecodeGraphs.cover), instead of an eager step and a capture: the same greedy tokens."""
+    from tandem.engine.cuda_graphs import graph_key
+
+    def covering_graphs(e):
+        r, g = e.runner, e.runner.graphs
+        g.cover_waste, g.capture_covered_after = 64.0, 10 ** 6  # covered whenever a graph covers
+        r.capture_graphs(all_contexts=True)  # the decode graphs warmup captures (empty header)
+        for ctx in (256, 512, 1024):  # a verify graph of 8 sequences x 8 tokens per context plan
+            g.capture_empty(graph_key([8] * 8, ctx, batch_sizes=r.batch_sizes, token_sizes=r.token_sizes,
+                                      max_context=r.static.max_blocks * r.block_size, splits=r._splits))
+
+    tokens, e = run(*cpu_model, "cuda", spec=True, setup=covering_graphs)
+    stats = e.runner.graph_stats
+    assert stats["failed"] is None and stats["covered_runs"] > 0, stats
+    assert e.stats.accepted_draft_tokens > 0
     assert tokens == cpu_tokens
 
 
