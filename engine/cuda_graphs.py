@@ -190,7 +190,8 @@ class DecodeGraphs:
     """Captured steps by GraphKey. `step(key)` runs the forward on the static buffers and returns
     the logits of all key.tokens rows; a key is captured ahead (`capture_empty`, at warmup) or on
     its `capture_after`-th step, the ones before it eager (the run before the capture, which
-    compiles kernels, is that step's result). With `capture=False` (CPU tests)
+    compiles kernels, is that step's result). A key that a captured one covers (`cover`) replays
+    that one until its `capture_covered_after`-th step instead. With `capture=False` (CPU tests)
     every run is eager through the same static buffers.
 
     Capture shares the GPU with the KV transport's threads (NCCL sends and receives, gathers and
