@@ -265,6 +265,8 @@ def capture_costs(bench: Bench, model, tok, shapes, repeats: int = 3) -> list[di
     each on a fresh set of graphs, after one untimed pass that compiles the shape's kernels."""
     e = bench.engine(model, tok, num_blocks=max(b * (c + 64) for b, c in shapes) // 16 + 64)
     e.overlap = False  # each step's wall is its own
+    print("\n| batch x ctx | eager step ms | capture step ms | replay ms | each run: eager/capture |"
+          "\n|---|---:|---:|---:|---|")
     if bench.dry:  # the graph path's static buffers, run eagerly (no CUDA here: nothing captures)
         e.runner = ModelRunner(model, e.kv_cache, bench.dev, cuda_graphs=True, capture=False)
     rows = []
@@ -321,6 +323,17 @@ def profile_rows(bench: Bench, model, tok, rows, args) -> None:
             print(f"#   {k['us']:8.1f} us {k['count']:4d}x  {k['name']}")
 
 
+def apply_kernel_options(args) -> None:
+    """--policy (the split plan) and --rope-kv, for every engine the script builds."""
+    if args.policy:
+        from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
+        set_split_policy(**{k: v == "1" if k in ("vector_merge", "bucket_plan") else int(v)
+                            for k, v in (p.split("=") for p in args.policy.split(","))})
+    if args.rope_kv == "off":
+        from tandem.engine.kernels import attention_rope_kv  # noqa: PLC0415
+        attention_rope_kv.ENABLED = False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model (Triton interpreter)")
@@ -346,13 +359,7 @@ def main() -> None:
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
-    if args.policy:
-        from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415
-        set_split_policy(**{k: v == "1" if k in ("vector_merge", "bucket_plan") else int(v)
-                            for k, v in (p.split("=") for p in args.policy.split(","))})
-    if args.rope_kv == "off":
-        from tandem.engine.kernels import attention_rope_kv  # noqa: PLC0415
-        attention_rope_kv.ENABLED = False
+    apply_kernel_options(args)
     bench = Bench(args.dry_run, args.out)
     parse = lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",") if p]  # noqa: E731
     small = [(1, 64), (4, 64)]
@@ -369,8 +376,6 @@ def main() -> None:
             profile_rows(bench, model, tok, rows, args)
         bench.results["generate"] = [generate_breakdown(bench, model, tok, b, c) for b, c in gens]
         if caps:
-            print("\n| batch x ctx | eager step ms | capture step ms | replay ms | each run: eager/capture |"
-                  "\n|---|---:|---:|---:|---|")
             bench.results["captures"] = capture_costs(bench, model, tok, caps)
         if args.offline:
             n, ctx, out = (8, 64, 8) if bench.dry else (512, 1024, 256)
