@@ -208,16 +208,15 @@ class DecodeGraphs:
         self.step = step
         self.capture = capture
         # a key warmup did not capture is captured on its capture_after-th step; the steps before
-        # run eagerly through the same static buffers. A capture stalls the batch ~40 ms (llama3-8b,
-        # H200: the eager run, the recording, the instantiation) against a few ms for an eager step,
-        # and serving meets many shapes once (verify widths x context buckets x batch buckets)
+        # run eagerly through the same static buffers (serving meets shapes once: verify widths x
+        # context buckets x batch buckets)
         self.capture_after = max(1, capture_after)
         # a key not captured yet runs padded on a captured one that covers it (`cover`: the same
         # context plan and tree flag, at least its sequences, tokens and longest query, at most
         # cover_waste times its tokens) instead of eagerly, and is captured itself only on its
-        # capture_covered_after-th step: a replay with some padding costs a fraction of a
-        # millisecond where the eager step and the capture cost 17-45 ms each (bench/step_profile.py
-        # --captures; the served run h200-colocated-10 met ~50 shapes after warmup per rate)
+        # capture_covered_after-th step. llama3-8b on the H200 (bench/step_profile.py --captures):
+        # a replay 5-8 ms, a shape's eager step 17-26 ms and the step that captures it 17-35 ms
+        # (50-66 ms in the served runs); h200-colocated-10 met ~50 shapes after warmup per rate
         self.cover_waste = cover_waste
         self.capture_covered_after = max(1, capture_covered_after)
         self._covers: dict[GraphKey, GraphKey | None] = {}  # for _covers_of graphs (only ever added)
@@ -275,8 +274,8 @@ class DecodeGraphs:
         fits = [k for k in self.graphs if k.context == key.context and k.tree == key.tree
                 and k.batch >= key.batch and k.query_len >= key.query_len
                 and key.tokens <= k.tokens <= self.cover_waste * key.tokens]
-        best = self._covers[key] = min(fits, key=lambda k: (k.tokens, k.batch, k.query_len), default=None)
-        return best
+        self._covers[key] = min(fits, key=lambda k: (k.tokens, k.batch, k.query_len), default=None)
+        return self._covers[key]
 
     def _capture(self, key: GraphKey) -> torch.Tensor:
         t0 = time.perf_counter()

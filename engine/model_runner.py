@@ -319,10 +319,8 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int | str | None]:
         g = self.graphs
         if g is None:
-            return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "covered_runs": 0, "capture_failures": 0,
-                    "capture_s": 0.0,
-                    "last_capture_failure": None, "failed": None}
+            return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "covered_runs": 0,
+                    "capture_failures": 0, "capture_s": 0.0, "last_capture_failure": None, "failed": None}
         return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "eager_runs": g.eager_runs,
-                "covered_runs": g.covered_runs,
-                "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
+                "covered_runs": g.covered_runs, "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
                 "last_capture_failure": g.last_failure, "failed": g.failed}
