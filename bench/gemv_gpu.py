@@ -170,7 +170,7 @@ class GemvBench(FP8Bench):
     def steps(self):
         name = "tiny-random" if self.dry else "llama3-8b-random"
         dtype = "float32" if self.dry else "bfloat16"
-        ctx = 64 if self.dry else 1024
+        ctx = 64 if self.dry else self.ctx
         rows = self.results["decode_8b"] = []
         if self.configs == "swept":
             self.use_swept_configs()
@@ -303,6 +303,7 @@ def main():
                         help="decode-step variants instead of the built-in set, e.g. "
                              "'bf16:table/prefetch//0,fp8:table/wait/norm/1' (KIND:POLICY/PDL/PROLOGUES/SMALL_PDL)")
     parser.add_argument("--batches", default="1", help="decode-step batch sizes, e.g. 1,64,256")
+    parser.add_argument("--ctx", type=int, default=1024, help="context length of the decode steps")
     parser.add_argument("--models", default="8b,32b", help="kernel shapes of these models: 8b,32b")
     parser.add_argument("--configs", choices=("committed", "swept"), default="committed",
                         help="tile configs of the decode steps: engine.kernels.gemv's, or this run's sweep's best")
@@ -323,6 +324,7 @@ def main():
     b.repeats, b.configs, b.models = args.repeats, args.configs, set(args.models.split(","))
     b.variants = parse_variants(args.variants) if args.variants else None
     b.batches = tuple(int(v) for v in args.batches.split(","))
+    b.ctx = args.ctx
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
     for name, fn in (("kernels", b.kernels), ("steps", b.steps)):

@@ -101,8 +101,8 @@ def _merge_partitions_kernel(
     partition_size, first_seq, stride_ot, stride_oh, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    # grid: (sequences of the launch, query heads, longest query of the launch)
-    pdl.enter(USE_PDL)
+    # grid: (sequences of the launch, query heads, longest query of the launch); the host's
+    # metadata is read before the PDL wait, the partial states (the split launch's) after it
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
     t = tl.program_id(2)
@@ -115,6 +115,7 @@ def _merge_partitions_kernel(
     row = (q_start + t - tl.load(query_start_loc_ptr + first_seq)).to(tl.int64) * stride_pt + head * stride_ph
     dims = tl.arange(0, HEAD_DIM)
     parts = tl.arange(0, TILE)
+    pdl.enter(USE_PDL)
     m = tl.full([1], _NEG_BIG, tl.float32)
     denom = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)

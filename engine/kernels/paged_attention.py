@@ -199,10 +199,13 @@ def _decode_kernel(
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
     ROPE: tl.constexpr = False, MERGE: tl.constexpr = False, MTILE: tl.constexpr = 16, USE_PDL: tl.constexpr = False,
 ):
-    pdl.enter(USE_PDL)
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
+    # Before the PDL wait (pdl.enter) only what the kernel launched just before this one (the QKV
+    # projection, or the KV write), which may still run, does not write: the host's metadata and
+    # the rotary table. (Loading the first K/V tile's keys of earlier steps here too was measured on
+    # the H200: no faster at batch 1, 6-10% slower steps at 64 and 256; docs/benchmarks.md.)
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = part * partition_size
     if part_start >= seq_len:
@@ -211,15 +214,24 @@ def _decode_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     ctx_len = seq_len - q_len
-    if ROPE:  # the step's new keys in this partition: rotated, with their values, into the cache
-        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr, q_start, q_len,
-                      ctx_len, part_start, part_end, kv_head, stride_kt, stride_knh, stride_vt, stride_vnh, stride_cs,
-                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, BLOCK_Q, HEAD_DIM)
-        tl.debug_barrier()  # the program's stores are visible to its own loads below
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    t, tokens, heads, dims, row_ok = _group_rows(q_start, q_len, kv_head, GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM)
+    if ROPE:  # the angles of the query rows and of the new keys this partition writes
+        q_cos, q_sin = _angles(positions_ptr + tokens, row_ok, cos_sin_ptr, stride_cs, dims, HEAD_DIM)
+        new_tokens, new_ok, new_slots, k_cos, k_sin = _new_kv_targets(
+            slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end,
+            BLOCK_Q, HEAD_DIM)
+    pdl.enter(USE_PDL)
 
-    q, t, tokens, heads, dims, row_ok = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
-                                                    positions_ptr, cos_sin_ptr, stride_cs,
-                                                    GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM, ROPE)
+    q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if ROPE:  # q rotated in registers (q itself stays as it is), then the step's new keys in this
+        # partition rotated, with their values, into the cache (their loads in flight with q's)
+        q = _rotate(q, q_rows, dims, row_ok, q_cos, q_sin, HEAD_DIM)
+        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, new_tokens, new_ok, new_slots, k_cos, k_sin,
+                      kv_head, stride_kt, stride_knh, stride_vt, stride_vnh,
+                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, HEAD_DIM)
+        tl.debug_barrier()  # the program's stores are visible to its own loads below
     q_pos = ctx_len + t
     tree_bits = 0
     if TREE:  # keys up to ctx_len (context + root) are every tree row's: the unmasked tiles hold
@@ -228,8 +240,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-
     unmasked_end, masked_start = _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N, SLIDING)
     for start_n in range(part_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
@@ -261,53 +271,52 @@ def _group_rows(q_start, q_len, kv_head, GROUP: tl.constexpr, BLOCK_G: tl.conste
 
 
 @triton.jit
-def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, positions_ptr, cos_sin_ptr, stride_cs,
-                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                ROPE: tl.constexpr):
-    """A decode program's rows (_group_rows) -> (q [rows, D], rotated by its positions where ROPE;
-    t, tokens, heads, dims, row_ok)."""
-    t, tokens, heads, dims, row_ok = _group_rows(q_start, q_len, kv_head, GROUP, BLOCK_G, BLOCK_Q, HEAD_DIM)
-    q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    if ROPE:
-        q = _rope(q, q_rows, dims, row_ok, tl.load(positions_ptr + tokens, mask=row_ok, other=0),
-                  cos_sin_ptr, stride_cs, HEAD_DIM)
-    return q, t, tokens, heads, dims, row_ok
-
-
-@triton.jit
-def _rope(x, row_ptrs, dims, ok, pos, cos_sin_ptr, stride_cs, HEAD_DIM: tl.constexpr):
-    """Rows x [M, D] (at row_ptrs [M, 1] + dims) rotated by the angles of positions pos [M],
-    rotate-half pairing, in fp32, rounded to x's dtype: what engine.kernels.fused's rotary stores.
-    cos_sin [max_position, D]: cos in the first half of a row, sin in the second."""
-    pair = tl.load(row_ptrs + (dims[None, :] + HEAD_DIM // 2) % HEAD_DIM, mask=ok[:, None], other=0.0)
+def _angles(pos_ptrs, ok, cos_sin_ptr, stride_cs, dims, HEAD_DIM: tl.constexpr):
+    """The rotary angles of rows at positions *pos_ptrs [M] -> (cos, sin) [M, D] fp32, each half
+    of a row repeated (rotate-half pairing). cos_sin [max_position, D]: cos in the first half of a
+    row, sin in the second."""
+    pos = tl.load(pos_ptrs, mask=ok, other=0)
     angle = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + dims[None, :] % (HEAD_DIM // 2)
     cos = tl.load(angle, mask=ok[:, None], other=0.0).to(tl.float32)
     sin = tl.load(angle + HEAD_DIM // 2, mask=ok[:, None], other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate(x, row_ptrs, dims, ok, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rows x [M, D] (at row_ptrs [M, 1] + dims) rotated by the angles cos, sin [M, D] (_angles),
+    rotate-half pairing, in fp32, rounded to x's dtype: what engine.kernels.fused's rotary stores."""
+    pair = tl.load(row_ptrs + (dims[None, :] + HEAD_DIM // 2) % HEAD_DIM, mask=ok[:, None], other=0.0)
     xf, pf = x.to(tl.float32), pair.to(tl.float32)
     return tl.where(dims[None, :] < HEAD_DIM // 2, xf * cos - pf * sin, xf * cos + pf * sin).to(x.dtype)
 
 
 @triton.jit
-def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
-                  q_start, q_len, ctx_len, part_start, part_end, kv_head,
-                  stride_kt, stride_knh, stride_vt, stride_vnh, stride_cs,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  BLOCK_SIZE, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The new tokens of a sequence whose keys (context index ctx_len + t) fall in
-    [part_start, part_end): k [T, Hkv, D] rotated and v, this KV head's, to their cache slots
-    (slot_ptr [T]; -1 skips), as engine.kernels.attention_rope_kv.rotary_write_kv writes them."""
+def _new_kv_targets(slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end,
+                    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The step's new tokens whose keys (context index ctx_len + t) fall in [part_start, part_end)
+    and have a slot (-1 skips) -> (tokens [BLOCK_Q], ok, slots, cos, sin): what _write_new_kv
+    needs that the host wrote, loaded before the PDL wait."""
     t = tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, HEAD_DIM)
     tokens = (q_start + t).to(tl.int64)
     slot = tl.load(slot_ptr + tokens, mask=t < q_len, other=-1).to(tl.int64)
     ok = (t < q_len) & (ctx_len + t >= part_start) & (ctx_len + t < part_end) & (slot >= 0)
+    cos, sin = _angles(positions_ptr + tokens, ok, cos_sin_ptr, stride_cs, tl.arange(0, HEAD_DIM), HEAD_DIM)
+    return tokens, ok, tl.where(ok, slot, 0), cos, sin
+
+
+@triton.jit
+def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, tokens, ok, slot, cos, sin, kv_head,
+                  stride_kt, stride_knh, stride_vt, stride_vnh,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE, HEAD_DIM: tl.constexpr):
+    """The new tokens `ok` of _new_kv_targets: k [T, Hkv, D] rotated and v, this KV head's, to
+    their cache slots, as engine.kernels.attention_rope_kv.rotary_write_kv writes them."""
+    dims = tl.arange(0, HEAD_DIM)
     k_rows = k_ptr + tokens[:, None] * stride_kt + kv_head * stride_knh
-    k = tl.load(k_rows + dims[None, :], mask=ok[:, None], other=0.0)
-    k = _rope(k, k_rows, dims, ok, tl.load(positions_ptr + tokens, mask=ok, other=0), cos_sin_ptr, stride_cs,
-              HEAD_DIM)
-    block = tl.where(ok, slot, 0) // BLOCK_SIZE
-    offset = tl.where(ok, slot, 0) % BLOCK_SIZE
+    k = _rotate(tl.load(k_rows + dims[None, :], mask=ok[:, None], other=0.0), k_rows, dims, ok, cos, sin, HEAD_DIM)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
     k_dst = k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
     tl.store(k_dst, k, mask=ok[:, None])
     v = tl.load(v_ptr + tokens[:, None] * stride_vt + kv_head * stride_vnh + dims[None, :], mask=ok[:, None], other=0.0)

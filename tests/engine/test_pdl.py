@@ -2,8 +2,9 @@
 
 The USE_PDL branch runs only on a Hopper GPU, never under the interpreter, so each kernel is
 compiled here for sm_90 with Triton's own ptxas (no GPU needed): a mistake in that branch fails CI
-instead of a GPU run, and each launch waits (griddepcontrol.wait) before anything else. On the CPU
-the launch options never ask for PDL."""
+instead of a GPU run. Before its wait (griddepcontrol.wait) a kernel may read only what the kernel
+launched just before it cannot be writing: the PTX is followed from each pointer parameter to the
+global loads issued before the wait. On the CPU the launch options never ask for PDL."""
 
 import os
 import subprocess
@@ -51,9 +52,39 @@ for name, (kernel, const) in KERNELS.items():
     ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
     body = ptx[ptx.index(".entry"):]
-    first = re.search(r"\b(ld\.global|griddepcontrol\.wait)", body)
-    print(name, "griddepcontrol.launch_dependents" in body, first.group(1) if first else None)
+    before = body[:body.index("griddepcontrol.wait")]
+    # which pointer parameters reach the address of a global load before the wait: each register
+    # is tainted by the parameters its definitions read (PTX before the wait has no loop)
+    params = [a for a in kernel.arg_names if sig[a] != "constexpr"]
+    taint = {}
+    for line in before.splitlines():
+        line = line.split("//")[0].strip().lstrip("@!%p0123456789 ")
+        regs = re.findall(r"%[a-z]+[0-9]+", line)
+        param = re.search(r"_param_([0-9]+)\]", line)
+        if line.startswith("ld.global"):
+            address = re.search(r"\[([^\]]*)\]", line).group(1)
+            for reg in re.findall(r"%[a-z]+[0-9]+", address):
+                print(name, "reads", *sorted(taint.get(reg, ())))
+        if not regs:
+            continue
+        if line.startswith("ld.global"):
+            continue  # a loaded value is data, not an address of the same provenance
+        sources = set().union(*(taint.get(r, set()) for r in regs[1:]))
+        if param and sig[params[int(param.group(1))]].startswith("*"):
+            sources.add(params[int(param.group(1))])
+        taint[regs[0]] = taint.get(regs[0], set()) | sources
+    print(name, "launches_dependents", "griddepcontrol.launch_dependents" in body)
 """
+
+# what each kernel may read before its PDL wait: the host's metadata and the rotary table; never
+# the outputs of the kernel before it (q, the new k and v, the split launch's partial states)
+_BEFORE_WAIT = {
+    "decode": {"seq_lens_ptr", "query_start_loc_ptr"},
+    "merge_partitions": {"seq_lens_ptr", "query_start_loc_ptr"},
+}
+_BEFORE_WAIT.update(decode_whole=_BEFORE_WAIT["decode"], decode_merge=_BEFORE_WAIT["decode"] | {
+    "positions_ptr", "cos_sin_ptr", "slot_ptr"})
+_BEFORE_WAIT["decode_rope"] = _BEFORE_WAIT["decode_merge"]
 
 
 def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
@@ -62,11 +93,20 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
     if "ptxas" in done.stderr and "not found" in done.stderr:
         pytest.fail(f"Triton's ptxas is missing: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert set(lines) == {"rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole", "decode_rope",
-                          "decode_merge", "reduce_partitions", "merge_partitions"}
-    # each kernel lets the next one be scheduled, and waits before its first global load
-    assert all(v == "True griddepcontrol.wait" for v in lines.values()), lines
+    launches, reads = {}, {}
+    for line in done.stdout.strip().splitlines():
+        name, what, *rest = line.split()
+        if what == "launches_dependents":
+            launches[name] = rest == ["True"]
+        else:
+            reads.setdefault(name, set()).update(rest)
+    assert launches == dict.fromkeys(("rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
+                                      "decode_rope", "decode_merge", "reduce_partitions", "merge_partitions"), True)
+    for name in launches:  # nothing the kernel before may be writing is read before the wait
+        assert reads.get(name, set()) <= _BEFORE_WAIT.get(name, set()), (name, reads.get(name))
+    # and the decode kernel's metadata and rotary angles are in flight before it
+    assert {"seq_lens_ptr", "query_start_loc_ptr"} <= reads["decode"], reads["decode"]
+    assert {"cos_sin_ptr", "positions_ptr", "slot_ptr"} <= reads["decode_rope"], reads["decode_rope"]
 
 
 def test_launch_options(monkeypatch):

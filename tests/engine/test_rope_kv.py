@@ -12,7 +12,7 @@ import torch
 from tests.engine.test_kernels import (DEVICE, make_batch, make_cos_sin_cache, rel_err,  # sets TRITON_INTERPRET
                                        rotary_reference)
 
-from tandem.engine.attention import write_kv_torch  # noqa: E402
+from tandem.engine.attention import paged_attention_torch, write_kv_torch  # noqa: E402
 from tandem.engine.kernels import attention_rope_kv  # noqa: E402
 from tandem.engine.kernels import paged_attention as pa  # noqa: E402
 from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention, rotary_write_kv  # noqa: E402
@@ -75,6 +75,7 @@ def _step(query_lens, ctx_lens, seed, tree=False):
 @pytest.mark.parametrize("query_lens,ctx_lens,partition,window,tree", [
     ([1], [300], 64, None, False),              # one new token, the context split in partitions
     ([4], [126], 64, None, False),              # new keys on both sides of a partition boundary
+    ([1], [319], 64, None, False),              # the new key in the last partition's unmasked tile
     ([1, 3, 2], [40, 190, 7], None, None, False),  # one pass per sequence, verify rows
     ([2, 1], [150, 90], 64, 50, False),         # a sliding window
     ([3, 4], [100, 61], 64, None, True),        # tree drafts
@@ -92,6 +93,9 @@ def test_decode_kernel_that_writes_the_new_kv_is_the_fused_launch_then_attention
     out = pa.paged_decode_attention(q, k_cache, v_cache, meta, 0.3, partition_size=partition, sliding_window=window,
                                     rope=pa.NewKV(k, v, positions, cos_sin, meta.slot_mapping))
     assert torch.equal(out, ref)
+    # and both are attention over the written cache (a tile read before its new keys were written
+    # would be wrong in both)
+    assert rel_err(out, paged_attention_torch(q_ref, kc_ref, vc_ref, meta, 0.3, sliding_window=window)) < 1e-2
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
     assert not torch.equal(k_cache, k_cache.new_zeros(()).expand_as(k_cache))

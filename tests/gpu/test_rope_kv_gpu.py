@@ -64,3 +64,37 @@ def test_decode_attention_writing_the_new_kv_matches_the_fused_launch_then_atten
         assert torch.equal(caches[0][1], caches[1][1]), query_lens      # V: copied
         for a, b in ((caches[0][0].float(), caches[1][0].float()), (outs[0].float(), outs[1].float())):
             assert (a - b).abs().max().item() < 2e-2 and (a == b).float().mean().item() > 0.999, query_lens
+
+
+def test_decode_attention_under_pdl_reads_the_new_keys_after_its_wait(monkeypatch):
+    """With PDL launches the decode kernel reads its metadata before its wait, while the rotary +
+    KV write launched just before it may still run, and the K/V after it. Twenty steps back to back,
+    each writing other new K/V into the same slots: every step's output is the one plain launches
+    give one step at a time (a new key read before the write landed would be the step before's)."""
+    from tests.engine.test_kernels import make_batch
+
+    from tandem.engine.kernels import pdl
+    from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention
+
+    for query_lens, ctx_lens in (([1], [1000]), ([4], [1022]), ([1] * 64, list(range(200, 200 + 64 * 30, 30)))):
+        gen = torch.Generator().manual_seed(len(query_lens) + ctx_lens[0])
+        q, k_cache, v_cache, meta = make_batch(gen, query_lens, ctx_lens, 32, 8, 128, 16, dtype=torch.bfloat16)
+        positions = torch.tensor([c + t for c, n in zip(ctx_lens, query_lens) for t in range(n)], device="cuda")
+        _, _, _, _, cos_sin = _case(1)
+        steps = [torch.randn(q.shape[0], 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(20)]
+        for inside in (False, True):
+            monkeypatch.setattr(pdl, "ENABLED", True)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            # (the two-launch path rotates q and k in place: each call gets its own)
+            inputs = [(q.clone(), kv.clone()) for kv in steps]
+            outs = [rotary_kv_attention(q_, kv[:, :8], kv[:, 8:], positions, cos_sin, kc, vc, meta, 128 ** -0.5,
+                                        in_attention=inside) for q_, kv in inputs]
+            monkeypatch.setattr(pdl, "ENABLED", False)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            for out, kv in zip(outs, steps):
+                kv = kv.clone()
+                ref = rotary_kv_attention(q.clone(), kv[:, :8], kv[:, 8:], positions, cos_sin, kc, vc, meta,
+                                          128 ** -0.5, in_attention=inside)
+                torch.cuda.synchronize()
+                diff = (out.float() - ref.float()).abs()
+                assert diff.max().item() < 2e-2 and (diff == 0).float().mean().item() > 0.999, (query_lens, inside)
