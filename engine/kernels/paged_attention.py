@@ -202,10 +202,9 @@ def _decode_kernel(
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    # Before the PDL wait (pdl.enter) only what the kernel launched just before this one (the QKV
-    # projection, or the KV write), which may still run, does not write: the host's metadata and
-    # the rotary table. (Loading the first K/V tile's keys of earlier steps here too was measured on
-    # the H200: no faster at batch 1, 6-10% slower steps at 64 and 256; docs/benchmarks.md.)
+    # Before the PDL wait (pdl.enter) only what the kernel before this one (QKV projection or KV
+    # write), which may still run, does not write: the host's metadata, the rotary table. (The first
+    # K/V tile here too: no faster at batch 1 on the H200, 6-10% slower at 64 and 256.)
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = part * partition_size
     if part_start >= seq_len:
@@ -237,9 +236,26 @@ def _decode_kernel(
     if TREE:  # keys up to ctx_len (context + root) are every tree row's: the unmasked tiles hold
         tree_bits = tl.load(tree_mask_ptr + tokens, mask=row_ok, other=-1)
 
-    m_i = tl.full([BLOCK_Q * BLOCK_G], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+    acc, m_i, l_i = _attend_partition(q, q_pos, part_start, part_end, seq_len, ctx_len, window, tree_bits, kv_head,
+                                      table_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, scale_log2, BLOCK_Q * BLOCK_G, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, PRECISION, SLIDING, TREE)
+    _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
+                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph, counter_ptr, seq,
+                  kv_head, q_start, q_len, tl.cdiv(seq_len, partition_size), HEAD_DIM, SPLIT, MERGE, GROUP, BLOCK_G,
+                  MTILE)
+
+
+@triton.jit
+def _attend_partition(q, q_pos, part_start, part_end, seq_len, ctx_len, window, tree_bits, kv_head, table_ptr,
+                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                      scale_log2, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
+    """A decode program's online softmax over keys [part_start, part_end): -> (acc, m, l) of its
+    ROWS query rows, unnormalised."""
+    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     unmasked_end, masked_start = _decode_key_tiles(part_start, part_end, ctx_len, window, BLOCK_N, SLIDING)
     for start_n in range(part_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
@@ -251,11 +267,7 @@ def _decode_kernel(
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                      stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING, TREE)
-
-    _store_decode(acc, m_i, l_i, tokens, heads, dims, row_ok, part, first_seq, query_start_loc_ptr,
-                  out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph, counter_ptr, seq,
-                  kv_head, q_start, q_len, tl.cdiv(seq_len, partition_size), HEAD_DIM, SPLIT, MERGE, GROUP, BLOCK_G,
-                  MTILE)
+    return acc, m_i, l_i
 
 
 @triton.jit
