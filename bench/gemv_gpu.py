@@ -176,6 +176,8 @@ class GemvBench(FP8Bench):
             self.use_swept_configs()
         table, folding, acting = gemv_mod.WINS, gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS
         in_attention, fused_merge = rope_kv.IN_ATTENTION, split_mod.POLICY.fused_merge
+        min_partition, programs_per_sm = split_mod.POLICY.min_partition, split_mod.POLICY.programs_per_sm
+        long_partition = split_mod.POLICY.long_partition
         every, none = frozenset({"16bit", "fp8", "fp32"}), frozenset()
         fold_kinds, act_kinds = {"fold": every, "nofold": none}, {"act": every, "noact": none}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
@@ -202,7 +204,13 @@ class GemvBench(FP8Bench):
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
-                    split_mod.set_split_policy(fused_merge="fmerge" in tokens or (fused_merge and "nofmerge" not in tokens))
+                    split_mod.set_split_policy(fused_merge="fmerge" in tokens or (fused_merge and "nofmerge" not in tokens),
+                                               min_partition=next((int(t[7:]) for t in tokens if t.startswith("minpart")),
+                                                                  min_partition),
+                                               programs_per_sm=next((int(t[3:]) for t in tokens if t.startswith("pps")),
+                                                                    programs_per_sm),
+                                               long_partition=next((int(t[8:]) for t in tokens if t.startswith("longpart")),
+                                                                   long_partition))
                     gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
@@ -212,7 +220,8 @@ class GemvBench(FP8Bench):
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
             gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS, gemv_mod._TUNED = folding, acting, tuned
             rope_kv.IN_ATTENTION = in_attention
-            split_mod.set_split_policy(fused_merge=fused_merge)
+            split_mod.set_split_policy(fused_merge=fused_merge, min_partition=min_partition,
+                                       programs_per_sm=programs_per_sm, long_partition=long_partition)
             pdl_mod.ENABLED = None
             del model
             self.free()
@@ -280,6 +289,9 @@ def parse_variants(spec: str) -> dict:
     every batch, or never: the rotary + KV write launch; the default: up to
     engine.kernels.attention_rope_kv.IN_ATTENTION tokens), "fmerge" or
     "nofmerge" (split decode attention merging its partitions in the launch, SplitPolicy.fused_merge),
+    "minpartN" (split decode attention's partitions at least N keys, SplitPolicy.min_partition),
+    "ppsN" (split until N programs per SM, SplitPolicy.programs_per_sm), "longpartN" (partitions at
+    least min(N, plan / long_parts) keys, SplitPolicy.long_partition; 0: no such floor),
     "N.K=BN.BK.WARPS.STAGES.SUMS" (that shape's plain GEMV tile, tile_overrides)."""
     out = {"bf16": [], "fp8": []}
     for item in filter(None, spec.split(",")):

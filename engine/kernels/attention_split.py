@@ -52,6 +52,13 @@ class SplitPolicy:
     # split at 32 x 5.8k; a step 23% slower for one more sequence), at 2.9 per SM at 97% (48 x 5.8k)
     split_below: int = 3
     programs_per_sm: int = 4  # then split until the programs reach this many per SM
+    # and a partition is at least min(long_partition, plan / long_parts) keys (0: no such floor).
+    # Inside the step many short partitions lose what the kernel alone gains: llama3-8b batch 1
+    # at 8k context on the H200, 125 partitions of 64 keys took the step to 3.11 ms (FP8) and 4.58
+    # (bf16), 32 of 256 to 2.74 and 4.30; a 1k context still wants its 16 of 64 (4 of 256: 7%
+    # slower). docs/benchmarks.md, issue 24
+    long_partition: int = 256
+    long_parts: int = 16
     vector_merge: bool = True  # merge with _merge_partitions_kernel (else the looping reduce)
     # merge inside the split launch: the last program of each (sequence, KV head) to finish merges
     # its partitions (paged_attention._merge_if_last), no second launch. Off until timed on the H200
@@ -70,8 +77,11 @@ def set_split_policy(**changes) -> SplitPolicy:
     for name, value in changes.items():
         if name not in SplitPolicy.__dataclass_fields__:
             raise ValueError(f"SplitPolicy has no field {name!r}")
-        if name in ("min_partition", "split_below", "programs_per_sm") and (not isinstance(value, int) or value < 1):
+        if name in ("min_partition", "split_below", "programs_per_sm", "long_parts") and (
+                not isinstance(value, int) or value < 1):
             raise ValueError(f"SplitPolicy.{name} must be a positive int, got {value!r}")
+        if name == "long_partition" and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"SplitPolicy.long_partition must be an int >= 0, got {value!r}")
     old, POLICY = POLICY, dataclasses.replace(POLICY, **changes)
     return old
 
@@ -81,7 +91,7 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
     every SM `split_below` programs, else a partition size (a multiple of block_n, at least
     min_partition keys, POLICY's when None) that brings the program count up to about
-    `programs_per_sm` per SM. With `bucket_plan`, the plan of a context in (2^(k-1), 2^k] is the
+    `programs_per_sm` per SM, and at least min(long_partition, plan / long_parts) keys. With `bucket_plan`, the plan of a context in (2^(k-1), 2^k] is the
     plan of 2^(k-1) keys: one partition size for the bucket, its smallest contexts split enough."""
     policy = POLICY
     min_partition = max(block_n, policy.min_partition if min_partition is None else min_partition)
@@ -92,7 +102,9 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs), triton.cdiv(plan_len, min_partition))
     if parts <= 1:
         return None
-    return triton.cdiv(triton.cdiv(plan_len, parts), block_n) * block_n
+    size = triton.cdiv(triton.cdiv(plan_len, parts), block_n) * block_n
+    floor = min(policy.long_partition, triton.cdiv(triton.cdiv(plan_len, policy.long_parts), block_n) * block_n)
+    return max(size, floor)
 
 
 @triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_ot', 'stride_oh', 'stride_pt', 'stride_ph'])

@@ -106,7 +106,7 @@ def test_default_plan_is_the_sweeps_best():
     assert choose_partition_size(1, 8, 1040, 132) == 64
     assert choose_partition_size(16, 8, 1040, 132) == 256
     assert choose_partition_size(64, 8, 1040, 132) is None
-    assert choose_partition_size(1, 8, 8200, 132) == 128
+    assert choose_partition_size(1, 8, 8200, 132) == 256  # the sweep's 128, floored (long_partition)
     assert choose_partition_size(8, 8, 8200, 132) == 960
     assert choose_partition_size(32, 8, 8200, 132) == 2752
     # 33 sequences (264 programs, 2 per SM) split in two: unsplit, they read K/V at 78% of the
@@ -117,11 +117,29 @@ def test_default_plan_is_the_sweeps_best():
     assert attention_split.POLICY.vector_merge
 
 
+def test_long_partition_floors_the_partitions_of_long_contexts(policy):
+    # batch 1 on 132 SMs: the program count alone would cut an 8k context into 64-key partitions;
+    # the floor keeps them 256 keys long, and leaves a 1k context its 64-key ones
+    policy(long_partition=0)
+    assert choose_partition_size(1, 8, 8000, 132) == 64
+    assert choose_partition_size(1, 8, 8200, 132) == 128
+    policy(long_partition=256, long_parts=16)
+    assert choose_partition_size(1, 8, 8000, 132) == 256
+    assert choose_partition_size(1, 8, 3000, 132) == 128    # plan 2048 / 16
+    assert choose_partition_size(1, 8, 1040, 132) == 64
+    assert choose_partition_size(1, 8, 40, 132) is None     # still: shorter than one partition
+    assert choose_partition_size(8, 8, 8200, 132) == 960    # already longer: unchanged
+    policy(long_parts=4)
+    assert choose_partition_size(1, 8, 1040, 132) == 256
+
+
 def test_set_split_policy_refuses_unknown_or_bad_fields(policy):
     with pytest.raises(ValueError, match="no field 'min_parts'"):
         policy(min_parts=64)
     with pytest.raises(ValueError, match="positive int"):
         policy(min_partition=0)
+    with pytest.raises(ValueError, match="long_partition must be an int >= 0"):
+        policy(long_partition=-64)
 
 
 def test_bucket_plan_serves_every_context_of_a_graph_bucket(policy):
