@@ -10,7 +10,7 @@ One run measures, in order:
   over enough weight copies to be past the L2. Prints the best config per shape (the decode steps
   below use the committed ones) and the shapes where the fused GEMV beats the separate launches (engine.kernels.gemv.WINS is meant to hold
   those that also win in the decode step);
-- llama3-8b-random decode steps at batch 1, context 1k (bench/fp8_gpu.py's decode rows: CUDA
+- llama3-8b-random decode steps at batch 1, context 1k or --ctx (bench/fp8_gpu.py's decode rows: CUDA
   graphs, the overlapped step, the kernel profile of one eager forward), bf16 with the fused
   GEMV off (cuBLAS and the separate launches), on where engine.kernels.gemv.WINS says (the
   default), and on for every projection and prologue; FP8 likewise; with programmatic dependent
@@ -175,9 +175,7 @@ class GemvBench(FP8Bench):
         if self.configs == "swept":
             self.use_swept_configs()
         table, folding, acting = gemv_mod.WINS, gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS
-        in_attention, fused_merge = rope_kv.IN_ATTENTION, split_mod.POLICY.fused_merge
-        min_partition, programs_per_sm = split_mod.POLICY.min_partition, split_mod.POLICY.programs_per_sm
-        long_partition = split_mod.POLICY.long_partition
+        in_attention, split_policy = rope_kv.IN_ATTENTION, split_mod.POLICY
         every, none = frozenset({"16bit", "fp8", "fp32"}), frozenset()
         fold_kinds, act_kinds = {"fold": every, "nofold": none}, {"act": every, "noact": none}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
@@ -204,13 +202,12 @@ class GemvBench(FP8Bench):
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
-                    split_mod.set_split_policy(fused_merge="fmerge" in tokens or (fused_merge and "nofmerge" not in tokens),
-                                               min_partition=next((int(t[7:]) for t in tokens if t.startswith("minpart")),
-                                                                  min_partition),
-                                               programs_per_sm=next((int(t[3:]) for t in tokens if t.startswith("pps")),
-                                                                    programs_per_sm),
-                                               long_partition=next((int(t[8:]) for t in tokens if t.startswith("longpart")),
-                                                                   long_partition))
+                    split_mod.set_split_policy(
+                        fused_merge="fmerge" in tokens or (split_policy.fused_merge and "nofmerge" not in tokens),
+                        **{field: next((int(t[len(prefix):]) for t in tokens if t.startswith(prefix)),
+                                       getattr(split_policy, field))
+                           for prefix, field in (("minpart", "min_partition"), ("pps", "programs_per_sm"),
+                                                 ("longpart", "long_partition"))})
                     gemv_mod._TUNED = {**tuned, **tile_overrides(label.split("-")[1], tokens)}
                     tag = (f"{label}-{policy}{'+' + extra if extra else ''}-pdl:{pdl}"
                            + {True: "+small", False: "", None: "+auto"}[small])
@@ -220,8 +217,7 @@ class GemvBench(FP8Bench):
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
             gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS, gemv_mod._TUNED = folding, acting, tuned
             rope_kv.IN_ATTENTION = in_attention
-            split_mod.set_split_policy(fused_merge=fused_merge, min_partition=min_partition,
-                                       programs_per_sm=programs_per_sm, long_partition=long_partition)
+            split_mod.set_split_policy(**dataclasses.asdict(split_policy))
             pdl_mod.ENABLED = None
             del model
             self.free()
@@ -245,7 +241,8 @@ def print_table(R):
         for r in rows:
             by.setdefault(r["model"] + (f" x{r['batch']}" if r["batch"] != 1 else ""), []).append(r)
         med = {m: statistics.median(r["step_ms"] for r in rs) for m, rs in by.items()}
-        print(f"\nllama3-8b-random decode, context 1k (batch 1 unless xN): step ms (median of {len(rows) // len(by)} "
+        print(f"\nllama3-8b-random decode, context {rows[0]['ctx']} (batch 1 unless xN): step ms (median of "
+              f"{len(rows) // len(by)} "
               "interleaved runs; each run the median of its steps)")
         print(f"{'model':>34} {'step ms':>8} {'runs':>24} {'GPU ms':>8} {'floor ms':>8} {'x floor':>7} "
               f"{'/ bf16 off':>10} {'/ bf16 first':>12}")

@@ -91,8 +91,9 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     """Split-K plan for decode: None (one pass) when the (sequence, KV head) programs already give
     every SM `split_below` programs, else a partition size (a multiple of block_n, at least
     min_partition keys, POLICY's when None) that brings the program count up to about
-    `programs_per_sm` per SM, and at least min(long_partition, plan / long_parts) keys. With `bucket_plan`, the plan of a context in (2^(k-1), 2^k] is the
-    plan of 2^(k-1) keys: one partition size for the bucket, its smallest contexts split enough."""
+    `programs_per_sm` per SM, and at least min(long_partition, plan / long_parts) keys. With
+    `bucket_plan`, the plan of a context in (2^(k-1), 2^k] is the plan of 2^(k-1) keys: one
+    partition size for the bucket, its smallest contexts split enough."""
     policy = POLICY
     min_partition = max(block_n, policy.min_partition if min_partition is None else min_partition)
     programs = num_seqs * num_kv_heads

@@ -218,7 +218,7 @@ def _decode_kernel(
     if ROPE:  # the angles of the query rows and of the new keys this partition writes
         q_cos, q_sin = _angles(positions_ptr + tokens, row_ok, cos_sin_ptr, stride_cs, dims, HEAD_DIM)
         new_tokens, new_ok, new_slots, k_cos, k_sin = _new_kv_targets(
-            slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end,
+            slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end, dims,
             BLOCK_Q, HEAD_DIM)
     pdl.enter(USE_PDL)
 
@@ -305,7 +305,7 @@ def _rotate(x, row_ptrs, dims, ok, cos, sin, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _new_kv_targets(slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end,
-                    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr):
+                    dims, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The step's new tokens whose keys (context index ctx_len + t) fall in [part_start, part_end)
     and have a slot (-1 skips) -> (tokens [BLOCK_Q], ok, slots, cos, sin): what _write_new_kv
     needs that the host wrote, loaded before the PDL wait."""
@@ -313,7 +313,7 @@ def _new_kv_targets(slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_
     tokens = (q_start + t).to(tl.int64)
     slot = tl.load(slot_ptr + tokens, mask=t < q_len, other=-1).to(tl.int64)
     ok = (t < q_len) & (ctx_len + t >= part_start) & (ctx_len + t < part_end) & (slot >= 0)
-    cos, sin = _angles(positions_ptr + tokens, ok, cos_sin_ptr, stride_cs, tl.arange(0, HEAD_DIM), HEAD_DIM)
+    cos, sin = _angles(positions_ptr + tokens, ok, cos_sin_ptr, stride_cs, dims, HEAD_DIM)
     return tokens, ok, tl.where(ok, slot, 0), cos, sin
 
 
