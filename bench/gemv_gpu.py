@@ -37,9 +37,9 @@ import tandem.engine.quant.fp8 as fp8_quant
 from tandem.engine.model import TritonOps
 from tandem.engine.weights import load_model
 
-# tandem.engine.kernels.gemv / .fused / .pdl / .attention_rope_kv / .attention_split, imported after
-# TRITON_INTERPRET is set
-gemv_mod = fused_mod = pdl_mod = rope_kv = split_mod = None
+# tandem.engine.kernels.gemv / .fused / .pdl / .attention_rope_kv / .attention_split / .paged_attention,
+# imported after TRITON_INTERPRET is set
+gemv_mod = fused_mod = pdl_mod = rope_kv = split_mod = paged_mod = None
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
@@ -202,8 +202,10 @@ class GemvBench(FP8Bench):
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
+                    paged_mod.EARLY_RELEASE = "early2" in tokens
                     split_mod.set_split_policy(
                         fused_merge="fmerge" in tokens or (split_policy.fused_merge and "nofmerge" not in tokens),
+                        early_release="early" in tokens or (split_policy.early_release and "noearly" not in tokens),
                         **{field: next((int(t[len(prefix):]) for t in tokens if t.startswith(prefix)),
                                        getattr(split_policy, field))
                            for prefix, field in (("minpart", "min_partition"), ("pps", "programs_per_sm"),
@@ -286,6 +288,7 @@ def parse_variants(spec: str) -> dict:
     every batch, or never: the rotary + KV write launch; the default: up to
     engine.kernels.attention_rope_kv.IN_ATTENTION tokens), "fmerge" or
     "nofmerge" (split decode attention merging its partitions in the launch, SplitPolicy.fused_merge),
+    "early" or "noearly" (the merge lets the o GEMV be scheduled before it waits, SplitPolicy.early_release),
     "minpartN" (split decode attention's partitions at least N keys, SplitPolicy.min_partition),
     "ppsN" (split until N programs per SM, SplitPolicy.programs_per_sm), "longpartN" (partitions at
     least min(N, plan / long_parts) keys, SplitPolicy.long_partition; 0: no such floor),
@@ -321,11 +324,12 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    global gemv_mod, fused_mod, pdl_mod, rope_kv, split_mod
+    global gemv_mod, fused_mod, pdl_mod, rope_kv, split_mod, paged_mod
     import tandem.engine.kernels.attention_rope_kv as rope_kv  # noqa: PLC0415 (after TRITON_INTERPRET is set)
     import tandem.engine.kernels.attention_split as split_mod  # noqa: PLC0415
     import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415
     import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
+    import tandem.engine.kernels.paged_attention as paged_mod  # noqa: PLC0415
     import tandem.engine.kernels.pdl as pdl_mod  # noqa: PLC0415
 
     torch.manual_seed(0)

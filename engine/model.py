@@ -347,19 +347,23 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_cache, meta, ops, layer_done) -> torch.Tensor:
-        with self._kernel_launches():
+        with self._kernel_launches(input_ids.shape[0]):
             return self._layers_fused(input_ids, positions, kv_cache, meta, ops, layer_done)
 
-    def _kernel_launches(self):
-        """The scope the GPU path's kernels launch in: PDL for an FP8 model (engine.kernels.pdl.auto)."""
+    def _kernel_launches(self, tokens: int):
+        """The scope the GPU path's kernels launch in (engine.kernels.pdl.auto): PDL for an FP8
+        model, and for any model's one-token step (a chain of GEMVs and small kernels). On the H200
+        the bf16 8B batch-1 step took 4.02 ms with it against 4.08-4.09 without; bf16 steps of 8-256
+        tokens were 0.3-0.5% slower with it, so they keep plain launches (docs/benchmarks.md, issue 24)."""
         from tandem.engine.kernels import pdl  # noqa: PLC0415 (triton loads only where kernels run)
 
-        return pdl.auto(self.fp8_weights)
+        return pdl.auto(self.fp8_weights or tokens == 1)
 
     @property
     def fp8_weights(self) -> bool:
         """Whether the projections hold FP8 weights (set at load; read once). The GPU path runs
-        such a model's small kernels as programmatic dependent launches (engine.kernels.pdl)."""
+        such a model's small kernels as programmatic dependent launches (engine.kernels.pdl) at
+        every step, a 16-bit model's at one-token steps only."""
         if self._fp8 is None:
             self._fp8 = any(getattr(m, "is_fp8", False) for m in self.layers[0].modules())
         return self._fp8
@@ -380,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not getattr(self.ops_for(hidden.device), "fused", False):
             return self.lm_head(hidden).float()
-        with self._kernel_launches():
+        with self._kernel_launches(hidden.shape[0]):
             return self.lm_head(hidden).float()
 
     # ---- weights ----------------------------------------------------------------------------

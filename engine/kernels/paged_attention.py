@@ -198,7 +198,10 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
     ROPE: tl.constexpr = False, MERGE: tl.constexpr = False, MTILE: tl.constexpr = 16, USE_PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
+    if EARLY:  # the kernel after this one (the merge, or the o projection) scheduled now (EARLY_RELEASE)
+        pdl.release(USE_PDL)
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -220,7 +223,10 @@ def _decode_kernel(
         new_tokens, new_ok, new_slots, k_cos, k_sin = _new_kv_targets(
             slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end, dims,
             BLOCK_Q, HEAD_DIM)
-    pdl.enter(USE_PDL)
+    if EARLY:
+        pdl.wait(USE_PDL)
+    else:
+        pdl.enter(USE_PDL)
 
     q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -569,6 +575,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 _DECODE_BLOCK_N = 64
+# under PDL, the decode kernel lets the kernel after it be scheduled before it waits (pdl.release).
+# Off: llama3-8b batch 1 on the H200 with it (and the merge's, SplitPolicy.early_release) took 2.429
+# ms (FP8) and 4.050 (bf16) at 1k against 2.422 and 4.020 with the merge's alone; 2.729 against
+# 2.743 (FP8) at 8k (bench/gemv_gpu.py's "early2" variant token)
+EARLY_RELEASE = False
 # one pass reads each sequence's whole context, whatever meta.max_seq_len says (graph replays)
 _WHOLE_CONTEXT = 2**30
 
@@ -648,7 +659,7 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=_precision(q.dtype), SPLIT=split,
         SLIDING=sliding_window is not None, TREE=tree is not None, ROPE=rope is not None,
         MERGE=counters is not None, MTILE=max(1, min(attention_split.MERGE_TILE, 64 // block_g)),
-        num_warps=num_warps, num_stages=num_stages, **common, **pdl.launch_options(q.device),
+        EARLY=EARLY_RELEASE, num_warps=num_warps, num_stages=num_stages, **common, **pdl.launch_options(q.device),
     )
     if counters is not None:
         return

@@ -12,8 +12,13 @@ before any load.
 
 `ENABLED` switches it for the small kernels: True or False where set (benchmarks compare;
 TANDEM_PDL=1 or 0 in the environment sets it for a process), None (the default) leaves it to each
-forward, which the model runs under `auto(on)`: on for models with FP8 projection weights, off for
-16-bit ones. CUDA graphs record the launches in force at capture. On the H200 (docs/benchmarks.md,
+forward, which the model runs under `auto(on)`: on for models with FP8 projection weights, and for
+a 16-bit model's one-token steps (engine.model's `_kernel_launches`). CUDA graphs record the
+launches in force at capture.
+
+A kernel of few programs may `release` the kernel after it before it waits itself (the split
+decode attention's merge does, `SplitPolicy.early_release`): the o projection's GEMV is then
+scheduled while the attention still runs on a few SMs, and loads its first weight tile there. On the H200 (docs/benchmarks.md,
 issues 23 and 24) it took the 8B FP8 batch-1 step from 2.78 to 2.59 ms (with FP8 GEMVs prefetching
 their first tile, engine.kernels.gemv), left bf16's at 1k context as it was, and made the bf16
 batch-1 step at 8k context 5% slower (4.70 against 4.45-4.48 ms decode-only, two runs each), which
@@ -76,3 +81,20 @@ def enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release(USE_PDL: tl.constexpr):
+    """Let the kernel after this one be scheduled before this one waits (`wait` then, not `enter`).
+    Safe: that kernel's own wait returns only once this one has finished, which is after this
+    one's wait returned. Only for a kernel of few programs, so that the next one's programs, loading
+    what no kernel writes (a GEMV's weights), take SMs the running kernels leave idle."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(USE_PDL: tl.constexpr):
+    """`enter` for a kernel that called `release`: only the wait for the kernel before."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()

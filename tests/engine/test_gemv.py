@@ -334,9 +334,10 @@ def test_fp8_defaults_fold_the_norms_and_the_silu(make_engine, monkeypatch):
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @torch.inference_mode()
-def test_forwards_ask_for_pdl_launches_only_for_fp8_weights(make_engine, monkeypatch, quantization):
+def test_forwards_ask_for_pdl_launches_for_fp8_weights_and_one_token_steps(make_engine, monkeypatch, quantization):
     """Every kernel launch of an FP8 model's forward (and its LM head) asks for PDL
-    (engine.kernels.pdl.auto; off the GPU the launch itself stays plain), none of a 16-bit one's."""
+    (engine.kernels.pdl.auto; off the GPU the launch itself stays plain); a 16-bit model's only in
+    its one-token steps, not in its prompt's."""
     from tandem.engine.kernels import pdl
     from tandem.engine.model import TritonOps
     from tandem.engine.weights import load_model
@@ -345,11 +346,19 @@ def test_forwards_ask_for_pdl_launches_only_for_fp8_weights(make_engine, monkeyp
     model.ops = TritonOps()
     assert model.fp8_weights is (quantization == "fp8")
     monkeypatch.setattr(pdl, "ENABLED", None)
-    asked = []
-    real = pdl.launch_options
-    monkeypatch.setattr(pdl, "launch_options", lambda device: asked.append(pdl.on()) or real(device))
+    asked = []  # (tokens of the forward, whether the launch asked for PDL)
+    tokens = [0]
+    real, layers = pdl.launch_options, model._layers_fused
+    monkeypatch.setattr(pdl, "launch_options", lambda device: asked.append((tokens[0], pdl.on())) or real(device))
+
+    def counted(input_ids, *args):
+        tokens[0] = input_ids.shape[0]
+        return layers(input_ids, *args)
+
+    monkeypatch.setattr(model, "_layers_fused", counted)
     _greedy(make_engine, model, tok, [list(range(7, 20))], max_tokens=3)
-    assert asked and set(asked) == {quantization == "fp8"}
+    assert {n for n, _ in asked} == {13, 1}  # the prompt's step, then one-token steps
+    assert all(on == (quantization == "fp8" or n == 1) for n, on in asked), sorted(set(asked))
     assert not pdl.on()  # nothing leaks past the forward
 
 

@@ -25,7 +25,7 @@ POINTERS = {"positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": 
             "block_tables_ptr": "*i32", "tree_mask_ptr": "*i32", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "cos_sin_ptr": "*fp32", "counter_ptr": "*i32"}
 decode = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, PRECISION="tf32",
-              SLIDING=False, TREE=False, ROPE=False, MERGE=False, MTILE=16)
+              SLIDING=False, TREE=False, ROPE=False, MERGE=False, MTILE=16, EARLY=False)
 KERNELS = {
     "rms_norm": (fused._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
     "silu_and_mul": (fused._silu_and_mul_kernel, dict(INTER=14336, BLOCK=1024)),
@@ -35,9 +35,11 @@ KERNELS = {
     "decode_whole": (paged_attention._decode_kernel, dict(decode, SPLIT=False)),
     "decode_rope": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True)),
     "decode_merge": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True, MERGE=True)),
+    "decode_early": (paged_attention._decode_kernel, dict(decode, SPLIT=True, ROPE=True, EARLY=True)),
     "reduce_partitions": (paged_attention._reduce_partitions_kernel,
                           dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128)),
-    "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16)),
+    "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16, EARLY=False)),
+    "merge_partitions_early": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16, EARLY=True)),
 }
 for name, (kernel, const) in KERNELS.items():
     const = {**const, "USE_PDL": True}
@@ -74,6 +76,7 @@ for name, (kernel, const) in KERNELS.items():
             sources.add(params[int(param.group(1))])
         taint[regs[0]] = taint.get(regs[0], set()) | sources
     print(name, "launches_dependents", "griddepcontrol.launch_dependents" in body)
+    print(name, "releases_before_wait", "griddepcontrol.launch_dependents" in before)
 """
 
 # what each kernel may read before its PDL wait: the host's metadata and the rotary table; never
@@ -82,9 +85,10 @@ _BEFORE_WAIT = {
     "decode": {"seq_lens_ptr", "query_start_loc_ptr"},
     "merge_partitions": {"seq_lens_ptr", "query_start_loc_ptr"},
 }
+_BEFORE_WAIT["merge_partitions_early"] = _BEFORE_WAIT["merge_partitions"]
 _BEFORE_WAIT.update(decode_whole=_BEFORE_WAIT["decode"], decode_merge=_BEFORE_WAIT["decode"] | {
     "positions_ptr", "cos_sin_ptr", "slot_ptr"})
-_BEFORE_WAIT["decode_rope"] = _BEFORE_WAIT["decode_merge"]
+_BEFORE_WAIT["decode_rope"] = _BEFORE_WAIT["decode_early"] = _BEFORE_WAIT["decode_merge"]
 
 
 def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
@@ -93,15 +97,21 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
     if "ptxas" in done.stderr and "not found" in done.stderr:
         pytest.fail(f"Triton's ptxas is missing: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    launches, reads = {}, {}
+    launches, early, reads = {}, {}, {}
     for line in done.stdout.strip().splitlines():
         name, what, *rest = line.split()
         if what == "launches_dependents":
             launches[name] = rest == ["True"]
+        elif what == "releases_before_wait":
+            early[name] = rest == ["True"]
         else:
             reads.setdefault(name, set()).update(rest)
     assert launches == dict.fromkeys(("rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
-                                      "decode_rope", "decode_merge", "reduce_partitions", "merge_partitions"), True)
+                                      "decode_rope", "decode_merge", "reduce_partitions", "merge_partitions",
+                                      "merge_partitions_early", "decode_early"), True)
+    # only the kernels asked to (SplitPolicy.early_release, paged_attention.EARLY_RELEASE) let the next
+    # kernel start before their wait
+    assert {name for name, yes in early.items() if yes} == {"merge_partitions_early", "decode_early"}, early
     for name in launches:  # nothing the kernel before may be writing is read before the wait
         assert reads.get(name, set()) <= _BEFORE_WAIT.get(name, set()), (name, reads.get(name))
     # and the decode kernel's metadata and rotary angles are in flight before it

@@ -98,3 +98,44 @@ def test_decode_attention_under_pdl_reads_the_new_keys_after_its_wait(monkeypatc
                 torch.cuda.synchronize()
                 diff = (out.float() - ref.float()).abs()
                 assert diff.max().item() < 2e-2 and (diff == 0).float().mean().item() > 0.999, (query_lens, inside)
+
+
+def test_gemv_scheduled_during_attention_reads_the_merged_output(monkeypatch):
+    """SplitPolicy.early_release: the merge lets the o projection's GEMV be scheduled before it waits,
+    so the GEMV's programs load their weight tiles while the split attention still runs. Twenty
+    decode steps back to back under PDL (attention, merge, GEMV; bf16 and FP8 weights), each with
+    other new K/V: every GEMV output equals the GEMV of that step's attention output computed with
+    plain launches (one that read its input before the merge finished would hold the step before's)."""
+    from tests.engine.test_kernels import make_batch
+
+    from tandem.engine.kernels import attention_split, gemv, pdl
+    from tandem.engine.kernels.attention_rope_kv import rotary_kv_attention
+    from tandem.engine.quant.fp8 import quantize_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, meta = make_batch(gen, [1], [1000], 32, 8, 128, 16, dtype=torch.bfloat16)
+    positions = torch.tensor([1000], device="cuda")
+    _, _, _, _, cos_sin = _case(1)
+    steps = [torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(20)]
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    w8, s8 = quantize_fp8(w)
+    old = attention_split.set_split_policy(early_release=True)
+    try:
+        for weight, scale in ((w, None), (w8, s8)):
+            monkeypatch.setattr(pdl, "ENABLED", True)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            inputs = [(q.clone(), kv[:, :8].clone(), kv[:, 8:]) for kv in steps]  # no copy between the launches
+            outs = []
+            for q_, k_, v_ in inputs:
+                o = rotary_kv_attention(q_, k_, v_, positions, cos_sin, kc, vc, meta, 128 ** -0.5)
+                outs.append((o, gemv.gemv(o.view(1, 4096), weight, scale)))
+            monkeypatch.setattr(pdl, "ENABLED", False)
+            torch.cuda.synchronize()
+            for o, y in outs:
+                ref = gemv.gemv(o.view(1, 4096).clone(), weight, scale)
+                torch.cuda.synchronize()
+                assert torch.equal(y, ref), scale is not None
+            # and the steps' attention outputs differ, so a stale read would show
+            assert not torch.equal(outs[0][0], outs[1][0])
+    finally:
+        attention_split.POLICY = old
