@@ -123,8 +123,7 @@ def _merge_partitions_kernel(
     # grid: (sequences of the launch, query heads, longest query of the launch); the host's
     # metadata is read before the PDL wait, the partial states (the split launch's) after it.
     # EARLY: the kernel after this one is let start first (SplitPolicy.early_release)
-    if EARLY:
-        pdl.release(USE_PDL)
+    pdl.release(USE_PDL, EARLY)
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
     t = tl.program_id(2)
@@ -137,10 +136,7 @@ def _merge_partitions_kernel(
     row = (q_start + t - tl.load(query_start_loc_ptr + first_seq)).to(tl.int64) * stride_pt + head * stride_ph
     dims = tl.arange(0, HEAD_DIM)
     parts = tl.arange(0, TILE)
-    if EARLY:
-        pdl.wait(USE_PDL)
-    else:
-        pdl.enter(USE_PDL)
+    pdl.enter_released(USE_PDL, EARLY)
     m = tl.full([1], _NEG_BIG, tl.float32)
     denom = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)

@@ -200,8 +200,7 @@ def _decode_kernel(
     ROPE: tl.constexpr = False, MERGE: tl.constexpr = False, MTILE: tl.constexpr = 16, USE_PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False,
 ):
-    if EARLY:  # the kernel after this one (the merge, or the o projection) scheduled now (EARLY_RELEASE)
-        pdl.release(USE_PDL)
+    pdl.release(USE_PDL, EARLY)  # the kernel after this one (merge, o projection) scheduled now: EARLY_RELEASE
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -223,10 +222,7 @@ def _decode_kernel(
         new_tokens, new_ok, new_slots, k_cos, k_sin = _new_kv_targets(
             slot_ptr, positions_ptr, cos_sin_ptr, stride_cs, q_start, q_len, ctx_len, part_start, part_end, dims,
             BLOCK_Q, HEAD_DIM)
-    if EARLY:
-        pdl.wait(USE_PDL)
-    else:
-        pdl.enter(USE_PDL)
+    pdl.enter_released(USE_PDL, EARLY)
 
     q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)

@@ -84,17 +84,21 @@ def enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def release(USE_PDL: tl.constexpr):
-    """Let the kernel after this one be scheduled before this one waits (`wait` then, not `enter`).
-    Safe: that kernel's own wait returns only once this one has finished, which is after this
-    one's wait returned. Only for a kernel of few programs, so that the next one's programs, loading
-    what no kernel writes (a GEMV's weights), take SMs the running kernels leave idle."""
-    if USE_PDL:
+def release(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    """`EARLY`: let the kernel after this one be scheduled before this one waits (then
+    `enter_released` instead of `enter`). Safe: that kernel's own wait returns only once this one
+    has finished, which is after this one's wait returned. Only for a kernel of few programs, so
+    that the next one's programs, loading what no kernel writes (a GEMV's weights), take SMs the
+    running kernels leave idle."""
+    if USE_PDL and EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def wait(USE_PDL: tl.constexpr):
-    """`enter` for a kernel that called `release`: only the wait for the kernel before."""
+def enter_released(USE_PDL: tl.constexpr, RELEASED: tl.constexpr):
+    """`enter`, for a kernel that called `release(USE_PDL, RELEASED)` first: the wait, and the
+    release only where that one did not."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if not RELEASED:
+            tl.extra.cuda.gdc_launch_dependents()
