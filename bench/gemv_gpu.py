@@ -39,7 +39,7 @@ from tandem.engine.weights import load_model
 
 # tandem.engine.kernels.gemv / .fused / .pdl / .attention_rope_kv / .attention_split / .paged_attention,
 # imported after TRITON_INTERPRET is set
-gemv_mod = fused_mod = pdl_mod = rope_kv = split_mod = paged_mod = None
+gemv_mod = fused_mod = pdl_mod = rope_kv = split_mod = paged_mod = rows_mod = None
 
 # name -> (N, K, what precedes the projection in a layer)
 SHAPES = {"8b-qkv": (6144, 4096, "norm"), "8b-o": (4096, 4096, "none"), "8b-gate_up": (28672, 4096, "norm"),
@@ -54,6 +54,12 @@ FP8_CANDIDATES = [(4, 512, 2, 4, False), (4, 1024, 4, 1, False), (4, 1024, 4, 3,
                   (4, 2048, 4, 2, True), (8, 2048, 4, 2, True), (4, 1024, 4, 3, True), (8, 1024, 4, 3, True),
                   (8, 2048, 8, 2, True), (16, 2048, 8, 2, True), (8, 1024, 4, 1, True), (16, 1024, 8, 3, True),
                   (16, 1024, 8, 2, True), (32, 512, 8, 2, True), (32, 512, 4, 2, True), (16, 1024, 4, 2, True)]
+
+# engine.kernels.gemv_rows (several rows of x): (block_n, block_k, num_warps, num_stages)
+ROWS_CANDIDATES = {"fp8": [(4, 512, 1, 2), (8, 512, 1, 2), (2, 512, 1, 2), (4, 1024, 1, 2), (4, 256, 1, 2),
+                           (8, 256, 1, 2), (2, 1024, 1, 2), (4, 512, 2, 2)],
+                   "bf16": [(4, 256, 1, 2), (8, 256, 1, 2), (2, 256, 1, 2), (4, 512, 1, 2), (2, 512, 1, 2),
+                            (4, 128, 1, 2), (8, 128, 1, 2), (4, 256, 2, 2)]}
 
 
 class GemvBench(FP8Bench):
@@ -134,6 +140,50 @@ class GemvBench(FP8Bench):
         self.free()
         return r
 
+    def rows(self):
+        """Each 8B projection for M rows of x: cuBLAS (bf16) or engine.quant.fp8's FP8 linear (the
+        step's path today) against engine.kernels.gemv_rows over its candidate tiles, and the
+        one-token GEMV as the yardstick. us per call, CUDA-graph replays over weight copies past the L2."""
+        out = self.results["rows"] = []
+        dt = torch.float32 if self.dry else torch.bfloat16
+        for name, (n, k, _) in self.kernel_shapes().items():
+            if name.endswith("lm_head") or (not self.dry and not name.startswith("8b")):
+                continue
+            for wdt in ("bf16", "fp8"):
+                ncopy = 2 if self.dry else max(2, int(2**29 // (n * k)))
+                ws = [torch.randn(n, k, device=self.dev, dtype=dt) * k ** -0.5 for _ in range(ncopy)]
+                ws = [fp8_quant.quantize_fp8(w) for w in ws] if wdt == "fp8" else [(w, None) for w in ws]
+                one = torch.randn(1, k, device=self.dev, dtype=dt)
+                r = {"shape": name, "n": n, "k": k, "weight": wdt,
+                     "one_token_us": self._graph_us(lambda c: gemv_mod.gemv(one, c[0], c[1]), ws)}
+                for m in self.row_counts:
+                    x = torch.randn(m, k, device=self.dev, dtype=dt)
+                    base = ((lambda c, x=x: F.linear(x, c[0])) if wdt == "bf16" else
+                            (lambda c, x=x: fp8_quant.fp8_linear(x, c[0], c[1], None, 0)))
+                    ref = base(ws[0]).float()
+                    tried = []
+                    for c in ([(8, 32, 1, 2), (4, 32, 1, 1)] if self.dry else ROWS_CANDIDATES[wdt]):
+                        cfg = rows_mod.RowsConfig(*c)
+                        try:
+                            got = rows_mod.gemv_rows(x, ws[0][0], ws[0][1], config=cfg).float()
+                            err = ((got - ref).norm() / ref.norm()).item()
+                            if not err < 2e-2:
+                                raise AssertionError(f"relative error {err:.3g}")
+                            tried.append((self._graph_us(lambda w, x=x, cfg=cfg: rows_mod.gemv_rows(
+                                x, w[0], w[1], config=cfg), ws), c))
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile or is wrong is skipped
+                            print(f"# rows {name} {wdt} m={m} {c} failed: {type(e).__name__}: {str(e)[:120]}",
+                                  flush=True)
+                    tried.sort()
+                    r[f"m{m}"] = {"base_us": self._graph_us(base, ws), "rows_us": tried[0][0] if tried else None,
+                                  "config": list(tried[0][1]) if tried else None,
+                                  "all": [[round(u, 2), list(c)] for u, c in tried]}
+                out.append(r)
+                print(f"# rows {r}", flush=True)
+                del ws
+                self.free()
+        self.save()
+
     def _sweep(self, name, wdt, cands, committed, run, ref, ws):
         """-> [(us, config)] fastest first, of the candidates that compile and match ref."""
         tried = []
@@ -176,6 +226,7 @@ class GemvBench(FP8Bench):
             self.use_swept_configs()
         table, folding, acting = gemv_mod.WINS, gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS
         in_attention, split_policy = rope_kv.IN_ATTENTION, split_mod.POLICY
+        rows_table, rows_default = rows_mod.ROWS, rows_mod.ROWS_DEFAULT
         every, none = frozenset({"16bit", "fp8", "fp32"}), frozenset()
         fold_kinds, act_kinds = {"fold": every, "nofold": none}, {"act": every, "noact": none}
         for label, quant in (("8b-bf16", None), ("8b-fp8", "fp8")):
@@ -203,6 +254,7 @@ class GemvBench(FP8Bench):
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
                     paged_mod.EARLY_RELEASE = "early2" in tokens
+                    rows_mod.ROWS, rows_mod.ROWS_DEFAULT = ({}, {}) if "norows" in tokens else (rows_table, rows_default)
                     split_mod.set_split_policy(
                         fused_merge="fmerge" in tokens or (split_policy.fused_merge and "nofmerge" not in tokens),
                         early_release="early" in tokens or (split_policy.early_release and "noearly" not in tokens),
@@ -219,6 +271,7 @@ class GemvBench(FP8Bench):
             gemv_mod.POLICY, gemv_mod.PDL, gemv_mod.PDL_FP8, gemv_mod.WINS = "table", "prefetch", None, table
             gemv_mod.FOLD_KINDS, gemv_mod.ACT_KINDS, gemv_mod._TUNED = folding, acting, tuned
             rope_kv.IN_ATTENTION = in_attention
+            rows_mod.ROWS, rows_mod.ROWS_DEFAULT = rows_table, rows_default
             split_mod.set_split_policy(**dataclasses.asdict(split_policy))
             pdl_mod.ENABLED = None
             del model
@@ -237,6 +290,13 @@ def print_table(R):
         print(f"{r['shape']:>12} {r['weight']:>6} {r['before']:>6} {r['separate_us']:>9.1f} {r['fused_us']:>7.1f} "
               f"{r['fused_over_separate']:>9.2f} {r['weight_gbs']:>6.0f} {plain} {r['fused_config']}"
               + (f" ({r['all_plain'][0][1]})" if r.get("all_plain") else ""))
+    if R.get("rows"):
+        print("\nseveral rows of x, us per call: the step's path today / gemv_rows' best tile (config)")
+        for r in R["rows"]:
+            cells = "  ".join(f"m={key[1:]}: {v['base_us']:.1f} / " + (f"{v['rows_us']:.1f} {tuple(v['config'])}"
+                                                                   if v["rows_us"] else "-")
+                              for key, v in r.items() if key.startswith("m") and key[1:].isdigit())
+            print(f"{r['shape']:>12} {r['weight']:>5} one token {r['one_token_us']:6.1f}   {cells}")
     rows = R.get("decode_8b", [])
     if rows:
         by = {}
@@ -289,6 +349,8 @@ def parse_variants(spec: str) -> dict:
     engine.kernels.attention_rope_kv.IN_ATTENTION tokens), "fmerge" or
     "nofmerge" (split decode attention merging its partitions in the launch, SplitPolicy.fused_merge),
     "early" or "noearly" (the merge lets the o GEMV be scheduled before it waits, SplitPolicy.early_release),
+    "early2" (the decode kernel releases the kernel after it early too, paged_attention.EARLY_RELEASE),
+    "norows" (steps of a few tokens keep cuBLAS / the FP8 GEMM: no engine.kernels.gemv_rows),
     "minpartN" (split decode attention's partitions at least N keys, SplitPolicy.min_partition),
     "ppsN" (split until N programs per SM, SplitPolicy.programs_per_sm), "longpartN" (partitions at
     least min(N, plan / long_parts) keys, SplitPolicy.long_partition; 0: no such floor),
@@ -316,6 +378,7 @@ def main():
                              "'bf16:table/prefetch//0,fp8:table/wait/norm/1' (KIND:POLICY/PDL/PROLOGUES/SMALL_PDL)")
     parser.add_argument("--batches", default="1", help="decode-step batch sizes, e.g. 1,64,256")
     parser.add_argument("--ctx", type=int, default=1024, help="context length of the decode steps")
+    parser.add_argument("--rows", default="", help="time engine.kernels.gemv_rows at these rows of x, e.g. 2,4,8")
     parser.add_argument("--models", default="8b,32b", help="kernel shapes of these models: 8b,32b")
     parser.add_argument("--configs", choices=("committed", "swept"), default="committed",
                         help="tile configs of the decode steps: engine.kernels.gemv's, or this run's sweep's best")
@@ -324,11 +387,12 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    global gemv_mod, fused_mod, pdl_mod, rope_kv, split_mod, paged_mod
+    global gemv_mod, fused_mod, pdl_mod, rope_kv, split_mod, paged_mod, rows_mod
     import tandem.engine.kernels.attention_rope_kv as rope_kv  # noqa: PLC0415 (after TRITON_INTERPRET is set)
     import tandem.engine.kernels.attention_split as split_mod  # noqa: PLC0415
     import tandem.engine.kernels.fused as fused_mod  # noqa: PLC0415
     import tandem.engine.kernels.gemv as gemv_mod  # noqa: PLC0415
+    import tandem.engine.kernels.gemv_rows as rows_mod  # noqa: PLC0415
     import tandem.engine.kernels.paged_attention as paged_mod  # noqa: PLC0415
     import tandem.engine.kernels.pdl as pdl_mod  # noqa: PLC0415
 
@@ -340,6 +404,9 @@ def main():
     b.ctx = args.ctx
     skip = set(filter(None, args.skip.split(",")))
     b.section("ceilings", b.ceilings)
+    b.row_counts = tuple(int(v) for v in args.rows.split(",") if v)
+    if b.row_counts:
+        b.section("rows", b.rows)
     for name, fn in (("kernels", b.kernels), ("steps", b.steps)):
         if name not in skip:
             b.section(name, fn)

@@ -244,7 +244,7 @@ class TritonOps:
         if x.shape[0] == 1 and gemv.takes(w, "norm"):
             return gemv.norm_gemv(x, residual, norm.weight, norm.eps, w, s, b, group_k=gk, silu_out=silu_out)
         h, residual = self.rms_norm(x, norm.weight, norm.eps, residual)
-        return (gemv.gemv(h, w, s, b, group_k=gk, silu_out=True) if silu_out else linear(h)), residual
+        return (gemv.gemv(h, w, s, b, group_k=gk, silu_out=True) if silu_out else self.linear(h, linear)), residual
 
     def activates(self, x, linear: Linear) -> bool:
         """Whether a gate/up projection of x takes norm_linear's `silu_out`: one token (x a
@@ -260,7 +260,7 @@ class TritonOps:
 
         if gate_up.shape[0] == 1 and gemv.takes(linear.weight, "silu"):
             return gemv.silu_gemv(gate_up, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
-        return linear(self.silu_and_mul(gate_up))
+        return self.linear(self.silu_and_mul(gate_up), linear)
 
     def residual_linear(self, x, linear: Linear, residual, next_norm: RMSNorm | None, reduce,
                         silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,11 +282,16 @@ class TritonOps:
         return reduce(out), residual
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """linear(x), by engine.kernels.gemv for one token where it takes the weight."""
-        from tandem.engine.kernels import gemv  # noqa: PLC0415 (as __init__'s)
+        """linear(x), by engine.kernels.gemv for one token where it takes the weight, and by
+        engine.kernels.gemv_rows for a few rows where it takes them (an FP8 Linear called directly
+        reaches it through engine.kernels.fp8_gemm too)."""
+        from tandem.engine.kernels import gemv, gemv_rows  # noqa: PLC0415 (as __init__'s)
 
-        if x.shape[0] == 1 and gemv.takes(linear.weight):
-            return gemv.gemv(x, linear.weight, linear.weight_scale, linear.bias, group_k=linear.group_k)
+        w, s, b, gk = linear.weight, linear.weight_scale, linear.bias, linear.group_k
+        if x.shape[0] == 1 and gemv.takes(w):
+            return gemv.gemv(x, w, s, b, group_k=gk)
+        if x.dim() == 2 and x.stride(-1) == 1 and gemv_rows.takes(w, x.shape[0]):
+            return gemv_rows.gemv_rows(x, w, s, b, group_k=gk)
         return linear(x)
 
 

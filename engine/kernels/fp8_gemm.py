@@ -13,6 +13,8 @@ divide group_k. Accumulation is fp32; the output is rounded once to x's dtype.
 One token (a batch-1 decode step) takes engine.kernels.gemv instead: no tensor cores, the weight
 rows streamed with 16-byte loads and reduced on the CUDA cores, with a tile config per weight
 shape from bench/fp8_sweep.py (`gemv.choose_gemv_config`); ~0.6-0.7x bf16 cuBLAS's time on H200.
+A few tokens (2 to 4, by weight shape: `gemv_rows.takes`) take engine.kernels.gemv_rows, the same
+loop over several rows of x.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from tandem.engine.kernels import gemv_rows
 from tandem.engine.kernels.gemv import GemvConfig, check_weight, choose_gemv_config, gemv
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_tensor)
 
@@ -133,6 +136,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if cfg.gemv and m == 1:  # no config given: gemv picks its own tuned one, whole
         gemv_cfg = None if config is None else GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
         return gemv(x, weight, scale, bias, group_k=group_k, config=gemv_cfg)
+    if config is None and gemv_rows.takes(weight, m):  # a few rows: each weight read once for all
+        return gemv_rows.gemv_rows(x, weight, scale, bias, group_k=group_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k,

@@ -142,3 +142,28 @@ def test_one_sequence_through_graphs_with_every_projection_fused_matches_cpu(mon
     assert calls, "no one-token step took the fused GEMV"
     assert e.runner.graph_stats["replays"] > 0
     assert tokens == ref
+
+
+@pytest.mark.parametrize("n,k", [(n, k) for n, k, _ in SHAPES])
+@pytest.mark.parametrize("weight", ["bf16", "fp8"])
+def test_gemv_rows_matches_float64_at_8b_shapes(n, k, weight):
+    """engine.kernels.gemv_rows at llama3-8b's projections, 2 to 8 rows of x (the committed tiles,
+    and the path a projection takes: fp8_gemm and TritonOps.linear route to it where `takes` says),
+    each row against float64 and against the GEMV of that row alone."""
+    from tandem.engine.kernels import gemv, gemv_rows
+    from tandem.engine.kernels.fp8_gemm import fp8_gemm
+
+    torch.manual_seed(n + k + 1)
+    w = torch.randn(n, k, device="cuda") * k ** -0.5
+    q, scale = quantize_fp8(w) if weight == "fp8" else (w.bfloat16(), None)
+    w_ref = dequantize_fp8(q, scale, 0, torch.float64) if weight == "fp8" else q.double()
+    for m in (2, 3, 4, 8):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        out = gemv_rows.gemv_rows(x, q, scale)
+        ref = x.double() @ w_ref.T
+        for i in range(m):
+            assert rel_err(out[i], ref[i]) < 1e-2, (m, i)
+            one = gemv.gemv(x[i:i + 1], q, scale)
+            assert rel_err(out[i], one[0]) < 1e-2, (m, i)
+        if weight == "fp8" and gemv_rows.takes(q, m):  # the FP8 projection path takes it, same bits
+            assert torch.equal(fp8_gemm(x, q, scale), out), m
