@@ -11,7 +11,7 @@ from a CUDA graph (what a decode step runs; the capture also shows it has no hos
 routers, norms, the LM head, and the experts a batch of that size chooses in expectation under
 uniform routing, 128 * (1 - (1 - 8/128)^b) per layer) plus the batch's KV, over the copy rate.
 
-    python bench/moe_gpu.py --out DIR [--skip kernels,decode] [--decode-limit-s 60]
+    python bench/moe_gpu.py --out DIR [--skip kernels,decode] [--decode-limit-s 60] [--decode-sweep]
     python bench/moe_gpu.py --dry-run     # CPU, tiny shapes, Triton's interpreter: checks the script
 """
 
@@ -156,6 +156,61 @@ def gemv_sweep(dev, dtype, rate_gbs, reps) -> list[dict]:
             rows.append({"shape": name, "gate_up": (gn, gk), "down": (dn, dk), "us": us, "floor_us": floor})
             print(f"# gemv {rows[-1]}", flush=True)
     mk.GEMV_BLOCK_N, mk.GEMV_BLOCK_K, mk.DOWN_GEMV_BLOCK_N, mk.DOWN_GEMV_BLOCK_K = default
+    return rows
+
+
+# engine.kernels.moe_decode's tiles tried at DeepSeek-V2-Lite's layer (the first is its default)
+# (each program's bytes in flight per tile: rows x block_k x 2; launch 3's per SM do not depend on
+# its rows, 2048 x block_k x 2 / 132, so its wider K tiles are tried with fewer rows too)
+DECODE_TRIED = [{}, {"gate_up_rows": 4}, {"gate_up_rows": 16}, {"gate_up_block_k": 1024}, {"gate_up_block_k": 256},
+                {"down_rows": 2}, {"down_rows": 8}, {"down_block_k": 1024}, {"down_block_k": 1024, "down_rows": 2},
+                {"down_block_k": 256}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}]
+
+
+def decode_sweep(dev, dtype, rate_gbs, reps) -> list[dict]:
+    """DeepSeek-V2-Lite's MoE layer (router, 6 of 64 experts, 2 shared) at 1-4 tokens from a graph:
+    the seven launches (moe_decode.FUSED_DECODE off) against the three at each tile of DECODE_TRIED,
+    over the layer's floor (the router's, the shared experts' and the chosen experts' weights, each
+    read once), with each output's distance from the seven launches'."""
+    import dataclasses  # noqa: PLC0415 (only here)
+
+    import tandem.engine.kernels.moe_decode as md  # noqa: PLC0415 (Triton, after the env is set)
+
+    sh = DRY_SHAPES if DRY else GEMV_SHAPES["deepseek-v2-lite"]
+    h, i, e, k = sh["hidden"], sh["inter"], sh["experts"], sh["top_k"]
+    cfg = ModelConfig(vocab_size=32, hidden_size=h, intermediate_size=4 * h, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=h // 4,
+                      moe=MoEConfig(num_experts=e, top_k=k, intermediate_size=i, num_shared_experts=2))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.device(dev):
+        layer = SparseMoE(cfg).to(dtype).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen, device=dev) * p.shape[-1] ** -0.5)
+    ops, flag, tiles = TritonOps(), md.FUSED_DECODE, md.TILES
+    rows = []
+    for t in (1, 2) if DRY else (1, 2, 3, 4):
+        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        md.FUSED_DECODE = False
+        want = layer.forward_fused(x, ops)
+        hit = int(md.moe_decode(x, layer.gate.weight, cfg.moe, None, layer.w13, layer.w2,
+                                layer.shared_experts.gate_up_proj.weight,
+                                layer.shared_experts.down_proj.weight).ids.unique().numel())
+        floor = (e + 3 * 2 * i + hit * 3 * i) * h * x.element_size() / (rate_gbs * 1e3)
+        r = {"tokens": t, "experts_hit": hit, "floor_us": floor,
+             "seven_launches_us": graph_us(lambda: layer.forward_fused(x, ops), dev, reps), "three_launches": []}
+        md.FUSED_DECODE = True
+        for change in DECODE_TRIED[:2] if DRY else DECODE_TRIED:
+            md.TILES = dataclasses.replace(tiles, **change)
+            try:
+                us = graph_us(lambda: layer.forward_fused(x, ops), dev, reps)
+                out = layer.forward_fused(x, ops)
+                err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+                r["three_launches"].append({"tiles": md.TILES.__dict__, "us": us, "rel_err_vs_seven": err})
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result too
+                r["three_launches"].append({"tiles": md.TILES.__dict__, "us": None, "error": f"{type(exc).__name__}"})
+        md.FUSED_DECODE, md.TILES = flag, tiles
+        print(f"# decode layer {json.dumps(r)}", flush=True)
+        rows.append(r)
     return rows
 
 
@@ -312,6 +367,11 @@ def main() -> None:
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
                     help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
+    ap.add_argument("--fused-decode", choices=("on", "off"), default=None,
+                    help="MoE layers of 1-4 tokens in three launches (engine.kernels.moe_decode.FUSED_DECODE; "
+                         "default: as there)")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="time DeepSeek-V2-Lite's MoE layer at 1-4 tokens: seven launches against moe_decode's three")
     args = ap.parse_args()
     from mla_gpu import set_options  # noqa: PLC0415 (a sibling bench file, after the env is set)
 
@@ -331,6 +391,13 @@ def main() -> None:
         for r in res["gemv_sweep"]:
             us = r["us"] if not isinstance(r["us"], float) else f"{r['us']:.1f} us ({r['us'] / r['floor_us']:.2f}x floor)"
             print(f"gemv {r['shape']}: gate/up {r['gate_up']}, down {r['down']}: {us}")
+    if args.decode_sweep:
+        res["decode_sweep"] = decode_sweep(dev, dtype, rate, 3 if DRY else 20)
+        save(res, args.out)
+        for r in res["decode_sweep"]:
+            best = min((c for c in r["three_launches"] if c["us"]), key=lambda c: c["us"], default=None)
+            print(f"decode layer {r['tokens']} tokens: floor {r['floor_us']:.1f} us, seven launches "
+                  f"{_us(r['seven_launches_us'])}, three {_us(best and best['us'])} ({best and best['tiles']})")
     if args.prefill_sweep:
         res["prefill_sweep"] = prefill_sweep(dev, dtype, args.prefill_sweep, 3 if DRY else 10)
         save(res, args.out)

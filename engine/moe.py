@@ -10,8 +10,10 @@ runs them all, and are loaded from the per-expert tensors `experts.{j}.{gate,up,
 through views. DeepSeek's shared experts are one dense MLP added to every token. Two expert paths:
 `experts_torch` (the reference: tokens sorted by expert, one matmul pair per expert hit; the CPU)
 and engine.kernels.moe's Triton kernels (`forward_fused`, the CUDA path: the router's choice in one
-launch, the experts in two or four; no host sync, so the step can be captured in a CUDA graph). The
-router's logits and choice are fp32 on both.
+launch, the experts in two or four; no host sync, so the step can be captured in a CUDA graph; a
+decode step of up to engine.kernels.moe_decode.MAX_TOKENS tokens under its FUSED_DECODE: the whole
+layer, router and shared experts included, in three launches). The router's logits and choice are
+fp32 on every path.
 """
 
 from __future__ import annotations
@@ -189,14 +191,27 @@ class SparseMoE(nn.Module):
         return self.reduce_output(out)
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
-        from tandem.engine.kernels.moe import fused_experts  # noqa: PLC0415 (triton loads only where kernels run)
+        from tandem.engine.kernels import moe_decode  # noqa: PLC0415 (triton loads only where kernels run)
+        from tandem.engine.kernels.moe import fused_experts  # noqa: PLC0415 (as above)
         from tandem.engine.kernels.moe_route import route_fused  # noqa: PLC0415 (as above)
 
+        if moe_decode.takes(x.shape[0]) and self._plain_shared():  # a decode step: the layer in 3 launches
+            s = self.shared_experts
+            return self.reduce_output(moe_decode.moe_decode(
+                x, self.gate.weight, self.gate.moe, self.gate.e_score_correction_bias, self.w13, self.w2,
+                s.gate_up_proj.weight if s is not None else None, s.down_proj.weight if s is not None else None).out)
         # router: one GEMM + one routing launch; experts: 2 launches (few tokens) or 4; the shared
         # experts' output is added inside the experts' last launch
         weights, ids = route_fused(self.gate.logits(x), self.gate.moe, self.gate.e_score_correction_bias)
         shared = None if self.shared_experts is None else self.shared_experts.forward_fused(x, ops)
         return self.reduce_output(fused_experts(x, self.w13, self.w2, weights, ids, add=shared))
+
+    def _plain_shared(self) -> bool:
+        """Whether the shared experts (if any) are two bias-free model-dtype projections with no
+        reduction of their own, as engine.kernels.moe_decode reads them."""
+        s = self.shared_experts
+        return s is None or (s.reduce_output is no_reduce and not s.gate_up_proj.is_fp8 and not s.down_proj.is_fp8
+                             and s.gate_up_proj.bias is None and s.down_proj.bias is None)
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {prefix + "gate.weight": self.gate.weight.detach()}

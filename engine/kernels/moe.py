@@ -53,8 +53,10 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 # prefill-sized runs (>= 512 pairs per expert, 16-bit) on 128 x 128 tiles with 8 warps: 424 TFLOP/s
 # against 309 for the 64-row tile at an 8k prefill on V2-Lite's experts (H200, bench/moe_gpu.py
-# --prefill-sweep, docs/benchmarks.md); off until a device call has checked its output
-PREFILL_TILE_128 = False
+# --prefill-sweep, docs/benchmarks.md); checked on the H200 (tests/gpu/test_moe_gpu.py::
+# test_prefill_tile_bf16) and timed there: V2-Lite's 8k prefill 108.6 ms against 117.2-118.1 (0.56 of
+# the matmul rate against 0.50-0.52; bench/mla_gpu.py --prefill-tile, 2026-12-04)
+PREFILL_TILE_128 = True
 
 
 # the decode path's tiles: one pair's BLOCK_N weight rows, BLOCK_K at a time (fp32 in registers)

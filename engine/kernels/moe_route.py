@@ -5,6 +5,7 @@ order and each tile's expert, one program; `align_parallel`, the same in five la
 for any number of pairs). They replace chains of small torch kernels (about 10 for
 the router, 25 for the align step) and read no device value on the host, so a step with them can be
 captured in a CUDA graph. engine.moe.route and engine.kernels.moe.align_by_expert are the references.
+One token's choice is `_route_token`, which engine.kernels.moe_decode's programs call too.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ def _first_max(values, index, big: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
-                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr, BIG: tl.constexpr):
-    # one token's experts seen as [group, expert in group]: expert id = g * GROUP_SIZE + j
-    t = tl.program_id(0).to(tl.int64)
+def _route_token(row_ptr, bias_ptr, scale,
+                 N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                 G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr, BIG: tl.constexpr):
+    """One token's choice from its logits at row_ptr: -> (ids [K_PAD] int32, weights [K_PAD] fp32,
+    renormalised and scaled; slots from TOP_K on hold 0). _route_kernel and engine.kernels.moe_decode's
+    gate/up programs both route with it, so they choose alike."""
+    # the token's experts seen as [group, expert in group]: expert id = g * GROUP_SIZE + j
     g = tl.arange(0, G_PAD)[:, None]
     j = tl.arange(0, S_PAD)[None, :]
     idx = g * GROUP_SIZE + j
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
-    logit = tl.load(logits_ptr + t * stride_l + idx, mask=valid, other=float("-inf"))
+    logit = tl.load(row_ptr + idx, mask=valid, other=float("-inf"))
     if SOFTMAX:
         e = tl.exp(logit - tl.max(tl.max(logit, 1), 0))
         scores = e / tl.sum(tl.sum(e, 1), 0)
@@ -77,9 +80,48 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
         choice = tl.where(idx == pick, float("-inf"), choice)
     if RENORM:
         weights = weights / (tl.sum(weights, 0) + 1e-20)
+    return chosen, weights * scale
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
+                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RANKING: tl.constexpr, RENORM: tl.constexpr, BIG: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # one program per token
+    chosen, weights = _route_token(logits_ptr + t * stride_l, bias_ptr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP,
+                                   TOP_K, G_PAD, S_PAD, K_PAD, SOFTMAX, HAS_BIAS, RANKING, RENORM, BIG)
+    slots = tl.arange(0, K_PAD)
     out = t * TOP_K + slots
-    tl.store(weights_ptr + out, weights * scale, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
     tl.store(ids_ptr + out, chosen, mask=slots < TOP_K)
+
+
+def route_constants(moe: MoEConfig) -> dict:
+    """The compile-time arguments of `_route_token` (and so of every kernel that routes with it) for
+    one routing config: the group layout, padded sizes and the scoring/ranking switches."""
+    ranking = _GROUP_RANKING[moe.topk_method]
+    n_group = 1 if ranking == GREEDY else moe.n_group
+    group_size = moe.num_experts // n_group
+    return dict(N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=moe.topk_group if ranking != GREEDY else 1,
+                TOP_K=moe.top_k, G_PAD=next_power_of_2(n_group), S_PAD=next_power_of_2(group_size),
+                K_PAD=next_power_of_2(moe.top_k), SOFTMAX=moe.scoring == "softmax", HAS_BIAS=moe.uses_score_bias,
+                RANKING=ranking, RENORM=moe.norm_topk_prob,
+                BIG=4 * next_power_of_2(n_group) * next_power_of_2(group_size))
+
+
+def check_routing(logits_experts: int, device: torch.device, moe: MoEConfig, score_bias: torch.Tensor | None) -> None:
+    """The checks route_fused and engine.kernels.moe_decode make of a router's experts and score bias."""
+    if logits_experts != moe.num_experts:
+        raise ValueError(f"logits have {logits_experts} experts but the config has num_experts {moe.num_experts}")
+    if moe.uses_score_bias != (score_bias is not None):
+        raise ValueError(f"score_bias must be given exactly when topk_method is noaux_tc (got "
+                         f"{'one' if score_bias is not None else 'none'} for {moe.topk_method})")
+    if score_bias is not None:
+        require_tensor("score_bias", score_bias, ndim=1, dtypes=(torch.float32,))
+        if score_bias.shape[0] != logits_experts or score_bias.device != device:
+            raise ValueError(f"score_bias must be [{logits_experts}] on {device}, got "
+                             f"{tuple(score_bias.shape)} on {score_bias.device}")
 
 
 def route_fused(logits: torch.Tensor, moe: MoEConfig,
@@ -89,30 +131,13 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig,
     require_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
     require_runnable(logits, _route_kernel)
     tokens, experts = logits.shape
-    if experts != moe.num_experts:
-        raise ValueError(f"logits have {experts} experts but the config has num_experts {moe.num_experts}")
-    if moe.uses_score_bias != (score_bias is not None):
-        raise ValueError(f"score_bias must be given exactly when topk_method is noaux_tc (got "
-                         f"{'one' if score_bias is not None else 'none'} for {moe.topk_method})")
-    if score_bias is not None:
-        require_tensor("score_bias", score_bias, ndim=1, dtypes=(torch.float32,))
-        if score_bias.shape[0] != experts or score_bias.device != logits.device:
-            raise ValueError(f"score_bias must be [{experts}] on {logits.device}, got "
-                             f"{tuple(score_bias.shape)} on {score_bias.device}")
-    ranking = _GROUP_RANKING[moe.topk_method]
-    n_group = 1 if ranking == GREEDY else moe.n_group
-    group_size = experts // n_group
+    check_routing(experts, logits.device, moe, score_bias)
     weights = torch.empty((tokens, moe.top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, moe.top_k), dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
-    _route_kernel[(tokens,)](
-        logits, score_bias if score_bias is not None else logits, weights, ids, logits.stride(0),
-        float(moe.routed_scaling_factor), N_GROUP=n_group, GROUP_SIZE=group_size,
-        TOPK_GROUP=moe.topk_group if ranking != GREEDY else 1, TOP_K=moe.top_k,
-        G_PAD=next_power_of_2(n_group), S_PAD=next_power_of_2(group_size), K_PAD=next_power_of_2(moe.top_k),
-        SOFTMAX=moe.scoring == "softmax", HAS_BIAS=score_bias is not None, RANKING=ranking,
-        RENORM=moe.norm_topk_prob, BIG=4 * next_power_of_2(n_group) * next_power_of_2(group_size))
+    _route_kernel[(tokens,)](logits, score_bias if score_bias is not None else logits, weights, ids,
+                             logits.stride(0), float(moe.routed_scaling_factor), **route_constants(moe))
     return weights, ids
 
 

@@ -3,11 +3,14 @@ shapes (H 2048, I 768, 128 experts, 8 per token) in bf16 and at a small shape in
 engine.moe.experts_torch in fp32 on the same (upcast) weights; and the step captured in a CUDA
 graph replays to the same output on both paths (gemv and grouped, the latter also with the
 many-program align; none reads a device value on the host); the routing kernel against engine.moe.route at DeepSeek and Qwen3 shapes, and a
-DeepSeek-V3-style layer (router, experts, shared experts) in a graph against the fp32 torch path. Bounds:
-fp32 1e-5 relative (ieee dots), bf16 1e-2 (bf16 operands and the intermediate's rounding)."""
+DeepSeek-V3-style layer (router, experts, shared experts) in a graph against the fp32 torch path; the
+three-launch decode layer (engine.kernels.moe_decode) at DeepSeek-V2-Lite's shape against both
+paths and in a graph. Bounds: fp32 1e-5 relative (ieee dots), bf16 1e-2 (bf16 operands and the
+intermediate's rounding)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandem.engine.config import ModelConfig, MoEConfig
 from tandem.engine.moe import SparseMoE, experts_torch, route
@@ -162,3 +165,83 @@ def test_deepseek_v3_layer_in_a_graph_matches_the_torch_path():
             graph.replay()
             torch.cuda.synchronize()
             assert _rel(out, ref_layer(x.float())) < 2e-2
+
+
+# DeepSeek-V2-Lite's MoE layer: hidden 2048, 64 routed experts of width 1408 (6 per token, softmax,
+# greedy top-k, unscaled), 2 shared experts (one MLP of width 2816)
+V2_LITE = MoEConfig(num_experts=64, top_k=6, intermediate_size=1408, num_shared_experts=2)
+
+
+def _v2_lite_layer(fused_decode: bool, monkeypatch) -> SparseMoE:
+    import tandem.engine.kernels.moe_decode as moe_decode  # noqa: PLC0415 (triton loads only with CUDA)
+
+    monkeypatch.setattr(moe_decode, "FUSED_DECODE", fused_decode)
+    cfg = ModelConfig(vocab_size=32, hidden_size=2048, intermediate_size=10944, num_layers=1, num_heads=16,
+                      num_kv_heads=16, head_dim=128, moe=V2_LITE)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        layer = SparseMoE(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5)
+    return layer.requires_grad_(False)
+
+
+@torch.inference_mode()
+def test_decode_path_at_deepseek_v2_lite_shape_bf16(monkeypatch):
+    """engine.kernels.moe_decode's three launches at 1 to MAX_TOKENS tokens: the logits are the
+    fp32 GEMM's up to its summation order, the experts route_fused's on those logits (route's
+    weights), the output within 1e-2 of the fp32 torch path on the same weights, and within one
+    bf16 ulp of the seven-launch path on the same routing (the same roundings at the same points;
+    the fp32 sums' order differs, so an intermediate that rounds the other way moves some outputs
+    by one ulp: 0 to 8% of them at 1-4 tokens on the H200, 2026-12-04; near zero, where the terms
+    cancel, by up to one ulp of the terms, hence the absolute 2^-8)."""
+    from tandem.engine.kernels.moe_decode import MAX_TOKENS, moe_decode  # noqa: PLC0415 (CUDA only)
+    from tandem.engine.model import TritonOps  # noqa: PLC0415 (as above)
+
+    layer = _v2_lite_layer(True, monkeypatch)
+    shared, ops = layer.shared_experts, TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in range(1, MAX_TOKENS + 1):
+        x = torch.randn(tokens, 2048, generator=gen, device="cuda").bfloat16()
+        got = moe_decode(x, layer.gate.weight, V2_LITE, None, layer.w13, layer.w2, shared.gate_up_proj.weight,
+                         shared.down_proj.weight)
+        assert _rel(got.logits, x.float() @ layer.gate.weight.float().T) < 1e-5
+        weights, ids = route_fused(got.logits, V2_LITE)
+        assert torch.equal(got.ids, ids) and torch.allclose(got.weights, weights, rtol=1e-6, atol=1e-7)
+        want_w, want_ids = route(got.logits, V2_LITE)
+        order = got.ids.long().argsort(-1)
+        assert torch.equal(got.ids.long().gather(1, order), want_ids.sort(-1).values)
+        ref = experts_torch(x.float(), layer.w13.float(), layer.w2.float(), want_w, want_ids)
+        gate, up = F.linear(x.float(), shared.gate_up_proj.weight.float()).chunk(2, dim=-1)
+        ref += F.linear(F.silu(gate) * up, shared.down_proj.weight.float())
+        assert _rel(got.out, ref) < 1e-2, tokens
+        seven = fused_experts(x, layer.w13, layer.w2, weights, ids, add=shared.forward_fused(x, ops), path="gemv")
+        differ = got.out != seven
+        assert differ.float().mean() < 0.2, (tokens, differ.sum())
+        assert torch.allclose(got.out.float(), seven.float(), rtol=2 ** -7, atol=2 ** -8), tokens
+
+
+@torch.inference_mode()
+def test_decode_path_captured_in_a_cuda_graph(monkeypatch):
+    """SparseMoE.forward_fused through the three launches at V2-Lite's shape in bf16, captured and
+    replayed on new tokens: the eager call's output on them (no host read, no device-sized buffer)."""
+    import tandem.engine.kernels.moe_decode as moe_decode  # noqa: PLC0415 (CUDA only)
+    from tandem.engine.model import TritonOps  # noqa: PLC0415 (as above)
+
+    layer = _v2_lite_layer(True, monkeypatch)
+    calls = []
+    real = moe_decode.moe_decode
+    monkeypatch.setattr(moe_decode, "moe_decode", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    ops = TritonOps()
+    for tokens in (1, moe_decode.MAX_TOKENS):
+        x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+        before = layer.forward_fused(x, ops)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.forward_fused(x, ops)
+        x.copy_(torch.randn(tokens, 2048, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer.forward_fused(x, ops)) and not torch.equal(out, before), tokens
+    assert calls and set(calls) == {1, moe_decode.MAX_TOKENS}
