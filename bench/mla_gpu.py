@@ -143,6 +143,8 @@ class MLABench(Bench):
 
         self.results["model"] = {"params": total, "load_s": time.perf_counter() - t0,
                                  "fused_prepare": LatentAttention.fused_prepare,
+                                 "fused_absorb": LatentAttention.fused_absorb,
+                                 "fused_absorb_max_pairs": LatentAttention.fused_absorb_max_pairs,
                                  "kv_bytes_per_token": self.kv_bytes_per_token(self.model)}
         print(f"# model {self.results['model']}", flush=True)
 
@@ -272,12 +274,20 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the attention kernel's launch choices")
     ap.add_argument("--fused-prepare", choices=("on", "off"), default=None,
                     help="the one-kernel latent norm + rope + cache write (default: engine.mla's default)")
+    ap.add_argument("--fused-absorb", choices=("on", "off"), default=None,
+                    help="small steps' W_UK in the prepare launch and W_UV in the merge (default: engine.mla's default)")
+    ap.add_argument("--absorb-launch", default=None,
+                    help="the fused absorbed form's limit and blocks, any of max_pairs=64,uk_block=64,block_v=32,"
+                         "chunk_r=64, uv=0|1 (W_UV in the merge; default: engine.mla's and the kernels')")
     ap.add_argument("--parallel-align", choices=("on", "off"), default=None,
                     help="the many-program align above 64 pairs (default: engine.kernels.moe's default)")
     ap.add_argument("--prefill-tile", choices=("on", "off"), default=None,
                     help="128 x 128 tiles for prefill-sized expert runs (default: as engine.kernels.moe)")
     ap.add_argument("--split-down", choices=("on", "off"), default=None,
                     help="the GEMV path's down projection split over (pair, column block) (default: as engine.kernels.moe)")
+    ap.add_argument("--fused-decode", choices=("on", "off"), default=None,
+                    help="MoE layers of 1-4 tokens in three launches (engine.kernels.moe_decode.FUSED_DECODE; "
+                         "default: as there)")
     ap.add_argument("--gemv", choices=("table", "all", "off"), default=None,
                     help="engine.kernels.gemv.POLICY for one-token projections (default: table)")
     ap.add_argument("--pdl", choices=("on", "off"), default=None,
@@ -301,16 +311,23 @@ def main() -> None:
 def set_options(args) -> None:
     """The gated kernels' options, where the command line sets them (the defaults otherwise)."""
     import tandem.engine.kernels.moe as moe_kernels  # noqa: PLC0415 (after the env is set)
+    import tandem.engine.kernels.moe_decode as moe_decode  # noqa: PLC0415 (as above)
     from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
 
     if getattr(args, "fused_prepare", None):
         LatentAttention.fused_prepare = args.fused_prepare == "on"
+    if getattr(args, "fused_absorb", None):
+        LatentAttention.fused_absorb = args.fused_absorb == "on"
+    if getattr(args, "absorb_launch", None):
+        set_absorb_launch(args.absorb_launch)
     if getattr(args, "parallel_align", None):
         moe_kernels.PARALLEL_ALIGN = args.parallel_align == "on"
     if getattr(args, "prefill_tile", None):
         moe_kernels.PREFILL_TILE_128 = args.prefill_tile == "on"
     if getattr(args, "split_down", None):
         moe_kernels.SPLIT_DOWN_GEMV = args.split_down == "on"
+    if getattr(args, "fused_decode", None):
+        moe_decode.FUSED_DECODE = args.fused_decode == "on"
     if getattr(args, "gemv", None):
         import tandem.engine.kernels.gemv as gemv  # noqa: PLC0415 (as above)
 
@@ -321,8 +338,33 @@ def set_options(args) -> None:
 
         pdl.ENABLED = args.pdl == "on"
         print(f"# pdl.ENABLED {pdl.ENABLED}", flush=True)
-    print(f"# options: fused_prepare {LatentAttention.fused_prepare}, parallel_align {moe_kernels.PARALLEL_ALIGN}, "
-          f"split_down {moe_kernels.SPLIT_DOWN_GEMV}", flush=True)
+    print(f"# options: fused_prepare {LatentAttention.fused_prepare}, fused_absorb {LatentAttention.fused_absorb} "
+          f"(up to {LatentAttention.fused_absorb_max_pairs} pairs), parallel_align {moe_kernels.PARALLEL_ALIGN}, "
+          f"split_down {moe_kernels.SPLIT_DOWN_GEMV}, fused_decode {moe_decode.FUSED_DECODE}", flush=True)
+
+
+def set_absorb_launch(spec: str) -> None:
+    """--absorb-launch "max_pairs=128,block_v=64": the fused absorbed form's pair limit
+    (LatentAttention.fused_absorb_max_pairs), W_UK's rank columns per program (mla_prepare.UK_BLOCK)
+    and the W_UV merge's blocks (mla_decode.UV_LAUNCH)."""
+    from tandem.engine.kernels import mla_decode, mla_prepare  # noqa: PLC0415 (after the env is set)
+    from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
+
+    for item in spec.split(","):
+        key, value = item.split("=")
+        if key == "max_pairs":
+            LatentAttention.fused_absorb_max_pairs = int(value)
+        elif key == "uv":
+            LatentAttention.fused_uv = bool(int(value))
+        elif key == "uk_block":
+            mla_prepare.UK_BLOCK = int(value)
+        elif key in mla_decode.UV_LAUNCH:
+            mla_decode.UV_LAUNCH[key] = int(value)
+        else:
+            raise SystemExit(f"--absorb-launch: unknown {key!r} (max_pairs, uk_block, block_v, chunk_r)")
+    print(f"# absorb launch: max_pairs {LatentAttention.fused_absorb_max_pairs}, uv {LatentAttention.fused_uv}, "
+          f"uk_block {mla_prepare.UK_BLOCK}, "
+          f"{mla_decode.UV_LAUNCH}", flush=True)
 
 
 def _save(b: Bench) -> None:

@@ -11,7 +11,8 @@ never stored per head. Two forms read it, with the same result (up to rounding):
   query, so each head scores [q_nope W_UK, q_pe] against the cached [c, k_pe] directly and its
   output is a weighted sum of latents, to which W_UV (kv_b_proj's V rows) is applied afterwards.
   The CPU reads the cache with `latent_attention_torch`; CUDA with the Triton kernel of
-  engine.kernels.mla_decode (no host read of a device value: CUDA graphs capture it).
+  engine.kernels.mla_decode (no host read of a device value: CUDA graphs capture it), and for small
+  steps with W_UK and W_UV inside the prepare and merge kernels (LatentAttention.fused_absorb).
 
 Rope is DeepSeek's: applied to the rope part only, with pairs (x0, x1), (x2, x3), ... rotated by one
 frequency (`rope_interleave`, the default; rotate-half otherwise), and YaRN scaling (the frequency
@@ -181,6 +182,18 @@ class LatentAttention(nn.Module):
     # the one-launch norm + rope + cache write (engine.kernels.mla_prepare) on the Triton path (False:
     # the torch steps, as on the CPU path); compiled and measured on an H200 (docs/benchmarks.md, run 3)
     fused_prepare = True
+    # with fused_prepare, steps of at most fused_absorb_max_pairs (token, head) pairs fold W_UK into
+    # the prepare kernel (engine.kernels.mla_prepare.mla_prepare_uk: one torch.bmm launch fewer). The
+    # kernel reads a head's W_UK (128 KB in bf16 at V2-Lite) once per token, where bmm reads it once
+    # per step, hence the limit: 64 pairs, 4 tokens at V2-Lite's 16 heads (decode up to batch 4, or a
+    # batch-1 verify of 3 drafts). On the H200 the batch-1 step took 2.518 ms with it, 2.522 without
+    # (docs/benchmarks.md, issue 29, 2026-12-04): one launch fewer at the same time.
+    fused_absorb = True
+    fused_absorb_max_pairs = 64
+    # and W_UV in the decode kernel's merge (mla_decode's w_uv), the second bmm gone too: built and
+    # checked, but its 64 programs at batch 1 (each re-merging its head's 32 slices per block of 32
+    # outputs) made the step 2.76 ms against 2.52 on the H200, so it stays off
+    fused_uv = False
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         q_a, kv_a = self.qkv_a_proj.weight.detach().split([self.q_a_out, self.rank + self.rope], 0)
@@ -217,24 +230,36 @@ class LatentAttention(nn.Module):
         T = x.shape[0]
         q, kv = self.project(x, linear, projected)
         cache = kv_cache[self.layer, 0]  # [num_blocks, block_size, 1, rank + rope]
+        if kernel is not None and self.absorbs_in_kernels(T, meta):
+            o = self._absorbed_fused(q, kv, positions, cos_sin, cache, meta, kernel)
+        else:
+            q_pe = self._prepare(q, kv, positions, cos_sin, cache, meta, kernel)
+            q_nope = q[..., :self.nope]
+            if meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
+                o = self._absorbed(q_nope, q_pe, cache, meta, kernel)
+            else:
+                o = self._expanded(q_nope, q_pe, cache, meta)
+        return self.reduce_output(linear(o.reshape(T, self.num_heads * self.v_dim), self.o_proj))
+
+    def absorbs_in_kernels(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step on the Triton path takes the fused absorbed form (fused_absorb)."""
+        return (self.fused_prepare and self.fused_absorb and meta.max_query_len <= BATCHED_MAX_QUERY_LEN
+                and num_tokens * self.num_heads <= self.fused_absorb_max_pairs)
+
+    def _prepare(self, q, kv, positions, cos_sin, cache, meta, kernel) -> torch.Tensor:
+        """The latent's norm, the rope of k_pe and every head's q_pe, the cache write -> q_pe [T, H, rope]."""
         if kernel is not None and self.fused_prepare:
             from tandem.engine.kernels.mla_prepare import mla_prepare  # noqa: PLC0415 (as forward_fused's)
 
-            q_pe = mla_prepare(q, kv, positions, cos_sin, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            return mla_prepare(q, kv, positions, cos_sin, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
                                cache, meta.slot_mapping, self.nope, self.interleave)
-        else:
-            c, k_pe = kv.split([self.rank, self.rope], dim=-1)
-            # q's heads and the shared rope key rotated in one pass: [T, H + 1, rope]
-            pe = apply_latent_rope(torch.cat([q[..., self.nope:], k_pe[:, None]], dim=1), positions, cos_sin,
-                                   self.interleave)
-            q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
-            write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
-        q_nope = q[..., :self.nope]
-        if meta.max_query_len <= BATCHED_MAX_QUERY_LEN:
-            o = self._absorbed(q_nope, q_pe, cache, meta, kernel)
-        else:
-            o = self._expanded(q_nope, q_pe, cache, meta)
-        return self.reduce_output(linear(o.reshape(T, self.num_heads * self.v_dim), self.o_proj))
+        c, k_pe = kv.split([self.rank, self.rope], dim=-1)
+        # q's heads and the shared rope key rotated in one pass: [T, H + 1, rope]
+        pe = apply_latent_rope(torch.cat([q[..., self.nope:], k_pe[:, None]], dim=1), positions, cos_sin,
+                               self.interleave)
+        q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
+        write_latent_torch(torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), cache, meta.slot_mapping)
+        return q_pe
 
     def project(self, x: torch.Tensor, linear=_call, projected: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (q [T, H, nope + rope], kv [T, rank + rope]: the latent c, then k_pe), views.
@@ -256,6 +281,21 @@ class LatentAttention(nn.Module):
         else:  # [T, H, rank], laid out as [H, T, rank]
             o_lat = kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _absorbed_fused(self, q, kv, positions, cos_sin, cache, meta, kernel) -> torch.Tensor:
+        """-> [T, H, v]: _prepare and _absorbed in two launches, W_UK folded into the prepare kernel
+        and W_UV into the decode kernel's merge (engine.kernels.mla_prepare.mla_prepare_uk; `kernel`
+        is mla_decode), each product rounded to the model dtype as torch.bmm's output."""
+        from tandem.engine.kernels.mla_prepare import mla_prepare_uk  # noqa: PLC0415 (as forward_fused's)
+
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat, q_pe = mla_prepare_uk(q, kv, positions, cos_sin, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                     cache, meta.slot_mapping, self.nope, self.interleave, w_uk)
+        if not self.fused_uv:
+            o_lat = kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe)
+            return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe,
+                      w_uv=w_uv)
 
     def _expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
         """-> [T, H, v]: each sequence's latents expanded to per-head K and V, causal with its offset."""

@@ -11,7 +11,10 @@ partial softmax sums. Which sequence a token belongs to, and how many positions 
 worked out on the device from query_start_loc and seq_lens: nothing reads a device value on the
 host, so a CUDA graph captures the call. `splits` depends on the token count alone (not on the
 contexts, which a graph captured at one context replays at others): slices past a token's context
-are empty programs that return at once."""
+are empty programs that return at once.
+
+Given W_UV (`w_uv`, engine.mla's fused absorbed form for small steps), the merge also applies it,
+so the heads' outputs [T, H, v] come out of the second kernel and torch.bmm's launch goes."""
 
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ MAX_SPLITS = 32
 # the partial kernel's launch: context positions per loop step, warps, pipeline stages (bench/mla_gpu.py
 # --sweep times others on the GPU)
 LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+# the merge with W_UV (mla_decode's w_uv): outputs per program and rank columns per loop step. At
+# V2-Lite's sizes (v 128, rank 512) 4 programs per (token, head), 64 in a batch-1 step, each reading
+# the head's partial sums (64 KB of fp32 at 32 slices) and a [32, 512] slice of W_UV (32 KB in
+# bf16); with one program per head, 16 programs would read 128 KB of W_UV each. Not measured
+# against other choices (bench/mla_gpu.py --absorb-launch sets them)
+UV_LAUNCH = {"block_v": 32, "chunk_r": 64}
 
 
 @triton.jit
@@ -90,21 +99,55 @@ def _mla_partial_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                      RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+def _split_weights(ml_ptr, base, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """-> (slices, their mask, each slice's weight, the softmax denominator) of one (token, head)."""
     sp = tl.arange(0, BLOCK_S)
     smask = sp < SPLITS
-    base = (t * num_heads + h) * SPLITS
     m = tl.load(ml_ptr + (base + sp) * 2, mask=smask, other=float("-inf"))
     denom = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty slice weighs nothing
+    return sp, smask, w, tl.sum(denom * w, 0)
+
+
+@triton.jit
+def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                      RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * SPLITS
+    sp, smask, w, den = _split_weights(ml_ptr, base, SPLITS, BLOCK_S)
     r = tl.arange(0, BLOCK_R)
     acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_R + r[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / den
     tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
+
+
+@triton.jit
+def _mla_merge_uv_kernel(acc_ptr, ml_ptr, w_ptr, out_ptr, num_heads, stride_wh, stride_wv, stride_ot, stride_oh,
+                         RANK: tl.constexpr, V: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_R: tl.constexpr, CHUNK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The merge, then W_UV: program (token, head, block of BLOCK_V outputs) walks the rank in
+    chunks, merging the slices' partial sums of each chunk (o_lat's chunk, rounded to the model
+    dtype as the plain merge stores it) and adding W_UV[h][block, chunk] @ o_lat[chunk] in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vm = v < V
+    base = (t * num_heads + h) * SPLITS
+    sp, smask, w, den = _split_weights(ml_ptr, base, SPLITS, BLOCK_S)
+    dtype = out_ptr.dtype.element_ty
+    w_row = w_ptr + h * stride_wh + v[:, None] * stride_wv  # [BV, 1]
+    o = tl.zeros([BLOCK_V], tl.float32)
+    for r0 in range(0, BLOCK_R, CHUNK_R):
+        r = r0 + tl.arange(0, CHUNK_R)
+        rm = r < RANK
+        acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_R + r[None, :], mask=smask[:, None] & rm[None, :],
+                      other=0.0)
+        lat = (tl.sum(acc * w[:, None], 0) / den).to(dtype).to(tl.float32)  # [CHUNK_R]
+        w_uv = tl.load(w_row + r[None, :], mask=vm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        o += tl.sum(w_uv * lat[None, :], 1)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + v, o.to(dtype), mask=vm)
 
 
 def choose_splits(num_tokens: int, num_heads: int, num_sms: int) -> int:
@@ -135,12 +178,59 @@ _last_positions: list = [None, 0, None]  # [metadata, num_tokens, (seq, kv_len)]
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, rank: int, scale: float,
-               splits: int | None = None, reuse_positions: bool = False, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+               splits: int | None = None, reuse_positions: bool = False, q_pe: torch.Tensor | None = None,
+               w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, rank + rope] against one layer's latent cache [num_blocks, block_size, 1, rank + rope]
     (the new tokens' latents already written) -> [T, H, rank] in q's dtype, laid out as [H, T, rank]
     (so W_UV's batched GEMM over the heads reads it without a copy). With `q_pe` [T, H, rope], q is
     the latent part alone, [T, H, rank] (views allowed: the W_UK product's [H, T, rank] transposed).
+    With `w_uv` [H, v, rank] (kv_b_proj's V rows per head, a view: rows contiguous) the merge applies
+    it too: -> [T, H, v] contiguous, o_lat[t, h] @ w_uv[h].T.
     `splits`: None chooses. `reuse_positions`: see token_positions (the model sets it past its first layer)."""
+    q, q_pe = _check(q, cache, meta, rank, q_pe, w_uv)
+    T, H = q.shape[:2]
+    D = cache.shape[3]
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = choose_splits(T, H, sms)
+    tok_seq, kv_len = token_positions(meta, T, reuse_positions)
+    block_r, block_p = max(16, next_power_of_2(rank)), max(16, next_power_of_2(D - rank))  # tl.dot: K >= 16
+    acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
+    ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
+    _mla_partial_kernel[(T, triton.cdiv(H, BLOCK_H), splits)](
+        q, q_pe, cache, meta.block_tables, tok_seq, kv_len, acc, ml, scale, cache.shape[1], H,
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
+        meta.block_tables.stride(0),
+        RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
+        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"]} if q.is_cuda else {}))
+    return merge_partials(acc, ml, rank, q.dtype, w_uv)
+
+
+def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.dtype,
+                   w_uv: torch.Tensor | None = None) -> torch.Tensor:
+    """The context slices' partial sums acc [T, H, splits, block_r] fp32 and (max, sum) ml [T, H,
+    splits, 2] -> o_lat [T, H, rank] in `dtype` laid out as [H, T, rank]; or with w_uv [H, v, rank],
+    o_lat @ w_uv.T per head, [T, H, v] contiguous. mla_decode's second launch, a function of its own
+    so tests can feed it partial sums."""
+    T, H, splits, block_r = acc.shape
+    block_s = max(2, next_power_of_2(splits))
+    if w_uv is None:
+        out = torch.empty(H, T, rank, dtype=dtype, device=acc.device).transpose(0, 1)
+        _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,
+                                  BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4)
+        return out
+    v = w_uv.shape[1]
+    out = torch.empty(T, H, v, dtype=dtype, device=acc.device)
+    block_v, chunk_r = min(UV_LAUNCH["block_v"], next_power_of_2(v)), min(UV_LAUNCH["chunk_r"], block_r)
+    _mla_merge_uv_kernel[(T, H, triton.cdiv(v, block_v))](
+        acc, ml, w_uv, out, H, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), RANK=rank, V=v,
+        SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r, CHUNK_R=chunk_r, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def _check(q, cache, meta, rank, q_pe, w_uv) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (q's latent part, q_pe), or ValueError naming the argument."""
     require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     require_tensor("cache", cache, ndim=4, dtypes=FLOAT_DTYPES)
     require_same("cache", cache, "q", q)
@@ -159,21 +249,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
                          f"{tuple(q_pe.shape)} (or q [T, H, rank + rope] alone)")
     if cache.stride(3) != 1 or cache.stride(2) != D:
         raise ValueError(f"cache rows must be contiguous, got strides {cache.stride()}")
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(T, H, sms)
-    tok_seq, kv_len = token_positions(meta, T, reuse_positions)
-    block_r, block_p = max(16, next_power_of_2(rank)), max(16, next_power_of_2(D - rank))  # tl.dot: K >= 16
-    acc = torch.empty(T, H, splits, block_r, dtype=torch.float32, device=q.device)
-    ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(H, T, rank, dtype=q.dtype, device=q.device).transpose(0, 1)
-    _mla_partial_kernel[(T, triton.cdiv(H, BLOCK_H), splits)](
-        q, q_pe, cache, meta.block_tables, tok_seq, kv_len, acc, ml, scale, cache.shape[1], H,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
-        meta.block_tables.stride(0),
-        RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
-        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"]} if q.is_cuda else {}))
-    _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,
-                              BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_R=block_r, num_warps=4)
-    return out
+    if w_uv is not None:
+        require_tensor("w_uv", w_uv, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+        require_same("w_uv", w_uv, "q", q)
+        if w_uv.shape[0] != H or w_uv.shape[2] != rank:
+            raise ValueError(f"w_uv {tuple(w_uv.shape)} must be [heads ({H}), v, rank ({rank})]")
+    return q, q_pe

@@ -9,6 +9,12 @@ One program per token. The rope reads cos_sin [P, R] (cos times the attention fa
 half, sin in the second: engine.mla.LatentRotary) and rotates pairs (x0, x1), (x2, x3), ... under
 `interleave`, else (x_i, x_{i + R/2}); the output is de-interleaved, as `engine.mla.apply_latent_rope`
 writes it. A slot of -1 (a graph's padding row) writes no cache row. Nothing is read on the host.
+
+`mla_prepare_uk` (the absorbed form's small steps: engine.mla.LatentAttention.fused_absorb) also
+takes W_UK, so q_nope @ W_UK per head (torch.bmm's launch otherwise) is in the same launch. A
+per-head GEMV wants more than one program per token: programs (token, head, UK_BLOCK columns of
+the rank) each compute their slice of q_lat, and program (token, 0, 0) also does the token's work
+above, so the norm, rope and cache write still happen once per token.
 """
 
 from __future__ import annotations
@@ -20,13 +26,18 @@ import triton.language as tl
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
                                             require_same, require_tensor)
 
+# rank columns of q_lat per program of mla_prepare_uk: at V2-Lite's sizes (rank 512, nope 128, 16
+# heads) 8 programs per head, 128 per token, each reading a [128, 64] slice of W_UK (16 KB in bf16).
+# Not measured against other widths (bench/mla_gpu.py --absorb-launch sets it)
+UK_BLOCK = 64
+
 
 @triton.jit
-def _prepare_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr,
-                    eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
-                    stride_cb, stride_cr, RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
-                    INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr, t,
+                   eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
+                   stride_cb, stride_cr, RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
+                   INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's whole preparation: every head's q_pe rotated, [norm(c), rope(k_pe)] to its slot."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     jm = j < HALF
@@ -47,36 +58,66 @@ def _prepare_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, sl
     tl.store(out_row + j[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=hm)
     tl.store(out_row + HALF + j[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=hm)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    # the latent: RMSNorm in fp32, rounded to the model dtype before the weight (as engine.model.RMSNorm)
-    r = tl.arange(0, BLOCK_R)
+    if slot >= 0:
+        # the latent: RMSNorm in fp32, rounded to the model dtype before the weight (as engine.model.RMSNorm)
+        r = tl.arange(0, BLOCK_R)
+        rm = r < RANK
+        c = tl.load(kv_ptr + t * stride_kt + r, mask=rm, other=0.0).to(tl.float32)
+        c = c * tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
+        w = tl.load(norm_ptr + r, mask=rm, other=0.0)
+        c = (w.to(tl.float32) * c.to(dtype).to(tl.float32)).to(dtype)
+        row = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cr
+        tl.store(row + r, c, mask=rm)
+        k_pe = kv_ptr + t * stride_kt + RANK
+        if INTERLEAVE:
+            k1 = tl.load(k_pe + 2 * j, mask=jm, other=0.0).to(tl.float32)
+            k2 = tl.load(k_pe + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+        else:
+            k1 = tl.load(k_pe + j, mask=jm, other=0.0).to(tl.float32)
+            k2 = tl.load(k_pe + HALF + j, mask=jm, other=0.0).to(tl.float32)
+        tl.store(row + RANK + j, (k1 * cos - k2 * sin).to(dtype), mask=jm)
+        tl.store(row + RANK + HALF + j, (k2 * cos + k1 * sin).to(dtype), mask=jm)
+
+
+@triton.jit
+def _prepare_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr,
+                    eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
+                    stride_cb, stride_cr, RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
+                    INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
+    _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr,
+                   tl.program_id(0).to(tl.int64), eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs,
+                   stride_pt, stride_ph, block_size, stride_cb, stride_cr, RANK, NOPE, HALF, INTERLEAVE, BLOCK_R,
+                   BLOCK_H, HALF_PAD)
+
+
+@triton.jit
+def _prepare_uk_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr, w_ptr, q_lat_ptr,
+                       eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
+                       stride_cb, stride_cr, stride_wh, stride_wn, stride_lt, stride_lh,
+                       RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
+                       NOPE_PAD: tl.constexpr, BLOCK_UK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    rb = tl.program_id(2)
+    if (h == 0) & (rb == 0):  # once per token
+        _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr, t, eps,
+                       num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
+                       stride_cb, stride_cr, RANK, NOPE, HALF, INTERLEAVE, BLOCK_R, BLOCK_H, HALF_PAD)
+    # q_lat[t, h, block] = q_nope[t, h] @ W_UK[h][:, block]: fp32 sums, rounded once (as torch.bmm's output)
+    n = tl.arange(0, NOPE_PAD)
+    nm = n < NOPE
+    r = rb * BLOCK_UK + tl.arange(0, BLOCK_UK)
     rm = r < RANK
-    c = tl.load(kv_ptr + t * stride_kt + r, mask=rm, other=0.0).to(tl.float32)
-    c = c * tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
-    w = tl.load(norm_ptr + r, mask=rm, other=0.0)
-    c = (w.to(tl.float32) * c.to(dtype).to(tl.float32)).to(dtype)
-    row = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cr
-    tl.store(row + r, c, mask=rm)
-    k_pe = kv_ptr + t * stride_kt + RANK
-    if INTERLEAVE:
-        k1 = tl.load(k_pe + 2 * j, mask=jm, other=0.0).to(tl.float32)
-        k2 = tl.load(k_pe + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
-    else:
-        k1 = tl.load(k_pe + j, mask=jm, other=0.0).to(tl.float32)
-        k2 = tl.load(k_pe + HALF + j, mask=jm, other=0.0).to(tl.float32)
-    tl.store(row + RANK + j, (k1 * cos - k2 * sin).to(dtype), mask=jm)
-    tl.store(row + RANK + HALF + j, (k2 * cos + k1 * sin).to(dtype), mask=jm)
+    x = tl.load(q_ptr + t * stride_qt + h * stride_qh + n, mask=nm, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + r[None, :], mask=nm[:, None] & rm[None, :],
+                other=0.0).to(tl.float32)
+    q_lat = tl.sum(x[:, None] * w, 0)
+    tl.store(q_lat_ptr + t * stride_lt + h * stride_lh + r, q_lat.to(q_lat_ptr.dtype.element_ty), mask=rm)
 
 
-def mla_prepare(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                nope: int, interleave: bool) -> torch.Tensor:
-    """q [T, H, nope + rope] (views allowed, last dim contiguous); kv [T, rank + rope] (rows
-    contiguous): the latent c then k_pe; positions, slot_mapping [T]; cos_sin [P, rope] fp32;
-    norm_weight [rank]; cache: one layer's [num_blocks, block_size, 1, rank + rope].
-    Writes [norm(c), rope(k_pe)] to each token's slot (none for slot -1) and returns q_pe rotated,
-    [T, H, rope] in q's dtype (de-interleaved)."""
+def _check(q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, nope) -> tuple[int, int]:
+    """-> (rank, rope), or ValueError naming the argument."""
     require_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     require_tensor("kv", kv, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     require_tensor("cache", cache, ndim=4, dtypes=FLOAT_DTYPES)
@@ -103,6 +144,19 @@ def mla_prepare(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_
                          f"[num_blocks, block_size, 1, {rank + rope}]")
     if cache.stride(3) != 1:
         raise ValueError(f"cache rows must be contiguous, got strides {cache.stride()}")
+    return rank, rope
+
+
+def mla_prepare(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                nope: int, interleave: bool) -> torch.Tensor:
+    """q [T, H, nope + rope] (views allowed, last dim contiguous); kv [T, rank + rope] (rows
+    contiguous): the latent c then k_pe; positions, slot_mapping [T]; cos_sin [P, rope] fp32;
+    norm_weight [rank]; cache: one layer's [num_blocks, block_size, 1, rank + rope].
+    Writes [norm(c), rope(k_pe)] to each token's slot (none for slot -1) and returns q_pe rotated,
+    [T, H, rope] in q's dtype (de-interleaved)."""
+    rank, rope = _check(q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, nope)
+    T, H, _ = q.shape
     q_pe = torch.empty((T, H, rope), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_pe
@@ -113,3 +167,31 @@ def mla_prepare(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_
         cache.stride(0), cache.stride(1), RANK=rank, NOPE=nope, HALF=rope // 2, INTERLEAVE=interleave,
         BLOCK_R=next_power_of_2(rank), BLOCK_H=next_power_of_2(H), HALF_PAD=next_power_of_2(rope // 2), **launch)
     return q_pe
+
+
+def mla_prepare_uk(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   nope: int, interleave: bool, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_prepare with the absorbed form's W_UK product in the same launch: also w_uk [H, nope,
+    rank] (kv_b_proj's K rows per head, a view: rows contiguous) -> (q_lat [T, H, rank], q_pe
+    [T, H, rope]), both in q's dtype; q_lat[t, h] = q_nope[t, h] @ w_uk[h]."""
+    rank, rope = _check(q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, nope)
+    T, H, _ = q.shape
+    require_tensor("w_uk", w_uk, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    require_same("w_uk", w_uk, "q", q)
+    if w_uk.shape != (H, nope, rank):
+        raise ValueError(f"w_uk {tuple(w_uk.shape)} must be [heads ({H}), nope ({nope}), rank ({rank})]")
+    q_pe = torch.empty((T, H, rope), dtype=q.dtype, device=q.device)
+    q_lat = torch.empty((T, H, rank), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_lat, q_pe
+    block_uk = min(UK_BLOCK, next_power_of_2(rank))
+    launch = {"num_warps": 4} if q.is_cuda else {}
+    _prepare_uk_kernel[(T, H, triton.cdiv(rank, block_uk))](
+        q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, q_pe, w_uk, q_lat, float(eps), H,
+        q.stride(0), q.stride(1), kv.stride(0), cos_sin.stride(0), q_pe.stride(0), q_pe.stride(1), cache.shape[1],
+        cache.stride(0), cache.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
+        RANK=rank, NOPE=nope, HALF=rope // 2, INTERLEAVE=interleave, BLOCK_R=next_power_of_2(rank),
+        BLOCK_H=next_power_of_2(H), HALF_PAD=next_power_of_2(rope // 2), NOPE_PAD=next_power_of_2(nope),
+        BLOCK_UK=block_uk, **launch)
+    return q_lat, q_pe

@@ -3,7 +3,9 @@ kv_lora_rank 512, rope 64, block size 16, contexts up to 4k, decode and verify b
 float32 reference on the upcast inputs (bound 1e-2, as tests/gpu/test_kernels_gpu.py); and a tiny
 DeepSeek-V3 with a MoE layer, fp32 on the GPU path (Triton attention, fused kernels, CUDA graphs),
 greedy token-exact against transformers' generate on the CPU, with the latent's norm + rope + cache
-write as torch steps and as one kernel (engine.kernels.mla_prepare, also alone in bf16)."""
+write as torch steps and as one kernel (engine.kernels.mla_prepare, also alone in bf16); and the
+absorbed form's fused launches for small steps (W_UK in the prepare kernel, W_UV in the merge:
+LatentAttention.fused_absorb) on a V2-Lite layer in bf16, eager and replayed from a CUDA graph."""
 
 import pytest
 import torch
@@ -127,3 +129,68 @@ def test_expanded_prefill_runs_a_fused_sdpa_kernel(query_len, ctx_len):
     with sdpa_kernel([SDPBackend.MATH]):
         ref = attn._expanded(q_nope, q_pe, cache, meta)
     assert ((fused.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def _layer_step(query_lens, ctx_lens, seed):
+    """A V2-Lite attention layer (bf16, random weights) and one step's inputs on it: -> (layer, x
+    [T, 2048], positions, cos_sin, kv_cache [1, 1, blocks, 16, 1, 576], meta with the new tokens' slots)."""
+    from tandem.engine.config import PRESETS
+    from tandem.engine.mla import LatentAttention, LatentRotary
+
+    cfg = PRESETS["deepseek-v2-lite-random"]
+    torch.manual_seed(seed)
+    attn = LatentAttention(cfg, 0).cuda().bfloat16()
+    for name, p in attn.named_parameters():
+        p.data.normal_(*((1.0, 0.1) if "layernorm" in name else (0.0, 0.05)))
+    gen = torch.Generator().manual_seed(seed)
+    _, cache, meta = _batch(gen, query_lens, ctx_lens, torch.bfloat16)
+    tables = meta.block_tables.cpu()
+    slots = [tables[b, p // BLOCK].item() * BLOCK + p % BLOCK
+             for b, (q, s) in enumerate(zip(query_lens, meta.seq_lens_cpu)) for p in range(s - q, s)]
+    positions = [p for q, s in zip(query_lens, meta.seq_lens_cpu) for p in range(s - q, s)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device="cuda")
+    x = torch.randn(sum(query_lens), cfg.hidden_size, generator=gen).bfloat16().cuda()
+    cos_sin = LatentRotary(cfg, 8192).cos_sin.cuda()
+    return attn, x, torch.tensor(positions, device="cuda"), cos_sin, cache[None, None], meta
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("uv", [False, True], ids=["uv-bmm", "uv-in-merge"])
+@pytest.mark.parametrize("query_lens,ctx_lens", [([1], [4000]), ([4], [1500]), ([1] * 4, [17, 300, 2048, 5])],
+                         ids=["decode-1x4k", "verify-1-plus-3", "decode-4"])
+def test_fused_absorbed_form_bf16(query_lens, ctx_lens, uv):
+    """The layer's attention with W_UK in the prepare launch (mla_prepare_uk, the partial kernel,
+    the merge, W_UV's bmm: the default), or in 3 launches (`uv`: the merge applying W_UV too),
+    against the bmm form's 5 on the same bf16 inputs (2e-3: the same rounding points, the sums'
+    order apart; on an H200 0 at one token, 3.3e-4 and 4.5e-4 at four) and a float32 reference (2e-2,
+    as test_mla_decode_bf16's; measured 5.4e-3 to 6.3e-3, the bmm form's to the digit); then
+    captured in a CUDA graph and replayed twice on new inputs, each against an eager run on them."""
+    import copy
+
+    attn, x, positions, cos_sin, kv_cache, meta = _layer_step(query_lens, ctx_lens, len(query_lens))
+    attn.fused_uv = uv
+    assert attn.absorbs_in_kernels(x.shape[0], meta)
+    bmm = copy.deepcopy(attn)
+    bmm.fused_absorb = False
+    run = lambda layer, x, cache: layer._attend(x, positions, cos_sin, cache, meta, kernel=mla_decode)  # noqa: E731
+    fused, plain = run(attn, x, kv_cache.clone()), run(bmm, x, kv_cache.clone())
+    ref = copy.deepcopy(attn).float()._attend(x.float(), positions, cos_sin, kv_cache.float(), meta, kernel=None)
+    assert _rel(fused, plain) < 2e-3 and _rel(fused, ref) < 2e-2, (_rel(fused, plain), _rel(fused, ref))
+
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(attn, static_x, kv_cache)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run(attn, static_x, kv_cache)
+    for i in range(2):
+        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + i)).bfloat16())
+        graph.replay()
+        want = run(attn, static_x, kv_cache.clone())
+        assert _rel(static_out, want) < 1e-3, (i, _rel(static_out, want))
