@@ -10,7 +10,11 @@ decode slots, step budget, KV blocks) and the perf model `tandem profile` calibr
 machine and model, with the served step and the control path calibrated on the running cluster
 by probe requests (cluster/calibration.py) and speculation's drafts
 and tokens per step from the run's usage (per rate, with how often a sequence drafts, where the
-run counted its draft steps). Nothing is fitted to the latencies being validated. A run recorded
+run counted its draft steps). Nothing is fitted to the latencies being validated, nor to the run's
+own steps: what a loaded worker pays beyond the idle calibration (each arriving request's host
+time, the served step's extra host time: cluster/step_check.py `fit_load`) comes from the step
+traces of the *other* recorded runs of the same model on the same device (the run directories
+beside it, `--load-terms others`, the default; `none`: the idle calibration alone). A run recorded
 with its engines' step traces (`steps/`) gets a second table: the model against each step the run
 made (cluster/step_check.py), after the `max error` line.
 """
@@ -28,7 +32,7 @@ from tandem.cluster.layouts import layout_perf
 from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
-from tandem.cluster.step_check import format_steps, step_rows
+from tandem.cluster.step_check import LoadTerms, format_steps, load_terms_from, model_key, step_rows
 from tandem.cluster.workloads import RequestSpec
 from tandem.perf_model import PerfModel
 
@@ -128,10 +132,28 @@ def simulated_rows(results: list[RequestResult]) -> list[tuple]:
     return [(r.arrival_s, r.ttft_s, r.tpot_s, r.e2e_s) for r in results]
 
 
-def validate_run(run_dir: str | Path) -> list[dict]:
-    """-> one row per rate: {run, rate, requests, measured: figures, simulated: figures, error: {figure: rel}}."""
+def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
+    """The load terms fitted on the traced runs beside `run_dir` (its parent directory) of the same
+    model, device and dtype, this run left out."""
+    d = Path(run_dir).resolve()
+    key = model_key(run)
+    others = []
+    for o in sorted(d.parent.iterdir()):
+        if o == d or not (o / "steps").is_dir() or not (o / "perf.json").is_file():
+            continue
+        if model_key(json.loads((o / "run.json").read_text())) == key:
+            others.append(o)
+    return load_terms_from(others, lambda o, r: cluster_perf(r["cluster"], load_run(o)[1])[0])
+
+
+def validate_run(run_dir: str | Path, load_terms: str = "others") -> list[dict]:
+    """-> one row per rate: {run, rate, requests, measured: figures, simulated: figures, error: {figure: rel},
+    load: the LoadTerms applied or None}. `load_terms`: "others" (sibling_load_terms) or "none"."""
     run, perf, _ = load_run(run_dir)
     model, colocated, n_prefill, n_decode = cluster_perf(run["cluster"], perf)
+    terms = sibling_load_terms(run_dir, run) if load_terms == "others" else None
+    if terms is not None:
+        model = terms.apply(model)
     slo = SLO(run["bench"]["slo"]["ttft_ms"] / 1e3, run["bench"]["slo"]["tpot_ms"] / 1e3)
     out = []
     for rate_run in run["runs"]:
@@ -143,7 +165,7 @@ def validate_run(run_dir: str | Path) -> list[dict]:
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}
         out.append({"run": Path(run_dir).name, "rate": rate_run["rate"], "requests": len(reqs),
-                    "measured": m, "simulated": s, "error": err})
+                    "measured": m, "simulated": s, "error": err, "load": terms})
     return out
 
 
@@ -168,9 +190,17 @@ def max_error(rows: list[dict]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (bench/results/<run>)")
+    ap.add_argument("--load-terms", choices=("others", "none"), default="others",
+                    help="what a loaded worker pays beyond the idle calibration: fitted on the other "
+                         "traced runs of the same model beside each run (default), or none")
     args = ap.parse_args(argv)
-    rows = [row for d in args.runs for row in validate_run(d)]
+    rows = [row for d in args.runs for row in validate_run(d, args.load_terms)]
     print(format_rows(rows))
+    for d in args.runs:
+        terms = next((r["load"] for r in rows if r["run"] == Path(d).name), None)
+        if terms is not None:
+            print(f"{Path(d).name}: load terms step_host +{terms.step_host_s * 1e3:.2f} ms, admit_host "
+                  f"{terms.admit_host_s * 1e3:.2f} ms, mixed_step {terms.mixed_step_s * 1e3:.2f} ms (from {terms.steps} steps of {', '.join(terms.runs)})")
     for d in args.runs:
         mine = [r for r in rows if r["run"] == Path(d).name]
         print(f"{Path(d).name}: max error {max_error(mine):.0%}")

@@ -173,6 +173,7 @@ class Simulation:
         own = self.session_decode.get(r.session_id)
         s.session_decode = own.name if own else None
         s.decode = w
+        w.host_debt_s += self.perf.admit_host_s    # its serving loop takes the request in
         w.waiting.append(s)
         self._admit(w, now)
 
@@ -274,6 +275,7 @@ class Simulation:
             budget -= n
             chunks.append((s, n))
         dt = perf.step_s(len(batch), sum(s.context for s in batch), [(n, s.context + n) for s, n in chunks])
+        dt, w.host_debt_s = dt + w.host_debt_s, 0.0    # requests taken in since the last step began
         w.count_prompts(chunks)
         w.stepping, w.step_started_s = True, now
         self.push(now + dt, "step", (w, batch, chunks))

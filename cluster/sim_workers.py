@@ -224,6 +224,7 @@ class SimDecodeWorker(SimWorker):
         self.stepping = False
         self.step_started_s = 0.0
         self.busy_s = 0.0  # time in finished steps
+        self.host_debt_s = 0.0  # admit_host_s of requests routed here since its last step began
         self.tpot = LatencyWindow()  # each finished sequence's time per output token
         # the engine's prompt counters (engine/stats.py `count_prompts`): positions computed, and
         # prompts whose last position was computed here and their lengths

@@ -4,13 +4,23 @@ context, the widest draft every sequence was padded to, prefill chunks) beside t
 `python -m bench.validate_simulator` prints this table after the replay's for every run that has
 traces: where the replay is off, it says whether the step costs are (the model) or the steps are not
 the ones the simulator made (the scheduling).
+
+`fit_load` fits what a loaded worker pays beyond an idle cluster's calibration on such traces: the
+host time each arriving request takes from its worker's serving loop (`admit_host_s`) and the rest
+of a served step's extra time (`step_host_s` on top of the idle figure: other requests' streams and
+ends, graph captures of shapes first met while serving); `python -m bench.validate_simulator`
+applies it to each run from the other traced runs of the same model on the same device kind.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import json
 import statistics
 from pathlib import Path
+
+import numpy as np
 
 from tandem.engine.step_trace import read_traces, step_times
 from tandem.perf_model import PerfModel
@@ -75,3 +85,84 @@ def format_steps(run: str, rows: list[dict]) -> str:
                      f"{r['measured_s']:>9.2f}/{r['model_s']:<9.2f} {err:>+6.0%}")
     return "\n".join(lines)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadTerms:
+    """What a worker under load pays beyond its idle calibration, fitted on traced steps."""
+    step_host_s: float      # added to every step's host time
+    admit_host_s: float     # per request arriving at the worker
+    mixed_step_s: float     # per step carrying decodes and prefill chunks
+    steps: int              # traced steps fitted on
+    runs: tuple[str, ...]   # the runs they came from
+
+    def apply(self, model: PerfModel) -> PerfModel:
+        return dataclasses.replace(model, step_host_s=model.step_host_s + self.step_host_s,
+                                   admit_host_s=model.admit_host_s + self.admit_host_s,
+                                   mixed_step_s=model.mixed_step_s + self.mixed_step_s)
+
+
+def load_samples(run_dir: str | Path, run: dict, model: PerfModel) -> list[tuple[int, bool, float]]:
+    """(requests that arrived during the step, whether it carried decodes and prefill chunks, its
+    time beyond what `model` charges) for every timed step of a traced run while a rate ran, graph
+    captures and eager steps included: under load they happen."""
+    d = Path(run_dir)
+    timed = sorted((st for steps in read_traces(d / "steps") for st in step_times(steps)), key=lambda x: x[0][0])
+    out = []
+    for rate_run in run["runs"]:
+        t0 = rate_run.get("started_unix")
+        if t0 is None:
+            continue
+        cols = run["columns"]
+        arrivals = sorted(t0 + dict(zip(cols, row))["arrival_s"] for row in rate_run["requests"])
+        mine = [(s, dt) for s, dt in timed if t0 <= s[0] < t0 + rate_run["elapsed_s"]]
+        for s, dt in mine:
+            n = bisect.bisect_left(arrivals, s[0] + dt) - bisect.bisect_left(arrivals, s[0])
+            out.append((n, bool(s[2] and s[6]), dt - model_s(model, s)))
+    return out
+
+
+def fit_load(samples: list[tuple[int, bool, float]], runs: tuple[str, ...] = ()) -> LoadTerms | None:
+    """Least squares of each step's extra time on the requests that arrived during it and on
+    whether it mixed decodes with prefill chunks: the slopes are `admit_host_s` and `mixed_step_s`,
+    the intercept the extra `step_host_s`. A term the samples cannot show (no step with arrivals,
+    no mixed step) is 0, as is one fitted negative (the idle calibration already charged it; the
+    rest is fitted again without it). None without samples."""
+    if not samples:
+        return None
+    y = np.array([e for _, _, e in samples])
+    cols = {"admit": np.array([float(n) for n, _, _ in samples]),
+            "mixed": np.array([float(m) for _, m, _ in samples])}
+    cols = {k: v for k, v in cols.items() if np.ptp(v) > 0}
+    while True:
+        a = np.column_stack([np.ones(len(y))] + list(cols.values()))
+        coef = np.linalg.lstsq(a, y, rcond=None)[0]
+        fit = dict(zip(cols, coef[1:]))
+        negative = [k for k, c in fit.items() if c < 0]
+        if not negative:
+            break
+        del cols[negative[0]]
+    return LoadTerms(max(0.0, float(coef[0])), float(fit.get("admit", 0.0)), float(fit.get("mixed", 0.0)),
+                     len(samples), tuple(runs))
+
+
+def model_key(run: dict) -> tuple:
+    """Runs whose load terms carry over: the same model, device and dtype."""
+    m = run["cluster"].get("model") or {}
+    return (m.get("name"), m.get("device"), m.get("dtype"))
+
+
+def load_terms_from(run_dirs, model_of) -> LoadTerms | None:
+    """`fit_load` over the traced runs among `run_dirs`; `model_of(run_dir, run)` -> the perf
+    model each run's steps are charged by (its own calibration)."""
+    samples, used = [], []
+    for d in run_dirs:
+        d = Path(d)
+        if not (d / "steps").is_dir():
+            continue
+        run = json.loads((d / "run.json").read_text())
+        got = load_samples(d, run, model_of(d, run))
+        if got:
+            samples += got
+            used.append(d.name)
+    return fit_load(samples, tuple(used))

@@ -41,13 +41,21 @@ class PerfModel:
                     do not pay; None: decode_per_seq_s
     verify_step_s = the fixed cost of a step that verifies any draft (more logits, the acceptance
                     pass), paid with probability 1 - (1 - spec_draft_prob) ** batch
-    mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base
-                    (`step_s`: what one engine step costs, whatever it carries)
+    mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base,
+                    + mixed_step_s (what carrying both costs beyond the two: the step runs eagerly,
+                    its decodes too) (`step_s`: what one engine step costs, whatever it carries)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
     overlap       = the engine launches step N+1 before it reads step N's tokens (CUDA, no
                     speculation, one rank: engine.inflight), so it schedules N+1 while N computes:
                     work that reaches the worker after N started joins N+2, not N+1 (the
                     simulator's steps; `layout_perf` sets it from the layout's engine)
+    admit host s  = admit_host_s, host time a worker's serving loop loses to each request routed to
+                    it (the actor RPC carrying its prompt, the prefix-cache lookup and block hashing,
+                    its output stream): the worker's next step is that much longer. It and the part
+                    of step_host_s that only a loaded worker pays (other requests' streams and ends,
+                    graph captures of shapes first met while serving) are fitted on traced steps
+                    (cluster/step_check.py `fit_load`), not on an idle cluster's probes, as is
+                    mixed_step_s
     control path  = request_overhead_s on every request's client-visible times (router, actor
                     RPCs, streaming), + remote_overhead_s before a remote prefill's KV is usable
                     (RPCs to the prefill actor, the decode step after the KV lands); both fitted
@@ -78,6 +86,8 @@ class PerfModel:
     verify_token_s: float | None = None
     verify_step_s: float = 0.0
     step_host_s: float = 0.0
+    admit_host_s: float = 0.0
+    mixed_step_s: float = 0.0
     overlap: bool = False
     max_batch: int = 256  # sequences per decode worker
     max_step_tokens: int = 2048  # tokens per decode step (decodes + local prefill chunks)
@@ -88,7 +98,7 @@ class PerfModel:
         coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
                   "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
                   "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s", "spec_draft_len",
-                  "verify_step_s")
+                  "verify_step_s", "admit_host_s", "mixed_step_s")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
         if self.verify_token_s is not None and self.verify_token_s < 0:
@@ -140,8 +150,7 @@ class PerfModel:
         dt = self.decode_step_s(batch, context_tokens)
         if chunks:
             dt += self.prefill_base_s + sum(self.chunk_s(n, c) for n, c in chunks)
-            if not batch:
-                dt += self.step_host_s
+            dt += self.mixed_step_s if batch else self.step_host_s
         return dt
 
     def tpot_s(self, batch: int, context_tokens: int, chunks: Sequence[tuple[int, int]] = ()) -> float:

@@ -116,3 +116,30 @@ def test_a_request_can_carry_its_own_tokens_per_step():
     # 40 tokens after the first: 40, 20 and 27 steps of the same three-sequence batch, while it lasts
     assert got["a"].e2e_s > got["c"].e2e_s > got["b"].e2e_s
     assert got["b"].e2e_s - got["b"].ttft_s == pytest.approx(20 * spec.step_s(3, 0), rel=0.01)
+
+
+def test_each_request_routed_to_a_worker_costs_its_next_step_the_admission_host_time():
+    """`admit_host_s`: the serving loop takes a request in (its RPC, prefix lookup, stream) before
+    the step that prefills it, and a request arriving mid-decode lengthens the decode step after."""
+    admit = replace(PERF, admit_host_s=0.004)
+    assert one(admit).ttft_s == pytest.approx(0.001 + 0.004)
+    assert one(admit).tpot_s == pytest.approx(0.010)
+    reqs = [RequestSpec("a", 0, 0.0, 10, 200), RequestSpec("b", 0, 0.018, 10, 5)]
+    plain = {r.session_id: r for r in simulate(reqs, 0, 1, PERF, SLO(), colocated=True).requests}
+    got = {r.session_id: r for r in simulate(reqs, 0, 1, admit, SLO(), colocated=True).requests}
+    # a: prefill [0, 5) ms with its own admission, decode steps of 10 ms from 5; b lands in the step
+    # [15, 25): the next, which prefills b beside a's decode, is 4 ms longer, [25, 40)
+    assert got["b"].ttft_s == pytest.approx(0.040 - 0.018)
+    assert plain["b"].ttft_s == pytest.approx(0.032 - 0.018)
+    assert got["a"].e2e_s == pytest.approx(plain["a"].e2e_s + 2 * 0.004, abs=1e-9)
+
+
+def test_a_step_carrying_decodes_and_prefill_chunks_pays_the_mixed_step_cost():
+    mixed = replace(PERF, mixed_step_s=0.006)
+    assert mixed.step_s(4, 0, [(100, 100)]) == pytest.approx(PERF.step_s(4, 0, [(100, 100)]) + 0.006)
+    assert mixed.step_s(4, 0) == pytest.approx(PERF.step_s(4, 0))               # decode only
+    assert mixed.step_s(0, 0, [(100, 100)]) == pytest.approx(PERF.step_s(0, 0, [(100, 100)]))  # prefill only
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        replace(PERF, mixed_step_s=-0.001)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        replace(PERF, admit_host_s=-0.001)

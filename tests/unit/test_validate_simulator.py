@@ -13,23 +13,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # (run, its rates, its achieved max error rounded up), replayed closed loop as the bench sent it, each
-# request with its own tokens per step (2026-12-03): with n-gram speculation 45% (TPOT p90 at 2
-# sessions/s) and, the sixth run (draft steps counted, the padded verify width charged), 42%
-# (goodput at 3 sessions/s, saturation); without speculation, with the overlapped engine's extra
-# step, 21%; the CPU runs with step traces 35%, 25% (the same command again) and 24% (workload seed 1);
-# the H200 runs of 2026-12-03 48% and 30% (-8 traced: its CUDA graph captures mid-serving, ~200 steps
-# of 35-110 ms, are what the model leaves out), and with warmup capturing every context bucket, 26%;
-# the tenth, after the split fix (33+ sequences priced within 5%), 41% (slower runtime captures)
-@pytest.mark.parametrize("run, rates, bound", [("h200-colocated-5", ["0.5", "1", "2", "3"], 0.46),
-                                               ("h200-colocated-nospec", ["0.5", "1", "2", "3"], 0.22),
-                                               ("h200-colocated-6", ["0.5", "1", "2", "3"], 0.43),
-                                               ("h200-colocated-7", ["0.5", "1", "2", "3"], 0.49),
-                                               ("h200-colocated-8", ["0.5", "1", "2", "3"], 0.31),
-                                               ("h200-colocated-9", ["0.5", "1", "2", "3"], 0.27),
-                                               ("h200-colocated-10", ["1", "2", "3"], 0.42),
-                                               ("cpu-colocated-3", ["0.05", "0.1"], 0.36),
-                                               ("cpu-colocated-4", ["0.05", "0.1"], 0.26),
-                                               ("cpu-colocated-5", ["0.05", "0.1"], 0.25)])
+# request with its own tokens per step, the idle calibration plus the load terms fitted on the other
+# traced runs of the same model (2026-12-04, docs/benchmarks.md "Load terms"). Before the load terms
+# the bounds were 46, 22, 43, 49, 31, 27, 42, 36, 26, 25 in this order; h200-colocated-9 is the one
+# run they make worse (26% -> 59%: its small prefills took 20 ms where the other runs' took 33-49 ms,
+# so the mixed-step and admission costs fitted on those over-charge its TTFT p50 at 0.5 and 1/s;
+# `--load-terms none` keeps its old figure, tested below)
+@pytest.mark.parametrize("run, rates, bound", [("h200-colocated-5", ["0.5", "1", "2", "3"], 0.40),
+                                               ("h200-colocated-nospec", ["0.5", "1", "2", "3"], 0.17),
+                                               ("h200-colocated-6", ["0.5", "1", "2", "3"], 0.38),
+                                               ("h200-colocated-7", ["0.5", "1", "2", "3"], 0.39),
+                                               ("h200-colocated-8", ["0.5", "1", "2", "3"], 0.22),
+                                               ("h200-colocated-9", ["0.5", "1", "2", "3"], 0.60),
+                                               ("h200-colocated-10", ["1", "2", "3"], 0.34),
+                                               ("h200-colocated-11", ["2"], 0.12),
+                                               ("h200-colocated-12", ["1"], 0.18),
+                                               ("cpu-colocated-3", ["0.05", "0.1"], 0.16),
+                                               ("cpu-colocated-4", ["0.05", "0.1"], 0.21),
+                                               ("cpu-colocated-5", ["0.05", "0.1"], 0.24)])
 def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, rates, bound):
     out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", f"bench/results/{run}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -61,3 +62,21 @@ def test_a_directory_that_is_not_a_recorded_run_is_refused_by_name():
                            "bench/results/soak"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "bench/results/soak: not a recorded run (no run.json or perf.json)" in done.stderr
+
+
+def test_load_terms_come_from_the_other_traced_runs_and_can_be_left_out():
+    """Each run's load terms are fitted on the traced runs beside it of the same model, never on its
+    own steps; `--load-terms none` replays with the idle calibration alone (run 9's 26%)."""
+    out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", "bench/results/h200-colocated-9"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("h200-colocated-9: load terms"))
+    sources = line.split(" of ", 1)[1].rstrip(")").split(", ")
+    assert "h200-colocated-9" not in sources and "h200-colocated-10" in sources
+    assert not any(s.startswith("cpu-") for s in sources)          # another model, another device
+    admit = float(re.search(r"admit_host ([\d.]+) ms", line).group(1))
+    assert 1.0 < admit < 10.0
+    none = subprocess.run([sys.executable, "-m", "bench.validate_simulator", "bench/results/h200-colocated-9",
+                           "--load-terms", "none"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+    assert "load terms" not in none
+    assert int(re.search(r"^max error (\d+)%$", none, re.M).group(1)) <= 27
