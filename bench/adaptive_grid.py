@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 
+from tandem.cluster.profiling import with_load_terms
 from tandem.cluster.sim_model import SLO
 from tandem.cluster.simulate_compare import compare
 
@@ -47,8 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="average each goodput over this many workload seeds "
                                                          "(one seed's closed loop moves a few percent either way)")
     ap.add_argument("--json", help="also write every row here")
+    ap.add_argument("--load-from", nargs="+", metavar="RUN_DIR", default=[],
+                    help="add the loaded-worker terms fitted on these recorded runs' step traces")
     args = ap.parse_args(argv)
-    perf = PerfModel.load(args.perf)
+    perf = with_load_terms(PerfModel.load(args.perf), args.load_from)
     rows, worst, at15 = [], [], []
     head = f"{'gpus':>4} {'ctx':>6} {'tpot':>4} {'ttft':>5} {'rate':>5}  goodput per layout (r/s)"
     print(head)

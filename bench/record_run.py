@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -63,6 +64,23 @@ def workload_specs(config: dict) -> dict[str, list[RequestSpec]]:
     return {ss[0].session_id: ss for ss in sessions}
 
 
+def build_id() -> str | None:
+    """The code that served the run: $TANDEM_BUILD, else the checkout's commit (+ "-dirty" with
+    uncommitted changes), else None (a copy of the tree without its .git). Load terms fitted on
+    runs of one build carry over to runs of the same build (bench/validate_simulator.py)."""
+    if os.environ.get("TANDEM_BUILD"):
+        return os.environ["TANDEM_BUILD"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "") if head else None
+
+
 def trim(report: dict, cluster: dict, machine: str) -> dict:
     """`tandem bench`'s report -> run.json: per request its send time (from its rate's start),
     session and turn, prompt and output lengths, the prompt's prefix shared with the session's
@@ -87,7 +105,7 @@ def trim(report: dict, cluster: dict, machine: str) -> dict:
     keep = ("workload", "seed", "rates", "duration_s", "drain_timeout_s", "max_sessions", "max_context", "slo",
             "vocab_size")
     return {"label": report.get("label"), "machine": machine, "created_unix": report.get("created_unix"),
-            "bench": {k: cfg.get(k) for k in keep}, "cluster": _no_inf(cluster), "columns": list(COLUMNS),
+            "build": build_id(), "bench": {k: cfg.get(k) for k in keep}, "cluster": _no_inf(cluster), "columns": list(COLUMNS),
             "runs": runs}
 
 

@@ -22,17 +22,16 @@ made (cluster/step_check.py), after the `max error` line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
-from tandem.cluster.layouts import layout_perf
+from tandem.cluster.layouts import recorded_perf
 from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
-from tandem.cluster.step_check import LoadTerms, format_steps, load_terms_from, model_key, step_rows
+from tandem.cluster.step_check import format_steps, sibling_load_terms, step_rows
 from tandem.cluster.workloads import RequestSpec
 from tandem.perf_model import PerfModel
 
@@ -86,20 +85,6 @@ def replay_specs(requests: list[dict]) -> list[RequestSpec]:
     return sorted(out, key=lambda x: x.arrival_s)
 
 
-def cluster_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int, int]:
-    """The perf model as this layout ran it (threshold, queue cap, decode slots, step token budget,
-    KV per worker) -> (model, colocated, prefill workers, decode workers)."""
-    model, colocated = layout_perf(cluster, perf)
-    sched, cache = cluster.get("scheduler") or {}, cluster.get("cache") or {}
-    over = {}
-    if sched.get("max_num_batched_tokens"):
-        over["max_step_tokens"] = int(sched["max_num_batched_tokens"])
-    if cache.get("num_blocks"):
-        over["kv_capacity_tokens"] = int(cache["num_blocks"]) * int(cache.get("block_size", 16))
-    n_prefill = 0 if colocated else int(cluster["prefill"]["replicas"])
-    return dataclasses.replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
-
-
 def _pct(xs: list[float], q: float) -> float:
     """Linear interpolation between closest ranks, as `tandem bench` computes its percentiles."""
     xs = sorted(xs)
@@ -132,25 +117,11 @@ def simulated_rows(results: list[RequestResult]) -> list[tuple]:
     return [(r.arrival_s, r.ttft_s, r.tpot_s, r.e2e_s) for r in results]
 
 
-def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
-    """The load terms fitted on the traced runs beside `run_dir` (its parent directory) of the same
-    model, device and dtype, this run left out."""
-    d = Path(run_dir).resolve()
-    key = model_key(run)
-    others = []
-    for o in sorted(d.parent.iterdir()):
-        if o == d or not (o / "steps").is_dir() or not (o / "perf.json").is_file():
-            continue
-        if model_key(json.loads((o / "run.json").read_text())) == key:
-            others.append(o)
-    return load_terms_from(others, lambda o, r: cluster_perf(r["cluster"], load_run(o)[1])[0])
-
-
 def validate_run(run_dir: str | Path, load_terms: str = "others") -> list[dict]:
     """-> one row per rate: {run, rate, requests, measured: figures, simulated: figures, error: {figure: rel},
     load: the LoadTerms applied or None}. `load_terms`: "others" (sibling_load_terms) or "none"."""
     run, perf, _ = load_run(run_dir)
-    model, colocated, n_prefill, n_decode = cluster_perf(run["cluster"], perf)
+    model, colocated, n_prefill, n_decode = recorded_perf(run["cluster"], perf)
     terms = sibling_load_terms(run_dir, run) if load_terms == "others" else None
     if terms is not None:
         model = terms.apply(model)
@@ -200,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         terms = next((r["load"] for r in rows if r["run"] == Path(d).name), None)
         if terms is not None:
             print(f"{Path(d).name}: load terms step_host +{terms.step_host_s * 1e3:.2f} ms, admit_host "
-                  f"{terms.admit_host_s * 1e3:.2f} ms, mixed_step {terms.mixed_step_s * 1e3:.2f} ms (from {terms.steps} steps of {', '.join(terms.runs)})")
+                  f"{terms.admit_host_s * 1e3:.2f} ms, mixed_step {terms.mixed_step_s * 1e3:.2f} ms, per sequence "
+                  f"+{terms.per_seq_s * 1e6:.0f} us (from {terms.steps} steps of {', '.join(terms.runs)})")
     for d in args.runs:
         mine = [r for r in rows if r["run"] == Path(d).name]
         print(f"{Path(d).name}: max error {max_error(mine):.0%}")
@@ -208,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.runs:     # where a run traced its engines' steps: was it the step costs or the steps?
         if (Path(d) / "steps").is_dir():
             run, perf, _ = load_run(d)
-            print("\n" + format_steps(Path(d).name, step_rows(d, run, cluster_perf(run["cluster"], perf)[0])))
+            print("\n" + format_steps(Path(d).name, step_rows(d, run, recorded_perf(run["cluster"], perf)[0])))
     return 0
 
 

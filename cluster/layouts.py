@@ -98,6 +98,20 @@ def layout_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool]:
     return replace(model, overlap=engine_overlaps(cluster)), colocated
 
 
+def recorded_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int, int]:
+    """The perf model as a recorded run's layout ran it (threshold, queue cap, decode slots, step
+    token budget, KV per worker) -> (model, colocated, prefill workers, decode workers)."""
+    model, colocated = layout_perf(cluster, perf)
+    sched, cache = cluster.get("scheduler") or {}, cluster.get("cache") or {}
+    over = {}
+    if sched.get("max_num_batched_tokens"):
+        over["max_step_tokens"] = int(sched["max_num_batched_tokens"])
+    if cache.get("num_blocks"):
+        over["kv_capacity_tokens"] = int(cache["num_blocks"]) * int(cache.get("block_size", 16))
+    n_prefill = 0 if colocated else int(cluster["prefill"]["replicas"])
+    return replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
+
+
 def engine_overlaps(cluster: dict) -> bool:
     """Whether the layout's decode engines overlap steps (`LLMEngine.overlap`: on CUDA, one rank,
     and no speculation, whose drafts read every token before the next step is scheduled)."""

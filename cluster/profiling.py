@@ -21,6 +21,7 @@ from tandem.cluster.config import load_config
 from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
+from tandem.cluster.step_check import load_terms_from
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
@@ -276,16 +277,22 @@ def cmd_profile(args) -> int:
     if args.bench_json:   # speculation as a `tandem bench` run measured it
         runs = json.loads(open(args.bench_json).read())["runs"]
         perf = dataclasses.replace(perf, **speculation_from_requests([r for run in runs for r in run["requests"]]))
+    load = load_terms_from(args.load_from) if args.load_from else None
+    if args.load_from and load is None:
+        with_load_terms(perf, args.load_from)      # says which directories lack a trace
     served: list = []
     if args.target:       # the served step and the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:
             perf, measured = calibrate_on_cluster(generation_pb2_grpc.GenerationStub(channel), perf,
                                                   vocab_size=args.vocab_size, threshold=args.local_prefill_threshold)
             served = measured["served_steps"]
+    if load is not None:  # on top of the served step, which it is measured against
+        perf = load.apply(perf)
     out = {"model": args.model, "device": args.device, "dtype": args.dtype, "perf_model": perf.to_dict(),
            "samples": [[k, list(f), s] for k, f, s in samples], "steps": [list(x) for x in steps],
            "mixed_steps": [list(x) for x in mixed],
-           "served_steps": [list(x) for x in served]}
+           "served_steps": [list(x) for x in served],
+           "load_terms": dataclasses.asdict(load) if load is not None else None}
     text = json.dumps(out, indent=2)
     if args.output:
         with open(args.output, "w") as f:
@@ -309,8 +316,20 @@ def perf_for_cluster(perf, cluster):
                                max_step_tokens=e.scheduler.max_num_batched_tokens, **kv)
 
 
+def with_load_terms(perf: PerfModel, run_dirs) -> PerfModel:
+    """`perf` plus what a loaded worker pays beyond its idle figures, fitted on `run_dirs`' step
+    traces (cluster/step_check.py `fit_load`); `perf` as it is when `run_dirs` is empty."""
+    if not run_dirs:
+        return perf
+    load = load_terms_from(run_dirs)
+    if load is None:
+        raise ValueError(f"--load-from: none of {', '.join(map(str, run_dirs))} holds a step trace (steps/): "
+                         "record runs with bench/record_run.py, which traces the engines' steps")
+    return load.apply(perf)
+
+
 def cmd_simulate(args) -> int:
-    perf, sizes, autoscaler = PerfModel.load(args.perf), (1, 1), None
+    perf, sizes, autoscaler = with_load_terms(PerfModel.load(args.perf), args.load_from), (1, 1), None
     if args.compare:
         return run_compare(args, perf)
     if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
@@ -364,6 +383,12 @@ def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
     return 0
 
 
+LOAD_FROM_HELP = ("add what a loaded worker pays beyond an idle cluster's figures (each arriving request's host "
+                  "time, steps mixing decodes with prefill chunks, per-sequence and per-step host time), fitted "
+                  "on these recorded runs' step traces (bench/record_run.py directories of this model on this "
+                  "device)")
+
+
 def register(sub) -> None:
     pr = sub.add_parser("profile", help="time the engine and fit the simulator's performance model")
     pr.add_argument("--model", default="smollm2-135m")
@@ -383,6 +408,7 @@ def register(sub) -> None:
                                          "step) from this `tandem bench` run's usage")
     pr.add_argument("--target", help="also fit the served step's host time and the control path on this "
                                      "running, idle cluster (HOST:PORT)")
+    pr.add_argument("--load-from", nargs="+", metavar="RUN_DIR", help=LOAD_FROM_HELP)
     pr.add_argument("--vocab-size", type=int, default=49152, help="the served model's (for --target probes)")
     pr.add_argument("--local-prefill-threshold", type=float, default=256,
                     help="the cluster's decode.local_prefill_threshold (for --target probes)")
@@ -396,6 +422,7 @@ def register(sub) -> None:
     sm.add_argument("--sweep", type=int, metavar="GPUS", help="every prefill:decode split of GPUS workers, "
                                                              "and all of them colocated")
     sm.add_argument("--perf", help="perf model JSON from `tandem profile` (default: assumed 8B on H200)")
+    sm.add_argument("--load-from", nargs="+", metavar="RUN_DIR", help=LOAD_FROM_HELP)
     sm.add_argument("--prefill-queue-limit", type=float,
                     help="the cluster's prefill.max_queued_tokens (default: the perf model's, inf)")
     sm.add_argument("--sessions", type=int, default=50)

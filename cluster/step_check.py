@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.cluster.layouts import recorded_perf
 from tandem.engine.step_trace import read_traces, step_times
 from tandem.perf_model import PerfModel
 
@@ -93,19 +94,29 @@ class LoadTerms:
     step_host_s: float      # added to every step's host time
     admit_host_s: float     # per request arriving at the worker
     mixed_step_s: float     # per step carrying decodes and prefill chunks
+    per_seq_s: float        # per decoding sequence per step (added to decode_per_seq_s)
     steps: int              # traced steps fitted on
     runs: tuple[str, ...]   # the runs they came from
 
     def apply(self, model: PerfModel) -> PerfModel:
         return dataclasses.replace(model, step_host_s=model.step_host_s + self.step_host_s,
                                    admit_host_s=model.admit_host_s + self.admit_host_s,
-                                   mixed_step_s=model.mixed_step_s + self.mixed_step_s)
+                                   mixed_step_s=model.mixed_step_s + self.mixed_step_s,
+                                   decode_per_seq_s=model.decode_per_seq_s + self.per_seq_s)
 
 
-def load_samples(run_dir: str | Path, run: dict, model: PerfModel) -> list[tuple[int, bool, float]]:
-    """(requests that arrived during the step, whether it carried decodes and prefill chunks, its
-    time beyond what `model` charges) for every timed step of a traced run while a rate ran, graph
-    captures and eager steps included: under load they happen."""
+@dataclasses.dataclass(frozen=True)
+class LoadSample:
+    """One traced step: what happened during it and its time beyond what the model charged."""
+    arrivals: int           # requests that arrived at the worker during the step
+    mixed: bool             # it carried decodes and prefill chunks
+    decoding: int           # decoding sequences
+    excess_s: float
+
+
+def load_samples(run_dir: str | Path, run: dict, model: PerfModel) -> list[LoadSample]:
+    """Every timed step of a traced run while a rate ran, graph captures and eager steps included
+    (under load they happen), against `model` (the run's own calibration)."""
     d = Path(run_dir)
     timed = sorted((st for steps in read_traces(d / "steps") for st in step_times(steps)), key=lambda x: x[0][0])
     out = []
@@ -113,37 +124,41 @@ def load_samples(run_dir: str | Path, run: dict, model: PerfModel) -> list[tuple
         t0 = rate_run.get("started_unix")
         if t0 is None:
             continue
-        cols = run["columns"]
-        arrivals = sorted(t0 + dict(zip(cols, row))["arrival_s"] for row in rate_run["requests"])
-        mine = [(s, dt) for s, dt in timed if t0 <= s[0] < t0 + rate_run["elapsed_s"]]
-        for s, dt in mine:
-            n = bisect.bisect_left(arrivals, s[0] + dt) - bisect.bisect_left(arrivals, s[0])
-            out.append((n, bool(s[2] and s[6]), dt - model_s(model, s)))
+        col = run["columns"].index("arrival_s")
+        arrivals = sorted(t0 + row[col] for row in rate_run["requests"])
+        for s, dt in timed:
+            if t0 <= s[0] < t0 + rate_run["elapsed_s"]:
+                n = bisect.bisect_left(arrivals, s[0] + dt) - bisect.bisect_left(arrivals, s[0])
+                out.append(LoadSample(n, bool(s[2] and s[6]), s[2], dt - model_s(model, s)))
     return out
 
 
-def fit_load(samples: list[tuple[int, bool, float]], runs: tuple[str, ...] = ()) -> LoadTerms | None:
-    """Least squares of each step's extra time on the requests that arrived during it and on
-    whether it mixed decodes with prefill chunks: the slopes are `admit_host_s` and `mixed_step_s`,
-    the intercept the extra `step_host_s`. A term the samples cannot show (no step with arrivals,
-    no mixed step) is 0, as is one fitted negative (the idle calibration already charged it; the
-    rest is fitted again without it). None without samples."""
+LOAD_TERMS = {"step_host_s": lambda x: 1.0, "admit_host_s": lambda x: float(x.arrivals),
+              "mixed_step_s": lambda x: float(x.mixed), "per_seq_s": lambda x: float(x.decoding)}
+
+
+def fit_load(samples: list[LoadSample], runs: tuple[str, ...] = ()) -> LoadTerms | None:
+    """Least squares of each step's extra time on a constant (extra `step_host_s`), the requests
+    that arrived during it (`admit_host_s`), whether it mixed decodes with prefill chunks
+    (`mixed_step_s`) and its decoding sequences (`per_seq_s`). A term the samples cannot show (no
+    step with arrivals, no mixed step) is 0, as is one fitted negative (the idle calibration
+    already charged it): the most negative is dropped and the rest fitted again. None without
+    samples."""
     if not samples:
         return None
-    y = np.array([e for _, _, e in samples])
-    cols = {"admit": np.array([float(n) for n, _, _ in samples]),
-            "mixed": np.array([float(m) for _, m, _ in samples])}
-    cols = {k: v for k, v in cols.items() if np.ptp(v) > 0}
-    while True:
-        a = np.column_stack([np.ones(len(y))] + list(cols.values()))
-        coef = np.linalg.lstsq(a, y, rcond=None)[0]
-        fit = dict(zip(cols, coef[1:]))
-        negative = [k for k, c in fit.items() if c < 0]
-        if not negative:
+    y = np.array([x.excess_s for x in samples])
+    cols = {name: np.array([f(x) for x in samples]) for name, f in LOAD_TERMS.items()}
+    cols = {k: v for k, v in cols.items() if k == "step_host_s" or np.ptp(v) > 0}
+    fit: dict[str, float] = {}
+    while cols:
+        coef = np.linalg.lstsq(np.column_stack(list(cols.values())), y, rcond=None)[0]
+        fit = dict(zip(cols, (float(c) for c in coef)))
+        worst = min(fit, key=fit.get)
+        if fit[worst] >= 0:
             break
-        del cols[negative[0]]
-    return LoadTerms(max(0.0, float(coef[0])), float(fit.get("admit", 0.0)), float(fit.get("mixed", 0.0)),
-                     len(samples), tuple(runs))
+        del cols[worst]
+        fit = {}
+    return LoadTerms(**{k: fit.get(k, 0.0) for k in LOAD_TERMS}, steps=len(samples), runs=tuple(runs))
 
 
 def model_key(run: dict) -> tuple:
@@ -152,17 +167,35 @@ def model_key(run: dict) -> tuple:
     return (m.get("name"), m.get("device"), m.get("dtype"))
 
 
-def load_terms_from(run_dirs, model_of) -> LoadTerms | None:
-    """`fit_load` over the traced runs among `run_dirs`; `model_of(run_dir, run)` -> the perf
-    model each run's steps are charged by (its own calibration)."""
+def load_terms_from(run_dirs) -> LoadTerms | None:
+    """`fit_load` over the traced runs among `run_dirs` (bench/record_run.py's directories: run.json,
+    perf.json, steps/), each run's steps charged by its own calibrated model as its layout ran it.
+    None when none of them traced its steps."""
     samples, used = [], []
-    for d in run_dirs:
-        d = Path(d)
+    for d in map(Path, run_dirs):
         if not (d / "steps").is_dir():
             continue
         run = json.loads((d / "run.json").read_text())
-        got = load_samples(d, run, model_of(d, run))
+        perf = PerfModel.from_dict(json.loads((d / "perf.json").read_text())["perf_model"])
+        got = load_samples(d, run, recorded_perf(run["cluster"], perf)[0])
         if got:
             samples += got
             used.append(d.name)
     return fit_load(samples, tuple(used))
+
+
+def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
+    """The load terms fitted on the traced runs beside `run_dir` (its parent directory) of the same
+    model, device and dtype, this run left out; only those of its build where the run records one
+    (bench/record_run.py `build_id`) and some of them share it."""
+    d = Path(run_dir).resolve()
+    key = model_key(run)
+    others = []
+    for o in sorted(d.parent.iterdir()):
+        if o == d or not (o / "steps").is_dir() or not (o / "perf.json").is_file():
+            continue
+        other = json.loads((o / "run.json").read_text())
+        if model_key(other) == key:
+            others.append((o, other.get("build")))
+    same = [o for o, build in others if run.get("build") and build == run.get("build")]
+    return load_terms_from(same or [o for o, _ in others])

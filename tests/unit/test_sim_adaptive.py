@@ -4,6 +4,7 @@ model, workers lent to prefill only by the role policy, and `tandem simulate --c
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 from dataclasses import replace
 
@@ -95,3 +96,19 @@ def test_simulate_compare_prints_one_json_object_per_layout_and_rate(capsys):
 def test_simulate_compare_refuses_a_layout_it_does_not_know(capsys):
     assert main(["simulate", "--compare", "adaptive,3:3", "--gpus", "2", "--json"]) == 2
     assert "3:3" in capsys.readouterr().err
+
+
+def test_simulate_adds_the_load_terms_of_recorded_runs(capsys):
+    """`--load-from RUN_DIR`: the perf model plus what the run's loaded worker paid beyond its idle
+    calibration (fitted on its step trace), so the same workload's TPOT comes out higher; a
+    directory without a step trace is refused by name."""
+    root = Path(__file__).resolve().parents[2]
+    argv = ["simulate", "--compare", "colocated", "--gpus", "1", "--rates", "1", "--duration", "20",
+            "--perf", str(root / "bench/perf/h200-llama3-8b-calibrated.json"), "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert main(argv + ["--load-from", str(root / "bench/results/h200-colocated-11")]) == 0
+    loaded = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert loaded["tpot_p90_ms"] > plain["tpot_p90_ms"] * 1.02
+    assert main(argv + ["--load-from", str(root / "bench/results/h200-colocated-2")]) == 2
+    assert "h200-colocated-2 holds a step trace" in capsys.readouterr().err

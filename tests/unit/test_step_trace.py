@@ -95,45 +95,45 @@ def test_a_served_engine_traces_its_steps_only_when_asked(tmp_path, monkeypatch)
     assert not any(s[9] for s in steps)                           # no CUDA graph on this CPU
 
 
-def test_the_load_fit_separates_admission_mixed_steps_and_the_rest(tmp_path):
-    """Traced steps 20 ms apart that the model prices at 10 ms, except that a step during which a
-    request arrived took 4 ms more and a step mixing decodes with a prefill chunk 6 ms more: the
-    fit gives back 10 ms of extra step host time, 4 ms per admitted request and 6 ms per mixed
-    step; the run's requests (their arrival times) come from its run.json."""
+def test_the_load_fit_separates_admission_mixed_steps_sequences_and_the_rest(tmp_path):
+    """Traced steps the model prices at 10 ms that took 20 ms plus 0.2 ms per decoding sequence,
+    4 ms more when a request arrived during them and 6 ms more when they mixed decodes with a
+    prefill chunk: the fit gives back each term; the arrivals come from the run's run.json."""
     from tandem.cluster.step_check import fit_load, load_samples
 
     perf = PerfModel(prefill_base_s=0.0, prefill_per_token_s=0.0, prefill_attn_s=0.0, decode_base_s=0.010,
                      decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0, step_host_s=0.0)
     rows, t, arrivals = [], 100.0, []
-    for i in range(200):
-        arrived, mixed = i % 7 == 3, i % 5 == 1
-        dt = 0.020 + (0.004 if arrived else 0.0) + (0.006 if mixed else 0.0)
-        rows.append([t, t + dt / 2, 4, 4000, 0, 0, [[8, 8]] if mixed else [], False, True])
+    for i in range(300):
+        arrived, mixed, batch = i % 7 == 3, i % 5 == 1, 1 + i % 11
+        dt = 0.020 + 0.0002 * batch + (0.004 if arrived else 0.0) + (0.006 if mixed else 0.0)
+        rows.append([t, t + dt / 2, batch, 4000, 0, 0, [[8, 8]] if mixed else [], False, True])
         if arrived:
             arrivals.append(t + dt / 3 - 100.0)
         t += dt
     rows.append([t, t + 0.01, 4, 4000, 0, 0, [], False, False])
     (tmp_path / "steps").mkdir()
     (tmp_path / "steps" / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = {"columns": ["arrival_s"], "runs": [{"rate": 1, "started_unix": 100.0, "elapsed_s": t - 100.0,
-                                                "requests": [[a] for a in arrivals]}]}
+    run = {"columns": ["session_id", "arrival_s"], "runs": [{"rate": 1, "started_unix": 100.0, "elapsed_s": t - 100.0,
+                                                              "requests": [["s", a] for a in arrivals]}]}
     samples = load_samples(tmp_path, run, perf)
-    assert len(samples) == 200 and sum(n for n, _, _ in samples) == len(arrivals)   # the last ends the window
+    assert len(samples) == 300 and sum(x.arrivals for x in samples) == len(arrivals)   # the last ends the window
     terms = fit_load(samples, ("r",))
     assert terms.step_host_s == pytest.approx(0.010, abs=1e-6)
     assert terms.admit_host_s == pytest.approx(0.004, abs=1e-6)
     assert terms.mixed_step_s == pytest.approx(0.006, abs=1e-6)
+    assert terms.per_seq_s == pytest.approx(0.0002, abs=1e-8)
     loaded = terms.apply(perf)
-    assert loaded.step_s(4, 4000, [(8, 8)]) == pytest.approx(0.010 + 0.010 + 0.006)
+    assert loaded.step_s(4, 4000, [(8, 8)]) == pytest.approx(0.010 + 0.010 + 4 * 0.0002 + 0.006)
     assert loaded.admit_host_s == pytest.approx(0.004, abs=1e-6)
 
 
 def test_a_load_term_the_idle_calibration_already_charged_is_not_fitted_negative():
-    from tandem.cluster.step_check import fit_load
+    from tandem.cluster.step_check import LoadSample, fit_load
 
-    # arrivals make steps no longer (the idle calibration over-charges mixed steps by 3 ms)
-    samples = [(i % 3, False, 0.001) for i in range(30)] + [(0, True, -0.002)] * 10
+    # steps 1 ms over the model, mixed steps 2 ms under it (the idle calibration over-charges them)
+    samples = [LoadSample(i % 3, False, 4, 0.001) for i in range(30)] + [LoadSample(0, True, 4, -0.002)] * 10
     terms = fit_load(samples)
-    assert terms.mixed_step_s == 0.0 and terms.admit_host_s == pytest.approx(0.0, abs=1e-9)
-    assert terms.step_host_s >= 0.0
+    assert terms.mixed_step_s == 0.0
+    assert min(terms.step_host_s, terms.admit_host_s, terms.per_seq_s) >= 0.0
     assert fit_load([]) is None
