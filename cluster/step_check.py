@@ -186,8 +186,10 @@ def load_terms_from(run_dirs) -> LoadTerms | None:
 
 def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
     """The load terms fitted on the traced runs beside `run_dir` (its parent directory) of the same
-    model, device and dtype, this run left out; only those of its build where the run records one
-    (bench/record_run.py `build_id`) and some of them share it."""
+    model, device and dtype, this run left out, and of the same build (bench/record_run.py
+    `build_id`): runs recorded before builds were recorded with each other, a run of a build with
+    the others of it, or with every run of its model where none is of its build. So a new run
+    beside them never changes an older run's replay."""
     d = Path(run_dir).resolve()
     key = model_key(run)
     others = []
@@ -197,5 +199,6 @@ def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
         other = json.loads((o / "run.json").read_text())
         if model_key(other) == key:
             others.append((o, other.get("build")))
-    same = [o for o, build in others if run.get("build") and build == run.get("build")]
-    return load_terms_from(same or [o for o, _ in others])
+    build = run.get("build")
+    same = [o for o, b in others if b == build]
+    return load_terms_from(same if same or build is None else [o for o, _ in others])

@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
                                                ("h200-colocated-12", ["1"], 0.17),
                                                ("cpu-colocated-3", ["0.05", "0.1"], 0.18),
                                                ("cpu-colocated-4", ["0.05", "0.1"], 0.20),
-                                               ("cpu-colocated-5", ["0.05", "0.1"], 0.21)])
+                                               ("cpu-colocated-5", ["0.05", "0.1"], 0.21),
+                                               # recorded after the load terms on another instance of
+                                               # this machine kind, its own profile: 23% without them
+                                               ("cpu-colocated-6", ["0.05", "0.1"], 0.30)])
 def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, rates, bound):
     out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", f"bench/results/{run}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -104,8 +107,9 @@ def _traced_run(d: Path, build: str | None, extra_s: float, model: str = "m") ->
 
 
 def test_load_terms_prefer_runs_of_the_same_build(tmp_path):
-    """A run that records its build takes its load terms from the runs of that build beside it;
-    without one (or with none of its build there), from every traced run of its model."""
+    """A run that records its build takes its load terms from the runs of that build beside it,
+    or from every traced run of its model where none is of its build; a run recorded before
+    builds were, from the other such runs only (a new run never moves an old replay)."""
     import json
 
     from tandem.cluster.step_check import sibling_load_terms
@@ -113,10 +117,13 @@ def test_load_terms_prefer_runs_of_the_same_build(tmp_path):
     _traced_run(tmp_path / "a1", "abc", 0.002)
     _traced_run(tmp_path / "a2", "abc", 0.002)
     _traced_run(tmp_path / "b1", "def", 0.006)
+    _traced_run(tmp_path / "legacy", None, 0.010)
     _traced_run(tmp_path / "other-model", "abc", 0.050, model="n")
     run = json.loads((tmp_path / "a1" / "run.json").read_text())
     terms = sibling_load_terms(tmp_path / "a1", run)
     assert terms.runs == ("a2",) and terms.step_host_s == pytest.approx(0.002, abs=1e-6)
+    terms = sibling_load_terms(tmp_path / "a1", {**run, "build": "new"})
+    assert terms.runs == ("a2", "b1", "legacy")
+    assert terms.step_host_s == pytest.approx((0.002 + 0.006 + 0.010) / 3, abs=1e-6)
     terms = sibling_load_terms(tmp_path / "a1", {**run, "build": None})
-    assert terms.runs == ("a2", "b1")
-    assert terms.step_host_s == pytest.approx(0.004, abs=1e-6)
+    assert terms.runs == ("legacy",) and terms.step_host_s == pytest.approx(0.010, abs=1e-6)
