@@ -236,6 +236,10 @@ def prefill_option(perf, where: str, worker_id: str, load: EngineLoad, decode_lo
     n = max(prompt_tokens - cached, 1)      # the last prompt token is always computed
     compute_s, during = chunked_prefill_s(perf, load, n, prompt_tokens - n, chunk)
     ttft = compute_s + perf.request_overhead_s
+    if where == LOCAL:
+        # the decode worker's serving loop takes the request in before the step that prefills it
+        # (a remote prefill's worker receives only the prefill, as the simulator charges them)
+        ttft += perf.admit_host_s
     if where == REMOTE:
         # the KV streams layer by layer as the last chunk computes: only a slower link shows
         ttft += max(0.0, perf.transfer_s(prompt_tokens) - compute_s) + perf.remote_overhead_s

@@ -44,6 +44,15 @@ def test_an_overlapped_engine_charges_a_busy_worker_the_step_it_already_schedule
     assert chunked_prefill_s(over, EngineLoad(), 300, 0, 8192) == chunked_prefill_s(H200, EngineLoad(), 300, 0, 8192)
 
 
+def test_a_local_prefill_pays_the_decode_workers_admission_a_remote_one_does_not():
+    load = EngineLoad(8, 8 * 4000)
+    plain = prefill_options(H200, 3000, "d0", load, 0, {"p0": (EngineLoad(), 0)})
+    admit = prefill_options(replace(H200, admit_host_s=0.004), 3000, "d0", load, 0, {"p0": (EngineLoad(), 0)})
+    for a, b in zip(plain, admit):
+        assert (a.where, a.worker_id, a.chunk_tokens) == (b.where, b.worker_id, b.chunk_tokens)
+        assert b.ttft_s == pytest.approx(a.ttft_s + (0.004 if a.where == LOCAL else 0.0))
+
+
 def test_a_short_prompt_stays_local_when_both_slos_hold():
     opts = prefill_options(H200, 300, "d0", EngineLoad(8, 8 * 4000), 0, {"p0": (EngineLoad(), 0)})
     best = choose_prefill(opts, 1.0, 0.040)
