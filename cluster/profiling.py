@@ -11,6 +11,7 @@ import math
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +22,7 @@ from tandem.cluster.config import load_config
 from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
-from tandem.cluster.step_check import load_terms_from
+from tandem.cluster.step_check import load_terms_from, model_key
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
@@ -277,9 +278,17 @@ def cmd_profile(args) -> int:
     if args.bench_json:   # speculation as a `tandem bench` run measured it
         runs = json.loads(open(args.bench_json).read())["runs"]
         perf = dataclasses.replace(perf, **speculation_from_requests([r for run in runs for r in run["requests"]]))
-    load = load_terms_from(args.load_from) if args.load_from else None
-    if args.load_from and load is None:
-        with_load_terms(perf, args.load_from)      # says which directories lack a trace
+    load = None
+    if args.load_from:
+        for d in args.load_from:    # another model's or device's loaded worker is not this one's
+            run = json.loads((Path(d) / "run.json").read_text()) if (Path(d) / "run.json").is_file() else {}
+            got = model_key(run) if run else None
+            if got != (args.model, args.device, args.dtype):
+                raise ValueError(f"--load-from {d}: recorded {got or 'no run.json'}, not {args.model} on "
+                                 f"{args.device} in {args.dtype}")
+        load = load_terms_from(args.load_from)
+        if load is None:
+            with_load_terms(perf, args.load_from)      # says which directories lack a trace
     served: list = []
     if args.target:       # the served step and the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:

@@ -4,9 +4,11 @@ model, workers lent to prefill only by the role policy, and `tandem simulate --c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import random
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from tandem.cluster.cli import main
 from tandem.cluster.roles import RoleConfig
@@ -112,3 +114,21 @@ def test_simulate_adds_the_load_terms_of_recorded_runs(capsys):
     assert loaded["tpot_p90_ms"] > plain["tpot_p90_ms"] * 1.02
     assert main(argv + ["--load-from", str(root / "bench/results/h200-colocated-2")]) == 2
     assert "h200-colocated-2 holds a step trace" in capsys.readouterr().err
+
+
+def test_profile_takes_load_terms_only_from_runs_of_its_model(tmp_path, capsys):
+    """`tandem profile --load-from`: the terms of a run of this model, device and dtype go into the
+    written model; a run of another model is refused by name (its loaded worker is not this one)."""
+    root = Path(__file__).resolve().parents[2]
+    base = ["profile", "--from", str(root / "bench/perf/cpu-smollm2-135m-profile-4.json"), "-o", str(tmp_path / "p.json")]
+    assert main(base + ["--load-from", str(root / "bench/results/cpu-colocated-3")]) == 0
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert written["load_terms"]["runs"] == ["cpu-colocated-3"]
+    plain = json.loads((root / "bench/perf/cpu-smollm2-135m-profile-4.json").read_text())["perf_model"]
+    terms = written["load_terms"]
+    assert terms["per_seq_s"] > 0
+    assert written["perf_model"]["decode_per_seq_s"] == pytest.approx(plain["decode_per_seq_s"] + terms["per_seq_s"])
+    assert written["perf_model"]["step_host_s"] == pytest.approx(plain["step_host_s"] + terms["step_host_s"])
+    capsys.readouterr()
+    assert main(base + ["--load-from", str(root / "bench/results/h200-colocated-9")]) == 2
+    assert "h200-colocated-9: recorded ('llama3-8b-random', 'cuda', 'bfloat16')" in capsys.readouterr().err
