@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -176,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.runs:
         mine = [r for r in rows if r["run"] == Path(d).name]
         print(f"{Path(d).name}: max error {max_error(mine):.0%}")
+    errors = [e for r in rows for e in r["error"].values()]
+    if errors:
+        print(f"mean error {sum(errors) / len(errors):.1%}, median {statistics.median(errors):.1%}; "
+              f"{sum(e <= 0.15 for e in errors)} of {len(errors)} figures within 15%")
     print(f"max error {max_error(rows) * 100:.0f}%")
     for d in args.runs:     # where a run traced its engines' steps: was it the step costs or the steps?
         if (Path(d) / "steps").is_dir():

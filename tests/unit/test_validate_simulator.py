@@ -41,6 +41,10 @@ def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, rates, 
     m = re.search(r"^max error (\d+)%$", out, re.M)
     assert m, out
     assert int(m.group(1)) / 100 <= bound
+    # the summary before it counts this run's figures: five per rate
+    summary = re.search(r"^mean error ([\d.]+)%, median ([\d.]+)%; (\d+) of (\d+) figures within 15%$", out, re.M)
+    assert summary and int(summary.group(4)) == 5 * len(rates)
+    assert float(summary.group(1)) <= int(m.group(1)) and int(summary.group(3)) <= int(summary.group(4))
 
 
 def test_a_run_with_a_step_trace_gets_the_step_table():
