@@ -107,9 +107,10 @@ def start_and_offer(a, sp: SamplingParams, rid: str = "r/1", after: int = 1) -> 
 
 
 def reserve_and_start(a, b, out: list[int], sp: SamplingParams, rid: str = "r/1", to: str = "r/2",
-                      headroom: int = HEADROOM) -> DecodePlan:
+                      headroom: int = HEADROOM, start=None) -> DecodePlan:
     """What the router does on the offer: reserve on `b` (the positions so far plus `headroom`,
-    both receives registered), then `a` starts the pre-copy."""
+    both receives registered), then `a` starts the pre-copy (`start`: a's `start_move`, or, called
+    on a's loop thread, its moves' `start`)."""
     left = dataclasses.replace(sp, max_tokens=sp.max_tokens - len(out) + 1)
     plan = b.reserve(DecodeReserve(to, "router", PROMPT + out[:-1], left, transfer_id=f"{to}#move", prefill_id="a",
                                    move_headroom=headroom))
@@ -118,7 +119,7 @@ def reserve_and_start(a, b, out: list[int], sp: SamplingParams, rid: str = "r/1"
     pre = TransferSpec(plan.precopy_id, "a", "b", (0, 1), (), plan.dst_block_ids[:n_pre], (first + n_pre) * 16) \
         if n_pre else None
     tail = TransferSpec(f"{to}#move", "a", "b", (0, 1), (), plan.dst_block_ids[n_pre:], plan.num_tokens)
-    a.decode.start_move(rid, pre, tail, first)
+    (start or a.decode.start_move)(rid, pre, tail, first)
     return plan
 
 
@@ -183,10 +184,22 @@ def test_the_full_blocks_go_while_it_decodes_and_the_pause_carries_only_the_tail
 
 
 def test_a_sequence_that_would_outgrow_the_headroom_pauses_before_the_pre_copy_ends(net, a, b):
-    net.set_faults("a", "b", delay_s=0.2)          # a slow link: the pre-copy takes ~0.4 s
-    out, _ = start_and_offer(a, GREEDY, after=40)
-    plan = reserve_and_start(a, b, out, GREEDY, headroom=5)
+    """The router reserves 5 tokens past where the sequence is, and the pre-copy, over a slow
+    link, takes 2 s or more: the sequence fills the reservation within a few steps, pauses, and
+    its tail goes before the pre-copy ends. The reservation and the start run on a's loop thread,
+    between two of its steps, so the sequence cannot decode past the reservation before the
+    pre-copy starts (it decodes on while offered: done from the test thread, as this test once
+    was, a loaded CI machine let it run past 5 tokens first, and the offer was rightly withdrawn)."""
+    net.set_faults("a", "b", delay_s=1.0)          # a slow link: each frame leaves 1 s late
+    out, offered = start_and_offer(a, GREEDY, after=40)
+
+    def reserve_here() -> DecodePlan:             # a's loop thread: no step runs meanwhile
+        ahead = a.decode.requests["r/1"].request.num_tokens - 1 - offered.num_tokens   # paused or not
+        return reserve_and_start(a, b, out, GREEDY, headroom=ahead + 5, start=a.decode.moves.start)
+    plan = a.decode.loop.run(reserve_here)
     moved, paused = hand_over(a, b, out, GREEDY)
+    assert a.decode.moves.counters["move_precopy_seconds"] == 0.0   # its pre-copy had not ended
+    net.set_faults("a", "b")                              # the rest goes at once
     assert paused.num_tokens <= plan.num_tokens           # it stopped within what was reserved
     rest, _ = collect(b, lambda m: isinstance(m, StepOutput) and m.finished)
     assert moved + rest == one_engine(GREEDY)
