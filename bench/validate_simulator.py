@@ -12,9 +12,10 @@ by probe requests (cluster/calibration.py) and speculation's drafts
 and tokens per step from the run's usage (per rate, with how often a sequence drafts, where the
 run counted its draft steps). Nothing is fitted to the latencies being validated, nor to the run's
 own steps: what a loaded worker pays beyond the idle calibration (each arriving request's host
-time, the served step's extra host time: cluster/step_check.py `fit_load`) comes from the step
-traces of the *other* recorded runs of the same model on the same device (the run directories
-beside it, `--load-terms others`, the default; `none`: the idle calibration alone). A run recorded
+time, mixed steps' extra cost, extra host time per sequence and per step: cluster/step_check.py
+`fit_load`) comes from the step traces of the *other* recorded runs of the same model (the run
+directories beside it, `sibling_load_terms`; `--load-terms others`, the default; `none`: the idle
+calibration alone). A run recorded
 with its engines' step traces (`steps/`) gets a second table: the model against each step the run
 made (cluster/step_check.py), after the `max error` line.
 """

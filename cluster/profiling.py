@@ -22,7 +22,7 @@ from tandem.cluster.config import load_config
 from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
-from tandem.cluster.step_check import load_terms_from, model_key
+from tandem.cluster.step_check import LoadTerms, load_terms_from, model_key
 from tandem.perf_model import PerfModel
 from tandem.cluster.simulator import format_table, simulate, sweep
 from tandem.cluster.workloads import load_workload
@@ -286,9 +286,7 @@ def cmd_profile(args) -> int:
             if got != (args.model, args.device, args.dtype):
                 raise ValueError(f"--load-from {d}: recorded {got or 'no run.json'}, not {args.model} on "
                                  f"{args.device} in {args.dtype}")
-        load = load_terms_from(args.load_from)
-        if load is None:
-            with_load_terms(perf, args.load_from)      # says which directories lack a trace
+        load = traced_load_terms(args.load_from)
     served: list = []
     if args.target:       # the served step and the control path, measured on the running cluster
         with grpc.insecure_channel(args.target) as channel:
@@ -325,16 +323,20 @@ def perf_for_cluster(perf, cluster):
                                max_step_tokens=e.scheduler.max_num_batched_tokens, **kv)
 
 
-def with_load_terms(perf: PerfModel, run_dirs) -> PerfModel:
-    """`perf` plus what a loaded worker pays beyond its idle figures, fitted on `run_dirs`' step
-    traces (cluster/step_check.py `fit_load`); `perf` as it is when `run_dirs` is empty."""
-    if not run_dirs:
-        return perf
+def traced_load_terms(run_dirs) -> LoadTerms:
+    """The load terms fitted on `run_dirs`' step traces (cluster/step_check.py `fit_load`); refused
+    by name when none of them traced its steps."""
     load = load_terms_from(run_dirs)
     if load is None:
         raise ValueError(f"--load-from: none of {', '.join(map(str, run_dirs))} holds a step trace (steps/): "
                          "record runs with bench/record_run.py, which traces the engines' steps")
-    return load.apply(perf)
+    return load
+
+
+def with_load_terms(perf: PerfModel, run_dirs) -> PerfModel:
+    """`perf` plus what a loaded worker pays beyond its idle figures (`traced_load_terms`); `perf`
+    as it is when `run_dirs` is empty."""
+    return traced_load_terms(run_dirs).apply(perf) if run_dirs else perf
 
 
 def cmd_simulate(args) -> int:

@@ -6,10 +6,11 @@ traces: where the replay is off, it says whether the step costs are (the model) 
 the ones the simulator made (the scheduling).
 
 `fit_load` fits what a loaded worker pays beyond an idle cluster's calibration on such traces: the
-host time each arriving request takes from its worker's serving loop (`admit_host_s`) and the rest
-of a served step's extra time (`step_host_s` on top of the idle figure: other requests' streams and
-ends, graph captures of shapes first met while serving); `python -m bench.validate_simulator`
-applies it to each run from the other traced runs of the same model on the same device kind.
+host time each arriving request takes from its worker's serving loop (`admit_host_s`), what a step
+mixing decodes with prefill chunks costs beyond both (`mixed_step_s`), and extra host time per
+decoding sequence and per step (other requests' streams and ends, graph captures of shapes first
+met while serving); `python -m bench.validate_simulator` applies them to each run from the other
+traced runs of the same model (`sibling_load_terms`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ def format_steps(run: str, rows: list[dict]) -> str:
                      f"{r['measured_p50'] * 1e3:>8.1f}/{r['model_p50'] * 1e3:<9.1f} "
                      f"{r['measured_s']:>9.2f}/{r['model_s']:<9.2f} {err:>+6.0%}")
     return "\n".join(lines)
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,9 +149,14 @@ class PerfModel:
         predictions both come from here."""
         dt = self.decode_step_s(batch, context_tokens)
         if chunks:
-            dt += self.prefill_base_s + sum(self.chunk_s(n, c) for n, c in chunks)
-            dt += self.mixed_step_s if batch else self.step_host_s
+            dt += self.prefill_overhead_s(batch) + sum(self.chunk_s(n, c) for n, c in chunks)
         return dt
+
+    def prefill_overhead_s(self, batch: int) -> float:
+        """What a step pays once for carrying prefill chunks, beside `batch` decoding sequences:
+        the prefill's base, and the mixed step's extra cost (with a batch) or the step's host time
+        (without one, which `decode_step_s` then does not charge)."""
+        return self.prefill_base_s + (self.mixed_step_s if batch else self.step_host_s)
 
     def tpot_s(self, batch: int, context_tokens: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
         """Time per output token of a sequence in such a step (speculation emits more than one)."""

@@ -210,7 +210,7 @@ def chunked_prefill_s(perf, load: EngineLoad, new_tokens: int, cached: int, chun
             return 0.0
         k = math.ceil(n / chunk)
         empty = perf.step_s(b, ctx)          # the step's decode part (0 with no batch)
-        base = perf.prefill_base_s + (perf.mixed_step_s if b else perf.step_host_s)   # as PerfModel.step_s
+        base = perf.prefill_overhead_s(b)
         # sum over chunks of n_i * (per_token + attn * context after chunk i), over prompts of
         # `span` new tokens each
         attn = perf.prefill_attn_s * (n * start + n * (min(n, span) + chunk) / 2)
