@@ -3,7 +3,7 @@
 # passes, verify steps, whole engine steps), then one colocated worker recorded under `tandem bench`
 # at RATES for the simulator's validation (bench/record_run.py): the run's files go to
 # bench/results/NAME (below), $OUT/profile.json to bench/perf/, the full bench JSON and logs in rec.tgz.
-#   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20 SPEC=ngram
+#   bash bench/gpu_session_validate.sh                  # RATES=0.5,1,2,3 DURATION=30 DRAIN=20 SPEC=ngram SEED=0
 #   PROFILE_FROM=bench/perf/h200-llama3-8b-profile.json bash bench/gpu_session_validate.sh
 #       (a shorter call: that profile's prefill and whole-step timings, this GPU's decode, verify and
 #       padded steps from bench/verify_padding.py)
@@ -34,7 +34,7 @@ fi
 PROFILE=$OUT/profile.json; [ -s "$PROFILE" ] || PROFILE=bench/perf/h200-llama3-8b.json   # a failed profile: the old model
 TAIL=30 step record ${RECORD_LIMIT:-330} python3 bench/record_run.py --profile "$PROFILE" --device cuda \
   --model llama3-8b-random --layout 0:1 --workload agent --rates ${RATES:-0.5,1,2,3} --duration ${DURATION:-30} \
-  --speculative ${SPEC:-ngram} \
+  --speculative ${SPEC:-ngram} --seed ${SEED:-0} \
   --drain ${DRAIN:-20} --num-blocks ${NUM_BLOCKS:-40000} --name "$NAME" --results "$OUT/results" --work /tmp/rec \
   --probe-batches 1,8,32 --probe-prompt 4096 --probe-tokens 384 --control-prompt 1024 \
   --machine "nvidia-h200 (one H200), llama3-8b-random bf16, speculation ${SPEC:-ngram}"
