@@ -26,6 +26,7 @@ from tandem.engine.block_tables import BlockTables
 from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
                                 capture_query_lens, graph_key, next_power_of_2, token_buckets)
 from tandem.engine.kv_cache import KVCache
+from tandem.engine.piecewise_graphs import PiecewiseGraphs
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.speculative.tree import ancestor_masks, check_tree, depths
 
@@ -98,10 +99,12 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device | str, *,
                  cuda_graphs: bool | None = None, graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
-                 max_graph_tokens: int = 512, capture: bool | None = None):
+                 max_graph_tokens: int = 512, capture: bool | None = None, piecewise: bool = True):
         """cuda_graphs: None = on for CUDA. capture: None = capture on CUDA; False runs the graph
         path's static buffers eagerly (how CPU tests check the padding). Graphs are captured lazily,
-        on a shape's first step; `capture_graphs` captures decode shapes up front."""
+        on a shape's first step; `capture_graphs` captures decode shapes up front. `piecewise`:
+        steps that are not decode-shaped, up to max_graph_tokens new tokens, replay
+        engine.piecewise_graphs' stretches around an eager attention (where the model allows)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -113,6 +116,7 @@ class ModelRunner:
         self.before_execute: Callable[[BatchInputs], None] | None = None
         cuda = self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.static: StaticInputs | None = None
         self._static_batch: BatchInputs | None = None  # the step the static buffers hold
         if cuda_graphs if cuda_graphs is not None else cuda:
@@ -123,6 +127,9 @@ class ModelRunner:
             self.static = StaticInputs(self.batch_sizes[-1], self.token_sizes[-1], max_blocks, self.device)
             self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture)
             self._split_plans: dict[tuple[int, int], bool] = {}
+            if piecewise and self._fused():
+                self.piecewise = PiecewiseGraphs(model, kv_cache.tensor, self.device, capture=self.graphs.capture,
+                                                 max_tokens=max_graph_tokens)
 
     # ---- inputs -----------------------------------------------------------------------------
     def _host_batch(self, out: SchedulerOutput, drafts: dict[str, list[int]],
@@ -310,10 +317,27 @@ class ModelRunner:
                     and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
                 logits = self.graphs.run(batch.graph_key)
                 return logits[:batch.logits_index.shape[0]].clone()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.tensor, batch.meta, layer_done)
+        if self._piecewise(batch, layer_done):
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.tensor, batch.meta, layer_done)
         if not batch.logits_owner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
+
+    def _piecewise(self, batch: BatchInputs, layer_done) -> bool:
+        """Whether this eager step replays the piecewise graphs: not decode-shaped, within their
+        largest bucket, no per-layer callback (a prefill actor streaming KV layer by layer), not
+        inside another capture."""
+        pw = self.piecewise
+        return (pw is not None and batch.graph_key is None and layer_done is None
+                and pw.bucket(batch.input_ids.shape[0]) is not None
+                and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+    @torch.inference_mode()
+    def capture_piecewise(self) -> int:
+        """Capture every piecewise bucket now (warmup) rather than on its first step."""
+        return self.piecewise.capture_all() if self.piecewise is not None else 0
 
     @property
     def graph_stats(self) -> dict[str, int | str | None]:
@@ -321,6 +345,7 @@ class ModelRunner:
         if g is None:
             return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "covered_runs": 0,
                     "capture_failures": 0, "capture_s": 0.0, "last_capture_failure": None, "failed": None}
+        pw = self.piecewise.stats if self.piecewise is not None else {}
         return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "eager_runs": g.eager_runs,
                 "covered_runs": g.covered_runs, "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
-                "last_capture_failure": g.last_failure, "failed": g.failed}
+                "last_capture_failure": g.last_failure, "failed": g.failed, **pw}

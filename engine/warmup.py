@@ -36,6 +36,7 @@ def warm_up(engine, shapes: tuple[tuple[int, int], ...] = WARMUP_SHAPES, decode_
     # a decode graph for every batch bucket the scheduler can form and every context bucket (the
     # shapes above cover a few)
     engine.runner.capture_graphs(context_len=min(2048, engine.max_model_len), all_contexts=True)
+    engine.runner.capture_piecewise()   # and the prefill and mixed steps' stretches, every bucket
     engine.allocator.reset_prefix_cache()
     engine.allocator.prefix_queries = engine.allocator.prefix_hits = 0
     engine.stats = EngineStats()

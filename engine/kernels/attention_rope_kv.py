@@ -130,16 +130,17 @@ def _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) ->
 def rotary_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                         scale: float, sliding_window: int | None = None,
-                        in_attention: bool | None = None) -> torch.Tensor:
+                        in_attention: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)`
     then `paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=...)` -> out [T, Hq, D].
     A step the decode kernel takes whole, with `in_attention` (None: at most IN_ATTENTION tokens):
     one launch, the decode kernel rotating q in registers (q is left unrotated, k too) and writing
-    the new K/V (the cache ends as the two launches leave it)."""
+    the new K/V (the cache ends as the two launches leave it). `out` [T, Hq, D]: written in place
+    of a new tensor (a piecewise graph reads the heads' output from a fixed buffer)."""
     in_attention = 0 < q.shape[0] <= IN_ATTENTION if in_attention is None else in_attention
     if in_attention and q.shape[0] and meta.max_query_len <= MAX_DECODE_QUERY_LEN:
         _check(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        return paged_decode_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+        return paged_decode_attention(q, k_cache, v_cache, meta, scale, out, sliding_window=sliding_window,
                                       rope=NewKV(k, v, positions, cos_sin_cache, meta.slot_mapping))
     rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+    return paged_attention(q, k_cache, v_cache, meta, scale, out, sliding_window=sliding_window)

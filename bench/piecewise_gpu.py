@@ -1,0 +1,176 @@
+"""Prefill chunks and mixed steps: eager against piecewise CUDA graphs (engine.piecewise_graphs).
+
+A coding agent's later turn prefills a few hundred new tokens over a cached prefix of thousands,
+often in the same step as other sessions' decodes. For each (new tokens, decoding sequences) row,
+llama3-8b-random bf16 on one GPU (tiny-random fp32 on the CPU with --dry-run), through
+`LLMEngine.step` with the overlap off: `--decodes` sequences decode, then a request whose first
+`--prefix` tokens are cached arrives and its chunk runs in the next step. That step's wall time
+(synchronized before and after) is timed `--reps` times with a fresh chunk each time, with the
+piecewise graphs off (every such step eager, as before) and on, interleaved; the table prints the
+medians and their ratio, and the same-run floor: the step's weights and KV read at the device
+copy rate, and its FLOPs at the bf16 matmul rate (both measured here), whichever is longer.
+
+    cd bench && python3 piecewise_gpu.py [--new 32,128,256,512] [--decodes 0,16] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model import TritonOps
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.weights import load_model
+from tandem.wire.messages import SamplingParams
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_rate(dev) -> float:
+    """Device copy bytes/s, counting read plus write."""
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync(dev)
+    return 2 * x.numel() * 20 / (time.perf_counter() - t0)
+
+
+def matmul_rate(dev, dtype) -> float:
+    n = 8192 if dev.type == "cuda" else 256
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ a
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    sync(dev)
+    return 2 * n ** 3 * 10 / (time.perf_counter() - t0)
+
+
+def chunk_step(e, rng, vocab, prefix, new: int) -> float:
+    """Seconds of the step that computes `new` tokens over the cached `prefix` (the decoding
+    sequences ride along)."""
+    ids = prefix + [rng.randrange(3, vocab) for _ in range(new)]
+    req = e.add_request(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+    sync(e.kv_cache.device)
+    t0 = time.perf_counter()
+    e.step()
+    sync(e.kv_cache.device)
+    dt = time.perf_counter() - t0
+    if req.num_computed_tokens < len(ids):
+        raise RuntimeError(f"the chunk of {new} tokens did not fit one step ({req.num_computed_tokens} computed)")
+    while req.request_id in e.scheduler.requests:
+        e.step()
+    return dt
+
+
+def build(args):
+    """-> (engine, its piecewise graphs, the model name and dtype)."""
+    dry = args.dry_run
+    dev = torch.device("cpu" if dry else "cuda")
+    name, dtype = ("tiny-random", "float32") if dry else (args.model, "bfloat16")
+    model, tok, _ = load_model(name, dtype, str(dev), seed=0)
+    if dry:
+        model.ops = TritonOps()
+    cfg = EngineConfig(model="bench", device=str(dev), cache=CacheConfig(num_blocks=4096 if not dry else 128),
+                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))
+    e = LLMEngine(cfg, model=model, tokenizer=tok)
+    e.overlap = False
+    if dry:
+        e.runner = ModelRunner(model, e.kv_cache, "cpu", cuda_graphs=True, capture=False,
+                               graph_batch_sizes=(1, 2, 4, 8, 16), max_graph_tokens=64)
+    pw = e.runner.piecewise
+    if pw is None or pw.why_not:
+        raise SystemExit(f"no piecewise graphs for {name}: {pw and pw.why_not}")
+    return e, pw, name, dtype
+
+
+def decode_alongside(e, rng, d: int, prompt: int) -> None:
+    """Start d sequences decoding (prompt tokens each) and step until all of them decode."""
+    vocab = e.model_config.vocab_size
+    for _ in range(d):
+        e.add_request(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
+                      sampling=SamplingParams(max_tokens=min(1000, e.max_model_len - prompt), ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.running) or e.scheduler.waiting:
+        e.step()
+
+
+def timed(e, pw, rng, prefix, new: int, reps: int) -> tuple[float, float]:
+    """Median seconds of the chunk's step, eager and piecewise, interleaved (a first untimed run
+    of each compiles and captures)."""
+    times = {"eager": [], "piecewise": []}
+    for rep in range(reps + 1):
+        for mode in times:
+            e.runner.piecewise = pw if mode == "piecewise" else None
+            dt = chunk_step(e, rng, e.model_config.vocab_size, prefix, new)
+            if rep:
+                times[mode].append(dt)
+    e.runner.piecewise = pw
+    return statistics.median(times["eager"]), statistics.median(times["piecewise"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--new", default="32,128,256,512")
+    ap.add_argument("--decodes", default="0,16")
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    e, pw, name, dtype = build(args)
+    model, dev = e.model, e.kv_cache.device
+    prefix_len, decode_prompt = (48, 20) if args.dry_run else (args.prefix, 1024)
+    news = [int(x) for x in args.new.split(",")]
+    news = [min(n, 40) for n in news[:2]] if args.dry_run else news
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, model.config.vocab_size) for _ in range(prefix_len)]
+    e.generate([{"prompt_token_ids": prefix, "max_tokens": 2, "ignore_eos": True}])   # cached from here on
+    copy_bps, mm = copy_rate(dev), matmul_rate(dev, model.embed_tokens.weight.dtype)
+    weights = [p for n_, p in model.named_parameters() if "embed" not in n_]
+    weight_bytes, params = sum(p.numel() * p.element_size() for p in weights), sum(p.numel() for p in weights)
+    c = model.config
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+    rows = []
+    for d in [int(x) for x in args.decodes.split(",")]:
+        decode_alongside(e, rng, d, decode_prompt)
+        for new in news:
+            eager, piece = timed(e, pw, rng, prefix, new, args.reps)
+            kv = ((prefix_len + new) + d * (decode_prompt + 64)) * kv_per_token
+            floor = max((weight_bytes + kv) / copy_bps, 2 * (new + d) * params / mm)
+            rows.append((new, d, eager, piece, floor))
+            print(f"new {new:4d} decodes {d:3d}: eager {eager * 1e3:7.2f} ms  piecewise {piece * 1e3:7.2f} ms",
+                  flush=True)
+        for r in list(e.scheduler.requests):
+            e.abort(r)
+        while e.has_unfinished():
+            e.step()
+    print(f"\n{name} {dtype}, prefix {prefix_len} cached, medians of {args.reps}; copy {copy_bps / 1e9:.0f} GB/s "
+          f"(read + write), matmul {mm / 1e12:.0f} TFLOP/s; stats {e.runner.graph_stats}")
+    print("| new tokens | decoding | eager ms | piecewise ms | piecewise / eager | floor ms | piecewise / floor |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for new, d, eager, piece, floor in rows:
+        print(f"| {new} | {d} | {eager * 1e3:.2f} | {piece * 1e3:.2f} | {piece / eager:.2f} | {floor * 1e3:.2f} | "
+              f"{piece / floor:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
