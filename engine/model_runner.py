@@ -15,6 +15,7 @@ is itself capturing a graph.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from tandem.engine.block_tables import BlockTables
 from tandem.engine.cuda_graphs import (DEFAULT_BATCH_SIZES, DecodeGraphs, GraphKey, StaticInputs, packed_starts,
                                 capture_query_lens, graph_key, next_power_of_2, token_buckets)
 from tandem.engine.kv_cache import KVCache
-from tandem.engine.piecewise_graphs import PiecewiseGraphs
+from tandem.engine.piecewise_graphs import PIECEWISE_ENV, PiecewiseGraphs
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.speculative.tree import ancestor_masks, check_tree, depths
 
@@ -99,12 +100,13 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device | str, *,
                  cuda_graphs: bool | None = None, graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
-                 max_graph_tokens: int = 512, capture: bool | None = None, piecewise: bool = True):
+                 max_graph_tokens: int = 512, capture: bool | None = None, piecewise: bool | None = None):
         """cuda_graphs: None = on for CUDA. capture: None = capture on CUDA; False runs the graph
         path's static buffers eagerly (how CPU tests check the padding). Graphs are captured lazily,
         on a shape's first step; `capture_graphs` captures decode shapes up front. `piecewise`:
         steps that are not decode-shaped, up to max_graph_tokens new tokens, replay
-        engine.piecewise_graphs' stretches around an eager attention (where the model allows)."""
+        engine.piecewise_graphs' stretches around an eager attention (where the model allows);
+        None: on unless $TANDEM_PIECEWISE_GRAPHS is 0 (an A/B switch, passed to Ray's workers)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -127,6 +129,8 @@ class ModelRunner:
             self.static = StaticInputs(self.batch_sizes[-1], self.token_sizes[-1], max_blocks, self.device)
             self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture)
             self._split_plans: dict[tuple[int, int], bool] = {}
+            if piecewise is None:
+                piecewise = os.environ.get(PIECEWISE_ENV, "1") != "0"
             if piecewise and self._fused():
                 self.piecewise = PiecewiseGraphs(model, kv_cache.tensor, self.device, capture=self.graphs.capture,
                                                  max_tokens=max_graph_tokens)

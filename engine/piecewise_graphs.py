@@ -35,6 +35,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# "0" turns the scheme off in every engine of a process (and of a cluster: `tandem up` passes
+# TANDEM_* variables to Ray's workers), for A/B runs against the eager steps
+PIECEWISE_ENV = "TANDEM_PIECEWISE_GRAPHS"
+
 # token buckets: a step of more than 32 tokens pads by less than half its tokens (past 128, by a
 # quarter at most)
 TOKEN_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -133,3 +133,14 @@ def test_a_step_with_no_bucket_is_refused(tiny):
     with pytest.raises(ValueError, match="no piecewise bucket"):
         pw.run(torch.zeros(65, dtype=torch.int32), torch.zeros(65, dtype=torch.int32), None)
     assert np.isfinite(pw.max_tokens)
+
+
+def test_the_environment_switch_turns_it_off_for_new_runners(tiny, monkeypatch):
+    model, tok, _ = tiny
+    monkeypatch.setenv("TANDEM_PIECEWISE_GRAPHS", "0")
+    e = _engine(model, tok, piecewise=None)
+    assert e.runner.piecewise is None
+    e.generate(_requests(model.config.vocab_size)[:2])
+    assert "piecewise_replays" not in e.runner.graph_stats
+    monkeypatch.setenv("TANDEM_PIECEWISE_GRAPHS", "1")
+    assert _engine(model, tok, piecewise=None).runner.piecewise is not None
