@@ -88,7 +88,7 @@ def build(args):
     model, tok, _ = load_model(name, dtype, str(dev), seed=0)
     if dry:
         model.ops = TritonOps()
-    cfg = EngineConfig(model="bench", device=str(dev), cache=CacheConfig(num_blocks=4096 if not dry else 128),
+    cfg = EngineConfig(model="bench", device=str(dev), cache=CacheConfig(num_blocks=6144 if not dry else 128),
                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))
     e = LLMEngine(cfg, model=model, tokenizer=tok)
     e.overlap = False
@@ -125,6 +125,48 @@ def timed(e, pw, rng, prefix, new: int, reps: int) -> tuple[float, float]:
     return statistics.median(times["eager"]), statistics.median(times["piecewise"])
 
 
+def decode_steps(e, rng, batch: int, steps: int = 40) -> float:
+    """Median seconds of a decode-only step (a decode graph replay) at `batch` sequences."""
+    decode_alongside(e, rng, batch, 1024 if e.kv_cache.device.type == "cuda" else 20)
+    times = []
+    for _ in range(steps):
+        sync(e.kv_cache.device)
+        t0 = time.perf_counter()
+        e.step()
+        sync(e.kv_cache.device)
+        times.append(time.perf_counter() - t0)
+    for r in list(e.scheduler.requests):
+        e.abort(r)
+    while e.has_unfinished():
+        e.step()
+    return statistics.median(times[5:])
+
+
+def decode_check(e, pw, batches=(1, 16, 64), rounds: int = 3) -> None:
+    """Whether holding the piecewise graphs slows decode steps: two engines on the same weights
+    in one process, one with every bucket captured and one with none, their decode-only steps
+    timed in turn."""
+    other = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
+    other.overlap = False
+    other.runner.piecewise = None
+    if e.kv_cache.device.type != "cuda":
+        other.runner = ModelRunner(e.model, other.kv_cache, "cpu", cuda_graphs=True, capture=False,
+                                   graph_batch_sizes=(1, 2, 4, 8, 16), max_graph_tokens=64, piecewise=False)
+    captured = pw.capture_all()
+    rng = random.Random(1)
+    rows = {b: {"without": [], "with": []} for b in batches}
+    for _ in range(rounds):
+        for mode, engine in (("without", other), ("with", e)):
+            for b in batches:
+                rows[b][mode].append(decode_steps(engine, rng, b))
+    print(f"piecewise buckets captured: {captured}; {pw.stats}")
+    print("| decoding | step ms, no piecewise graphs held | every bucket captured | ratio |")
+    print("|---:|---:|---:|---:|")
+    for b, r in rows.items():
+        a, w = statistics.median(r["without"]), statistics.median(r["with"])
+        print(f"| {b} | {a * 1e3:.3f} | {w * 1e3:.3f} | {w / a:.3f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-8b-random")
@@ -133,10 +175,13 @@ def main():
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--decode-check", action="store_true", help="only: decode steps with and without the graphs held")
     args = ap.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     e, pw, name, dtype = build(args)
+    if args.decode_check:
+        return decode_check(e, pw, (1, 4) if args.dry_run else (1, 16, 64), 1 if args.dry_run else 3)
     model, dev = e.model, e.kv_cache.device
     prefix_len, decode_prompt = (48, 20) if args.dry_run else (args.prefix, 1024)
     news = [int(x) for x in args.new.split(",")]
