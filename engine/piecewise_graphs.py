@@ -19,10 +19,11 @@ to the next bucket: the padded rows carry stale tokens through the projections, 
 KV written) and are never attended or read; attention sees only the T real rows. This is vLLM's
 piecewise scheme, with the split taken where the model calls its attention op (`_Splitter`).
 
-Models it takes: grouped-query attention with dense MLPs on one GPU (Llama, Qwen2/3, Mistral). A
-mixture of experts routes on the device with shapes that depend on the routing, latent attention
-has its own kernels, and tensor parallelism all-reduces inside the stretches: those steps stay
-eager (`unsupported`). A capture that fails turns the scheme off for the engine (logged).
+Models it takes: grouped-query attention with dense MLPs on one GPU in 16- or 32-bit weights
+(Llama, Qwen2/3, Mistral). A mixture of experts routes on the device with shapes that depend on the
+routing, latent attention has its own kernels, tensor parallelism all-reduces inside the stretches,
+and FP8 GEMMs have not been run under these graphs on the GPU: those steps stay eager
+(`unsupported`). A capture that fails turns the scheme off for the engine (logged).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def unsupported(model) -> str | None:
     layers = getattr(model, "layers", None)
     if not layers:
         return "the model has no decoder layers to split"
+    if getattr(model, "fp8_weights", False):
+        # its GEMMs quantize activations per step; no GPU test has run them under these graphs
+        return "FP8 weights: not checked under piecewise graphs on the GPU yet"
     for layer in layers:
         if not isinstance(layer.self_attn, Attention):
             return "latent attention runs kernels of its own"

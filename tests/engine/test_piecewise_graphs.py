@@ -144,3 +144,10 @@ def test_the_environment_switch_turns_it_off_for_new_runners(tiny, monkeypatch):
     assert "piecewise_replays" not in e.runner.graph_stats
     monkeypatch.setenv("TANDEM_PIECEWISE_GRAPHS", "1")
     assert _engine(model, tok, piecewise=None).runner.piecewise is not None
+
+
+def test_fp8_models_stay_eager_until_checked_on_the_gpu():
+    from tandem.engine.weights import load_model
+
+    fp8, _, _ = load_model("tiny-random", seed=1234, quantization="fp8")
+    assert "FP8" in unsupported(fp8)
