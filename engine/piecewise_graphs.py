@@ -92,8 +92,8 @@ class _Bucket:
 class _Splitter:
     """The model's ops, except that each attention call ends the stretch being captured, is
     recorded, and begins the next; it returns the heads' output buffer (what the next stretch
-    reads). With `graphs` False nothing is captured: each attention runs at once on `meta`
-    (how the CPU tests run the split forward)."""
+    reads). With no bucket to record into nothing is captured: each attention runs at once on
+    `meta` (the step run eagerly through the split, as the CPU tests run it)."""
 
     def __init__(self, ops, runner: "PiecewiseGraphs", bucket: _Bucket | None, meta=None):
         self._ops, self._runner, self._bucket, self._meta = ops, runner, bucket, meta
