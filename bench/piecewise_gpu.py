@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from engine_gpu import Bench  # sibling files: bench scripts run as files
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
@@ -34,33 +35,6 @@ from tandem.wire.messages import SamplingParams
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_rate(dev) -> float:
-    """Device copy bytes/s, counting read plus write."""
-    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    sync(dev)
-    return 2 * x.numel() * 20 / (time.perf_counter() - t0)
-
-
-def matmul_rate(dev, dtype) -> float:
-    n = 8192 if dev.type == "cuda" else 256
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(3):
-        a @ a
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    sync(dev)
-    return 2 * n ** 3 * 10 / (time.perf_counter() - t0)
 
 
 def chunk_step(e, rng, vocab, prefix, new: int) -> float:
@@ -182,14 +156,17 @@ def main():
     e, pw, name, dtype = build(args)
     if args.decode_check:
         return decode_check(e, pw, (1, 4) if args.dry_run else (1, 16, 64), 1 if args.dry_run else 3)
-    model, dev = e.model, e.kv_cache.device
+    model = e.model
     prefix_len, decode_prompt = (48, 20) if args.dry_run else (args.prefix, 1024)
     news = [int(x) for x in args.new.split(",")]
     news = [min(n, 40) for n in news[:2]] if args.dry_run else news
     rng = random.Random(0)
     prefix = [rng.randrange(3, model.config.vocab_size) for _ in range(prefix_len)]
     e.generate([{"prompt_token_ids": prefix, "max_tokens": 2, "ignore_eos": True}])   # cached from here on
-    copy_bps, mm = copy_rate(dev), matmul_rate(dev, model.embed_tokens.weight.dtype)
+    bench = Bench(args.dry_run, "/tmp")     # the copy and matmul rates, as the engine benchmarks measure them
+    bench.ceilings()
+    ceil = bench.results["ceilings"]
+    copy_bps, mm = ceil["copy_gbs"] * 1e9, ceil["matmul_tflops"] * 1e12
     weights = [p for n_, p in model.named_parameters() if "embed" not in n_]
     weight_bytes, params = sum(p.numel() * p.element_size() for p in weights), sum(p.numel() for p in weights)
     c = model.config

@@ -317,8 +317,7 @@ class ModelRunner:
         if batch.graph_key is not None:
             if self._static_batch is not batch:  # another step was prepared since: put this one back
                 self._upload(batch)
-            if (layer_done is None and self.graphs.can_run(batch.graph_key)
-                    and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            if layer_done is None and self.graphs.can_run(batch.graph_key) and not self._capturing():
                 logits = self.graphs.run(batch.graph_key)
                 return logits[:batch.logits_index.shape[0]].clone()
         if self._piecewise(batch, layer_done):
@@ -335,8 +334,11 @@ class ModelRunner:
         inside another capture."""
         pw = self.piecewise
         return (pw is not None and batch.graph_key is None and layer_done is None
-                and pw.bucket(batch.input_ids.shape[0]) is not None
-                and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+                and pw.bucket(batch.input_ids.shape[0]) is not None and not self._capturing())
+
+    def _capturing(self) -> bool:
+        """Whether the caller is itself capturing a CUDA graph (then no graph runs inside it)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     @torch.inference_mode()
     def capture_piecewise(self) -> int:

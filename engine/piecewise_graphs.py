@@ -130,6 +130,8 @@ class PiecewiseGraphs:
         self.buckets = tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
         self.why_not = unsupported(model) or (None if self.buckets else "no token bucket")
+        if self.why_not is not None:    # its steps stay eager: no buffers, no pool
+            self.max_tokens = 0
         cfg = model.config
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int32, device=device)
@@ -138,7 +140,7 @@ class PiecewiseGraphs:
                                   dtype=model.embed_tokens.weight.dtype, device=device)
         self._captured: dict[int, _Bucket] = {}
         self._graph: torch.cuda.CUDAGraph | None = None       # the stretch being captured
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.graph_pool_handle() if capture and self.why_not is None else None
         self._stream: torch.cuda.Stream | None = None
         self.real_tokens = 0
         self.replays = 0

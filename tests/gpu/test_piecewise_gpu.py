@@ -17,6 +17,7 @@ from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, Spe
 from tandem.engine.engine import LLMEngine
 from tandem.engine.weights import load_model
 from tandem.wire.messages import SamplingParams
+from tests.gpu.test_engine_gpu import rel_err
 
 MODEL = "smollm2-135m-random"
 
@@ -58,11 +59,6 @@ def test_piecewise_greedy_matches_eager_fp32(spec):
     assert got == want
 
 
-def _rel_err(out, ref):
-    assert torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @torch.inference_mode()
 def test_bf16_mixed_step_logits_and_cache_match_eager():
     model, tok, _ = load_model(MODEL, "bfloat16", "cuda", seed=7)
@@ -87,8 +83,8 @@ def test_bf16_mixed_step_logits_and_cache_match_eager():
     split = e.runner.execute(batch)
     assert e.runner.graph_stats["piecewise_replays"] == replays + 1
     assert split.shape == eager.shape == (3 + 1, model.config.vocab_size)
-    assert _rel_err(split, eager) < 2e-2
-    assert _rel_err(e.kv_cache.tensor, kv_eager) < 1e-2
+    assert rel_err(split, eager) < 2e-2
+    assert rel_err(e.kv_cache.tensor, kv_eager) < 1e-2
     # the same slots written, the chunk's and the decodes' only: [layers, K/V, blocks, slots]
     changed = (kv_eager != kv_before).flatten(4).any(-1)
     assert torch.equal((e.kv_cache.tensor != kv_before).flatten(4).any(-1), changed)
