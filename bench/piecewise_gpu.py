@@ -11,6 +11,13 @@ medians and their ratio, and the same-run floor: the step's weights and KV read 
 copy rate, and its FLOPs at the bf16 matmul rate (both measured here), whichever is longer.
 
     cd bench && python3 piecewise_gpu.py [--new 32,128,256,512] [--decodes 0,16] [--dry-run]
+
+`--uncaptured 1,8,32,64,128`: decode-only steps of a shape whose CUDA graph is not captured, at
+each batch (1k-token prompts), timed four ways: eagerly (the policy before), on the piecewise
+graphs (`DecodeGraphs.split`, the default now), the step that captures the shape, and the replay
+of its own graph; medians, and how many steps on the piecewise graphs cost one capture's stall
+beyond a replay (what `SPLIT_CAPTURE_AFTER` trades). `--decode-check`: whether holding every
+piecewise bucket slows the decode steps.
 """
 
 from __future__ import annotations
@@ -141,6 +148,65 @@ def decode_check(e, pw, batches=(1, 16, 64), rounds: int = 3) -> None:
         print(f"| {b} | {a * 1e3:.3f} | {w * 1e3:.3f} | {w / a:.3f} |")
 
 
+def uncaptured(e, batches, steps: int = 9, captures: int = 3) -> None:
+    """Decode-only steps at each batch while their shape has no graph: eager, split (on the
+    piecewise graphs), capturing, and replaying the graph, each timed in its own run of steps."""
+    from tandem.engine.model_runner import SPLIT_CAPTURE_AFTER  # noqa: PLC0415
+
+    g, runner, dev = e.runner.graphs, e.runner, e.kv_cache.device
+    rng = random.Random(3)
+
+    def fresh(split, capture_after, capture_split_after):
+        g.graphs.clear()
+        g._seen.clear()
+        g._covers_of = -1
+        g.split, g.capture_after, g.capture_split_after = split, capture_after, capture_split_after
+
+    def run(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            sync(dev)
+            t0 = time.perf_counter()
+            e.step()
+            sync(dev)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    never = 1 << 30
+    rows = []
+    for b in batches:
+        decode_alongside(e, rng, b, 1024 if dev.type == "cuda" else 20)
+        before = dict(runner.graph_stats)
+        fresh(None, never, never)
+        eager = run(steps)
+        fresh(runner._split_step, never, never)
+        run(1)                                  # the attention's first launch at this shape compiles
+        split = run(steps)
+        capture = []
+        for _ in range(captures):
+            fresh(None, 1, 1)
+            capture += run(1)
+        replay = run(steps)
+        after = runner.graph_stats
+        ran = {k: after[k] - before[k] for k in ("eager_runs", "split_runs", "captures", "replays")}
+        rows.append((b, *(statistics.median(x) for x in (eager, split, capture, replay)), ran))
+        print(f"batch {b}: {ran}", flush=True)
+        for r in list(e.scheduler.requests):
+            e.abort(r)
+        while e.has_unfinished():
+            e.step()
+    fresh(runner._split_step, 2, SPLIT_CAPTURE_AFTER)
+    print(f"\n{e.config.model} decode-only steps of an uncaptured shape, 1k prompts, medians "
+          f"({steps} steps; {captures} captures); SPLIT_CAPTURE_AFTER = {SPLIT_CAPTURE_AFTER}")
+    print("| batch | eager ms | piecewise ms | piecewise / eager | capturing step ms | replay ms | "
+          "piecewise steps costing one capture |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b, ea, sp, ca, re, _ in rows:
+        extra = sp - re
+        print(f"| {b} | {ea * 1e3:.2f} | {sp * 1e3:.2f} | {sp / ea:.2f} | {ca * 1e3:.1f} | {re * 1e3:.2f} | "
+              f"{(ca - re) / extra if extra > 0 else float('inf'):.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-8b-random")
@@ -150,12 +216,17 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--decode-check", action="store_true", help="only: decode steps with and without the graphs held")
+    ap.add_argument("--uncaptured", default="", help="only: decode steps of uncaptured shapes at these batches")
     args = ap.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     e, pw, name, dtype = build(args)
     if args.decode_check:
         return decode_check(e, pw, (1, 4) if args.dry_run else (1, 16, 64), 1 if args.dry_run else 3)
+    if args.uncaptured:
+        batches = [int(x) for x in args.uncaptured.split(",")]
+        return uncaptured(e, [min(b, 4) for b in batches[:2]] if args.dry_run else batches,
+                          *((2, 1) if args.dry_run else (9, 3)))
     model = e.model
     prefix_len, decode_prompt = (48, 20) if args.dry_run else (args.prefix, 1024)
     news = [int(x) for x in args.new.split(",")]

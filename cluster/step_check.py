@@ -32,6 +32,7 @@ KINDS = (("decode 1-8", 1, 8), ("decode 9-32", 9, 32), ("decode 33+", 33, 1 << 3
 PREFILL = (("prefill <500", 0, 499), ("prefill 500-2k", 500, 1999), ("prefill 2k+", 2000, 1 << 30))
 CAPTURE = "graph capture"   # a step that captured a CUDA graph: a one-off stall the model does not price
 UNCAPTURED = "eager, no graph"  # a graph-shaped step run eagerly: its shape not captured yet
+SPLIT = "split, no graph"  # such a step run on the piecewise graphs instead
 
 
 def kind_of(step: list) -> str:
@@ -39,6 +40,8 @@ def kind_of(step: list) -> str:
         return CAPTURE
     if len(step) > 10 and step[10]:
         return UNCAPTURED
+    if len(step) > 11 and step[11]:
+        return SPLIT
     chunks = step[6]
     if chunks:
         n = sum(c[0] for c in chunks)
@@ -66,7 +69,7 @@ def step_rows(run_dir: str | Path, run: dict, model: PerfModel) -> list[dict]:
             continue
         t1 = t0 + rate_run["elapsed_s"]
         mine = [(s, dt) for s, dt in timed if t0 <= s[0] < t1]
-        for name in [k[0] for k in KINDS + PREFILL] + [CAPTURE, UNCAPTURED]:
+        for name in [k[0] for k in KINDS + PREFILL] + [CAPTURE, UNCAPTURED, SPLIT]:
             got = [(dt, model_s(model, s)) for s, dt in mine if kind_of(s) == name]
             if not got:
                 continue

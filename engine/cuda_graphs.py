@@ -191,8 +191,11 @@ class DecodeGraphs:
     the logits of all key.tokens rows; a key is captured ahead (`capture_empty`, at warmup) or on
     its `capture_after`-th step, the ones before it eager (the run before the capture, which
     compiles kernels, is that step's result). A key that a captured one covers (`cover`) replays
-    that one until its `capture_covered_after`-th step instead. With `capture=False` (CPU tests)
-    every run is eager through the same static buffers.
+    that one until its `capture_covered_after`-th step instead. `split(key)`, where given, runs a
+    step of a key without its own graph another way than eagerly (the model runner's piecewise
+    graphs: the step's logits, or None where it cannot take the key); a key it takes is captured
+    only on its `capture_split_after`-th step, the ones before it split. With `capture=False` (CPU
+    tests) every run is eager through the same static buffers.
 
     Capture shares the GPU with the KV transport's threads (NCCL sends and receives, gathers and
     scatters on their own streams), so it must neither wait for them nor be invalidated by them:
@@ -204,13 +207,20 @@ class DecodeGraphs:
 
     def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256,
                  max_failures: int = 8, capture_after: int = 2, cover_waste: float = 2.0,
-                 capture_covered_after: int = 32):
+                 capture_covered_after: int = 32,
+                 split: Callable[[GraphKey], torch.Tensor | None] | None = None, capture_split_after: int = 8):
         self.step = step
         self.capture = capture
         # a key warmup did not capture is captured on its capture_after-th step; the steps before
         # run eagerly through the same static buffers (serving meets shapes once: verify widths x
         # context buckets x batch buckets)
         self.capture_after = max(1, capture_after)
+        # a key without its graph that `split` takes runs there (a piecewise step costs a fraction
+        # of an eager one) and is captured on its capture_split_after-th step: a shape met only a
+        # few times never pays the capture's stall
+        self.split = split
+        self.capture_split_after = max(self.capture_after, capture_split_after)
+        self.split_runs = 0     # steps of keys not (yet) captured, run by `split`
         # a key not captured yet runs padded on a captured one that covers it (`cover`: the same
         # context plan and tree flag, at least its sequences, tokens and longest query, at most
         # cover_waste times its tokens) instead of eagerly, and is captured itself only on its
@@ -252,10 +262,15 @@ class DecodeGraphs:
             if cover is not None:
                 self.covered_runs += 1
                 entry = self.graphs[cover]
-            elif seen < self.capture_after:
-                self.eager_runs += 1
-                return self.step(key)
             else:
+                if self.split is not None and seen < self.capture_split_after:
+                    out = self.split(key)
+                    if out is not None:
+                        self.split_runs += 1
+                        return out
+                if seen < self.capture_after:
+                    self.eager_runs += 1
+                    return self.step(key)
                 return self._capture(key)
         entry[0].replay()
         self.replays += 1

@@ -168,11 +168,12 @@ class LLMEngine:
             self.speculator.release(rid)  # frees a draft model's blocks at once
 
     # ---- one step ---------------------------------------------------------------------------
-    def _graph_counts(self) -> tuple[int, int]:
+    def _graph_counts(self) -> tuple[int, int, int]:
         """(CUDA graphs captured, graph-shaped steps run eagerly because their shape was not
-        captured yet: DecodeGraphs.capture_after) so far; a step that raises one did that."""
+        captured yet: DecodeGraphs.capture_after, such steps run on the piecewise graphs instead:
+        capture_split_after) so far; a step that raises one did that."""
         graphs = self.runner.graphs
-        return (graphs.captures, graphs.eager_runs) if graphs is not None else (0, 0)
+        return (graphs.captures, graphs.eager_runs, graphs.split_runs) if graphs is not None else (0, 0, 0)
 
     def step(self, layer_done=None, after_launch=None) -> list[RequestOutput]:
         """One engine step. `layer_done(layer, scheduled)` runs after each layer's KV is written
@@ -228,10 +229,10 @@ class LLMEngine:
         # host time per phase: "sample" includes waiting for the device to finish the step whose
         # tokens are read now (overlapped: the one before); "output" is detokenizing them
         phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3 - post, post)
-        captured, uncaptured = (now > then for now, then in zip(self._graph_counts(), graphs_before))
+        captured, uncaptured, split = (now > then for now, then in zip(self._graph_counts(), graphs_before))
         self.last_step = (len(sched.scheduled), sched.num_tokens, prefill, batch.graph_key, captured, phases)
         if self.trace is not None:      # engine.step_trace: off unless $TANDEM_STEP_TRACE_DIR is set
-            self.trace.end(keep, self.scheduler.has_work(), captured, uncaptured)
+            self.trace.end(keep, self.scheduler.has_work(), captured, uncaptured, split)
         return self.take_outputs()
 
     def _sample(self, sched, batch, logits) -> InFlight:

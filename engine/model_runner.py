@@ -97,6 +97,25 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
     return mask
 
 
+# A decode-shaped step whose shape has no CUDA graph yet runs on the piecewise graphs (where the
+# model takes them) instead of eagerly, and its shape is captured only on its SPLIT_CAPTURE_AFTER-th
+# step (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second).
+# $TANDEM_SPLIT_CAPTURE_AFTER overrides it for new runners (0: such steps run eagerly, as before).
+SPLIT_CAPTURE_AFTER = 8
+SPLIT_ENV = "TANDEM_SPLIT_CAPTURE_AFTER"
+
+
+def _split_capture_after() -> int:
+    raw = os.environ.get(SPLIT_ENV, "")
+    try:
+        n = int(raw) if raw.strip() else SPLIT_CAPTURE_AFTER
+    except ValueError:
+        raise ValueError(f"${SPLIT_ENV} must be a whole number of steps (0 turns it off), got {raw!r}") from None
+    if n < 0:
+        raise ValueError(f"${SPLIT_ENV} must be 0 or more, got {n}")
+    return n
+
+
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device | str, *,
                  cuda_graphs: bool | None = None, graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
@@ -127,7 +146,10 @@ class ModelRunner:
             cfg = model.config
             max_blocks = min(kv_cache.num_blocks, -(-cfg.max_position_embeddings // self.block_size))
             self.static = StaticInputs(self.batch_sizes[-1], self.token_sizes[-1], max_blocks, self.device)
-            self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture)
+            split_after = _split_capture_after()
+            self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture,
+                                       split=self._split_step if split_after else None,
+                                       capture_split_after=split_after)
             self._split_plans: dict[tuple[int, int], bool] = {}
             if piecewise is None:
                 piecewise = os.environ.get(PIECEWISE_ENV, "1") != "0"
@@ -329,12 +351,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
 
     def _piecewise(self, batch: BatchInputs, layer_done) -> bool:
-        """Whether this eager step replays the piecewise graphs: not decode-shaped, within their
-        largest bucket, no per-layer callback (a prefill actor streaming KV layer by layer), not
-        inside another capture."""
+        """Whether this eager step replays the piecewise graphs: no decode graph runs it, within
+        their largest bucket, no per-layer callback (a prefill actor streaming KV layer by layer),
+        not inside another capture."""
         pw = self.piecewise
-        return (pw is not None and batch.graph_key is None and layer_done is None
-                and pw.bucket(batch.input_ids.shape[0]) is not None and not self._capturing())
+        return (pw is not None and layer_done is None and pw.bucket(batch.input_ids.shape[0]) is not None
+                and not self._capturing())
+
+    def _split_step(self, key: GraphKey) -> torch.Tensor | None:
+        """DecodeGraphs' `split`: the decode-shaped step the static buffers hold, whose shape `key`
+        has no graph yet, on the piecewise graphs (its real tokens and metadata; the attention
+        eager between the stretches) -> its logits rows, or None where they cannot take it."""
+        batch = self._static_batch
+        if batch is None or batch.graph_key != key or not self._piecewise(batch, None):
+            return None
+        hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
 
     def _capturing(self) -> bool:
         """Whether the caller is itself capturing a CUDA graph (then no graph runs inside it)."""
@@ -349,9 +381,9 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int | str | None]:
         g = self.graphs
         if g is None:
-            return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "covered_runs": 0,
+            return {"graphs": 0, "captures": 0, "replays": 0, "eager_runs": 0, "covered_runs": 0, "split_runs": 0,
                     "capture_failures": 0, "capture_s": 0.0, "last_capture_failure": None, "failed": None}
         pw = self.piecewise.stats if self.piecewise is not None else {}
         return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays, "eager_runs": g.eager_runs,
-                "covered_runs": g.covered_runs, "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
+                "covered_runs": g.covered_runs, "split_runs": g.split_runs, "capture_failures": g.capture_failures, "capture_s": round(g.capture_s, 3),
                 "last_capture_failure": g.last_failure, "failed": g.failed, **pw}

@@ -6,14 +6,15 @@ Off unless `$TANDEM_STEP_TRACE_DIR` names a directory (a diagnostic, like a prof
 then appends one JSON line per step to `steps-<pid>.jsonl` there, flushed about once a second. A
 line is `[start_unix, end_unix, decoding sequences, their context tokens, their draft tokens, the
 widest draft, [[prompt tokens computed, context once in], ...], overlapped, more, captured,
-uncaptured]`: when the
+uncaptured, split]`: when the
 `LLMEngine.step` call began and returned, the step's decode part and prefill chunks as the
 scheduler gave them, whether its tokens stayed on the device while the next step launched
 (engine.inflight: the next call waits for it), whether the scheduler had more work then (the
 serving loop steps again at once), whether the step captured a CUDA graph (a one-off stall the
 perf model does not price; traces written before it have 9 fields), and whether it ran eagerly
 because its graph shape was not captured yet (`DecodeGraphs.capture_after`: what a capture policy
-trades against the stall; traces before it have 10 fields).
+trades against the stall; traces before it have 10 fields), and whether such a step ran on the
+piecewise graphs instead (`DecodeGraphs.capture_split_after`; traces before it have 11 fields).
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ class StepTrace:
                 drafts, widest = drafts + x.num_draft_tokens, max(widest, x.num_draft_tokens)
         self._open = [round(start_unix, 6), 0.0, decode, context, drafts, widest, chunks]
 
-    def end(self, overlapped: bool, more: bool, captured: bool = False, uncaptured: bool = False) -> None:
+    def end(self, overlapped: bool, more: bool, captured: bool = False, uncaptured: bool = False,
+            split: bool = False) -> None:
         if self._open is not None:
             self._open[1] = round(time.time(), 6)
-            self._pending.append(self._open + [bool(overlapped), bool(more), bool(captured), bool(uncaptured)])
+            self._pending.append(self._open + [bool(overlapped), bool(more), bool(captured), bool(uncaptured),
+                                               bool(split)])
             self._open = None
         if time.monotonic() - self._flushed >= self.flush_s:
             self.flush()

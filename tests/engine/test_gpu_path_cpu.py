@@ -81,7 +81,7 @@ def test_static_pack_pads_with_no_op_rows():
 PROMPTS = [list(range(5, 40)), [9, 8, 7, 6, 5, 4, 3] * 3, list(range(100, 117)), [11, 12, 13, 11, 12, 13, 11, 12]]
 
 
-def _engine(model, tok, spec=False, graphs=False):
+def _engine(model, tok, spec=False, graphs=False, piecewise=None):
     from tandem.engine.model import TritonOps
     from tandem.engine.model_runner import ModelRunner
 
@@ -95,7 +95,7 @@ def _engine(model, tok, spec=False, graphs=False):
     e = LLMEngine(cfg, model=model, tokenizer=tok)
     if graphs:
         e.runner = ModelRunner(model, e.kv_cache, "cpu", cuda_graphs=True, capture=False,
-                               graph_batch_sizes=(1, 2, 4, 8), max_graph_tokens=32)
+                               graph_batch_sizes=(1, 2, 4, 8), max_graph_tokens=32, piecewise=piecewise)
     return e
 
 
@@ -207,6 +207,70 @@ def test_a_new_shape_replays_padded_on_a_captured_graph_that_covers_it():
     assert (full.covered_runs, full.captures) == (1, 0)               # no room for its own: covered
 
 
+def test_a_shape_the_split_step_takes_runs_there_and_is_captured_only_once_it_recurs():
+    """With piecewise graphs a new shape's step costs a fraction of an eager one (and of the
+    capture's stall), so its first capture_split_after - 1 steps run split and only a shape that
+    recurs is captured; a shape the split step refuses (None) keeps the eager-then-capture policy."""
+    ran, split = [], []
+    takes = {GraphKey(4, 4, 1, 0)}
+    g = _Counting(lambda key: ran.append(key) or torch.zeros(1), capture=False, capture_split_after=3,
+                  split=lambda key: (split.append(key) or torch.ones(1)) if key in takes else None)
+    g.capture = True
+    a, b = GraphKey(4, 4, 1, 0), GraphKey(8, 8, 1, 0)
+    assert g.run(a).item() == 1 and g.run(a).item() == 1
+    assert (g.split_runs, g.eager_runs, g.captures, ran) == (2, 0, 0, [])   # split twice, nothing eager
+    g.run(a)
+    assert (g.split_runs, g.captures) == (2, 1) and a in g.graphs            # the third step: captured
+    g.run(b)
+    assert (g.eager_runs, g.captures, ran[-1]) == (1, 1, b) and split == [a, a]  # refused: eager first
+    g.run(b)
+    assert g.captures == 2 and b in g.graphs
+    assert _Counting(lambda key: None, capture=False, capture_split_after=0).capture_split_after == 2
+
+
+def test_uncaptured_shapes_on_the_piecewise_graphs_keep_the_tokens_and_are_traced(tiny, tmp_path, monkeypatch):
+    """Decode and verify steps of shapes with no graph yet run on the piecewise graphs (their
+    stretches around an eager attention, under the interpreter) until their capture: the greedy
+    tokens stay the plain CPU path's, and the trace marks those steps as split, not eager."""
+    pytest.importorskip("triton")
+    from tandem.engine.step_trace import TRACE_ENV, read_traces
+
+    model, tok, _ = tiny
+    ref = _generate(_engine(model, tok))
+    for spec in (False, True):
+        trace = tmp_path / f"spec{spec}"
+        monkeypatch.setenv(TRACE_ENV, str(trace))
+        e = _engine(model, tok, spec=spec, graphs=True, piecewise=True)
+        g = e.runner.graphs
+        g.__class__, g.capture = _Replaying, True
+        assert g.split is not None and g.capture_split_after > g.capture_after
+        assert _generate(e) == ref
+        assert g.split_runs > 0 and g.eager_runs == 0, (g.split_runs, g.eager_runs)
+        assert e.runner.graph_stats["split_runs"] == g.split_runs
+        e.trace.flush()
+        steps = [s for steps in read_traces(trace) for s in steps]
+        assert sum(s[11] for s in steps) == g.split_runs and not any(s[10] for s in steps)
+        # no shape was captured before its capture_split_after-th step
+        assert g.captures <= g.split_runs // (g.capture_split_after - 1)
+
+
+def test_the_environment_sets_or_turns_off_the_split_step(tiny, monkeypatch):
+    pytest.importorskip("triton")
+    from tandem.engine.model_runner import SPLIT_CAPTURE_AFTER, SPLIT_ENV
+
+    model, tok, _ = tiny
+    monkeypatch.delenv(SPLIT_ENV, raising=False)
+    g = _engine(model, tok, graphs=True, piecewise=True).runner.graphs
+    assert g.split is not None and g.capture_split_after == SPLIT_CAPTURE_AFTER
+    monkeypatch.setenv(SPLIT_ENV, "0")
+    assert _engine(model, tok, graphs=True, piecewise=True).runner.graphs.split is None   # eager, as before
+    monkeypatch.setenv(SPLIT_ENV, "20")
+    assert _engine(model, tok, graphs=True, piecewise=True).runner.graphs.capture_split_after == 20
+    monkeypatch.setenv(SPLIT_ENV, "soon")
+    with pytest.raises(ValueError, match="TANDEM_SPLIT_CAPTURE_AFTER must be a whole number"):
+        _engine(model, tok, graphs=True, piecewise=True)
+
+
 class _Replaying(DecodeGraphs):
     """A "graph" that replays by running the step eagerly into the captured output."""
     def _capture(self, key):
@@ -225,7 +289,7 @@ def test_the_step_trace_marks_the_eager_step_before_a_capture_and_the_capture(ti
 
     monkeypatch.setenv(TRACE_ENV, str(tmp_path))
     model, tok, _ = tiny
-    e = _engine(model, tok, graphs=True)
+    e = _engine(model, tok, graphs=True, piecewise=False)
     g = e.runner.graphs
     g.__class__, g.capture = _Replaying, True    # the capture policy without a GPU
     e.generate([{"prompt_token_ids": list(range(5, 25)), "max_tokens": 6, "ignore_eos": True}])  # one prefill step

@@ -2,7 +2,8 @@
 replayed as captured stretches around an eager attention.
 
 - fp32: greedy generation with them (chunks over cached prefixes, mixed with decodes, speculative
-  verification beside them) gives exactly the tokens of the same engine with them off.
+  verification beside them; decode and verify shapes with no graph yet run on them too) gives
+  exactly the tokens of the same engine with them off.
 - bf16: a mixed step's logits are the eager forward's (rel. error < 2e-2: the padded rows may get
   other GEMM kernels), and the KV cache it leaves is the eager step's.
 - warmup captures every bucket; serving then captures none.
@@ -55,6 +56,7 @@ def test_piecewise_greedy_matches_eager_fp32(spec):
     stats = e.runner.graph_stats
     assert stats["piecewise_off"] is None, stats
     assert stats["piecewise_buckets"] > 0 and stats["piecewise_replays"] > 0, stats
+    assert stats["split_runs"] > 0 and stats["eager_runs"] == 0, stats   # new decode shapes: split, not eager
     assert e.allocator.prefix_hits > 0
     assert got == want
 

@@ -30,11 +30,14 @@ def test_a_step_is_split_into_its_decode_part_and_prefill_chunks(tmp_path):
     t.end(overlapped=False, more=True, captured=True)
     t.begin(1001.0, _sched((103, 40, 1, 0)))
     t.end(overlapped=True, more=False, uncaptured=True)
-    ((line, second),) = read_traces(tmp_path)
+    t.begin(1002.0, _sched((104, 40, 1, 0)))
+    t.end(overlapped=False, more=False, split=True)
+    ((line, second, third),) = read_traces(tmp_path)
     assert line[0] == 1000.0 and line[1] >= line[0]
     assert line[2:7] == [2, 103 + 51, 4, 3, [[64, 192]]]
-    assert line[7:] == [False, True, True, False]
-    assert second[7:] == [True, False, False, True]
+    assert line[7:] == [False, True, True, False, False]
+    assert second[7:] == [True, False, False, True, False]
+    assert third[7:] == [False, False, False, False, True]
 
 
 def _step(start, end, overlapped=False, more=True, decode=1):
@@ -66,6 +69,8 @@ def test_the_step_check_prices_each_step_by_what_it_carried(tmp_path):
     assert kind_of(mixed) == "prefill 500-2k"
     assert kind_of(decode + [True]) == "graph capture" and kind_of(decode + [False]) == "decode 1-8"
     assert kind_of(decode + [False, True]) == "eager, no graph" and kind_of(decode + [False, False]) == "decode 1-8"
+    assert kind_of(decode + [False, False, True]) == "split, no graph"
+    assert kind_of(decode + [False, False, False]) == "decode 1-8"
     assert model_s(perf, mixed) == pytest.approx(0.005 + 0.004 + 0.01 + 600 * 1e-4)
     # two rates' windows; each step 20 ms apart, so 20 ms each
     d = tmp_path / "steps"
