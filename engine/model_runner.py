@@ -98,17 +98,31 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 
 
 # A decode-shaped step whose shape has no CUDA graph yet runs on the piecewise graphs (where the
-# model takes them) instead of eagerly, and its shape is captured only on its SPLIT_CAPTURE_AFTER-th
-# step (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second).
-# $TANDEM_SPLIT_CAPTURE_AFTER overrides it for new runners (0: such steps run eagerly, as before).
-SPLIT_CAPTURE_AFTER = 8
+# model takes them) instead of eagerly, and its shape is captured only on its N-th step
+# (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second), N set so
+# that a shape is captured once its piecewise steps have cost about one capture more than replays
+# would have. llama3-8b bf16 on an H200 (bench/piecewise_gpu.py --uncaptured, docs/benchmarks.md):
+# a capturing step 33-64 ms; a piecewise step of 8-128 tokens 0-0.6 ms over its graph's replay
+# (GEMMs either way), of 1 token 5.2 ms over it (padded to a 32-token bucket, a GEMM where the
+# graph has GEMVs). Hence SPLIT_CAPTURE_AFTER_SMALL for keys under SPLIT_SMALL_TOKENS tokens.
+# $TANDEM_SPLIT_CAPTURE_AFTER sets one N for every key in new runners (0: such steps run eagerly).
+SPLIT_CAPTURE_AFTER = 64
+SPLIT_CAPTURE_AFTER_SMALL = 8
+SPLIT_SMALL_TOKENS = 8
 SPLIT_ENV = "TANDEM_SPLIT_CAPTURE_AFTER"
 
 
-def _split_capture_after() -> int:
+def split_capture_after(key: GraphKey) -> int:
+    """On which step a shape that the piecewise graphs ran until then is captured (the default)."""
+    return SPLIT_CAPTURE_AFTER_SMALL if key.tokens < SPLIT_SMALL_TOKENS else SPLIT_CAPTURE_AFTER
+
+
+def _split_policy() -> int | Callable[[GraphKey], int]:
     raw = os.environ.get(SPLIT_ENV, "")
+    if not raw.strip():
+        return split_capture_after
     try:
-        n = int(raw) if raw.strip() else SPLIT_CAPTURE_AFTER
+        n = int(raw)
     except ValueError:
         raise ValueError(f"${SPLIT_ENV} must be a whole number of steps (0 turns it off), got {raw!r}") from None
     if n < 0:
@@ -146,9 +160,9 @@ class ModelRunner:
             cfg = model.config
             max_blocks = min(kv_cache.num_blocks, -(-cfg.max_position_embeddings // self.block_size))
             self.static = StaticInputs(self.batch_sizes[-1], self.token_sizes[-1], max_blocks, self.device)
-            split_after = _split_capture_after()
+            split_after = _split_policy()
             self.graphs = DecodeGraphs(self._static_step, capture=cuda if capture is None else capture,
-                                       split=self._split_step if split_after else None,
+                                       split=self._split_step if split_after != 0 else None,
                                        capture_split_after=split_after)
             self._split_plans: dict[tuple[int, int], bool] = {}
             if piecewise is None:
