@@ -99,15 +99,16 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 
 # A decode-shaped step whose shape has no CUDA graph yet runs on the piecewise graphs (where the
 # model takes them) instead of eagerly, and its shape is captured only on its N-th step
-# (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second), N set so
-# that a shape is captured once its piecewise steps have cost about one capture more than replays
-# would have. llama3-8b bf16 on an H200 (bench/piecewise_gpu.py --uncaptured, docs/benchmarks.md):
-# a capturing step 33-64 ms; a piecewise step of 8-128 tokens 0-0.6 ms over its graph's replay
-# (GEMMs either way), of 1 token 5.2 ms over it (padded to a 32-token bucket, a GEMM where the
-# graph has GEMVs). Hence SPLIT_CAPTURE_AFTER_SMALL for keys under SPLIT_SMALL_TOKENS tokens.
-# $TANDEM_SPLIT_CAPTURE_AFTER sets one N for every key in new runners (0: such steps run eagerly).
-SPLIT_CAPTURE_AFTER = 64
-SPLIT_CAPTURE_AFTER_SMALL = 8
+# (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second), N about
+# where its piecewise steps have cost one capture more than replays would have (a rent-or-buy
+# rule). llama3-8b bf16 on one H200, served (h200-colocated-17/-18, docs/benchmarks.md): a capturing
+# step 60-95 ms, an eager one 34-47; a piecewise step 4.5 ms over a replay at 2-7 tokens, 2-3 ms at
+# 8-40 (at idle, bench/piecewise_gpu.py --uncaptured: 5.2 ms at 1 token, 0-0.6 ms at 8-128; served,
+# the host's work between its stretches shows). Hence N = 16 under SPLIT_SMALL_TOKENS tokens, 32
+# above. $TANDEM_SPLIT_CAPTURE_AFTER sets one N for every key in new runners (0: such steps run
+# eagerly, as before).
+SPLIT_CAPTURE_AFTER = 32
+SPLIT_CAPTURE_AFTER_SMALL = 16
 SPLIT_SMALL_TOKENS = 8
 SPLIT_ENV = "TANDEM_SPLIT_CAPTURE_AFTER"
 
