@@ -16,7 +16,7 @@ copy rate, and its FLOPs at the bf16 matmul rate (both measured here), whichever
 each batch (1k-token prompts), timed four ways: eagerly (the policy before), on the piecewise
 graphs (`DecodeGraphs.split`, the default now), the step that captures the shape, and the replay
 of its own graph; medians, and how many steps on the piecewise graphs cost one capture's stall
-beyond a replay (what `model_runner.split_capture_after` trades). `--decode-check`: whether holding every
+beyond a replay (what `model_runner.SPLIT_CAPTURE_AFTER` trades). `--decode-check`: whether holding every
 piecewise bucket slows the decode steps.
 """
 
@@ -151,7 +151,7 @@ def decode_check(e, pw, batches=(1, 16, 64), rounds: int = 3) -> None:
 def uncaptured(e, batches, steps: int = 9, captures: int = 3) -> None:
     """Decode-only steps at each batch while their shape has no graph: eager, split (on the
     piecewise graphs), capturing, and replaying the graph, each timed in its own run of steps."""
-    from tandem.engine.model_runner import split_capture_after  # noqa: PLC0415
+    from tandem.engine.model_runner import SPLIT_CAPTURE_AFTER  # noqa: PLC0415
 
     g, runner, dev = e.runner.graphs, e.runner, e.kv_cache.device
     rng = random.Random(3)
@@ -197,7 +197,7 @@ def uncaptured(e, batches, steps: int = 9, captures: int = 3) -> None:
             e.abort(r)
         while e.has_unfinished():
             e.step()
-    fresh(runner._split_step, 2, split_capture_after)
+    fresh(runner._split_step, 2, SPLIT_CAPTURE_AFTER)
     if g.failed or g.capture_failures:
         print(f"captures failed ({g.capture_failures}): {g.last_failure}; the capture and replay columns are not")
     print(f"\n{e.config.model} decode-only steps of an uncaptured shape, 1k prompts, medians "

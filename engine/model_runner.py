@@ -98,30 +98,22 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 
 
 # A decode-shaped step whose shape has no CUDA graph yet runs on the piecewise graphs (where the
-# model takes them) instead of eagerly, and its shape is captured only on its N-th step
-# (DecodeGraphs.capture_split_after; without piecewise graphs, capture_after: the second), N about
-# where its piecewise steps have cost one capture more than replays would have (a rent-or-buy
-# rule). llama3-8b bf16 on one H200, served (h200-colocated-17/-18, docs/benchmarks.md): a capturing
-# step 60-95 ms, an eager one 34-47; a piecewise step 4.5 ms over a replay at 2-7 tokens, 2-3 ms at
-# 8-40 (at idle, bench/piecewise_gpu.py --uncaptured: 5.2 ms at 1 token, 0-0.6 ms at 8-128; served,
-# the host's work between its stretches shows). Hence N = 16 under SPLIT_SMALL_TOKENS tokens, 32
-# above. $TANDEM_SPLIT_CAPTURE_AFTER sets one N for every key in new runners (0: such steps run
-# eagerly, as before).
-SPLIT_CAPTURE_AFTER = 32
-SPLIT_CAPTURE_AFTER_SMALL = 16
-SPLIT_SMALL_TOKENS = 8
+# model takes them) instead of eagerly, and its shape is captured on its SPLIT_CAPTURE_AFTER-th
+# step (DecodeGraphs.capture_split_after). llama3-8b bf16 on one H200 (docs/benchmarks.md): served,
+# a piecewise decode step took 11-14 ms where the eager one took 28-47 and a replay 7.5-8; a
+# capturing step 51-92 ms. At 2 the policy is the one before with each eager step made piecewise
+# (the same captures, the same steps off their graphs). Later captures trade each capture's stall for
+# piecewise steps ~3 ms slower than replays: at 32-64, two same-machine A/B pairs at 1-3 sessions/s
+# kept goodput and TPOT p90 (p99 lower in 5 of 6 rates) and raised TPOT p50 by up to 7% (19% once).
+# $TANDEM_SPLIT_CAPTURE_AFTER sets it for new runners (0: such steps run eagerly, as before).
+SPLIT_CAPTURE_AFTER = 2
 SPLIT_ENV = "TANDEM_SPLIT_CAPTURE_AFTER"
 
 
-def split_capture_after(key: GraphKey) -> int:
-    """On which step a shape that the piecewise graphs ran until then is captured (the default)."""
-    return SPLIT_CAPTURE_AFTER_SMALL if key.tokens < SPLIT_SMALL_TOKENS else SPLIT_CAPTURE_AFTER
-
-
-def _split_policy() -> int | Callable[[GraphKey], int]:
+def _split_policy() -> int:
     raw = os.environ.get(SPLIT_ENV, "")
     if not raw.strip():
-        return split_capture_after
+        return SPLIT_CAPTURE_AFTER
     try:
         n = int(raw)
     except ValueError:
