@@ -8,7 +8,11 @@ Each timed call runs over several layers' caches so the data is well past the 50
 also times tile configurations (checking each against the default's output) so the defaults can
 be set from data.
 
-    python -m bench.kernels_gpu [--sweep] [--json PATH]
+    python -m bench.kernels_gpu [--sweep] [--prefill-split] [--json PATH]
+
+`--prefill-split`: short chunks over long cached prefixes (an agent's later turn) with the prefill
+launch's keys split into partitions (`SplitPolicy.prefill_split`) against one pass, each checked
+against the other's output.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels.attention_split import set_split_policy
 from tandem.engine.kernels.paged_attention import (_launch_decode, _launch_prefill, _num_sms,
                                             choose_partition_size, paged_attention)
 
@@ -154,6 +159,38 @@ def prefill_table(mm_tflops, copy_gbs, rows):
         del kv
 
 
+SPLIT_SHAPES = {
+    "32 after 4k": ([32], [4096]), "128 after 8k": ([128], [8192]), "256 after 8k": ([256], [8192]),
+    "512 after 8k": ([512], [8192]), "128 after 32k": ([128], [32768]),
+    "16 decodes, 128 after 8k": ([1] * 16 + [128], [1024] * 16 + [8192]),
+}
+
+
+def prefill_split_table(mm_tflops, copy_gbs, rows):
+    """Graph-replay time per layer of short chunks over long prefixes, one pass against split."""
+    print(f"\nchunk over a cached prefix, bf16: one pass against split keys (SplitPolicy.prefill_split); "
+          f"floor = max(causal FLOPs / {mm_tflops:.0f} TFLOP/s, K/V bytes / {copy_gbs:.0f} GB/s)")
+    print(f"{'shape':>26} {'floor us':>9} {'one pass us':>12} {'split us':>9} {'split/one':>9} {'rel err':>8}")
+    scale = HEAD_DIM ** -0.5
+    for name, (query_lens, ctx) in SPLIT_SHAPES.items():
+        q, kv, meta = make_batch(query_lens, ctx, min_bytes=L2_BYTES)
+        times, outs = {}, {}
+        for on in (False, True):
+            old = set_split_policy(prefill_split=on)
+            try:
+                times[on] = time_per_layer(lambda k, v: paged_attention(q, k, v, meta, scale), kv, eager=False)[1]
+                outs[on] = paged_attention(q, kv[0, 0], kv[0, 1], meta, scale)
+            finally:
+                set_split_policy(**{"prefill_split": old.prefill_split})
+        err = ((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()).item()
+        floor_us = max(causal_flops(meta) / (mm_tflops * 1e12) * 1e6, kv_bytes(meta) / copy_gbs / 1e3)
+        rows.append(dict(kind="prefill-split", shape=name, floor_us=floor_us, one_pass_us=times[False] * 1e3,
+                         split_us=times[True] * 1e3, rel_err=err))
+        print(f"{name:>26} {floor_us:>9.1f} {times[False] * 1e3:>12.1f} {times[True] * 1e3:>9.1f} "
+              f"{times[True] / times[False]:>9.2f} {err:>8.1e}")
+        del kv
+
+
 def sweep(rows):
     """Graph-replay time of each tile configuration, checked against the default's output."""
     scale = HEAD_DIM ** -0.5
@@ -215,6 +252,7 @@ def sweep(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    parser.add_argument("--prefill-split", action="store_true", help="only: chunks over long prefixes, split or not")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_gpu.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -223,10 +261,13 @@ def main():
           f"bf16 matmul {mm_tflops:.0f} TFLOP/s, {_num_sms(torch.device('cuda'))} SMs, "
           f"torch {torch.__version__}, triton {triton.__version__}")
     rows = [dict(kind="ceilings", copy_gbs=copy_gbs, mm_tflops=mm_tflops)]
-    if args.sweep:
+    if args.prefill_split:
+        prefill_split_table(mm_tflops, copy_gbs, rows)
+    elif args.sweep:
         sweep(rows)
-    prefill_table(mm_tflops, copy_gbs, rows)
-    decode_table(copy_gbs, rows)  # last: the reply shows the end of the output
+    if not args.prefill_split:
+        prefill_table(mm_tflops, copy_gbs, rows)
+        decode_table(copy_gbs, rows)  # last: the reply shows the end of the output
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
 

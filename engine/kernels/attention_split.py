@@ -72,6 +72,12 @@ class SplitPolicy:
     # llama3-8b batch 1 on the H200: FP8 2.422 ms against 2.463 at 1k, bf16 4.023 against 4.063 (both
     # PDL launches); the decode kernel releasing its merge early as well gained nothing at 1k
     early_release: bool = True
+    # a prefill launch with fewer programs than split_below per SM (a short chunk over a long cached
+    # prefix) splits its keys into partitions of at least prefill_min_partition keys, up to
+    # programs_per_sm programs per SM (paged_attention.choose_prefill_partition). Off until timed on
+    # the H200: checked on the CPU only (tests/engine/test_attention_split.py)
+    prefill_split: bool = False
+    prefill_min_partition: int = 256
 
 
 POLICY = SplitPolicy()
@@ -88,6 +94,8 @@ def set_split_policy(**changes) -> SplitPolicy:
             raise ValueError(f"SplitPolicy.{name} must be a positive int, got {value!r}")
         if name == "long_partition" and (not isinstance(value, int) or value < 0):
             raise ValueError(f"SplitPolicy.long_partition must be an int >= 0, got {value!r}")
+        if name == "prefill_min_partition" and (not isinstance(value, int) or value < 64 or value % 64):
+            raise ValueError(f"SplitPolicy.prefill_min_partition must be a positive multiple of 64 keys, got {value!r}")
     old, POLICY = POLICY, dataclasses.replace(POLICY, **changes)
     return old
 

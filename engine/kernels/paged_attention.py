@@ -10,6 +10,10 @@ positions [0, that position]; with a sliding window W (`sliding_window`, Mistral
 - `paged_prefill_attention`: any query lengths, cached prefixes, in one launch. Flash-attention
   style: one program per (query head, tile of BLOCK_M query rows, sequence), online softmax over
   tiles of BLOCK_N keys; the causal mask is applied only on the tiles that straddle the diagonal.
+  A short chunk over a long cached prefix (an agent's later turn: 128 new tokens over 8k) has few
+  such programs (llama3-8b: 32 on 132 SMs), each reading the whole prefix; with
+  `SplitPolicy.prefill_split` its keys are split into partitions as the decode kernel's are
+  (`choose_prefill_partition`), one program each, merged by attention_split's merge kernel.
 - `paged_decode_attention`: up to MAX_DECODE_QUERY_LEN query tokens per sequence (decode, and the
   speculative verifier's 1 + k). One program per (sequence, KV head, partition of the context):
   its rows are every (query token, query head of the group), so each K/V tile is read once per
@@ -107,20 +111,22 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=['first_seq', 'stride_bt', 'window'])
+@triton.jit(do_not_specialize=['first_seq', 'stride_bt', 'window', 'partition_size', 'stride_pt', 'stride_ph'])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_mask_ptr,
-    scale_log2, first_seq, window,
+    scale_log2, first_seq, window, partition_size, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt,
+    stride_bt, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # heads vary fastest, so the programs of one KV group run together and share K/V in L2
-    head = tl.program_id(0)
+    # heads vary fastest, so one KV group's programs run together and share K/V in L2; SPLIT: axis
+    # 0 is (key partition, head), the program's keys that partition's, its output a partial state
+    head = tl.program_id(0) % num_heads
+    part_start = (tl.program_id(0) // num_heads) * partition_size
     # the last query tiles see the most keys: start them first so they do not form the tail
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = first_seq + tl.program_id(2)
@@ -129,9 +135,10 @@ def _prefill_kernel(
     if m_block * BLOCK_M >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT and part_start >= seq_len:
+        return  # past this sequence's partitions: the merge reads cdiv(seq_len, partition_size)
     ctx_len = seq_len - q_len
     kv_head = head // GROUP
-
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = rows < q_len
@@ -144,17 +151,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-
-    # keys below the tile's first position are visible to all its rows: no mask needed there
-    # (TREE: only the context and the root, the first query token, every node's ancestor)
-    first_pos = ctx_len + m_block * BLOCK_M
-    unmasked_end = (((ctx_len if TREE else first_pos) + 1) // BLOCK_N) * BLOCK_N
-    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
-    masked_start = unmasked_end
-    if SLIDING:  # every tile masked, from the first one the tile's first row can see
-        unmasked_end = 0
-        masked_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    unmasked_start, unmasked_end, masked_start, kv_end = _prefill_key_tiles(
+        ctx_len, ctx_len + m_block * BLOCK_M, seq_len, window, part_start, partition_size,
+        BLOCK_M, BLOCK_N, SLIDING, TREE, SPLIT)
+    for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, kv_head, table_ptr,
                                      k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                      stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
@@ -165,9 +165,49 @@ def _prefill_kernel(
                                      stride_vb, stride_vs, stride_vh, scale_log2, window, tree_bits, ctx_len,
                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SLIDING, TREE)
 
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:  # partial states [tokens of the launch, Hq, P, D] and [.., 2], as the decode split's
+        first_token = tl.load(query_start_loc_ptr + first_seq)
+        _store_partial(acc, m_i, l_i, tokens - first_token, head, part_start // partition_size, row_ok,
+                       part_out_ptr, part_ml_ptr, stride_pt, stride_ph, HEAD_DIM)
+    else:
+        tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, rows, head, part, row_ok, part_out_ptr, part_ml_ptr, stride_pt, stride_ph,
+                   HEAD_DIM: tl.constexpr):
+    """A split launch's partial softmax state of token rows `rows` (of the launch) at one head and
+    partition: acc [M, D] unnormalised and (m, l) [M] in part_out [T, Hq, P, D], part_ml [T, Hq, P, 2]."""
+    at = rows * stride_pt + head * stride_ph + part
+    tl.store(part_out_ptr + at[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + at * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _prefill_key_tiles(ctx_len, first_pos, seq_len, window, part_start, partition_size,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+                       TREE: tl.constexpr, SPLIT: tl.constexpr):
+    """-> (unmasked_start, unmasked_end, masked_start, kv_end): a prefill tile whose first row sits
+    at first_pos reads keys [unmasked_start, unmasked_end) unmasked, then [masked_start, kv_end)
+    masked. Keys below the tile's first position are visible to all its rows (TREE: only the
+    context and the root, the first query token, every node's ancestor); SLIDING masks every
+    tile from the first one the first row can see; SPLIT cuts both ranges to the partition
+    [part_start, part_start + partition_size) (its bounds are multiples of BLOCK_N)."""
+    unmasked_end = (((ctx_len if TREE else first_pos) + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    masked_start = unmasked_end
+    if SLIDING:
+        unmasked_end = 0
+        masked_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    unmasked_start = 0
+    if SPLIT:
+        unmasked_start = part_start
+        unmasked_end = tl.minimum(unmasked_end, part_start + partition_size)
+        masked_start = tl.maximum(masked_start, part_start)
+        kv_end = tl.minimum(kv_end, part_start + partition_size)
+    return unmasked_start, unmasked_end, masked_start, kv_end
 
 
 @triton.jit
@@ -529,33 +569,74 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, sliding_window=None):
-    if seqs.max_query_len >= 128 and q.shape[2] <= 128:
-        block_m, block_n, num_warps = 128, 64, 8
-    else:
-        block_m, block_n, num_warps = max(16, min(64, next_power_of_2(seqs.max_query_len))), 64, 4
-    _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps,
-                    num_stages=2, seqs=seqs, sliding_window=sliding_window)
+_PREFILL_BLOCK_N = 64
+
+
+def _prefill_tile(max_query_len: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the prefill launch for this longest query."""
+    if max_query_len >= 128 and head_dim <= 128:
+        return 128, 8
+    return max(16, min(64, next_power_of_2(max_query_len))), 4
+
+
+def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, sliding_window=None,
+             partition_size: int | None = None):
+    block_m, num_warps = _prefill_tile(seqs.max_query_len, q.shape[2])
+    if partition_size is None:
+        programs = q.shape[1] * triton.cdiv(seqs.max_query_len, block_m) * seqs.count
+        partition_size = choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device))
+    _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, _PREFILL_BLOCK_N, num_warps,
+                    num_stages=2, seqs=seqs, sliding_window=sliding_window, partition_size=partition_size)
+
+
+def choose_prefill_partition(programs: int, max_seq_len: int, num_sms: int) -> int | None:
+    """Split-K plan of a prefill launch of `programs` (head, query tile, sequence) programs over
+    contexts up to `max_seq_len` keys: None (one pass) unless `SplitPolicy.prefill_split` is on
+    and the programs give the SMs fewer than `split_below` each; then partitions of at least
+    `prefill_min_partition` keys (a multiple of the key tile) that bring the programs up to about
+    `programs_per_sm` per SM."""
+    policy = attention_split.POLICY
+    if not policy.prefill_split or programs >= policy.split_below * num_sms:
+        return None
+    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs),
+                triton.cdiv(max_seq_len, policy.prefill_min_partition))
+    if parts <= 1:
+        return None
+    size = triton.cdiv(triton.cdiv(max_seq_len, parts), _PREFILL_BLOCK_N) * _PREFILL_BLOCK_N
+    return max(size, policy.prefill_min_partition)
 
 
 def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps, num_stages,
-                    seqs: _SeqRange | None = None, sliding_window: int | None = None):
+                    seqs: _SeqRange | None = None, sliding_window: int | None = None,
+                    partition_size: int | None = None):
     seqs = seqs or _SeqRange(meta)
-    num_heads = q.shape[1]
-    grid = (num_heads, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
+    num_heads, head_dim = q.shape[1:]
+    split = partition_size is not None and partition_size < seqs.max_seq_len
+    if split and partition_size % block_n:
+        raise ValueError(f"a prefill partition must be a multiple of the key tile {block_n}, got {partition_size}")
+    num_parts = triton.cdiv(seqs.max_seq_len, partition_size) if split else 1
+    if split:   # fp32 partial states of these sequences' token rows, merged below
+        part_out = torch.empty((seqs.num_tokens, num_heads, num_parts, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty((seqs.num_tokens, num_heads, num_parts, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_ml = out  # unused by the kernel
+    grid = (num_heads * num_parts, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
     tree = meta.tree_mask
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q, k_cache, v_cache, out, part_out, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         tree if tree is not None else meta.seq_lens,
-        scale * _LOG2E, seqs.first, sliding_window or 0,
+        scale * _LOG2E, seqs.first, sliding_window or 0, partition_size if split else _WHOLE_CONTEXT, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0),
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1],
+        meta.block_tables.stride(0), num_heads * num_parts, num_parts,
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SLIDING=sliding_window is not None,
-        TREE=tree is not None, num_warps=num_warps, num_stages=num_stages,
+        TREE=tree is not None, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )
+    if split:
+        merge_partitions(out, part_out, part_ml, meta, partition_size, seqs.first, seqs.count, seqs.max_query_len)
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -730,6 +811,11 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
             paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0, sliding_window=sliding_window)
             launches += 1
+            if attention_split.POLICY.prefill_split:   # and split into 64-key partitions
+                m, x = meta(q_len, tree), q(q_len)
+                _prefill(x, k_cache, v_cache, m, 1.0, torch.empty_like(x), _SeqRange(m), sliding_window,
+                         partition_size=_PREFILL_BLOCK_N)
+                launches += 1
         for q_len in sorted(tiles.values()):     # decode tiles (BLOCK_Q), one pass and split-K
             q_len = max(q_len, 2) if tree else q_len  # a tree step: the root and a node at least
             ropes = [None] if rope_cache is None else [None, NewKV(

@@ -150,3 +150,60 @@ def test_bucket_plan_serves_every_context_of_a_graph_bucket(policy):
     assert choose_partition_size(32, 8, 8192, 132) == 832     # the bucket below: (4096, 8192]
     policy(bucket_plan=False)
     assert choose_partition_size(32, 8, 16384, 132) == 3328
+
+
+# ---- split-K prefill: a short chunk over a long cached prefix -----------------------------------
+@pytest.mark.parametrize("query_lens,ctx_lens,window", [
+    ([20, 37], [300, 45], None),        # chunks over cached prefixes; the second's ends before most partitions
+    ([150, 17], [200, 260], None),      # two query tiles of 128 rows: the first tile's partitions past its keys
+    ([33], [400], 100),                 # a sliding window: partitions wholly before it weigh nothing
+], ids=["chunks", "two-tiles", "sliding"])
+@pytest.mark.parametrize("partition_size", [64, 128])
+def test_split_prefill_matches_reference(query_lens, ctx_lens, window, partition_size):
+    gen = torch.Generator().manual_seed(sum(ctx_lens) + partition_size)
+    q, k_cache, v_cache, meta = make_batch(gen, query_lens, ctx_lens, 4, 2, 32, 16)
+    ref = torch.full_like(q, float("nan"))
+    pa._prefill(q, k_cache, v_cache, meta, 0.2, ref, pa._SeqRange(meta), window)        # one pass
+    out = torch.full_like(q, float("nan"))
+    merges = []
+    real = pa.merge_partitions
+    pa.merge_partitions = lambda *a: merges.append(a) or real(*a)
+    try:
+        pa._prefill(q, k_cache, v_cache, meta, 0.2, out, pa._SeqRange(meta), window, partition_size=partition_size)
+    finally:
+        pa.merge_partitions = real
+    assert len(merges) == 1, "the split launch was not merged"
+    assert rel_err(out, ref) < TOL[torch.float32]
+    if window is None:
+        assert rel_err(out, reference(q, k_cache, v_cache, meta, 0.2)) < TOL[torch.float32]
+
+
+def test_split_prefill_through_the_dispatch_when_the_policy_is_on(monkeypatch, policy):
+    """`paged_attention` on a mixed batch (decode rows first, then chunks) splits the chunks'
+    launch when the policy is on and their programs are too few for the SMs (here 100 of them)."""
+    gen = torch.Generator().manual_seed(21)
+    q, k_cache, v_cache, meta = make_batch(gen, [1, 3, 40, 25], [70, 20, 600, 100], 4, 2, 32, 16)
+    ref = reference(q, k_cache, v_cache, meta, 0.25)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 100)
+    launches = []
+    real = pa._launch_prefill
+    monkeypatch.setattr(pa, "_launch_prefill", lambda *a, **k: launches.append(k["partition_size"]) or real(*a, **k))
+    for on in (False, True):
+        policy(prefill_split=on, prefill_min_partition=128)
+        out = torch.full_like(q, float("nan"))
+        pa.paged_attention(q, k_cache, v_cache, meta, 0.25, out=out)
+        assert rel_err(out, ref) < TOL[torch.float32], on
+    assert launches[0] is None and launches[1] == 128   # 4 heads x 1 tile x 2 sequences: 8 programs
+
+
+def test_prefill_partition_plan(policy):
+    choose = pa.choose_prefill_partition
+    assert choose(32, 8320, 132) is None                       # off by default
+    policy(prefill_split=True)
+    # llama3-8b, 128 new tokens over an 8k prefix: 32 programs -> 17 partitions of 512 keys
+    assert choose(32, 8320, 132) == 512
+    assert choose(32 * 16, 10240, 132) is None                 # 2048 new tokens: 512 programs fill the GPU
+    assert choose(32, 300, 132) == 256                         # never shorter than prefill_min_partition
+    assert choose(32, 200, 132) is None                        # one partition: no split
+    with pytest.raises(ValueError, match="multiple of 64"):
+        policy(prefill_min_partition=100)

@@ -482,3 +482,12 @@ def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeyp
     assert launches == 4 + 12 == len(seen)
     assert torch.equal(kv, before)
     assert pa.compile_variants(kv[0, :8], kv[1, :8], num_heads=8) == 0   # too few blocks: skipped
+    # with split prefills on (SplitPolicy.prefill_split), each prefill tile split as well
+    from tandem.engine.kernels import attention_split
+
+    monkeypatch.setattr(attention_split, "POLICY", attention_split.SplitPolicy(prefill_split=True))
+    seen.clear()
+    launches = pa.compile_variants(kv[0], kv[1], num_heads=8)
+    assert {(s[1], s[3]) for s in seen if s[0] == "_prefill_kernel"} == {
+        (m, split) for m in (16, 32, 64, 128) for split in (False, True)}
+    assert launches == 8 + 6 and torch.equal(kv, before)

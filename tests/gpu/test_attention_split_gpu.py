@@ -63,3 +63,25 @@ def test_graph_of_a_context_bucket_replays_shorter_contexts(policy, merge):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("query_lens,ctx", [([128], [8192]), ([32, 200], [4096, 30000]),
+                                            ([1] * 16 + [128], [1024] * 16 + [8192])],
+                         ids=["128-after-8k", "two-chunks", "decodes-then-chunk"])
+def test_split_prefill_matches_reference(policy, query_lens, ctx):
+    """A short chunk over a long cached prefix with its keys split (SplitPolicy.prefill_split):
+    the plan the policy picks, and forced 256- and 2048-key partitions, against the reference."""
+    from tandem.engine.kernels import paged_attention as pa
+
+    policy(prefill_split=True)
+    q, k_cache, v_cache, meta = make_batch(sum(ctx), query_lens, ctx)
+    short = sum(n <= pa.MAX_DECODE_QUERY_LEN for n in query_lens)
+    seqs = pa._SeqRange(meta, short)
+    block_m, _ = pa._prefill_tile(seqs.max_query_len, HEAD_DIM)
+    programs = q.shape[1] * -(-seqs.max_query_len // block_m) * seqs.count
+    assert pa.choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device)) is not None
+    check_attention(paged_attention, q, k_cache, v_cache, meta)             # the plan in force
+    if not short:
+        for size in (256, 2048):
+            check_attention(lambda *a, out, **k: pa._prefill(*a, out, pa._SeqRange(meta), partition_size=size),
+                            q, k_cache, v_cache, meta)
