@@ -10,7 +10,7 @@ piecewise graphs off (every such step eager, as before) and on, interleaved; the
 medians and their ratio, and the same-run floor: the step's weights and KV read at the device
 copy rate, and its FLOPs at the bf16 matmul rate (both measured here), whichever is longer.
 
-    cd bench && python3 piecewise_gpu.py [--new 32,128,256,512] [--decodes 0,16] [--dry-run]
+    cd bench && python3 piecewise_gpu.py [--new 32,128,256,512] [--decodes 0,16] [--prefill-split on] [--dry-run]
 
 `--uncaptured 1,8,32,64,128`: decode-only steps of a shape whose CUDA graph is not captured, at
 each batch (1k-token prompts), timed four ways: eagerly (the policy before), on the piecewise
@@ -215,7 +215,7 @@ def _uncaptured_table(rows) -> None:
               f"{(ca - re) / extra if extra > 0 else float('inf'):.1f} |")
 
 
-def main():
+def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-8b-random")
     ap.add_argument("--new", default="32,128,256,512")
@@ -225,9 +225,18 @@ def main():
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--decode-check", action="store_true", help="only: decode steps with and without the graphs held")
     ap.add_argument("--uncaptured", default="", help="only: decode steps of uncaptured shapes at these batches")
-    args = ap.parse_args()
+    ap.add_argument("--prefill-split", choices=("on", "off"), default="off",
+                    help="split the prefill attention's keys (SplitPolicy.prefill_split)")
+    return ap.parse_args()
+
+
+def main():
+    args = _args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tandem.engine.kernels.attention_split import set_split_policy  # noqa: PLC0415 (after TRITON_INTERPRET)
+
+    set_split_policy(prefill_split=args.prefill_split == "on")
     e, pw, name, dtype = build(args)
     if args.decode_check:
         return decode_check(e, pw, (1, 4) if args.dry_run else (1, 16, 64), 1 if args.dry_run else 3)
