@@ -232,17 +232,19 @@ def test_a_shape_the_split_step_takes_runs_there_and_is_captured_only_once_it_re
 
 def test_uncaptured_shapes_on_the_piecewise_graphs_keep_the_tokens_and_are_traced(tiny, tmp_path, monkeypatch):
     """Decode and verify steps of shapes with no graph yet run on the piecewise graphs (their
-    stretches around an eager attention, under the interpreter) until their capture: the greedy
-    tokens stay the plain CPU path's, and the trace marks those steps as split, not eager."""
+    stretches around an eager attention, under the interpreter) until their capture, overlapped
+    steps too: the greedy tokens stay the plain CPU path's, and the trace marks those steps as
+    split, not eager."""
     pytest.importorskip("triton")
     from tandem.engine.step_trace import TRACE_ENV, read_traces
 
     model, tok, _ = tiny
     ref = _generate(_engine(model, tok))
-    for spec in (False, True):
-        trace = tmp_path / f"spec{spec}"
+    for spec, overlap in ((False, False), (True, False), (False, True)):
+        trace = tmp_path / f"spec{spec}-overlap{overlap}"
         monkeypatch.setenv(TRACE_ENV, str(trace))
         e = _engine(model, tok, spec=spec, graphs=True, piecewise=True)
+        e.overlap = overlap      # the input ids come from the step before's tokens on the device
         g = e.runner.graphs
         g.__class__, g.capture = _Replaying, True
         assert g.split is not None
