@@ -208,8 +208,7 @@ class DecodeGraphs:
     def __init__(self, step: Callable[[GraphKey], torch.Tensor], *, capture: bool, max_graphs: int = 256,
                  max_failures: int = 8, capture_after: int = 2, cover_waste: float = 2.0,
                  capture_covered_after: int = 32,
-                 split: Callable[[GraphKey], torch.Tensor | None] | None = None,
-                 capture_split_after: int | Callable[[GraphKey], int] = 8):
+                 split: Callable[[GraphKey], torch.Tensor | None] | None = None, capture_split_after: int = 2):
         self.step = step
         self.capture = capture
         # a key warmup did not capture is captured on its capture_after-th step; the steps before
@@ -217,10 +216,10 @@ class DecodeGraphs:
         # context buckets x batch buckets)
         self.capture_after = max(1, capture_after)
         # a key without its graph that `split` takes runs there (a piecewise step costs a fraction
-        # of an eager one) and is captured on its capture_split_after-th step (a number, or one
-        # per key): a shape met only a few times never pays the capture's stall
+        # of an eager one) and is captured on its capture_split_after-th step (at least
+        # capture_after): later captures trade each capture's stall for steps slower than replays
         self.split = split
-        self.capture_split_after = capture_split_after
+        self.capture_split_after = max(self.capture_after, capture_split_after)
         self.split_runs = 0     # steps of keys not (yet) captured, run by `split`
         # a key not captured yet runs padded on a captured one that covers it (`cover`: the same
         # context plan and tree flag, at least its sequences, tokens and longest query, at most
@@ -264,7 +263,7 @@ class DecodeGraphs:
                 self.covered_runs += 1
                 entry = self.graphs[cover]
             else:
-                if self.split is not None and seen < self.split_after(key):
+                if self.split is not None and seen < self.capture_split_after:
                     out = self.split(key)
                     if out is not None:
                         self.split_runs += 1
@@ -276,11 +275,6 @@ class DecodeGraphs:
         entry[0].replay()
         self.replays += 1
         return entry[1]
-
-    def split_after(self, key: GraphKey) -> int:
-        """The step of `key` on which it is captured when `split` runs the ones before it."""
-        n = self.capture_split_after
-        return max(self.capture_after, n(key) if callable(n) else n)
 
     def cover(self, key: GraphKey) -> GraphKey | None:
         """The captured key a step of `key` can replay padded on, or None: the same context plan

@@ -99,13 +99,13 @@ def _tree_rows(out: SchedulerOutput, trees: dict[str, list[int]], qsl: np.ndarra
 
 # A decode-shaped step whose shape has no CUDA graph yet runs on the piecewise graphs (where the
 # model takes them) instead of eagerly, and its shape is captured on its SPLIT_CAPTURE_AFTER-th
-# step (DecodeGraphs.capture_split_after). llama3-8b bf16 on one H200 (docs/benchmarks.md): served,
-# a piecewise decode step took 12-15 ms where the eager one took 28-40 and a replay 7.5-8; a
-# capturing step 56-90 ms (medians). At 2 the policy is the one before with each eager step made piecewise
-# (the same captures, the same steps off their graphs). Later captures trade each capture's stall for
-# piecewise steps ~3 ms slower than replays: at 32-64, two same-machine A/B pairs at 1-3 sessions/s
-# kept goodput and TPOT p90 (p99 lower in 5 of 6 rates) and raised TPOT p50 6-7% (19% once).
-# $TANDEM_SPLIT_CAPTURE_AFTER sets it for new runners (0: such steps run eagerly, as before).
+# step (DecodeGraphs.capture_split_after). llama3-8b bf16 on one H200, served (docs/benchmarks.md):
+# a piecewise decode step took 12-15 ms where the eager one took 28-40 and a replay 7.5-8, a
+# capturing step 56-90 (medians). At 2 the policy is the one before with each eager step made
+# piecewise: the same captures, the same steps off their graphs. Later captures trade each
+# capture's stall for piecewise steps ~3 ms slower than replays: at 32-64, two same-machine A/B
+# pairs at 1-3 sessions/s kept goodput and TPOT p90 (p99 lower in 5 of 6 rates) and raised TPOT p50
+# 6-7% (19% once). $TANDEM_SPLIT_CAPTURE_AFTER sets it for new runners (0: eager, as before).
 SPLIT_CAPTURE_AFTER = 2
 SPLIT_ENV = "TANDEM_SPLIT_CAPTURE_AFTER"
 

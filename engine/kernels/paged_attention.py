@@ -582,7 +582,7 @@ def _prefill_tile(max_query_len: int, head_dim: int) -> tuple[int, int]:
 def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, sliding_window=None,
              partition_size: int | None = None):
     block_m, num_warps = _prefill_tile(seqs.max_query_len, q.shape[2])
-    if partition_size is None:
+    if partition_size is None and meta.tree_mask is None:   # tree-mask steps keep one pass (split untested there)
         programs = q.shape[1] * triton.cdiv(seqs.max_query_len, block_m) * seqs.count
         partition_size = choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device))
     _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, _PREFILL_BLOCK_N, num_warps,
@@ -811,7 +811,7 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         for q_len in (16, 17, 33, 128):          # prefill tiles: BLOCK_M 16, 32, 64, 128
             paged_prefill_attention(q(q_len), k_cache, v_cache, meta(q_len, tree), 1.0, sliding_window=sliding_window)
             launches += 1
-            if attention_split.POLICY.prefill_split:   # and split into 64-key partitions
+            if attention_split.POLICY.prefill_split and not tree:   # and split into 64-key partitions
                 m, x = meta(q_len, tree), q(q_len)
                 _prefill(x, k_cache, v_cache, m, 1.0, torch.empty_like(x), _SeqRange(m), sliding_window,
                          partition_size=_PREFILL_BLOCK_N)

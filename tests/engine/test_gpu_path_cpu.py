@@ -225,9 +225,7 @@ def test_a_shape_the_split_step_takes_runs_there_and_is_captured_only_once_it_re
     assert (g.eager_runs, g.captures, ran[-1]) == (1, 1, b) and split == [a, a]  # refused: eager first
     g.run(b)
     assert g.captures == 2 and b in g.graphs
-    assert _Counting(lambda key: None, capture=False, capture_split_after=0).split_after(a) == 2
-    per_key = _Counting(lambda key: None, capture=False, capture_split_after=lambda key: 3 * key.tokens)
-    assert (per_key.split_after(a), per_key.split_after(b)) == (12, 24)
+    assert _Counting(lambda key: None, capture=False, capture_split_after=0).capture_split_after == 2
 
 
 def test_uncaptured_shapes_on_the_piecewise_graphs_keep_the_tokens_and_are_traced(tiny, tmp_path, monkeypatch):
@@ -266,11 +264,11 @@ def test_the_environment_sets_or_turns_off_the_split_step(tiny, monkeypatch):
     model, tok, _ = tiny
     monkeypatch.delenv(SPLIT_ENV, raising=False)
     g = _engine(model, tok, graphs=True, piecewise=True).runner.graphs
-    assert g.split is not None and g.split_after(GraphKey(4, 16, 4, 0)) == SPLIT_CAPTURE_AFTER
+    assert g.split is not None and g.capture_split_after == SPLIT_CAPTURE_AFTER
     monkeypatch.setenv(SPLIT_ENV, "0")
     assert _engine(model, tok, graphs=True, piecewise=True).runner.graphs.split is None   # eager, as before
     monkeypatch.setenv(SPLIT_ENV, "20")
-    assert _engine(model, tok, graphs=True, piecewise=True).runner.graphs.split_after(GraphKey(1, 1, 1, 0)) == 20
+    assert _engine(model, tok, graphs=True, piecewise=True).runner.graphs.capture_split_after == 20
     monkeypatch.setenv(SPLIT_ENV, "soon")
     with pytest.raises(ValueError, match="TANDEM_SPLIT_CAPTURE_AFTER must be a whole number"):
         _engine(model, tok, graphs=True, piecewise=True)
