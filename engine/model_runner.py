@@ -353,6 +353,9 @@ class ModelRunner:
             hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.tensor, batch.meta, layer_done)
+        return self._logits(batch, hidden)
+
+    def _logits(self, batch: BatchInputs, hidden: torch.Tensor) -> torch.Tensor:
         if not batch.logits_owner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
@@ -372,8 +375,7 @@ class ModelRunner:
         batch = self._static_batch
         if batch is None or batch.graph_key != key or not self._piecewise(batch, None):
             return None
-        hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
+        return self._logits(batch, self.piecewise.run(batch.input_ids, batch.positions, batch.meta))
 
     def _capturing(self) -> bool:
         """Whether the caller is itself capturing a CUDA graph (then no graph runs inside it)."""

@@ -74,7 +74,7 @@ class SplitPolicy:
     early_release: bool = True
     # a prefill launch with fewer programs than split_below per SM (a short chunk over a long cached
     # prefix) splits its keys into partitions of at least prefill_min_partition keys, up to
-    # programs_per_sm programs per SM (paged_attention.choose_prefill_partition). Off until timed on
+    # programs_per_sm programs per SM (choose_prefill_partition). Off until timed on
     # the H200: checked on the CPU only (tests/engine/test_attention_split.py)
     prefill_split: bool = False
     prefill_min_partition: int = 256
@@ -114,12 +114,40 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     if programs >= policy.split_below * num_sms:
         return None
     plan_len = max(1, (1 << max(0, max_seq_len - 1).bit_length()) // 2) if policy.bucket_plan else max_seq_len
-    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs), triton.cdiv(plan_len, min_partition))
-    if parts <= 1:
+    size = _partition(programs, plan_len, num_sms, min_partition, block_n)
+    if size is None:
         return None
-    size = triton.cdiv(triton.cdiv(plan_len, parts), block_n) * block_n
     floor = min(policy.long_partition, triton.cdiv(triton.cdiv(plan_len, policy.long_parts), block_n) * block_n)
     return max(size, floor)
+
+
+def choose_prefill_partition(programs: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int | None:
+    """Split-K plan of a prefill launch of `programs` (head, query tile, sequence) programs over
+    contexts up to `max_seq_len` keys: None (one pass) unless `prefill_split` is on and the
+    programs give the SMs fewer than `split_below` each; then partitions of at least
+    `prefill_min_partition` keys (a multiple of block_n) that bring the programs up to about
+    `programs_per_sm` per SM."""
+    policy = POLICY
+    if not policy.prefill_split or programs >= policy.split_below * num_sms:
+        return None
+    size = _partition(programs, max_seq_len, num_sms, policy.prefill_min_partition, block_n)
+    return None if size is None else max(size, policy.prefill_min_partition)
+
+
+def _partition(programs: int, keys: int, num_sms: int, min_partition: int, block_n: int) -> int | None:
+    """Partitions of `keys` (a multiple of block_n) that bring `programs` up to about
+    `programs_per_sm` per SM, none shorter than min_partition; None where that is one partition."""
+    parts = min(triton.cdiv(POLICY.programs_per_sm * num_sms, programs), triton.cdiv(keys, min_partition))
+    if parts <= 1:
+        return None
+    return triton.cdiv(triton.cdiv(keys, parts), block_n) * block_n
+
+
+def partial_states(tokens: int, heads: int, parts: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partial softmax states a split launch writes and `merge_partitions` reads:
+    acc [tokens, heads, parts, head_dim] and (m, l) [tokens, heads, parts, 2]."""
+    return (torch.empty((tokens, heads, parts, head_dim), dtype=torch.float32, device=device),
+            torch.empty((tokens, heads, parts, 2), dtype=torch.float32, device=device))
 
 
 @triton.jit(do_not_specialize=['partition_size', 'first_seq', 'stride_ot', 'stride_oh', 'stride_pt', 'stride_ph'])

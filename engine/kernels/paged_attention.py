@@ -13,7 +13,8 @@ positions [0, that position]; with a sliding window W (`sliding_window`, Mistral
   A short chunk over a long cached prefix (an agent's later turn: 128 new tokens over 8k) has few
   such programs (llama3-8b: 32 on 132 SMs), each reading the whole prefix; with
   `SplitPolicy.prefill_split` its keys are split into partitions as the decode kernel's are
-  (`choose_prefill_partition`), one program each, merged by attention_split's merge kernel.
+  (`attention_split.choose_prefill_partition`), one program each, merged by the decode split's
+  merge kernel.
 - `paged_decode_attention`: up to MAX_DECODE_QUERY_LEN query tokens per sequence (decode, and the
   speculative verifier's 1 + k). One program per (sequence, KV head, partition of the context):
   its rows are every (query token, query head of the group), so each K/V tile is read once per
@@ -55,7 +56,8 @@ import triton.language as tl
 
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kernels import attention_split, pdl
-from tandem.engine.kernels.attention_split import choose_partition_size, merge_partitions
+from tandem.engine.kernels.attention_split import (choose_partition_size, choose_prefill_partition, merge_partitions,
+                                                   partial_states)
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                      require_tensor)
 
@@ -584,26 +586,9 @@ def _prefill(q, k_cache, v_cache, meta, scale, out, seqs: _SeqRange, sliding_win
     block_m, num_warps = _prefill_tile(seqs.max_query_len, q.shape[2])
     if partition_size is None and meta.tree_mask is None:   # tree-mask steps keep one pass (split untested there)
         programs = q.shape[1] * triton.cdiv(seqs.max_query_len, block_m) * seqs.count
-        partition_size = choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device))
+        partition_size = choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device), _PREFILL_BLOCK_N)
     _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, _PREFILL_BLOCK_N, num_warps,
                     num_stages=2, seqs=seqs, sliding_window=sliding_window, partition_size=partition_size)
-
-
-def choose_prefill_partition(programs: int, max_seq_len: int, num_sms: int) -> int | None:
-    """Split-K plan of a prefill launch of `programs` (head, query tile, sequence) programs over
-    contexts up to `max_seq_len` keys: None (one pass) unless `SplitPolicy.prefill_split` is on
-    and the programs give the SMs fewer than `split_below` each; then partitions of at least
-    `prefill_min_partition` keys (a multiple of the key tile) that bring the programs up to about
-    `programs_per_sm` per SM."""
-    policy = attention_split.POLICY
-    if not policy.prefill_split or programs >= policy.split_below * num_sms:
-        return None
-    parts = min(triton.cdiv(policy.programs_per_sm * num_sms, programs),
-                triton.cdiv(max_seq_len, policy.prefill_min_partition))
-    if parts <= 1:
-        return None
-    size = triton.cdiv(triton.cdiv(max_seq_len, parts), _PREFILL_BLOCK_N) * _PREFILL_BLOCK_N
-    return max(size, policy.prefill_min_partition)
 
 
 def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num_warps, num_stages,
@@ -615,10 +600,8 @@ def _launch_prefill(q, k_cache, v_cache, meta, scale, out, block_m, block_n, num
     if split and partition_size % block_n:
         raise ValueError(f"a prefill partition must be a multiple of the key tile {block_n}, got {partition_size}")
     num_parts = triton.cdiv(seqs.max_seq_len, partition_size) if split else 1
-    if split:   # fp32 partial states of these sequences' token rows, merged below
-        part_out = torch.empty((seqs.num_tokens, num_heads, num_parts, head_dim), dtype=torch.float32,
-                               device=q.device)
-        part_ml = torch.empty((seqs.num_tokens, num_heads, num_parts, 2), dtype=torch.float32, device=q.device)
+    if split:   # these sequences' token rows, merged below
+        part_out, part_ml = partial_states(seqs.num_tokens, num_heads, num_parts, head_dim, q.device)
     else:
         part_out = part_ml = out  # unused by the kernel
     grid = (num_heads * num_parts, triton.cdiv(seqs.max_query_len, block_m), seqs.count)
@@ -708,12 +691,8 @@ def _launch_decode(q, k_cache, v_cache, meta, scale, out, partition_size, block_
     block_q = max(next_power_of_2(seqs.max_query_len), triton.cdiv(16, block_g))
     split = partition_size is not None and partition_size < seqs.max_seq_len
     num_parts = triton.cdiv(seqs.max_seq_len, partition_size) if split else 1
-    if split:
-        # fp32 partial states of these sequences' token rows
-        part_out = torch.empty((seqs.num_tokens, num_heads, num_parts, head_dim),
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((seqs.num_tokens, num_heads, num_parts, 2), dtype=torch.float32,
-                              device=q.device)
+    if split:   # these sequences' token rows
+        part_out, part_ml = partial_states(seqs.num_tokens, num_heads, num_parts, head_dim, q.device)
     else:
         part_out = part_ml = out  # unused by the kernel
     common = dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim)

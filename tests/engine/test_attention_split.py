@@ -197,7 +197,7 @@ def test_split_prefill_through_the_dispatch_when_the_policy_is_on(monkeypatch, p
 
 
 def test_prefill_partition_plan(policy):
-    choose = pa.choose_prefill_partition
+    choose = attention_split.choose_prefill_partition
     assert choose(32, 8320, 132) is None                       # off by default
     policy(prefill_split=True)
     # llama3-8b, 128 new tokens over an 8k prefix: 32 programs -> 17 partitions of 512 keys

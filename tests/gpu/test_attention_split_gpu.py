@@ -79,7 +79,7 @@ def test_split_prefill_matches_reference(policy, query_lens, ctx):
     seqs = pa._SeqRange(meta, short)
     block_m, _ = pa._prefill_tile(seqs.max_query_len, HEAD_DIM)
     programs = q.shape[1] * -(-seqs.max_query_len // block_m) * seqs.count
-    assert pa.choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device)) is not None
+    assert attention_split.choose_prefill_partition(programs, seqs.max_seq_len, _num_sms(q.device)) is not None
     check_attention(paged_attention, q, k_cache, v_cache, meta)             # the plan in force
     if not short:
         for size in (256, 2048):
