@@ -92,7 +92,7 @@ def measure_ceilings():
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    return 2 * n * 2 / copy_ms / 1e9, 2 * 8192**3 / mm_ms / 1e9  # GB/s (read + write), TFLOP/s
+    return 2 * n * 2 / copy_ms / 1e6, 2 * 8192**3 / mm_ms / 1e9  # GB/s (read + write), TFLOP/s (times in ms)
 
 
 def sdpa_decode_ms(meta, q):

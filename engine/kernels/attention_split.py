@@ -25,6 +25,7 @@ graphs record the plan in force at capture: set it before the engine captures an
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 
@@ -72,15 +73,34 @@ class SplitPolicy:
     # llama3-8b batch 1 on the H200: FP8 2.422 ms against 2.463 at 1k, bf16 4.023 against 4.063 (both
     # PDL launches); the decode kernel releasing its merge early as well gained nothing at 1k
     early_release: bool = True
-    # a prefill launch with fewer programs than split_below per SM (a short chunk over a long cached
-    # prefix) splits its keys into partitions of at least prefill_min_partition keys, up to
-    # programs_per_sm programs per SM (choose_prefill_partition). Off until timed on
-    # the H200: checked on the CPU only (tests/engine/test_attention_split.py)
-    prefill_split: bool = False
+    # a prefill launch with fewer programs than prefill_split_below per SM (a short chunk over a long
+    # cached prefix: an agent's later turn) splits its keys into partitions of at least
+    # prefill_min_partition keys, up to programs_per_sm programs per SM (choose_prefill_partition).
+    # llama3-8b bf16 on the H200, per layer (bench/kernels_gpu.py --prefill-split): 32 new tokens
+    # over 4k 34 us against 118 one pass, 128 over 8k 111 against 234, 128 over 32k 312 against
+    # 903, 256 over 8k (64 programs) 193 against 237; 512 over 8k (128 programs, one per SM
+    # already) 341 against 243: the partial states' traffic grows with the tokens, hence the line
+    # at half a program per SM
+    prefill_split: bool = True
+    prefill_split_below: float = 0.5
     prefill_min_partition: int = 256
 
 
-POLICY = SplitPolicy()
+PREFILL_SPLIT_ENV = "TANDEM_PREFILL_SPLIT"
+
+
+def _policy_from_env() -> SplitPolicy:
+    """The default plan, with `prefill_split` from $TANDEM_PREFILL_SPLIT where it is set (1 on,
+    0 off: an A/B switch that Ray's workers inherit)."""
+    raw = os.environ.get(PREFILL_SPLIT_ENV, "").strip()
+    if not raw:
+        return SplitPolicy()
+    if raw not in ("0", "1"):
+        raise ValueError(f"${PREFILL_SPLIT_ENV} must be 1 (split short prefill chunks' keys) or 0, got {raw!r}")
+    return SplitPolicy(prefill_split=raw == "1")
+
+
+POLICY = _policy_from_env()
 
 
 def set_split_policy(**changes) -> SplitPolicy:
@@ -94,6 +114,9 @@ def set_split_policy(**changes) -> SplitPolicy:
             raise ValueError(f"SplitPolicy.{name} must be a positive int, got {value!r}")
         if name == "long_partition" and (not isinstance(value, int) or value < 0):
             raise ValueError(f"SplitPolicy.long_partition must be an int >= 0, got {value!r}")
+        if name == "prefill_split_below" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                              or not value > 0):
+            raise ValueError(f"SplitPolicy.prefill_split_below must be a number > 0 (programs per SM), got {value!r}")
         if name == "prefill_min_partition" and (not isinstance(value, int) or value < 64 or value % 64):
             raise ValueError(f"SplitPolicy.prefill_min_partition must be a positive multiple of 64 keys, got {value!r}")
     old, POLICY = POLICY, dataclasses.replace(POLICY, **changes)
@@ -124,11 +147,11 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 def choose_prefill_partition(programs: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int | None:
     """Split-K plan of a prefill launch of `programs` (head, query tile, sequence) programs over
     contexts up to `max_seq_len` keys: None (one pass) unless `prefill_split` is on and the
-    programs give the SMs fewer than `split_below` each; then partitions of at least
+    programs give the SMs fewer than `prefill_split_below` each; then partitions of at least
     `prefill_min_partition` keys (a multiple of block_n) that bring the programs up to about
     `programs_per_sm` per SM."""
     policy = POLICY
-    if not policy.prefill_split or programs >= policy.split_below * num_sms:
+    if not policy.prefill_split or programs >= policy.prefill_split_below * num_sms:
         return None
     size = _partition(programs, max_seq_len, num_sms, policy.prefill_min_partition, block_n)
     return None if size is None else max(size, policy.prefill_min_partition)

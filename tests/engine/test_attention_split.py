@@ -198,12 +198,31 @@ def test_split_prefill_through_the_dispatch_when_the_policy_is_on(monkeypatch, p
 
 def test_prefill_partition_plan(policy):
     choose = attention_split.choose_prefill_partition
-    assert choose(32, 8320, 132) is None                       # off by default
-    policy(prefill_split=True)
-    # llama3-8b, 128 new tokens over an 8k prefix: 32 programs -> 17 partitions of 512 keys
+    # on by default: llama3-8b, 128 new tokens over an 8k prefix: 32 programs -> 17 partitions of 512 keys
     assert choose(32, 8320, 132) == 512
+    assert choose(64, 8448, 132) == 960                        # 256 new tokens: 64 programs, 9 partitions
+    assert choose(128, 8704, 132) is None                      # 512 new tokens: one program per SM already
     assert choose(32 * 16, 10240, 132) is None                 # 2048 new tokens: 512 programs fill the GPU
     assert choose(32, 300, 132) == 256                         # never shorter than prefill_min_partition
     assert choose(32, 200, 132) is None                        # one partition: no split
+    policy(prefill_split_below=1.0)                            # the line is the policy's
+    assert choose(128, 8704, 132) == 1792
+    policy(prefill_split=False)
+    assert choose(32, 8320, 132) is None
     with pytest.raises(ValueError, match="multiple of 64"):
         policy(prefill_min_partition=100)
+    with pytest.raises(ValueError, match="prefill_split_below"):
+        policy(prefill_split_below=0)
+
+
+def test_prefill_split_env_switch(monkeypatch):
+    """$TANDEM_PREFILL_SPLIT sets the default plan's prefill split (what Ray's workers inherit)."""
+    monkeypatch.delenv(attention_split.PREFILL_SPLIT_ENV, raising=False)
+    assert attention_split._policy_from_env().prefill_split is True
+    monkeypatch.setenv(attention_split.PREFILL_SPLIT_ENV, "0")
+    assert attention_split._policy_from_env().prefill_split is False
+    monkeypatch.setenv(attention_split.PREFILL_SPLIT_ENV, "1")
+    assert attention_split._policy_from_env() == attention_split.SplitPolicy()
+    monkeypatch.setenv(attention_split.PREFILL_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match="TANDEM_PREFILL_SPLIT must be 1"):
+        attention_split._policy_from_env()

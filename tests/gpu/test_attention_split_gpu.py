@@ -73,7 +73,7 @@ def test_split_prefill_matches_reference(policy, query_lens, ctx):
     the plan the policy picks, and forced 256- and 2048-key partitions, against the reference."""
     from tandem.engine.kernels import paged_attention as pa
 
-    policy(prefill_split=True)
+    policy(prefill_split=True, prefill_split_below=3.0)   # past the default line: two query tiles split too
     q, k_cache, v_cache, meta = make_batch(sum(ctx), query_lens, ctx)
     short = sum(n <= pa.MAX_DECODE_QUERY_LEN for n in query_lens)
     seqs = pa._SeqRange(meta, short)
