@@ -9,10 +9,11 @@ import random
 from dataclasses import replace
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
-from tandem.cluster.config import ADAPTIVE
+from tandem.cluster.config import ADAPTIVE, RouterConfig
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimSummary
 from tandem.perf_model import PerfModel
+from tandem.router.admission import AdmissionConfig
 from tandem.cluster.simulator import simulate
 
 
@@ -112,6 +113,21 @@ def recorded_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int,
     return replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
 
 
+def recorded_admission(cluster: dict) -> AdmissionConfig:
+    """The router's admission limits as a recorded or planned layout's config sets them (its
+    `router` section; RouterConfig's defaults for what it leaves out): what the simulator replays."""
+    section = cluster.get("router") or {}
+    keys = ("max_in_flight", "max_queue", "max_streams_per_client", "max_expected_wait_s")
+    return AdmissionConfig.of(replace(RouterConfig(), **{k: section[k] for k in keys if k in section}))
+
+
+def bench_deadline(bench: dict) -> float | None:
+    """Seconds from a rate's start at which `tandem bench` (its report's config) ends every call
+    still running, DEADLINE_EXCEEDED: duration + drain timeout (None where it is not recorded)."""
+    drain = bench.get("drain_timeout_s")
+    return None if drain is None else float(bench["duration_s"]) + float(drain)
+
+
 def engine_overlaps(cluster: dict) -> bool:
     """Whether the layout's decode engines overlap steps (`LLMEngine.overlap`: on CUDA, one rank,
     and no speculation, whose drafts read every token before the next step is scheduled)."""
@@ -142,5 +158,6 @@ def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[flo
         mode = {"adaptive": RoleConfig(**{k: v for k, v in cluster["roles"].items() if k != "enabled"})} \
             if (cluster.get("roles") or {}).get("enabled") else {"colocated": colocated}
         out[rate] = simulate(specs, n_prefill, n_decode, model, slo, closed_loop=True,
-                             send_until_s=c["duration_s"], **mode).summary
+                             send_until_s=c["duration_s"], admission=recorded_admission(cluster),
+                             cancel_at_s=bench_deadline(c), **mode).summary
     return out

@@ -22,8 +22,12 @@ from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult, SimResult, summarize
 from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
+from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
 from tandem.placement import (OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered, wants_remote_prefill)
+
+
+SIM_CLIENT = "bench"   # the admission limiter's client identity of every simulated request
 
 
 class Simulation:
@@ -32,8 +36,12 @@ class Simulation:
                  worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
                  send_until_s: float | Mapping[str, float] | None = None,
                  max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
-                 adaptive: RoleConfig | None = None):
+                 adaptive: RoleConfig | None = None, admission: AdmissionConfig | None = None):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
+        # the router's admission limiter on the simulation's clock: a request whose predicted wait
+        # for its first token is past the limit is refused at arrival, as live (None: none refused)
+        self.now_s = 0.0
+        self.limiter = None if admission is None else AdmissionLimiter(admission, clock=lambda: self.now_s)
         # adaptive: every worker decodes and prefills; the role policy lends some to prefill only
         self.role_config = adaptive
         self.role_state, self.role_samples, self.role_log = sim_adaptive.new_state()
@@ -86,6 +94,7 @@ class Simulation:
             self.push(self.seqs[0].spec.arrival_s, "roles")
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
+            self.now_s = now
             getattr(self, "_on_" + kind)(now, payload)
 
     # -- pools -----------------------------------------------------------------------------------
@@ -165,9 +174,17 @@ class Simulation:
     # -- a request's path ------------------------------------------------------------------------
     def _on_arrive(self, now: float, s: SimSeq) -> None:
         r = s.spec
+        if self.limiter is not None:
+            try:    # one client, as `tandem bench` is
+                s.admission = self.limiter.admit_now(SIM_CLIENT)
+            except Overloaded:
+                s.kind = "rejected"   # RESOURCE_EXHAUSTED: the session goes on to its next turn
+                self._retire(now, s)
+                return
         w = self.pick_decode(r) if r.input_tokens + r.output_tokens <= self.perf.kv_capacity_tokens else None
         if w is None:
             s.kind = "rejected"
+            self._release(s)
             self._retire(now, s)
             return
         own = self.session_decode.get(r.session_id)
@@ -247,6 +264,8 @@ class Simulation:
     def _first_token(self, s: SimSeq, now: float) -> None:
         # the client sees it a control path later; the engine goes on at once
         s.first_token_s, s.generated = now + self.perf.request_overhead_s, 1
+        if s.admission is not None:
+            self.limiter.started(s.admission)
         s.context += 1
         if s.spec.output_tokens <= 1:
             self._finish(s, now)
@@ -318,7 +337,12 @@ class Simulation:
         self.session_decode[r.session_id] = w
         if s.idx in self.prefill_of:
             self.session_prefill[r.session_id] = self.prefill_of.pop(s.idx)
+        self._release(s)
         self._retire(now, s)
+
+    def _release(self, s: SimSeq) -> None:
+        if s.admission is not None:
+            self.limiter.release(s.admission)
 
     def _retire(self, now: float, s: SimSeq) -> None:
         self.done += 1
@@ -336,13 +360,14 @@ class Simulation:
             self.push(nxt.arrival_s, "arrive", nxt)
 
     # -- results ---------------------------------------------------------------------------------
-    def result(self, label: str, prefill: int, decode: int) -> SimResult:
+    def result(self, label: str, prefill: int, decode: int, cancel_at_s: float | None = None) -> SimResult:
+        """The requests sent; one still running at `cancel_at_s` (the client's deadline) failed."""
         reqs = []
         for s in self.seqs:
             if id(s) in self.unsent:
                 continue
             r = s.spec
-            ok = s.finish_s is not None
+            ok = s.finish_s is not None and (cancel_at_s is None or s.finish_s <= cancel_at_s)
             tpot = ((s.finish_s - s.first_token_s) / (r.output_tokens - 1)
                     if ok and r.output_tokens > 1 else None)
             reqs.append(RequestResult(

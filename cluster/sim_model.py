@@ -37,7 +37,7 @@ class RequestResult:
     input_tokens: int
     output_tokens: int
     cached_tokens: int  # prompt tokens not computed (prefix-cache hits)
-    prefill: str  # "remote" | "local" | "rejected" (prompt + output exceed a worker's KV)
+    prefill: str  # "remote" | "local" | "rejected" (prompt + output exceed a worker's KV, or the router refused it)
     ttft_s: float | None
     tpot_s: float | None  # None when output_tokens == 1 or rejected
     e2e_s: float | None

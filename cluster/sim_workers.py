@@ -90,7 +90,7 @@ class PrefixCache:
 class SimSeq:
     __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
                  "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode",
-                 "credit", "chunk", "prefill_start_s", "prefiller", "queued_s")
+                 "credit", "chunk", "prefill_start_s", "prefiller", "queued_s", "admission")
 
     def __init__(self, spec: RequestLike, idx: int):
         self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
@@ -108,6 +108,7 @@ class SimSeq:
         # when it reached its worker's engine as new work (a prompt to prefill, a remote prefill's
         # KV): an overlapped engine schedules it into the step after the one then computing
         self.queued_s = 0.0
+        self.admission = None  # its slot in the router's admission limiter, where one is simulated
 
     def emit(self, tokens_per_step: float) -> int:
         """Tokens one decode step emits for this sequence: `tokens_per_step` on average (1 + the

@@ -41,6 +41,7 @@ from tandem.cluster.sim_engine import Simulation
 from tandem.cluster.sim_model import SLO, RequestLike, SimResult, SimSummary
 from tandem.perf_model import PerfModel
 from tandem.placement import OverloadLimits
+from tandem.router.admission import AdmissionConfig
 
 
 def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int, perf: PerfModel,
@@ -49,7 +50,8 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
              worker_startup_s: float = 60.0, label: str | None = None,
              send_until_s: float | Mapping[str, float] | None = None,
              max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
-             adaptive: RoleConfig | None = None, role_log: list | None = None) -> SimResult:
+             adaptive: RoleConfig | None = None, role_log: list | None = None,
+             admission: AdmissionConfig | None = None, cancel_at_s: float | None = None) -> SimResult:
     """Replay `workload_requests` against `prefill` + `decode` workers. `colocated`: no prefill
     pool, every decode worker prefills everything itself (chunked). `closed_loop`: a session's turn
     k+1 is sent `think_s` after turn k finishes (an agent waits for its answer) instead of at its
@@ -64,6 +66,12 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     `adaptive`: the adaptive layout with this role policy: `decode` workers that all decode and
     prefill, each prompt placed by the cost model (cluster/sim_adaptive.py), some workers lent to
     prefill only by the policy; `prefill` must be 0. `role_log`: gets its role changes.
+    `admission`: the router's admission limits (AdmissionConfig.of(RouterConfig)); a request whose
+    predicted wait for its first token is past `max_expected_wait_s` when it arrives is refused,
+    as the router refuses it (router/admission.py, the same limiter on the simulation's clock; the
+    in-flight and queue limits are not simulated: the workers' queues hold the requests). None:
+    none refused. `cancel_at_s`: the client ends every call still running then (`tandem bench`
+    at duration + drain timeout): such a request counts as failed, as the bench counts it.
     `seed` is kept for callers: placement breaks ties deterministically."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
@@ -72,14 +80,15 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     if max_workers is not None and (0 if colocated else prefill) + decode > max_workers:
         raise ValueError(f"{prefill} prefill + {decode} decode workers exceed max_workers={max_workers}")
     sim = Simulation(workload_requests, prefill, decode, perf, slo, autoscaler, seed, colocated,
-                     worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers, overload, adaptive)
+                     worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers, overload, adaptive,
+                     admission)
     sim.run()
     if role_log is not None:
         role_log.extend(sim.role_log)
     label = label or ((f"adaptive x{decode}" if adaptive else f"colocated x{decode}" if colocated
                        else f"{prefill}P:{decode}D")
                       + (" autoscaled" if autoscaler else ""))
-    return sim.result(label, 0 if colocated else prefill, decode)
+    return sim.result(label, 0 if colocated else prefill, decode, cancel_at_s)
 
 
 def sweep(workload_requests: Sequence[RequestLike], total_workers: int, perf: PerfModel,

@@ -60,6 +60,14 @@ class AdmissionConfig:
     min_retry_after_s: float = 0.05
     max_retry_after_s: float = 30.0
 
+    @classmethod
+    def of(cls, router) -> "AdmissionConfig":
+        """The admission limits a router config sets (cluster.config.RouterConfig's fields of the
+        same names): what the router enforces and the simulator replays."""
+        return cls(max_in_flight=router.max_in_flight, max_queue=router.max_queue,
+                   max_streams_per_client=router.max_streams_per_client,
+                   max_expected_wait_s=router.max_expected_wait_s)
+
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError(f"admission: max_in_flight must be >= 1, got {self.max_in_flight}")
@@ -220,15 +228,31 @@ class AdmissionLimiter:
         if self._unstarted <= 0:
             self._unstarted, self._busy_since = 0, None
 
-    async def acquire(self, client: str) -> Admission:
-        """Wait for a running slot (FIFO) or raise Overloaded at once. Cancelling the waiting
-        task (the client went away, its deadline passed) leaves the queue cleanly."""
+    def _count_in(self, client: str) -> float:
+        """Refuse (Overloaded) or count the request in among those ahead of later ones; -> now."""
         self.check(client)
         arrived = self._clock()
         self._per_client[client] += 1
         self._unstarted += 1
         if self._busy_since is None:
             self._busy_since = arrived
+        return arrived
+
+    def admit_now(self, client: str) -> Admission:
+        """`acquire` for a caller without an event loop whose requests wait elsewhere (the
+        simulator, whose workers queue them): the same refusals (Overloaded), the request counted
+        among those ahead of later ones until `started` or `release`, and a running slot taken at
+        once, past `max_in_flight` too, where `acquire` would queue it (such a caller's requests
+        queue on its workers; with `max_queue` 0 it is refused, as `acquire` refuses it)."""
+        self._count_in(client)
+        self._running += 1
+        self._changed()
+        return Admission(client, 0.0)
+
+    async def acquire(self, client: str) -> Admission:
+        """Wait for a running slot (FIFO) or raise Overloaded at once. Cancelling the waiting
+        task (the client went away, its deadline passed) leaves the queue cleanly."""
+        arrived = self._count_in(client)
         if self._running < self.config.max_in_flight and not self._queue:
             self._running += 1
             self._changed()

@@ -79,9 +79,7 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
     sessions = make_session_store(rc.redis_url, rc.session_ttl_s)
     router = Router(view, tokenizer, model_config, config.engine.cache.block_size, sessions, limits,
                     config.decode.local_prefill_threshold,
-                    AdmissionConfig(max_in_flight=rc.max_in_flight, max_queue=rc.max_queue,
-                                    max_streams_per_client=rc.max_streams_per_client,
-                                    max_expected_wait_s=rc.max_expected_wait_s),
+                    AdmissionConfig.of(rc),
                     config.prefill.max_queued_tokens,
                     OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage),
                     cost_placement(rc))

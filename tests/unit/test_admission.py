@@ -144,6 +144,37 @@ def test_expected_wait_limit_and_overloaded_metadata():
     asyncio.run(main())
 
 
+def test_admit_now_counts_and_refuses_as_acquire_does_without_an_event_loop():
+    """The simulator's entry: no event loop, the same predicted-wait refusal, the same start rate."""
+    clock = FakeClock(0.0)
+    lim = make_limiter(clock, max_in_flight=2, max_queue=10, max_expected_wait_s=3.0, min_start_samples=4)
+    for _ in range(4):
+        adm = lim.admit_now("x")
+        clock.now += 1.0
+        lim.started(adm)
+        lim.release(adm)
+    assert lim.starts.per_second() == pytest.approx(1.0)
+    held = [lim.admit_now("x") for _ in range(4)]     # past max_in_flight: the caller queues them itself
+    assert lim.running == 4 and lim.waiting == 0
+    with pytest.raises(Overloaded, match="4 requests are waiting for their first token"):
+        lim.admit_now("x")
+    assert lim.running == 4                            # a refused request took nothing
+    lim.started(held[0])                               # one ahead started: 3 s of work, at the limit
+    lim.admit_now("x")
+    for adm in held:
+        lim.release(adm)
+    assert lim.running == 1
+
+
+def test_admission_config_of_a_router_config():
+    from tandem.cluster.config import RouterConfig
+
+    rc = RouterConfig(max_in_flight=7, max_queue=3, max_streams_per_client=2, max_expected_wait_s=None)
+    assert AdmissionConfig.of(rc) == AdmissionConfig(max_in_flight=7, max_queue=3, max_streams_per_client=2,
+                                                     max_expected_wait_s=None)
+    assert AdmissionConfig.of(RouterConfig()) == AdmissionConfig()
+
+
 def test_an_idle_spell_does_not_read_as_a_slow_cluster():
     async def main():
         clock = FakeClock(0.0)

@@ -222,3 +222,43 @@ def test_closed_loop_stops_sending_at_the_runs_end_like_the_bench():
     finish = sent[-1].arrival_s + sent[-1].e2e_s
     assert finish + 5.0 >= 12.0                                       # the next turn would have been late
     assert cut.summary.requests == len(sent) and cut.summary.rejected == 0
+
+
+def test_the_routers_admission_limiter_sheds_an_overload_in_the_simulation():
+    """With the router's admission limits, a request whose predicted wait for its first token is
+    past max_expected_wait_s is refused at arrival (router/admission.py, on the simulation's
+    clock): under a prompt burst 4x what the worker prefills, some are refused and the served
+    ones' TTFT stays near the limit; without the limits none is refused and the queue grows."""
+    from tandem.router.admission import AdmissionConfig
+
+    reqs = burst(100, 4000, 2, over_s=10.0)           # 100 x 0.4 s of prefill in 10 s
+    free = simulate(reqs, 0, 1, PERF, SLO_, colocated=True)
+    limits = AdmissionConfig(max_expected_wait_s=3.0, min_start_samples=4)
+    shed = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, admission=limits)
+    assert free.summary.rejected == 0 and free.summary.ttft_p90 > 15.0
+    assert 40 <= shed.summary.rejected <= 85, shed.summary.rejected
+    assert shed.summary.ttft_p90 < 5.0
+    refused = [r for r in shed.requests if r.ttft_s is None]
+    assert min(r.arrival_s for r in refused) > 1.0     # only once a backlog has built up
+    # a limit nothing reaches refuses nothing and changes nothing
+    calm = simulate(burst(20, 400, 2, over_s=10.0), 0, 1, PERF, SLO_, colocated=True, admission=limits)
+    assert calm.summary.rejected == 0
+    assert calm.summary == simulate(burst(20, 400, 2, over_s=10.0), 0, 1, PERF, SLO_, colocated=True).summary
+
+
+def test_a_request_running_at_the_clients_deadline_failed():
+    """`cancel_at_s` (tandem bench's duration + drain timeout): a request still running then is
+    counted failed, as the bench counts it; the others are as without it."""
+    from tandem.cluster.layouts import bench_deadline
+
+    reqs = burst(30, 4000, 2, over_s=3.0)              # 12 s of prefill: the last ones end past 8 s
+    full = simulate(reqs, 0, 1, PERF, SLO_, colocated=True)
+    cut = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, cancel_at_s=8.0)
+    late = [a for a in full.requests if a.arrival_s + a.e2e_s > 8.0]
+    assert 5 <= len(late) < 30
+    assert cut.summary.rejected == len(late)
+    for a, b in zip(full.requests, cut.requests):
+        assert b == (a if a.arrival_s + a.e2e_s <= 8.0 else replace(a, cached_tokens=0, prefill="rejected",
+                                                                     ttft_s=None, tpot_s=None, e2e_s=None))
+    assert bench_deadline({"duration_s": 60.0, "drain_timeout_s": 20.0}) == 80.0
+    assert bench_deadline({"duration_s": 60.0}) is None

@@ -31,7 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
                                                ("cpu-colocated-5", ["0.05", "0.1"], 0.21),
                                                # recorded after the load terms on another instance of
                                                # this machine kind, its own profile: 23% without them
-                                               ("cpu-colocated-6", ["0.05", "0.1"], 0.30)])
+                                               ("cpu-colocated-6", ["0.05", "0.1"], 0.30),
+                                               # 60 s a rate: past capacity at 2 and 3 sessions/s; the
+                                               # router's admission and the bench's deadline replayed
+                                               # (135% at rate 3 without them)
+                                               ("h200-colocated-25", ["1", "2", "3"], 0.25)])
 def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, rates, bound):
     out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", f"bench/results/{run}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -131,3 +135,4 @@ def test_load_terms_prefer_runs_of_the_same_build(tmp_path):
     assert terms.step_host_s == pytest.approx((0.002 + 0.006 + 0.010) / 3, abs=1e-6)
     terms = sibling_load_terms(tmp_path / "a1", {**run, "build": None})
     assert terms.runs == ("legacy",) and terms.step_host_s == pytest.approx(0.010, abs=1e-6)
+
