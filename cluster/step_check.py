@@ -191,8 +191,8 @@ def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
     """The load terms fitted on the traced runs beside `run_dir` (its parent directory) of the same
     model, device and dtype, this run left out, and of the same build (bench/record_run.py
     `build_id`): runs recorded before builds were recorded with each other, a run of a build with
-    the others of it, or with every run of its model where none is of its build. So a new run
-    beside them never changes an older run's replay."""
+    the others of it, or, where none is of its build, with every run of its model recorded before
+    it (`created_unix`). So a new run beside them never changes an older run's replay."""
     d = Path(run_dir).resolve()
     key = model_key(run)
     others = []
@@ -201,7 +201,10 @@ def sibling_load_terms(run_dir: str | Path, run: dict) -> LoadTerms | None:
             continue
         other = json.loads((o / "run.json").read_text())
         if model_key(other) == key:
-            others.append((o, other.get("build")))
+            others.append((o, other.get("build"), other.get("created_unix")))
     build = run.get("build")
-    same = [o for o, b in others if b == build]
-    return load_terms_from(same if same or build is None else [o for o, _ in others])
+    same = [o for o, b, _ in others if b == build]
+    if same or build is None:
+        return load_terms_from(same)
+    created = run.get("created_unix")
+    return load_terms_from([o for o, _, t in others if created is None or (t is not None and t < created)])

@@ -35,7 +35,13 @@ ROOT = Path(__file__).resolve().parents[2]
                                                # 60 s a rate: past capacity at 2 and 3 sessions/s; the
                                                # router's admission and the bench's deadline replayed
                                                # (135% at rate 3 without them)
-                                               ("h200-colocated-25", ["1", "2", "3"], 0.25)])
+                                               ("h200-colocated-25", ["1", "2", "3"], 0.25),
+                                               # recorded with their build: load terms from the runs of
+                                               # their build, or from every run recorded before them
+                                               ("h200-colocated-16", ["1", "2"], 0.15),
+                                               ("h200-colocated-17", ["1", "2", "3"], 0.13),
+                                               ("h200-colocated-19", ["1", "2", "3"], 0.14),
+                                               ("h200-colocated-23", ["1", "2", "3"], 0.16)])
 def test_validate_simulator_replays_a_recorded_run_within_its_bound(run, rates, bound):
     out = subprocess.run([sys.executable, "-m", "bench.validate_simulator", f"bench/results/{run}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -91,7 +97,7 @@ def test_load_terms_come_from_the_other_traced_runs_and_can_be_left_out():
     assert int(re.search(r"^max error (\d+)%$", none, re.M).group(1)) <= 27
 
 
-def _traced_run(d: Path, build: str | None, extra_s: float, model: str = "m") -> None:
+def _traced_run(d: Path, build: str | None, extra_s: float, model: str = "m", created: float | None = None) -> None:
     """A recorded run whose every step took `extra_s` more than its perf model charges."""
     import json
 
@@ -107,7 +113,7 @@ def _traced_run(d: Path, build: str | None, extra_s: float, model: str = "m") ->
     (d / "steps" / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cluster = {"model": {"name": model, "device": "cuda", "dtype": "bfloat16"}, "prefill": {"replicas": 0},
                "decode": {"replicas": 1, "local_prefill_threshold": "inf"}}
-    run = {"build": build, "cluster": cluster, "columns": ["session_id", "arrival_s"],
+    run = {"build": build, "created_unix": created, "cluster": cluster, "columns": ["session_id", "arrival_s"],
            "runs": [{"rate": 1, "started_unix": 100.0, "elapsed_s": t - 100.0, "requests": []}]}
     (d / "run.json").write_text(json.dumps(run))
     perf = PerfModel(decode_base_s=0.010, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
@@ -116,23 +122,27 @@ def _traced_run(d: Path, build: str | None, extra_s: float, model: str = "m") ->
 
 def test_load_terms_prefer_runs_of_the_same_build(tmp_path):
     """A run that records its build takes its load terms from the runs of that build beside it,
-    or from every traced run of its model where none is of its build; a run recorded before
-    builds were, from the other such runs only (a new run never moves an old replay)."""
+    or from every traced run of its model recorded before it where none is of its build; a run
+    recorded before builds were, from the other such runs only (a new run never moves an old
+    replay)."""
     import json
 
     from tandem.cluster.step_check import sibling_load_terms
 
-    _traced_run(tmp_path / "a1", "abc", 0.002)
-    _traced_run(tmp_path / "a2", "abc", 0.002)
-    _traced_run(tmp_path / "b1", "def", 0.006)
-    _traced_run(tmp_path / "legacy", None, 0.010)
-    _traced_run(tmp_path / "other-model", "abc", 0.050, model="n")
+    _traced_run(tmp_path / "a1", "abc", 0.002, created=100.0)
+    _traced_run(tmp_path / "a2", "abc", 0.002, created=200.0)
+    _traced_run(tmp_path / "b1", "def", 0.006, created=300.0)
+    _traced_run(tmp_path / "legacy", None, 0.010, created=50.0)
+    _traced_run(tmp_path / "other-model", "abc", 0.050, model="n", created=60.0)
     run = json.loads((tmp_path / "a1" / "run.json").read_text())
     terms = sibling_load_terms(tmp_path / "a1", run)
     assert terms.runs == ("a2",) and terms.step_host_s == pytest.approx(0.002, abs=1e-6)
-    terms = sibling_load_terms(tmp_path / "a1", {**run, "build": "new"})
+    terms = sibling_load_terms(tmp_path / "a1", {**run, "build": "new", "created_unix": 1000.0})
     assert terms.runs == ("a2", "b1", "legacy")
     assert terms.step_host_s == pytest.approx((0.002 + 0.006 + 0.010) / 3, abs=1e-6)
+    # recorded between them: only the runs before it, so b1 (recorded later) does not move it
+    terms = sibling_load_terms(tmp_path / "a1", {**run, "build": "new", "created_unix": 250.0})
+    assert terms.runs == ("a2", "legacy")
     terms = sibling_load_terms(tmp_path / "a1", {**run, "build": None})
     assert terms.runs == ("legacy",) and terms.step_host_s == pytest.approx(0.010, abs=1e-6)
 
