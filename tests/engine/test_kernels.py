@@ -449,6 +449,10 @@ def test_wrappers_reject_bad_arguments(name):
 def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeypatch):
     """Engine warmup compiles each attention variant up front; it must reach every prefill tile
     (BLOCK_M) and every decode query tile (BLOCK_Q) with and without split-K, and read only."""
+    from tandem.engine.kernels import attention_split
+
+    # first with split prefills off: the prefill tiles in one pass only (on: the end of the test)
+    monkeypatch.setattr(attention_split, "POLICY", attention_split.SplitPolicy(prefill_split=False))
     seen = set()
     for name in ("_prefill_kernel", "_decode_kernel"):
         kernel = getattr(pa, name)
@@ -482,9 +486,7 @@ def test_compile_variants_launches_every_tile_and_leaves_the_cache_alone(monkeyp
     assert launches == 4 + 12 == len(seen)
     assert torch.equal(kv, before)
     assert pa.compile_variants(kv[0, :8], kv[1, :8], num_heads=8) == 0   # too few blocks: skipped
-    # with split prefills on (SplitPolicy.prefill_split), each prefill tile split as well
-    from tandem.engine.kernels import attention_split
-
+    # with split prefills on (SplitPolicy.prefill_split, the default), each prefill tile split as well
     monkeypatch.setattr(attention_split, "POLICY", attention_split.SplitPolicy(prefill_split=True))
     seen.clear()
     launches = pa.compile_variants(kv[0], kv[1], num_heads=8)

@@ -213,6 +213,7 @@ def test_tree_steps_run_through_the_graph_buffers(tiny):
 
 def test_warmup_compiles_the_tree_variants_too(monkeypatch):
     import tandem.engine.kernels.paged_attention as pa  # noqa: PLC0415 (triton after TRITON_INTERPRET)
+    from tandem.engine.kernels import attention_split  # noqa: PLC0415
 
     seen = []
     for name in ("_prefill_kernel", "_decode_kernel"):
@@ -229,5 +230,12 @@ def test_warmup_compiles_the_tree_variants_too(monkeypatch):
     plain = pa.compile_variants(kv[0], kv[1], num_heads=8)
     assert plain == len(seen) and not any(seen)
     seen.clear()
-    assert pa.compile_variants(kv[0], kv[1], num_heads=8, trees=True) == 2 * plain == len(seen)
-    assert sum(seen) == plain
+    # every one-pass variant has a tree twin; the split prefill tiles (on by default) do not: a
+    # tree-mask prefill keeps one pass
+    split = 4 if attention_split.POLICY.prefill_split else 0
+    assert pa.compile_variants(kv[0], kv[1], num_heads=8, trees=True) == 2 * plain - split == len(seen)
+    assert sum(seen) == plain - split
+    monkeypatch.setattr(attention_split, "POLICY", attention_split.SplitPolicy(prefill_split=False))
+    seen.clear()
+    plain = pa.compile_variants(kv[0], kv[1], num_heads=8)
+    assert pa.compile_variants(kv[0], kv[1], num_heads=8, trees=True) == 2 * plain == len(seen) - plain
