@@ -18,10 +18,8 @@ directories beside it, `sibling_load_terms`; `--load-terms others`, the default;
 calibration alone). The router's admission limiter runs in the replay as the run's config set it
 (a request predicted to wait past `max_expected_wait_s` for its first token is refused, as live),
 and a simulated request still running at the bench's deadline (duration + drain timeout) failed, as
-the bench cancels it.
-A run recorded
-with its engines' step traces (`steps/`) gets a second table: the model against each step the run
-made (cluster/step_check.py), after the `max error` line.
+the bench cancels it. A run recorded with its engines' step traces (`steps/`) gets a second table:
+the model against each step the run made (cluster/step_check.py), after the `max error` line.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from tandem.cluster.config import ADAPTIVE, RouterConfig
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimSummary
 from tandem.perf_model import PerfModel
-from tandem.router.admission import AdmissionConfig
+from tandem.router.admission import ROUTER_FIELDS, AdmissionConfig
 from tandem.cluster.simulator import simulate
 
 
@@ -117,8 +117,7 @@ def recorded_admission(cluster: dict) -> AdmissionConfig:
     """The router's admission limits as a recorded or planned layout's config sets them (its
     `router` section; RouterConfig's defaults for what it leaves out): what the simulator replays."""
     section = cluster.get("router") or {}
-    keys = ("max_in_flight", "max_queue", "max_streams_per_client", "max_expected_wait_s")
-    return AdmissionConfig.of(replace(RouterConfig(), **{k: section[k] for k in keys if k in section}))
+    return AdmissionConfig.of(replace(RouterConfig(), **{k: section[k] for k in ROUTER_FIELDS if k in section}))
 
 
 def bench_deadline(bench: dict) -> float | None:

@@ -45,6 +45,10 @@ class Overloaded(Exception):
         return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
 
 
+# the admission limits a router config carries under these names (AdmissionConfig.of)
+ROUTER_FIELDS = ("max_in_flight", "max_queue", "max_streams_per_client", "max_expected_wait_s")
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_in_flight: int = 256  # requests running past admission (routed to workers)
@@ -62,11 +66,9 @@ class AdmissionConfig:
 
     @classmethod
     def of(cls, router) -> "AdmissionConfig":
-        """The admission limits a router config sets (cluster.config.RouterConfig's fields of the
-        same names): what the router enforces and the simulator replays."""
-        return cls(max_in_flight=router.max_in_flight, max_queue=router.max_queue,
-                   max_streams_per_client=router.max_streams_per_client,
-                   max_expected_wait_s=router.max_expected_wait_s)
+        """The admission limits a router config sets (cluster.config.RouterConfig's fields named in
+        ROUTER_FIELDS): what the router enforces and the simulator replays."""
+        return cls(**{name: getattr(router, name) for name in ROUTER_FIELDS})
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
