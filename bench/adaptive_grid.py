@@ -2,7 +2,9 @@
 split of N GPUs, over sessions whose contexts grow to 32k / 64k / 128k tokens and SLOs TPOT p90 in
 {15, 25, 40} ms x TTFT p90 in {0.5, 1, 2} s, at several session rates. Prints one row per grid
 point: each layout's goodput (requests/s meeting both SLOs), adaptive / best other layout, and
-adaptive / colocated; then the worst ratio and the 15 ms points.
+adaptive / colocated; then the worst ratio and the 15 ms points. Every layout sheds what a default
+`tandem up` router sheds (its admission limiter: a request predicted to wait past 15 s for its first
+token is refused; `--no-admission`: nothing is shed).
 
     python bench/adaptive_grid.py --perf bench/perf/h200-llama3-8b-calibrated.json --gpus 2 4 \
         --rates 0.25,0.5,1 --seeds 3
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="average each goodput over this many workload seeds "
                                                          "(one seed's closed loop moves a few percent either way)")
     ap.add_argument("--json", help="also write every row here")
+    ap.add_argument("--no-admission", action="store_true",
+                    help="shed nothing at the router (by default a default router's admission limiter runs, "
+                         "as `tandem up` serves)")
     ap.add_argument("--load-from", nargs="+", metavar="RUN_DIR", default=[],
                     help="add the loaded-worker terms fitted on these recorded runs' step traces")
     args = ap.parse_args(argv)
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
                                                    [float(x) for x in args.ttft_ms.split(",")]):
         rates = [float(r) * gpus / 2 for r in args.rates.split(",")]
         runs = [compare(perf, layouts_for(gpus), gpus, rates, SLO(ttft / 1e3, tpot / 1e3), duration_s=args.duration,
-                        max_context=ctx, seed=seed) for seed in range(args.seeds)]
+                        max_context=ctx, seed=seed, limits={} if args.no_admission else None)
+                for seed in range(args.seeds)]
         for rate in rates:
             point = mean_rows([{r["layout"]: r for r, _ in res if r["rate"] == rate} for res in runs])
             ada = point["adaptive"]["goodput"]

@@ -15,8 +15,9 @@ own steps: what a loaded worker pays beyond the idle calibration (each arriving 
 time, mixed steps' extra cost, extra host time per sequence and per step: cluster/step_check.py
 `fit_load`) comes from the step traces of the *other* recorded runs of the same model (the run
 directories beside it, `sibling_load_terms`; `--load-terms others`, the default; `none`: the idle
-calibration alone). The router's admission limiter runs in the replay as the run's config set it
-(a request predicted to wait past `max_expected_wait_s` for its first token is refused, as live),
+calibration alone). The router's admission limiter and worker overload limits run in the replay as
+the run's config set them (`layouts.router_limits`: a request predicted to wait past
+`max_expected_wait_s` for its first token is refused, as live),
 and a simulated request still running at the bench's deadline (duration + drain timeout) failed, as
 the bench cancels it. A run recorded with its engines' step traces (`steps/`) gets a second table:
 the model against each step the run made (cluster/step_check.py), after the `max error` line.
@@ -31,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tandem.cluster.layouts import bench_deadline, recorded_admission, recorded_perf
+from tandem.cluster.layouts import bench_deadline, recorded_perf, recorded_router, router_limits
 from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
@@ -136,7 +137,7 @@ def validate_run(run_dir: str | Path, load_terms: str = "others") -> list[dict]:
         if not any(r["status"] == "OK" for r in reqs):
             continue                    # nothing was sent (or nothing ended) at this rate
         sim = simulate(replay_specs(reqs), n_prefill, n_decode, with_counted_drafts(model, reqs), slo, colocated=colocated,
-                       pull_prefix=True, closed_loop=True, admission=recorded_admission(run["cluster"]),
+                       pull_prefix=True, closed_loop=True, **router_limits(recorded_router(run["cluster"])),
                        cancel_at_s=bench_deadline(run["bench"]))
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from tandem.cluster.loadgen import load_sessions, parse_workload, plan_sessions, sessions_needed
 from tandem.cluster.config import ADAPTIVE, RouterConfig
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimSummary
 from tandem.perf_model import PerfModel
-from tandem.router.admission import ROUTER_FIELDS, AdmissionConfig
+from tandem.placement import OverloadLimits
+from tandem.router.admission import AdmissionConfig
 from tandem.cluster.simulator import simulate
 
 
@@ -113,11 +114,18 @@ def recorded_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int,
     return replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
 
 
-def recorded_admission(cluster: dict) -> AdmissionConfig:
-    """The router's admission limits as a recorded or planned layout's config sets them (its
-    `router` section; RouterConfig's defaults for what it leaves out): what the simulator replays."""
+def recorded_router(cluster: dict) -> RouterConfig:
+    """The router config of a recorded or planned layout (its `router` section; RouterConfig's
+    defaults for what it leaves out or no longer names)."""
     section = cluster.get("router") or {}
-    return AdmissionConfig.of(replace(RouterConfig(), **{k: section[k] for k in ROUTER_FIELDS if k in section}))
+    return replace(RouterConfig(), **{f.name: section[f.name] for f in fields(RouterConfig) if f.name in section})
+
+
+def router_limits(router: RouterConfig) -> dict:
+    """`simulate`'s keyword arguments for the limits `router` enforces: its admission limiter
+    (AdmissionConfig.of) and its worker overload limits (OverloadLimits.of). One place, so the
+    replays, `tandem simulate` and the layout grid shed what the live router sheds."""
+    return {"admission": AdmissionConfig.of(router), "overload": OverloadLimits.of(router)}
 
 
 def bench_deadline(bench: dict) -> float | None:
@@ -157,6 +165,6 @@ def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[flo
         mode = {"adaptive": RoleConfig(**{k: v for k, v in cluster["roles"].items() if k != "enabled"})} \
             if (cluster.get("roles") or {}).get("enabled") else {"colocated": colocated}
         out[rate] = simulate(specs, n_prefill, n_decode, model, slo, closed_loop=True,
-                             send_until_s=c["duration_s"], admission=recorded_admission(cluster),
+                             send_until_s=c["duration_s"], **router_limits(recorded_router(cluster)),
                              cancel_at_s=bench_deadline(c), **mode).summary
     return out

@@ -18,7 +18,8 @@ import grpc
 
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.calibration import calibrate_on_cluster
-from tandem.cluster.config import load_config
+from tandem.cluster.config import RouterConfig, load_config
+from tandem.cluster.layouts import router_limits
 from tandem.cluster.simulate_compare import add_compare_args, run_compare
 from tandem.cluster.simulate_ramp import print_ramp, ramp_plan, ramp_report, run_ramp, write_ramp
 from tandem.cluster.sim_model import SLO
@@ -341,10 +342,12 @@ def with_load_terms(perf: PerfModel, run_dirs) -> PerfModel:
 
 def cmd_simulate(args) -> int:
     perf, sizes, autoscaler = with_load_terms(PerfModel.load(args.perf), args.load_from), (1, 1), None
+    cluster = load_config(args.config) if args.config else None
+    # what the router sheds (its admission limiter, its worker overload limits), as --config sets them
+    limits = {} if args.no_admission else router_limits(cluster.router if cluster else RouterConfig())
     if args.compare:
-        return run_compare(args, perf)
-    if args.config:       # the cluster `tandem up --config` would start: its pools and autoscaler
-        cluster = load_config(args.config)
+        return run_compare(args, perf, limits)
+    if cluster:       # the cluster `tandem up --config` would start: its pools and autoscaler
         perf, sizes = perf_for_cluster(perf, cluster), (cluster.prefill.replicas, cluster.decode.replicas)
         autoscaler = cluster.autoscaler if args.autoscale or cluster.autoscale else None
     elif args.autoscale:
@@ -358,7 +361,7 @@ def cmd_simulate(args) -> int:
     if args.sweep and (autoscaler or args.ramp):
         raise ValueError("--sweep runs static layouts; drop --autoscale and --ramp, or give --prefill/--decode")
     slo = SLO(args.ttft_slo, args.tpot_slo)
-    opts: dict[str, Any] = {"pull_prefix": not args.no_pull_prefix, "seed": args.seed}
+    opts: dict[str, Any] = {"pull_prefix": not args.no_pull_prefix, "seed": args.seed, **limits}
     one = {"colocated": args.config is not None and math.isinf(perf.local_prefill_threshold),
            "max_workers": args.max_workers, "worker_startup_s": args.worker_startup_s}
     if args.ramp:
@@ -388,7 +391,9 @@ def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
         label = args.label or f"ramp-{prefill}p{decode}d" + ("-autoscaled" if autoscaler else "")
         config = {"workload": args.workload, "seed": args.seed, "perf": perf.to_dict(), "start": [prefill, decode],
                   "autoscaler": autoscaler.to_dict() if autoscaler else None, "max_workers": args.max_workers,
-                  "worker_startup_s": args.worker_startup_s, "cluster_config": args.config}
+                  "worker_startup_s": args.worker_startup_s, "cluster_config": args.config,
+                  "router_limits": {k: dataclasses.asdict(opts[k]) for k in ("admission", "overload") if k in opts}
+                  or None}
         for p in write_ramp(ramp_report(result, plan, rates, step_s, slo, label, config), args.out, label):
             print(f"wrote {p}")
     return 0
@@ -424,7 +429,10 @@ def register(sub) -> None:
     pr.add_argument("--local-prefill-threshold", type=float, default=256,
                     help="the cluster's decode.local_prefill_threshold (for --target probes)")
     pr.set_defaults(func=cmd_profile)
+    _register_simulate(sub)
 
+
+def _register_simulate(sub) -> None:
     sm = sub.add_parser("simulate", help="what-if: replay a workload against N prefill and M decode workers")
     sm.add_argument("--workload", default="coding-agent", help="coding-agent, coding-agent-small, or a "
                                                                 "Mooncake .jsonl / Azure .csv trace")
@@ -457,5 +465,9 @@ def register(sub) -> None:
     sm.add_argument("--out", help="with --ramp: write sim-LABEL.json (tandem bench's shape) and, autoscaled, "
                                   "sim-LABEL-timeline.png here")
     sm.add_argument("--label", help="names the --out files (default: ramp-<P>p<D>d[-autoscaled])")
+    sm.add_argument("--no-admission", action="store_true",
+                    help="shed nothing at the router: no admission limiter (max_expected_wait_s) and no worker "
+                         "overload limits (worker_max_*); by default they run as --config (else a default "
+                         "router) sets them, as the live router does")
     add_compare_args(sm)
     sm.set_defaults(func=cmd_simulate)

@@ -13,6 +13,8 @@ import math
 import random
 from typing import Any
 
+from tandem.cluster.config import RouterConfig
+from tandem.cluster.layouts import router_limits
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimResult
 from tandem.cluster.simulator import format_table, simulate
@@ -75,8 +77,12 @@ def row(name: str, rate: float, gpus: int, slo: SLO, r: SimResult, role_changes:
 
 def compare(perf: PerfModel, layouts: list[str], gpus: int, rates: list[float], slo: SLO, *,
             workload: str = "coding-agent", duration_s: float = 120.0, seed: int = 0,
-            max_context: int | None = None) -> list[tuple[dict, SimResult]]:
-    """Each layout at each rate on the same sessions: (row, result) pairs, layouts within a rate."""
+            max_context: int | None = None, limits: dict | None = None) -> list[tuple[dict, SimResult]]:
+    """Each layout at each rate on the same sessions: (row, result) pairs, layouts within a rate.
+    `limits`: the router's (layouts.router_limits; default: a default RouterConfig's, as `tandem
+    up` serves; {}: none, every request waits however long its queue is)."""
+    if limits is None:
+        limits = router_limits(RouterConfig())
     out = []
     for rate in rates:
         specs = sessions(workload, rate, duration_s, seed, max_context)
@@ -86,12 +92,12 @@ def compare(perf: PerfModel, layouts: list[str], gpus: int, rates: list[float], 
             if "adaptive" in kw:
                 kw["role_log"] = changes
             res = simulate(specs, perf=perf, slo=slo, closed_loop=True, send_until_s=duration_s,
-                           label=f"{name} @{rate:g}/s", **kw)
+                           label=f"{name} @{rate:g}/s", **kw, **limits)
             out.append((row(name, rate, gpus, slo, res, len(changes) if "adaptive" in kw else None), res))
     return out
 
 
-def run_compare(args, perf: PerfModel) -> int:
+def run_compare(args, perf: PerfModel, limits: dict) -> int:
     slo = SLO(args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_slo,
               args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else args.tpot_slo)
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.session_rate]
@@ -99,7 +105,7 @@ def run_compare(args, perf: PerfModel) -> int:
     for name in layouts:
         parse_layout(name, args.gpus)           # refuse a bad name before any work
     results = compare(perf, layouts, args.gpus, rates, slo, workload=args.workload, duration_s=args.duration,
-                      seed=args.seed, max_context=args.max_context)
+                      seed=args.seed, max_context=args.max_context, limits=limits)
     if args.json:
         for r, _ in results:
             print(json.dumps(r))

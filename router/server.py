@@ -81,7 +81,7 @@ async def serve(controller, config, namespace: str, tokenizer, model_config,
                     config.decode.local_prefill_threshold,
                     AdmissionConfig.of(rc),
                     config.prefill.max_queued_tokens,
-                    OverloadLimits(rc.worker_max_waiting, rc.worker_max_load, rc.worker_max_kv_usage),
+                    OverloadLimits.of(rc),
                     cost_placement(rc))
     router.slow_ttft_s = rc.slow_ttft_log_s
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=[

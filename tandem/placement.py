@@ -65,6 +65,12 @@ class OverloadLimits:
     max_load: int | None = None
     max_kv_usage: float | None = None
 
+    @classmethod
+    def of(cls, router) -> "OverloadLimits":
+        """The limits a router config sets (cluster.config.RouterConfig's worker_max_* fields):
+        what the router enforces and the simulator replays."""
+        return cls(router.worker_max_waiting, router.worker_max_load, router.worker_max_kv_usage)
+
     def __call__(self, w: WorkerView) -> bool:
         return ((self.max_waiting is not None and w.waiting > self.max_waiting)
                 or (self.max_load is not None and w.load > self.max_load)

@@ -11,8 +11,10 @@ import yaml
 
 from tandem.cluster.layout_predictions import print_predictions, simulate_beside
 from tandem.cluster.config import load_config
-from tandem.cluster.layouts import engine_overlaps, layout_perf, mode_configs, predict
+from tandem.cluster.layouts import engine_overlaps, layout_perf, mode_configs, predict, recorded_router, router_limits
 from tandem.perf_model import PerfModel
+from tandem.placement import OverloadLimits
+from tandem.router.admission import AdmissionConfig
 
 
 def _args(**kw):
@@ -44,6 +46,18 @@ def test_the_perf_model_overlaps_steps_where_the_layouts_engine_does():
     assert not engine_overlaps(mode_configs(_args(speculative="off", device="cpu"))["colocated"])
     tp2 = {**c, "decode": {**c["decode"], "tensor_parallel_size": 2}}
     assert not engine_overlaps(tp2)
+
+
+def test_a_recorded_router_section_gives_the_limits_the_router_enforced():
+    """The replay sheds what the recorded router shed: its admission limits and worker overload
+    limits, RouterConfig's defaults for what the section leaves out, and a key that RouterConfig no
+    longer names (an older run's) ignored rather than refused."""
+    router = recorded_router({"router": {"max_expected_wait_s": None, "max_queue": 7, "worker_max_waiting": 3,
+                                         "retired_option": 1}})
+    limits = router_limits(router)
+    assert limits["admission"] == AdmissionConfig(max_queue=7, max_expected_wait_s=None)
+    assert limits["overload"] == OverloadLimits(max_waiting=3)
+    assert router_limits(recorded_router({})) == {"admission": AdmissionConfig(), "overload": OverloadLimits()}
 
 
 def test_layouts_give_one_config_per_split():

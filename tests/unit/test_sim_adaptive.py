@@ -100,6 +100,22 @@ def test_simulate_compare_refuses_a_layout_it_does_not_know(capsys):
     assert "3:3" in capsys.readouterr().err
 
 
+def test_simulate_compare_sheds_what_the_configs_router_sheds(tmp_path, capsys):
+    """--compare runs the router's admission limiter as --config sets it: an overloaded GPU whose
+    router refuses a predicted wait past 0.5 s rejects requests (and serves the rest sooner), the
+    default router (15 s) rejects none of these, and --no-admission turns the limiter off."""
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("router:\n  max_expected_wait_s: 0.5\n")
+    argv = ["simulate", "--compare", "colocated", "--gpus", "1", "--rates", "3", "--duration", "20", "--json"]
+
+    def run(*extra):
+        assert main(argv + list(extra)) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[0])
+    default, strict, off = run(), run("--config", str(cfg)), run("--config", str(cfg), "--no-admission")
+    assert default["rejected"] == 0 and off == default
+    assert strict["rejected"] > 0 and strict["ttft_p50_ms"] < default["ttft_p50_ms"] / 2
+
+
 def test_simulate_adds_the_load_terms_of_recorded_runs(capsys):
     """`--load-from RUN_DIR`: the perf model plus what the run's loaded worker paid beyond its idle
     calibration (fitted on its step trace), so the same workload's TPOT comes out higher; a
