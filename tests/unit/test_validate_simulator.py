@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
                                                # recorded after the load terms on another instance of
                                                # this machine kind, its own profile: 23% without them
                                                ("cpu-colocated-6", ["0.05", "0.1"], 0.30),
+                                               # recorded with 385e01d on this machine, its own profile
+                                               # (-5): 23% without the load terms
+                                               ("cpu-colocated-7", ["0.05", "0.1"], 0.26),
                                                # 60 s a rate: past capacity at 2 and 3 sessions/s; the
                                                # router's admission and the bench's deadline replayed
                                                # (135% at rate 3 without them)
