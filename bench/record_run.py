@@ -109,11 +109,27 @@ def trim(report: dict, cluster: dict, machine: str) -> dict:
             "runs": runs}
 
 
+def host_words(model: str, device: str) -> str:
+    """What ran a run, when --machine does not say: this host's cores and memory, its GPU's name on
+    cuda, and the model (a run's figures mean little without the machine)."""
+    words = f"{os.cpu_count()} cores"
+    try:
+        words += f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        pass
+    if device == "cuda":
+        import torch  # noqa: PLC0415 (only on GPU hosts)
+
+        words = f"{torch.cuda.get_device_name()}, {words}"
+    return f"{words}; {model} on {device}"
+
+
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True, help="`tandem profile -o` JSON of this machine and model")
     ap.add_argument("--name", required=True, help="the run's directory under bench/results/")
-    ap.add_argument("--machine", default="", help="what ran it, in words (kept in run.json)")
+    ap.add_argument("--machine", help="what ran it, in words (kept in run.json; default: this host's cores, "
+                                      "memory and the model, from `host_words`)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--layout", default="0:1", help="P:D (0:N: N colocated replicas)")
@@ -178,7 +194,8 @@ def main() -> None:
     spec = speculation_from_requests([r for run in report["runs"] for r in run["requests"]])
     final = dataclasses.replace(fitted["perf"], **spec)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(trim(report, config, a.machine), separators=(",", ":")))
+    machine = a.machine or host_words(a.model, a.device)
+    (out / "run.json").write_text(json.dumps(trim(report, config, machine), separators=(",", ":")))
     perf_doc = {"perf_model": final.to_dict(),
                 "notes": {"engine": f"tandem profile of {profile.get('model', '?')} on {profile.get('device', '?')} ({a.profile})",
                           "cluster": "calibrate_on_cluster on the running cluster before the bench: the "
