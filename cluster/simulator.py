@@ -111,10 +111,10 @@ def format_table(results: Sequence[SimResult | SimSummary]) -> str:
     def f(v: float, scale: float = 1.0, digits: int = 2) -> str:
         return "-" if v is None or math.isnan(v) else f"{v * scale:.{digits}f}"
     head = ["split", "TTFT p50 s", "p90", "p99", "TPOT p50 ms", "p90", "p99", "goodput r/s",
-            "SLO met", "cached", "out tok/s"]
+            "SLO met", "refused", "cached", "out tok/s"]
     body = [[r.label + (" *" if r.goodput_rps == best else ""), f(r.ttft_p50), f(r.ttft_p90),
              f(r.ttft_p99), f(r.tpot_p50, 1e3, 1), f(r.tpot_p90, 1e3, 1), f(r.tpot_p99, 1e3, 1),
-             f(r.goodput_rps, digits=3), f(r.slo_attainment, 100, 1) + "%",
+             f(r.goodput_rps, digits=3), f(r.slo_attainment, 100, 1) + "%", str(r.rejected),
              f(r.cached_token_ratio, 100, 1) + "%", f(r.output_tok_s, digits=0)] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
