@@ -20,7 +20,7 @@ import time
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
-from tandem.router.admission import client_identity
+from tandem.router.admission import RETRY_AFTER_KEY, client_identity
 from tandem.router.auth import bearer_token
 from tandem.router.generation import Router
 from tandem.router.openai_choice import ChoiceBuilder
@@ -40,7 +40,13 @@ CREATED = int(time.time())   # /v1/models' `created`: when this router started
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    retry_after_s: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    """An OpenAI-shaped error. With `retry_after_s`, two hints: `Retry-After` in whole seconds (the
+    HTTP standard's), and `retry-after-ms` exact (the gRPC edge's trailing key), which the openai
+    SDKs read first, so a client that retries waits the router's hint, not a rounded-up second."""
+    headers = None
+    if retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s))),
+                   RETRY_AFTER_KEY: str(max(1, round(retry_after_s * 1000)))}
     return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
 
 

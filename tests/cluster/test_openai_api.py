@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import openai
@@ -282,12 +283,39 @@ def test_overload_is_a_429_with_retry_after(cluster):
         status, headers, body = _http("POST", f"http://127.0.0.1:{router.http_port}/v1/completions",
                                       {"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert int({k.lower(): v for k, v in headers.items()}["retry-after-ms"]) >= 1
         assert body["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     finally:
         stream.close()
     assert target and cluster.wait_idle()
+
+
+def test_the_openai_sdk_retries_a_shed_request_after_the_routers_hint(cluster):
+    """A client as agents run it (the openai SDK, retries on): the 429's retry hint brings its
+    request back once the running slot is free, and it is answered; nothing is leaked."""
+    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+
+    cluster.add_router()
+    router = cluster.routers[-1][1]
+    router.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
+    holder = _client(cluster, len(cluster.routers) - 1)
+    stream = holder.completions.create(model=MODEL, prompt="count: 1 2 3", max_tokens=300, stream=True,
+                                       temperature=0)
+    next(iter(stream))     # the one running slot is taken
+    timer = threading.Timer(0.3, stream.close)   # and freed before the hint (1 s: nothing finished yet) runs out
+    timer.start()
+    try:
+        retrying = _client(cluster, len(cluster.routers) - 1).with_options(max_retries=2)
+        raw = retrying.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+        out = raw.parse()
+    finally:
+        timer.cancel()
+        stream.close()
+    assert out.choices[0].text and out.usage.completion_tokens == 2
+    assert raw.retries_taken >= 1      # refused first, then retried after the hint
+    assert cluster.wait_idle() and router.limiter.running == 0 and router.limiter.waiting == 0
 
 
 def test_health_follows_the_grpc_health(cluster):

@@ -49,6 +49,7 @@ def test_shed_request_is_429_with_retry_after():
     router = FakeRouter(Overloaded("queue full", 2.2))
     status, headers, text = _post(router)
     assert status == 429 and headers["Retry-After"] == "3" and '"rate_limit_error"' in text
+    assert headers["retry-after-ms"] == "2200"      # exact, and read first by the openai SDKs
     assert router.errors == ["RESOURCE_EXHAUSTED"]
 
 
