@@ -10,6 +10,8 @@ Closing a stream early (break, or the task cancelled) cancels the request and fr
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import uuid
 from typing import AsyncIterator
 
@@ -17,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import DEFAULT_TARGET, TLS, auth_metadata, make_channel
-from tandem.client.errors import error_from_rpc
+from tandem.client.errors import error_from_rpc, retry_delay
 from tandem.client.types import (Accumulator, Chunk, ClusterState, Completion, Pool, Worker, build_request,
                                  chunk_from, cluster_state_from, pool_from, worker_from)
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
@@ -26,25 +28,38 @@ from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_gr
 class AsyncClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, admin_token: str | None = None,
                  tls: TLS | None = None,
-                 channel: grpc.aio.Channel | None = None, timeout: float | None = None):
+                 channel: grpc.aio.Channel | None = None, timeout: float | None = None, max_retries: int = 0):
+        """As `Client`'s (`max_retries` too)."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.channel = channel or make_channel(target, tls, aio=True)
         self.metadata = auth_metadata(token)
         # the Admin API takes only admin tokens (router --admin-token-file); without one, `token`
         self.admin_metadata = auth_metadata(admin_token or token)
         self.timeout = timeout
+        self.max_retries = max_retries
         self._gen = generation_pb2_grpc.GenerationStub(self.channel)
         self._admin = admin_pb2_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def stream(self, **kw) -> AsyncIterator[Chunk]:
-        call = self._gen.Generate(build_request(**kw), timeout=self.timeout, metadata=self.metadata)
-        try:
-            async for resp in call:
-                yield chunk_from(resp)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        finally:
-            call.cancel()
+        request = build_request(**kw)
+        for attempt in itertools.count():
+            call = self._gen.Generate(request, timeout=self.timeout, metadata=self.metadata)
+            started = False
+            try:
+                async for resp in call:
+                    started = True
+                    yield chunk_from(resp)
+                return
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                wait = None if started or attempt >= self.max_retries else retry_delay(err, attempt)
+                if wait is None:
+                    raise err from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
     async def generate(self, **kw) -> Completion:
         acc = Accumulator()

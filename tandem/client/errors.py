@@ -3,6 +3,8 @@ happens), all under `TandemError`; `error_from_rpc` maps a `grpc.RpcError` to it
 
 from __future__ import annotations
 
+import random
+
 import grpc
 
 RETRY_AFTER_KEY = "retry-after-ms"   # router/admission.py's trailing metadata on RESOURCE_EXHAUSTED
@@ -79,3 +81,21 @@ def error_from_rpc(e: grpc.RpcError) -> TandemError:
         ms = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
         return Overloaded(details, int(ms) / 1000 if ms else None)
     return cls(details, code)
+
+
+MAX_RETRY_WAIT_S = 60.0     # a hint longer than this is not waited for: the error is raised
+
+
+def retry_delay(e: TandemError, attempt: int, rng: random.Random | None = None) -> float | None:
+    """Seconds to wait before retry `attempt` (0 for the first) of a request that failed with `e`
+    before its first chunk, or None where a retry would not help. RESOURCE_EXHAUSTED waits the
+    router's hint (`retry_after_s`); without one, and on UNAVAILABLE, 0.5 s doubling per attempt up to
+    8 s, each drawn from 75-100% so clients shed together do not return together. A hint past
+    MAX_RETRY_WAIT_S: None (the cluster is saying it is full for a long while)."""
+    if not isinstance(e, (Overloaded, Unavailable)):
+        return None
+    hint = e.retry_after_s if isinstance(e, Overloaded) else None
+    if hint is not None:
+        return hint if 0 <= hint <= MAX_RETRY_WAIT_S else None
+    backoff = min(0.5 * 2 ** attempt, 8.0)
+    return backoff * (rng or random).uniform(0.75, 1.0)

@@ -13,6 +13,8 @@ one per gRPC status. Leaving a stream early cancels the request, which frees its
 
 from __future__ import annotations
 
+import itertools
+import time
 import uuid
 from typing import Iterator
 
@@ -20,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import DEFAULT_TARGET, TLS, auth_metadata, make_channel
-from tandem.client.errors import error_from_rpc
+from tandem.client.errors import error_from_rpc, retry_delay
 from tandem.client.types import (Accumulator, Chunk, ClusterState, Completion, Pool, Worker, build_request,
                                  chunk_from, cluster_state_from, pool_from, worker_from)
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
@@ -29,27 +31,42 @@ from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_gr
 class Client:
     def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, admin_token: str | None = None,
                  tls: TLS | None = None,
-                 channel: grpc.Channel | None = None, timeout: float | None = None):
-        """`channel`: use this one instead of making one; `timeout`: seconds per call (None: none)."""
+                 channel: grpc.Channel | None = None, timeout: float | None = None, max_retries: int = 0):
+        """`channel`: use this one instead of making one; `timeout`: seconds per call (None: none);
+        `max_retries`: how often a request refused before its first chunk is sent again
+        (RESOURCE_EXHAUSTED after the router's retry hint, UNAVAILABLE after a backoff:
+        errors.retry_delay), as the openai SDKs retry a 429; 0 (the default): the error is raised."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.channel = channel or make_channel(target, tls)
         self.metadata = auth_metadata(token)
         # the Admin API takes only admin tokens (router --admin-token-file); without one, `token`
         self.admin_metadata = auth_metadata(admin_token or token)
         self.timeout = timeout
+        self.max_retries = max_retries
         self._gen = generation_pb2_grpc.GenerationStub(self.channel)
         self._admin = admin_pb2_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     # ---- generation -----------------------------------------------------------------------------
     def stream(self, **kw) -> Iterator[Chunk]:
-        call = self._gen.Generate(build_request(**kw), timeout=self.timeout, metadata=self.metadata)
-        try:
-            for resp in call:
-                yield chunk_from(resp)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        finally:
-            call.cancel()   # a no-op once the stream ended; else the request is freed on every worker
+        request = build_request(**kw)
+        for attempt in itertools.count():   # sent again only when refused before its first chunk
+            call = self._gen.Generate(request, timeout=self.timeout, metadata=self.metadata)
+            started = False
+            try:
+                for resp in call:
+                    started = True
+                    yield chunk_from(resp)
+                return
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                wait = None if started or attempt >= self.max_retries else retry_delay(err, attempt)
+                if wait is None:
+                    raise err from None
+            finally:
+                call.cancel()   # a no-op once the stream ended; else the request is freed on every worker
+            time.sleep(wait)
 
     def generate(self, **kw) -> Completion:
         acc = Accumulator()

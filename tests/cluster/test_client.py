@@ -94,6 +94,61 @@ def test_overload_carries_retry_after(cluster):
     assert used and all(v == 0 for v in used.values())
 
 
+def _one_slot_router(cluster):
+    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+
+    target = cluster.add_router()
+    router = cluster.routers[-1][1]
+    router.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
+    return target, router
+
+
+def test_max_retries_sends_a_shed_request_again_after_the_hint(cluster):
+    """Client(max_retries=N): a request refused before its first chunk (RESOURCE_EXHAUSTED) is sent
+    again after the router's hint and answered once the slot frees; the same request without
+    retries is refused; nothing is leaked."""
+    import threading
+
+    target, router = _one_slot_router(cluster)
+    with Client(target, timeout=120) as holder, Client(target, timeout=120, max_retries=3) as agent:
+        running = holder.stream(prompt="long", max_tokens=200, ignore_eos=True)
+        next(running)       # the one running slot is taken
+        with pytest.raises(Overloaded):
+            holder.generate(prompt="x", max_tokens=1)        # (no retries: refused at once)
+        refused = router.counters["errors"]
+        timer = threading.Timer(0.3, running.close)          # the slot frees before the hint runs out
+        timer.start()
+        try:
+            done = agent.generate(prompt="x", max_tokens=2, ignore_eos=True)
+        finally:
+            timer.cancel()
+            running.close()
+    assert done.usage.completion_tokens == 2 and done.text
+    assert router.counters["errors"] >= refused + 1         # refused first (cancellations do not count)
+    assert cluster.wait_idle() and router.limiter.running == 0 and router.limiter.waiting == 0
+
+
+def test_the_async_client_retries_a_shed_request_too(cluster):
+    target, router = _one_slot_router(cluster)
+    before = router.counters["errors"]
+
+    async def go():
+        async with AsyncClient(target, timeout=120) as holder, AsyncClient(target, timeout=120,
+                                                                          max_retries=3) as agent:
+            running = holder.stream(prompt="long", max_tokens=200, ignore_eos=True)
+            await running.__anext__()
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, lambda: asyncio.ensure_future(running.aclose()))
+            done = await agent.generate(prompt="x", max_tokens=2, ignore_eos=True)
+            await running.aclose()
+            return done
+
+    done = asyncio.run(go())
+    assert done.usage.completion_tokens == 2
+    assert router.counters["errors"] >= before + 1          # refused first (cancellations do not count)
+    assert cluster.wait_idle() and router.limiter.running == 0 and router.limiter.waiting == 0
+
+
 def test_health_and_admin(client):
     assert client.health() == "SERVING"
     state = client.cluster_state()

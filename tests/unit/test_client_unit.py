@@ -56,3 +56,28 @@ def test_overloaded_carries_the_retry_hint():
     e = errors.error_from_rpc(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-ms", "1500"),)))
     assert isinstance(e, errors.Overloaded) and e.retry_after_s == 1.5
     assert errors.error_from_rpc(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")).retry_after_s is None
+
+
+def test_retry_delay_waits_the_hint_backs_off_without_one_and_never_retries_a_bad_request():
+    import random
+
+    rng = random.Random(0)
+    assert errors.retry_delay(errors.Overloaded("full", 0.25), 0, rng) == 0.25
+    assert errors.retry_delay(errors.Overloaded("full", 0.25), 5, rng) == 0.25       # the hint, every attempt
+    assert errors.retry_delay(errors.Overloaded("full", errors.MAX_RETRY_WAIT_S + 1), 0, rng) is None
+    first = [errors.retry_delay(errors.Unavailable("no worker"), 0, rng) for _ in range(50)]
+    assert all(0.375 <= d <= 0.5 for d in first) and len(set(first)) > 1            # jittered
+    assert 0.375 * 4 <= errors.retry_delay(errors.Overloaded("full"), 2, rng) <= 0.5 * 4
+    assert 6.0 <= errors.retry_delay(errors.Unavailable("x"), 10, rng) <= 8.0          # capped
+    for e in (errors.InvalidRequest("bad"), errors.DeadlineExceeded("late"), errors.InternalError("boom"),
+              errors.Unauthenticated("who")):
+        assert errors.retry_delay(e, 0, rng) is None
+
+
+def test_max_retries_must_not_be_negative():
+    from tandem.client import AsyncClient, Client
+
+    with pytest.raises(ValueError, match="max_retries"):
+        Client("127.0.0.1:1", max_retries=-1)
+    with pytest.raises(ValueError, match="max_retries"):
+        AsyncClient("127.0.0.1:1", max_retries=-1)
