@@ -373,8 +373,9 @@ def stream_generate(stub, *, messages=None, prompt=None, session_id="", max_toke
 
 def cmd_chat(args) -> int:
     """An interactive session through tandem.client: each turn streams, the history stays in the
-    session, and its KV on the workers that served the last turn."""
-    client = Client(channel=_channel(args.target, args))
+    session, and its KV on the workers that served the last turn. A turn the router sheds is sent
+    again after its hint, twice at most, before the error is shown."""
+    client = Client(channel=_channel(args.target, args), max_retries=2)
     session = client.session(args.session)
     print(f"session {session.session_id}; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
