@@ -110,6 +110,9 @@ class RouterConfig:
     perf_model: str | None = None
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
+    # with "cost" placement: a request is refused (RESOURCE_EXHAUSTED, retry hint) when taking it
+    # would slow its decode worker's batch past slo_tpot_ms by the perf model (tandem.placement.BatchGuard)
+    batch_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.placement not in ("rules", "cost"):

@@ -123,9 +123,11 @@ def recorded_router(cluster: dict) -> RouterConfig:
 
 def router_limits(router: RouterConfig) -> dict:
     """`simulate`'s keyword arguments for the limits `router` enforces: its admission limiter
-    (AdmissionConfig.of) and its worker overload limits (OverloadLimits.of). One place, so the
-    replays, `tandem simulate` and the layout grid shed what the live router sheds."""
-    return {"admission": AdmissionConfig.of(router), "overload": OverloadLimits.of(router)}
+    (AdmissionConfig.of), its worker overload limits (OverloadLimits.of) and, where it places by
+    cost (the adaptive layout), its batch guard. One place, so the replays, `tandem simulate` and
+    the layout grid shed what the live router sheds."""
+    return {"admission": AdmissionConfig.of(router), "overload": OverloadLimits.of(router),
+            "batch_guard": router.batch_guard}
 
 
 def bench_deadline(bench: dict) -> float | None:

@@ -392,8 +392,8 @@ def _simulate_ramp(args, prefill, decode, perf, slo, autoscaler, opts) -> int:
         config = {"workload": args.workload, "seed": args.seed, "perf": perf.to_dict(), "start": [prefill, decode],
                   "autoscaler": autoscaler.to_dict() if autoscaler else None, "max_workers": args.max_workers,
                   "worker_startup_s": args.worker_startup_s, "cluster_config": args.config,
-                  "router_limits": {k: dataclasses.asdict(opts[k]) for k in ("admission", "overload") if k in opts}
-                  or None}
+                  "router_limits": ({**{k: dataclasses.asdict(opts[k]) for k in ("admission", "overload")},
+                                     "batch_guard": opts["batch_guard"]} if "admission" in opts else None)}
         for p in write_ramp(ramp_report(result, plan, rates, step_s, slo, label, config), args.out, label):
             print(f"wrote {p}")
     return 0

@@ -23,7 +23,7 @@ from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult
 from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
-from tandem.placement import (OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
+from tandem.placement import (BatchGuard, OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered, wants_remote_prefill)
 
 
@@ -36,7 +36,8 @@ class Simulation:
                  worker_startup_s: float, closed_loop: bool, pull_prefix: bool,
                  send_until_s: float | Mapping[str, float] | None = None,
                  max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
-                 adaptive: RoleConfig | None = None, admission: AdmissionConfig | None = None):
+                 adaptive: RoleConfig | None = None, admission: AdmissionConfig | None = None,
+                 batch_guard: bool = False):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
         # the router's admission limiter on the simulation's clock: a request whose predicted wait
         # for its first token is past the limit is refused at arrival, as live (None: none refused)
@@ -49,6 +50,8 @@ class Simulation:
         self.send_until_s = send_until_s
         self.max_workers = max_workers
         self.overload = overload
+        # the cost-placing router's guard on decode batches (the adaptive layout's router places by cost)
+        self.guard = BatchGuard(perf, slo.tpot_s) if batch_guard and adaptive is not None else None
         self.slot_queue: deque[SimWorker] = deque()  # created past max_workers, oldest first
         self.unsent: set[int] = set()  # seq indices a closed-loop session never sent (due too late)
         self.pull_prefix = pull_prefix
@@ -141,14 +144,16 @@ class Simulation:
     # -- placement: the router's rules (tandem.placement) -----------------------------------------
     def pick_decode(self, r: RequestLike) -> SimDecodeWorker | None:
         """The router's decode choice: the session's worker unless it is not ready or overloaded,
-        else the most cached, the least loaded, the lowest KV use, the smallest id. None: no worker
-        can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
+        else the most cached, the least loaded, the lowest KV use, the smallest id; with the batch
+        guard, none whose batch is full for the request (the session's own full: none). None: no
+        worker can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
         perf = self.perf
         live = {w.name: w for w in self.decodes if w.up and not w.gone
                 and w.role != sim_adaptive.PREFILL}
         own = self.session_decode.get(r.session_id)
         views = [w.view(r, perf.block_tokens, perf.kv_capacity_tokens) for w in live.values()]
-        wid = choose_worker(views, own.name if own else None, overload_fn=self.overload)
+        full = self.guard.full_for(r.input_tokens, perf.block_tokens) if self.guard else None
+        wid = choose_worker(views, own.name if own else None, overload_fn=self.overload, full=full)
         return live.get(wid)
 
     def pick_prefill(self, s: SimSeq, now: float) -> SimPrefillWorker | None:

@@ -24,7 +24,7 @@ import ray
 
 from tandem.kv_transfer.spec import TransferSpec
 from tandem.perf_model import PerfModel
-from tandem.placement import (LOCAL, READY, EngineLoad, OverloadLimits, PrefillOption, WorkerView, any_ready, choose_prefill, has_slack,
+from tandem.placement import (LOCAL, READY, BatchGuard, EngineLoad, OverloadFn, OverloadLimits, PrefillOption, WorkerView, any_ready, choose_prefill, has_slack,
                               choose_worker, prefill_options, local_prefill_queue, prefill_placement,
                               remote_prefill_offered)
 from tandem.router.cluster_view import ClusterView
@@ -86,6 +86,13 @@ class CostPlacement:
     perf: PerfModel
     slo_ttft_s: float
     slo_tpot_s: float
+    batch_guard: bool = True    # refuse a request that would slow its decode worker's batch past the TPOT SLO
+
+    def full_for(self, prompt_tokens: int, block_tokens: int) -> OverloadFn | None:
+        """`choose_worker`'s `full` for a new request of `prompt_tokens` (tandem.placement.BatchGuard)."""
+        if not self.batch_guard:
+            return None
+        return BatchGuard(self.perf, self.slo_tpot_s).full_for(prompt_tokens, block_tokens)
 
 
 class Placer:
@@ -133,18 +140,33 @@ class Placer:
         self.view.queues.pop(attempt_id, None)
 
     # ---- the policy ---------------------------------------------------------------------------
-    def pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=()) -> str:
+    def pick(self, pool: str, session_worker: str | None, hashes: list[bytes], exclude=(),
+             new_tokens: int | None = None) -> str:
+        """The `pool` worker for a request (tandem.placement.choose_worker). `new_tokens`: the prompt
+        of a new request to the decode pool, which the cost model's batch guard may refuse (None: a
+        request already running, moved, is never refused by it)."""
         views = [w for w in self.view.views(pool) if w.worker_id not in exclude]
         hits = {w: n * self.block_size for w, n in self.prefix.match(hashes).items()}
-        wid = choose_worker(views, session_worker, hits, overload_fn=self.overload)
+        full = self.full_for(pool, new_tokens)
+        wid = choose_worker(views, session_worker, hits, overload_fn=self.overload, full=full)
         if wid is None:
+            if full is not None and any(w.state == READY and not self.overload(w) for w in views):
+                self.counters["batch_guard_refused"] = self.counters.get("batch_guard_refused", 0) + 1
+                raise WorkersOverloaded(f"no {pool} worker has room in its batch for this request within the "
+                                        f"TPOT SLO ({self.cost.slo_tpot_s * 1e3:g} ms, router.slo_tpot_ms); "
+                                        "retry later")
             if any_ready(views):
                 raise WorkersOverloaded(f"every {pool} worker is overloaded; retry later")
             raise NoWorkerReady(f"no {pool} worker is ready")
         return wid
 
-    def prefill_plan(self, sess: SessionState | None, num_tokens: int,
-                     hashes: list[bytes]) -> tuple[str | None, int | None]:
+    def full_for(self, pool: str, new_tokens: int | None) -> OverloadFn | None:
+        if self.cost is None or pool != "decode" or new_tokens is None:
+            return None
+        return self.cost.full_for(new_tokens, self.block_size)
+
+    def prefill_plan(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes],
+                     moved: bool = False) -> tuple[str | None, int | None]:
         """(the prefill actor to reserve on alongside the decode actor, None: prefill locally; the
         local prefill's tokens per step, None: the step budget). By the cost model when the router
         has one (router.placement "cost"), else by the rules (`prefill_target`)."""
@@ -152,7 +174,7 @@ class Placer:
             return self.prefill_target(sess, num_tokens, hashes), None
         if not remote_prefill_offered(self.threshold, 1):
             return None, None
-        best = self.cost_choice(sess, num_tokens, hashes)
+        best = self.cost_choice(sess, num_tokens, hashes, moved)
         if best is None or best.where == LOCAL:
             return None, best.chunk_tokens if best is not None else None
         return best.worker_id, None
@@ -181,14 +203,16 @@ class Placer:
         return EngineLoad(w.running, w.kv_blocks_used * self.block_size,
                           self.prefill_queued.get(w.worker_id, 0) + self.local_queued.get(w.worker_id, 0))
 
-    def cost_choice(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes]) -> PrefillOption | None:
+    def cost_choice(self, sess: SessionState | None, num_tokens: int, hashes: list[bytes],
+                    moved: bool = False) -> PrefillOption | None:
         """The cost model's choice (tandem.placement.choose_prefill) among the decode worker's own
         prefill (at each chunk size) and every ready worker that serves prefill and has slack; None
         when no decode worker can take the request."""
         decode_views = self.view.views("decode")
         hits = {w: n * self.block_size for w, n in self.prefix.match(hashes).items()}
         decode_id = choose_worker(decode_views, sess.decode_worker if sess else None, hits,
-                                  overload_fn=self.overload)
+                                  overload_fn=self.overload,
+                                  full=self.full_for("decode", None if moved else num_tokens))
         if decode_id is None:
             return None
         dview = next(w for w in decode_views if w.worker_id == decode_id)
@@ -228,7 +252,7 @@ class Placer:
 
     async def _place(self, p: _Placement, exclude: set[str], avoid: set[str]) -> Attempt:
         rid, ids, sp, sess, hashes = p.rid, p.ids, p.sp, p.sess, p.hashes
-        p.prefill_hint, p.chunk = self.prefill_plan(sess, len(ids), hashes)
+        p.prefill_hint, p.chunk = self.prefill_plan(sess, len(ids), hashes, moved=bool(p.recomputed))
         if p.prefill_hint is not None:
             p.transfer_id = f"{rid}#{uuid.uuid4().hex[:8]}"
             # counted on the prefill actor at once, so concurrent arrivals see it
@@ -257,7 +281,8 @@ class Placer:
         tried = set(exclude) | avoid
         while True:
             try:
-                decode_id = self.pick("decode", p.sess.decode_worker if p.sess else None, p.hashes, exclude=tried)
+                decode_id = self.pick("decode", p.sess.decode_worker if p.sess else None, p.hashes, exclude=tried,
+                                      new_tokens=None if p.recomputed else len(p.ids))
             except (NoWorkerReady, WorkersOverloaded):
                 if not avoid:
                     raise

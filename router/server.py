@@ -62,7 +62,7 @@ def cost_placement(rc) -> CostPlacement | None:
     """The router's cost model when `router.placement` is "cost"."""
     if rc.placement != "cost":
         return None
-    return CostPlacement(PerfModel.load(rc.perf_model), rc.slo_ttft_ms / 1e3, rc.slo_tpot_ms / 1e3)
+    return CostPlacement(PerfModel.load(rc.perf_model), rc.slo_ttft_ms / 1e3, rc.slo_tpot_ms / 1e3, rc.batch_guard)
 
 
 async def serve(controller, config, namespace: str, tokenizer, model_config,

@@ -4,7 +4,10 @@ workers. The router, the decode worker and the simulator all decide through thes
 the simulator predicts what the cluster does.
 
 Worker choice (`choose_worker`), for the decode pool and the prefill pool alike:
-1. the session's own worker, unless it is gone, not ready (draining, dead) or overloaded;
+1. the session's own worker, unless it is gone, not ready (draining, dead) or overloaded; with
+   cost placement, a new request to the decode pool is refused while its session's worker is full
+   (`BatchGuard`: one more sequence would step its batch past the TPOT SLO), and full workers are
+   skipped below;
 2. otherwise, among ready workers that are not overloaded: the most of the prompt cached,
 3. then the least loaded (running + waiting requests), then the lowest KV use,
 4. then the smallest worker id, so the same inputs always give the same answer.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
@@ -77,23 +81,55 @@ class OverloadLimits:
                 or (self.max_kv_usage is not None and w.kv_usage > self.max_kv_usage))
 
 
+@dataclass(frozen=True)
+class BatchGuard:
+    """The cost model's guard on decode batches, past capacity: a worker with sequences to decode
+    is full for a request when the PerfModel predicts that taking it (one more sequence, its
+    prompt's KV more) would make the batch's steps slower than the TPOT SLO. The request is then
+    refused (RESOURCE_EXHAUSTED, retried after the router's hint) rather than slowing every
+    sequence of the batch past its SLO. A worker with nothing to decode is never full, and a
+    request that would miss the SLO alone (its context alone too long) is never refused by it.
+
+    Simulated on the calibrated H200 model's coding-agent grid: past capacity at TPOT 15 ms it
+    serves up to 12% more within both SLOs than admitting everything; at TPOT 40 ms and at low
+    rates it changes nothing (docs/benchmarks.md, "Adaptive placement on the coding-agent grid")."""
+
+    perf: Any
+    slo_tpot_s: float
+
+    def full_for(self, prompt_tokens: int, block_tokens: int) -> OverloadFn:
+        """`choose_worker`'s `full` for a request of `prompt_tokens`; `block_tokens`: the size of the
+        views' KV blocks."""
+        perf, slo = self.perf, self.slo_tpot_s
+        if perf.tpot_s(1, prompt_tokens) > slo:
+            return lambda w: False
+
+        def full(w: WorkerView) -> bool:
+            return w.load > 0 and perf.tpot_s(w.load + 1, w.kv_blocks_used * block_tokens + prompt_tokens) > slo
+        return full
+
+
 def any_ready(workers: Iterable[WorkerView]) -> bool:
     return any(w.state == READY for w in workers)
 
 
 def choose_worker(workers: Iterable[WorkerView], session_worker_id: str | None,
                   prefix_hits: Mapping[str, int] | None = None, *,
-                  overload_fn: OverloadFn = OverloadLimits()) -> str | None:
+                  overload_fn: OverloadFn = OverloadLimits(), full: OverloadFn | None = None) -> str | None:
     """The worker to send the request to, or None if none can take it (see module docstring).
 
     `prefix_hits` (worker id -> cached prefix length, e.g. from `PrefixIndex.match`) adds to each
-    view's `cached_prefix_tokens`: the larger of the two counts.
+    view's `cached_prefix_tokens`: the larger of the two counts. `full` (`BatchGuard.full_for`):
+    a worker it holds full is skipped, but when that is the session's own worker the answer is
+    None: the session keeps its worker, and the KV cached there, until its batch has room.
     """
     hits = prefix_hits or {}
     candidates = [w for w in workers if w.state == READY and not overload_fn(w)]
     for w in candidates:
         if w.worker_id == session_worker_id:
-            return w.worker_id
+            return None if full is not None and full(w) else w.worker_id
+    if full is not None:
+        candidates = [w for w in candidates if not full(w)]
     if not candidates:
         return None
 

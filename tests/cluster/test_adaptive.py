@@ -121,7 +121,11 @@ def test_the_role_policy_lends_a_worker_under_prompt_load_and_returns_it_after(m
     c = make_cluster({**ADAPTIVE, "model.name": "tiny-random", "cache.num_blocks": 2048, "prefill.replicas": 0,
                       "decode.replicas": 3, "router.perf_model": str(perf), "router.slo_ttft_ms": SLO_TTFT_MS,
                       "router.slo_tpot_ms": SLO_TPOT_MS, "roles.period_s": 2.0, "roles.min_hold_s": 3.0,
-                      "roles.margin": 0.05, "roles.window_s": 4.0})
+                      "roles.margin": 0.05, "roles.window_s": 4.0,
+                      # this load steps past the TPOT SLO on purpose (that is what makes lending a
+                      # worker win); the batch guard would shed some of it, and every request of
+                      # this test must be served (the guard's own test: tests/cluster/test_client.py)
+                      "router.batch_guard": False})
     load, t0 = Load(c), time.monotonic()
     lent_at: list[float] = []
 

@@ -103,12 +103,23 @@ def _one_slot_router(cluster):
     return target, router
 
 
+def _generate_as_it_ends(agent, running):
+    """`agent`'s request, sent while the stream `running` holds the room; the stream closes 0.3 s in."""
+    import threading
+
+    timer = threading.Timer(0.3, running.close)
+    timer.start()
+    try:
+        return agent.generate(prompt="x", max_tokens=2, ignore_eos=True)
+    finally:
+        timer.cancel()
+        running.close()
+
+
 def test_max_retries_sends_a_shed_request_again_after_the_hint(cluster):
     """Client(max_retries=N): a request refused before its first chunk (RESOURCE_EXHAUSTED) is sent
     again after the router's hint and answered once the slot frees; the same request without
     retries is refused; nothing is leaked."""
-    import threading
-
     target, router = _one_slot_router(cluster)
     with Client(target, timeout=120) as holder, Client(target, timeout=120, max_retries=3) as agent:
         running = holder.stream(prompt="long", max_tokens=200, ignore_eos=True)
@@ -116,13 +127,7 @@ def test_max_retries_sends_a_shed_request_again_after_the_hint(cluster):
         with pytest.raises(Overloaded):
             holder.generate(prompt="x", max_tokens=1)        # (no retries: refused at once)
         refused = router.counters["errors"]
-        timer = threading.Timer(0.3, running.close)          # the slot frees before the hint runs out
-        timer.start()
-        try:
-            done = agent.generate(prompt="x", max_tokens=2, ignore_eos=True)
-        finally:
-            timer.cancel()
-            running.close()
+        done = _generate_as_it_ends(agent, running)          # the slot frees before the hint runs out
     assert done.usage.completion_tokens == 2 and done.text
     assert router.counters["errors"] >= refused + 1         # refused first (cancellations do not count)
     assert cluster.wait_idle() and router.limiter.running == 0 and router.limiter.waiting == 0
@@ -147,6 +152,32 @@ def test_the_async_client_retries_a_shed_request_too(cluster):
     assert done.usage.completion_tokens == 2
     assert router.counters["errors"] >= before + 1          # refused first (cancellations do not count)
     assert cluster.wait_idle() and router.limiter.running == 0 and router.limiter.waiting == 0
+
+
+def test_the_batch_guard_refuses_what_its_batch_has_no_room_for_and_a_retry_gets_in(cluster):
+    """A cost-placing router's batch guard (RouterConfig.batch_guard) on a real cluster: its perf
+    model says one sequence steps in 20 ms and two in 30 ms, against a 25 ms TPOT SLO. While one
+    stream decodes, a new request is refused (RESOURCE_EXHAUSTED, with the reason), costs nothing,
+    and a client with retries gets in once the stream has ended."""
+    from tandem.perf_model import PerfModel
+    from tandem.router.placing import CostPlacement
+
+    target = cluster.add_router()
+    router = cluster.routers[-1][1]
+    perf = PerfModel(prefill_base_s=0.001, prefill_per_token_s=1e-5, prefill_attn_s=0.0, decode_base_s=0.01,
+                     decode_per_seq_s=0.01, decode_per_ctx_token_s=0.0, transfer_base_s=0.001,
+                     transfer_per_token_s=0.0, request_overhead_s=0.001, remote_overhead_s=0.001)
+    router.placer.cost = CostPlacement(perf, 60.0, 0.025)
+    with Client(target, timeout=120) as holder, Client(target, timeout=120, max_retries=5) as agent:
+        running = holder.stream(prompt="long", max_tokens=200, ignore_eos=True)
+        next(running)       # one sequence decodes: a second would step past 25 ms
+        with pytest.raises(Overloaded, match="TPOT SLO"):
+            holder.generate(prompt="x", max_tokens=1)
+        assert router.placer.counters["batch_guard_refused"] >= 1
+        done = _generate_as_it_ends(agent, running)
+    assert done.usage.completion_tokens == 2 and done.text
+    assert all(v == 0 for v in cluster.wait_idle().values())    # nothing held by the refused requests
+    router.placer.cost = None
 
 
 def test_health_and_admin(client):

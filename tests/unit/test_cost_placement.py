@@ -12,7 +12,9 @@ from tandem.cluster.roles import RoleConfig, RoleState, decide_roles
 from tandem.perf_model import PerfModel
 from tandem.router.placing import CostPlacement, Placer
 from tandem.router.sessions import SessionState
-from tandem.placement import (LOCAL, REMOTE, Demand, EngineLoad, WorkerView, chunk_choices, choose_prefill,
+from tandem.wire.errors import WorkersOverloaded
+from tandem.placement import (LOCAL, REMOTE, BatchGuard, Demand, EngineLoad, WorkerView, chunk_choices, choose_prefill,
+                              choose_worker,
                               chunked_prefill_s, plan_roles, prefill_options)
 
 H200 = PerfModel(prefill_base_s=0.0028, prefill_per_token_s=2e-5, prefill_attn_s=8.4e-10, decode_base_s=0.0056,
@@ -180,7 +182,10 @@ class _Views:
 
 
 def test_the_router_places_by_the_cost_model_when_configured():
-    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    # d0's batch already steps past 15 ms, so the batch guard would refuse its sessions' requests
+    # (test_the_batch_guard_...); here the question is only where prompts are prefilled
+    cost = CostPlacement(H200, 1.0, 0.015, batch_guard=False)
+    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=cost)
     busy = SessionState(decode_worker="d0", prefill_worker=None, num_tokens=0)
     # a long prompt for the busy d0: the prefill-only p0 computes it
     assert placer.prefill_plan(busy, 16_000, []) == ("p0", None)
@@ -188,13 +193,57 @@ def test_the_router_places_by_the_cost_model_when_configured():
     hint, chunk = placer.prefill_plan(busy, 200, [])
     assert hint is None and chunk >= 200
     # p0 gone from the prefill choice: d1 decodes, so it prefills for nobody; d0 prefills itself
-    placer = Placer(_Views("draining"), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    placer = Placer(_Views("draining"), 16, 2, {}, local_prefill_threshold=0, cost=cost)
     assert placer.prefill_plan(busy, 16_000, [])[0] is None
     # an idle d1 has slack
-    placer = Placer(_Views("draining", d1_running=0), 16, 2, {}, local_prefill_threshold=0,
-                    cost=CostPlacement(H200, 1.0, 0.015))
+    placer = Placer(_Views("draining", d1_running=0), 16, 2, {}, local_prefill_threshold=0, cost=cost)
     assert placer.prefill_plan(busy, 16_000, [])[0] == "d1"
     assert placer.counters["cost_remote"] == 1
+
+
+def test_the_batch_guard_refuses_a_request_that_would_slow_its_batch_past_the_tpot_slo():
+    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.015))
+    on_d0 = SessionState(decode_worker="d0", prefill_worker=None, num_tokens=0)
+    # d0's 40 sequences of 8k step past 15 ms: a turn of its session is refused, not moved to d1
+    # (its KV stays where it is cached)
+    assert placer.prefill_plan(on_d0, 16_000, []) == (None, None)
+    with pytest.raises(WorkersOverloaded):
+        placer.pick("decode", "d0", [], new_tokens=16_000)
+    # a new session goes to d1, whose two short sequences have room
+    assert placer.pick("decode", None, [], new_tokens=16_000) == "d1"
+    # a request moved off a failed worker is placed wherever it can run, full or not
+    assert placer.pick("decode", "d0", [], new_tokens=None) == "d0"
+    assert placer.prefill_plan(on_d0, 16_000, [], moved=True)[0] == "p0"
+    # with the TPOT SLO at 40 ms d0 has room
+    placer = Placer(_Views(), 16, 2, {}, local_prefill_threshold=0, cost=CostPlacement(H200, 1.0, 0.040))
+    assert placer.pick("decode", "d0", [], new_tokens=16_000) == "d0"
+
+
+def test_the_batch_guard_never_holds_an_idle_worker_or_a_request_too_long_for_the_slo_alone():
+    guard = BatchGuard(H200, 0.015)
+    ctx_per_seq = 8000
+    busy = WorkerView("d0", "decode", running=30, kv_blocks_used=30 * ctx_per_seq // 16)
+    idle = WorkerView("d1", "decode")
+    full = guard.full_for(2000, 16)
+    assert H200.tpot_s(31, 30 * ctx_per_seq + 2000) <= 0.015 and not full(busy)
+    # queued requests count as batch: 41 sequences, and the KV the worker reserved for them
+    crowded = replace(busy, waiting=10, kv_blocks_used=40 * ctx_per_seq // 16)
+    assert H200.tpot_s(41, 40 * ctx_per_seq + 2000) > 0.015 and full(crowded)
+    assert not full(idle)
+    # 300k tokens alone step past 15 ms: such a request is never refused by the guard
+    too_long = 300_000
+    assert H200.tpot_s(1, too_long) > 0.015 and not guard.full_for(too_long, 16)(crowded)
+
+
+def test_choose_worker_keeps_a_session_on_its_full_worker_and_skips_full_ones_for_others():
+    ws = [WorkerView("d0", "decode", running=5), WorkerView("d1", "decode", running=9),
+          WorkerView("d2", "decode", running=1)]
+    full = lambda w: w.running > 4    # noqa: E731
+    assert choose_worker(ws, "d0", full=full) is None        # the session waits for its own worker
+    assert choose_worker(ws, None, full=full) == "d2"
+    assert choose_worker(ws, "d2", full=full) == "d2"
+    assert choose_worker(ws, None) == "d2" and choose_worker(ws, "d0") == "d0"
+    assert choose_worker(ws[:2], None, full=full) is None
 
 
 def test_the_router_without_a_cost_model_keeps_the_rules():

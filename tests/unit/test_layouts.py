@@ -53,11 +53,13 @@ def test_a_recorded_router_section_gives_the_limits_the_router_enforced():
     limits, RouterConfig's defaults for what the section leaves out, and a key that RouterConfig no
     longer names (an older run's) ignored rather than refused."""
     router = recorded_router({"router": {"max_expected_wait_s": None, "max_queue": 7, "worker_max_waiting": 3,
-                                         "retired_option": 1}})
+                                         "batch_guard": False, "retired_option": 1}})
     limits = router_limits(router)
     assert limits["admission"] == AdmissionConfig(max_queue=7, max_expected_wait_s=None)
     assert limits["overload"] == OverloadLimits(max_waiting=3)
-    assert router_limits(recorded_router({})) == {"admission": AdmissionConfig(), "overload": OverloadLimits()}
+    assert limits["batch_guard"] is False
+    assert router_limits(recorded_router({})) == {"admission": AdmissionConfig(), "overload": OverloadLimits(),
+                                                  "batch_guard": True}
 
 
 def test_layouts_give_one_config_per_split():

@@ -39,6 +39,24 @@ def test_adaptive_is_never_much_worse_than_colocated_on_agent_sessions():
     assert ada.label == "adaptive x2"
 
 
+def test_the_batch_guard_sheds_past_capacity_and_changes_nothing_below_it():
+    """The cost-placing router's batch guard (RouterConfig.batch_guard), simulated: on two GPUs
+    past capacity it refuses requests that would slow their batch past TPOT 15 ms, and serves more
+    within both SLOs than admitting them all; below capacity it refuses none and the run is the
+    same as without it."""
+    slo = SLO(2.0, 0.015)
+
+    def run(rate: float, n: int, guard: bool):
+        return simulate(agents(rate, n), 0, 2, H200, slo, adaptive=RoleConfig(), closed_loop=True,
+                        send_until_s=60, batch_guard=guard).summary
+    over, guarded = run(6.0, 240, False), run(6.0, 240, True)
+    assert over.rejected == 0 and guarded.rejected > 0
+    assert guarded.goodput_rps > 1.3 * over.goodput_rps
+    assert guarded.tpot_p90 < over.tpot_p90 / 2
+    calm, calm_guarded = run(1.0, 60, False), run(1.0, 60, True)
+    assert calm_guarded.rejected == 0 and calm_guarded == calm
+
+
 def prompt_flood_then_decodes() -> list[RequestSpec]:
     """Long decodes beside a flood of long prompts (a prefill-heavy phase), on 4 workers."""
     decodes = [RequestSpec(f"d{i}", 0, 0.01 * i, 2000, 6000) for i in range(64)]
