@@ -217,7 +217,8 @@ def watch(c, perf, workers: int, slo: tuple[float, float], window_s: float, run:
 def run_layout(layout: str, perf_path: str, perf: PerfModel, a, load: Load) -> Run:
     common = {"model.name": a.model, "cache.num_blocks": 1024, "prefill.replicas": 0, "decode.replicas": a.workers,
               "router.perf_model": perf_path, "router.slo_ttft_ms": a.slo_ttft_ms, "router.slo_tpot_ms": a.slo_tpot_ms,
-              "router.max_expected_wait_s": 600.0}   # measure every request: no shedding by predicted wait
+              # measure every request: no shedding by predicted wait, nor by the batch guard
+              "router.max_expected_wait_s": 600.0, "router.batch_guard": False}
     layouts = {"adaptive": {**ADAPTIVE, "roles.period_s": a.period_s, "roles.min_hold_s": a.min_hold_s,
                             "roles.margin": a.margin, "roles.window_s": a.window_s},
                # the adaptive layout with its role policy off: cost placement (and its chunk sizes) alone
