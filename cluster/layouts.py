@@ -49,32 +49,38 @@ def mode_configs(args) -> dict[str, dict]:
                 "decode": {"replicas": n_decode, "num_gpus": gpu,
                            "local_prefill_threshold": args.threshold if n_prefill else float("inf")}}
 
-    def adaptive() -> dict:
+    def adaptive(guard: bool) -> dict:
         # every GPU decodes and prefills (what `tandem up --layout adaptive` sets, config.ADAPTIVE);
         # the router's cost model plans on the comparison's SLOs and perf model
         cfg = {**common, "prefill": {"replicas": 0, "num_gpus": gpu}, "decode": {"replicas": args.gpus, "num_gpus": gpu},
                "router": {**common["router"], "perf_model": getattr(args, "perf", None),
                           "slo_ttft_ms": getattr(args, "ttft_slo_ms", 1000.0),
-                          "slo_tpot_ms": getattr(args, "tpot_slo_ms", 40.0)}}
+                          "slo_tpot_ms": getattr(args, "tpot_slo_ms", 40.0), "batch_guard": guard}}
         for dotted, value in ADAPTIVE.items():
             section, _, key = dotted.partition(".")
             cfg[section] = {**cfg.get(section, {}), key: value}
         return cfg
 
     if getattr(args, "layouts", None):
-        return {(f"adaptive x{args.gpus}" if split is None else layout_name(*split)):
-                (adaptive() if split is None else layout(*split)) for split in parse_layouts(args.layouts)}
+        return {(layout_name(*split) if isinstance(split, tuple) else
+                 f"adaptive x{args.gpus}" + ("" if split is None else " unguarded")):
+                (layout(*split) if isinstance(split, tuple) else adaptive(split is None))
+                for split in parse_layouts(args.layouts)}
     n_prefill = args.prefill or max(1, args.gpus // 2)
     return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
 
 
-def parse_layouts(text: str) -> list[tuple[int, int] | None]:
-    """"1:3,0:4,adaptive" -> [(1, 3), (0, 4), None] (None: the adaptive layout, on every GPU);
-    exits with a message on an item that is neither P:D nor adaptive."""
-    out: list[tuple[int, int] | None] = []
+UNGUARDED = "adaptive-unguarded"   # the adaptive layout with router.batch_guard off
+
+
+def parse_layouts(text: str) -> list[tuple[int, int] | str | None]:
+    """"1:3,0:4,adaptive" -> [(1, 3), (0, 4), None] (None: the adaptive layout, on every GPU;
+    UNGUARDED: the same without the router's batch guard); exits with a message on an item that is
+    neither P:D nor one of those."""
+    out: list[tuple[int, int] | str | None] = []
     for item in text.split(","):
-        if item.strip() == "adaptive":
-            out.append(None)
+        if item.strip() in ("adaptive", UNGUARDED):
+            out.append(None if item.strip() == "adaptive" else UNGUARDED)
             continue
         if item.strip() == "colocated":
             raise SystemExit("--layouts: name the colocated layout 0:N (N replicas)")

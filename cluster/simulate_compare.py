@@ -3,7 +3,9 @@ replayed against each layout of N GPUs at each rate (new sessions per second, cl
 is sent its think time after the previous answer, none past `--duration`), one result per (layout,
 rate): a table, or with `--json` one JSON object per line. Layouts: `adaptive` (every worker
 decodes and prefills, the cost model places each prompt and the role policy lends workers to
-prefill only), `colocated` (N replicas), `P:D` (a static split)."""
+prefill only; the router's batch guard as the router config sets it, on by default),
+`adaptive-unguarded` (the same, never refusing by the batch guard), `colocated` (N replicas), `P:D`
+(a static split)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import random
 from typing import Any
 
 from tandem.cluster.config import RouterConfig
-from tandem.cluster.layouts import router_limits
+from tandem.cluster.layouts import UNGUARDED, router_limits
 from tandem.cluster.roles import RoleConfig
 from tandem.cluster.sim_model import SLO, SimResult
 from tandem.cluster.simulator import format_table, simulate
@@ -37,13 +39,15 @@ def add_compare_args(sm) -> None:
 
 def parse_layout(name: str, gpus: int) -> dict[str, Any]:
     """simulate()'s arguments for one layout name."""
-    if name == "adaptive":
-        return {"prefill": 0, "decode": gpus, "adaptive": RoleConfig()}
+    if name in ("adaptive", UNGUARDED):     # UNGUARDED: without the router's batch guard
+        return {"prefill": 0, "decode": gpus, "adaptive": RoleConfig(),
+                **({"batch_guard": False} if name == UNGUARDED else {})}
     if name == "colocated":
         return {"prefill": 0, "decode": gpus, "colocated": True}
     p, sep, d = name.partition(":")
     if not sep or not (p.isdigit() and d.isdigit()) or int(d) < 1 or int(p) + int(d) > gpus:
-        raise ValueError(f"--compare: {name!r} is not adaptive, colocated or P:D with P + D <= --gpus ({gpus})")
+        raise ValueError(f"--compare: {name!r} is not adaptive, {UNGUARDED}, colocated or P:D with P + D <= --gpus "
+                         f"({gpus})")
     return {"prefill": int(p), "decode": int(d)}
 
 
@@ -92,7 +96,7 @@ def compare(perf: PerfModel, layouts: list[str], gpus: int, rates: list[float], 
             if "adaptive" in kw:
                 kw["role_log"] = changes
             res = simulate(specs, perf=perf, slo=slo, closed_loop=True, send_until_s=duration_s,
-                           label=f"{name} @{rate:g}/s", **kw, **limits)
+                           label=f"{name} @{rate:g}/s", **{**limits, **kw})
             out.append((row(name, rate, gpus, slo, res, len(changes) if "adaptive" in kw else None), res))
     return out
 

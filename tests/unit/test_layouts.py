@@ -116,13 +116,17 @@ def test_predict_gives_each_layout_the_benchs_decode_slots_and_starts_nothing(tm
 
 
 def test_the_adaptive_layout_runs_live_as_tandem_up_would_and_is_predicted_by_the_adaptive_simulation(tmp_path):
-    c = mode_configs(_args(layouts="adaptive,0:2", gpus=2, perf="p.json", ttft_slo_ms=500, tpot_slo_ms=25))
-    assert list(c) == ["adaptive x2", "colocated x2"]
+    c = mode_configs(_args(layouts="adaptive,0:2,adaptive-unguarded", gpus=2, perf="p.json", ttft_slo_ms=500,
+                           tpot_slo_ms=25))
+    assert list(c) == ["adaptive x2", "colocated x2", "adaptive x2 unguarded"]
     ada = c["adaptive x2"]
     path = tmp_path / "ada.yaml"
     path.write_text(yaml.safe_dump(ada))
     cfg = load_config(path)                  # what `tandem up --config` reads
     assert cfg.roles.enabled and cfg.router.placement == "cost" and cfg.decode.role == "mixed"
+    assert cfg.router.batch_guard
+    unguarded = c["adaptive x2 unguarded"]
+    assert unguarded["router"]["batch_guard"] is False and {**unguarded, "router": None} == {**ada, "router": None}
     assert (cfg.prefill.replicas, cfg.decode.replicas) == (0, 2) and cfg.decode.local_prefill_threshold == 0
     assert (cfg.router.perf_model, cfg.router.slo_ttft_ms, cfg.router.slo_tpot_ms) == ("p.json", 500, 25)
     with pytest.raises(SystemExit, match="0:N"):

@@ -113,6 +113,14 @@ def test_simulate_compare_prints_one_json_object_per_layout_and_rate(capsys):
     assert all(x["tpot_slo_ms"] == 40 and x["ttft_slo_ms"] == 1000 for x in lines)
 
 
+def test_compare_runs_the_adaptive_layout_with_and_without_its_batch_guard():
+    rows = {r["layout"]: r for r, _ in compare(H200, ["adaptive", "adaptive-unguarded"], 2, [6.0],
+                                               SLO(2.0, 0.015), duration_s=40)}
+    guarded, unguarded = rows["adaptive"], rows["adaptive-unguarded"]
+    assert guarded["rejected"] > unguarded["rejected"] == 0
+    assert guarded["tpot_p90_ms"] < unguarded["tpot_p90_ms"] and guarded["goodput"] > unguarded["goodput"]
+
+
 def test_simulate_compare_refuses_a_layout_it_does_not_know(capsys):
     assert main(["simulate", "--compare", "adaptive,3:3", "--gpus", "2", "--json"]) == 2
     assert "3:3" in capsys.readouterr().err
