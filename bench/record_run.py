@@ -11,6 +11,10 @@ steps, engine.step_trace). The full bench report stays in
     python bench/record_run.py --profile /tmp/cpu-profile.json --device cpu --model smollm2-135m \
         --layout 0:1 --workload agent-small --rates 0.1,0.2,0.4 --duration 40 --name cpu-colocated
     python -m bench.validate_simulator bench/results/cpu-colocated
+
+`--layout adaptive --workers N` records the adaptive layout (its router planning with
+`--router-perf`, else the profile; the replay runs the adaptive simulation with the same role
+policy and batch guard).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import grpc
 
 from disagg_vs_colocated import run_mode
 from tandem.cluster.calibration import calibrate_on_cluster
-from tandem.cluster.layouts import mode_configs
+from tandem.cluster.layouts import UNGUARDED, mode_configs
 from tandem.cluster.loadgen import load_sessions, parse_workload, sessions_needed
 from tandem.cluster.profiling import speculation_from_requests
 from tandem.cluster.workloads import RequestSpec
@@ -132,7 +136,11 @@ def _args() -> argparse.Namespace:
                                       "memory and the model, from `host_words`)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--layout", default="0:1", help="P:D (0:N: N colocated replicas)")
+    ap.add_argument("--layout", default="0:1", help="P:D (0:N: N colocated replicas), or adaptive / "
+                                                    "adaptive-unguarded on --workers workers")
+    ap.add_argument("--workers", type=int, default=1, help="the adaptive layout's workers")
+    ap.add_argument("--router-perf", help="the adaptive layout's router plans with this perf model (default: "
+                                          "--profile); the run's calibrated model is written after")
     ap.add_argument("--workload", default="agent-small")
     ap.add_argument("--rates", default="0.1,0.2,0.4")
     ap.add_argument("--duration", type=float, default=40)
@@ -155,7 +163,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/record-run", help="tandem up's config, logs and the full bench JSON")
     ap.add_argument("--results", default=str(RESULTS))
     a = ap.parse_args()
-    p, d = (int(x) for x in a.layout.split(":"))
+    if a.layout in ("adaptive", UNGUARDED):
+        p, d = 0, a.workers
+        a.perf = a.router_perf or a.profile
+    else:
+        p, d = (int(x) for x in a.layout.split(":"))
     a.layouts, a.gpus, a.prefill = a.layout, p + d, p
     a.probe_batches = tuple(int(x) for x in a.probe_batches.split(","))
     return a
@@ -170,7 +182,9 @@ def main() -> None:
     fitted = {}
 
     def probe(target: str) -> None:
-        threshold = float(config["decode"]["local_prefill_threshold"])
+        # the adaptive layout's prompts go where the cost model puts them, not by a threshold: its
+        # control path is probed on the local path only (remote_overhead_s 0)
+        threshold = math.inf if a.prefill == 0 else float(config["decode"]["local_prefill_threshold"])
         with grpc.insecure_channel(target) as channel:
             fitted["perf"], fitted["served"] = calibrate_on_cluster(
                 generation_pb2_grpc.GenerationStub(channel), perf, vocab_size=vocab, threshold=threshold,

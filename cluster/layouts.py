@@ -120,6 +120,15 @@ def recorded_perf(cluster: dict, perf: PerfModel) -> tuple[PerfModel, bool, int,
     return replace(model, **over), colocated, n_prefill, int(cluster["decode"]["replicas"])
 
 
+def recorded_mode(cluster: dict, colocated: bool) -> dict:
+    """`simulate`'s mode for a recorded or planned layout: the adaptive layout with its role
+    policy (the `roles` section enabled), else colocated or not as `layout_perf` says."""
+    roles = cluster.get("roles") or {}
+    if roles.get("enabled"):
+        return {"adaptive": RoleConfig(**{k: v for k, v in roles.items() if k != "enabled"})}
+    return {"colocated": colocated}
+
+
 def recorded_router(cluster: dict) -> RouterConfig:
     """The router config of a recorded or planned layout (its `router` section; RouterConfig's
     defaults for what it leaves out or no longer names)."""
@@ -170,9 +179,7 @@ def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[flo
                              max_sessions=c.get("max_sessions"))
         specs = [replace(t, arrival_s=sess.start_s) if i == 0 else t
                  for sess in plan for i, t in enumerate(sess.specs)]
-        mode = {"adaptive": RoleConfig(**{k: v for k, v in cluster["roles"].items() if k != "enabled"})} \
-            if (cluster.get("roles") or {}).get("enabled") else {"colocated": colocated}
         out[rate] = simulate(specs, n_prefill, n_decode, model, slo, closed_loop=True,
                              send_until_s=c["duration_s"], **router_limits(recorded_router(cluster)),
-                             cancel_at_s=bench_deadline(c), **mode).summary
+                             cancel_at_s=bench_deadline(c), **recorded_mode(cluster, colocated)).summary
     return out
