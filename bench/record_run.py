@@ -165,7 +165,7 @@ def _args() -> argparse.Namespace:
     a = ap.parse_args()
     if a.layout in ("adaptive", UNGUARDED):
         p, d = 0, a.workers
-        a.perf = a.router_perf or a.profile
+        a.perf = str(Path(a.router_perf or a.profile).resolve())    # tandem up runs elsewhere
     else:
         p, d = (int(x) for x in a.layout.split(":"))
     a.layouts, a.gpus, a.prefill = a.layout, p + d, p
