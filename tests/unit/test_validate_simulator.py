@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
                                                # recorded with 385e01d on this machine, its own profile
                                                # (-5): 23% without the load terms
                                                ("cpu-colocated-7", ["0.05", "0.1"], 0.26),
+                                               # the adaptive layout (one worker, the batch guard
+                                               # refusing past capacity), replayed by the adaptive
+                                               # simulation: 92% at 0.25 replayed as colocated
+                                               ("cpu-adaptive", ["0.1", "0.25"], 0.60),
                                                # 60 s a rate: past capacity at 2 and 3 sessions/s; the
                                                # router's admission and the bench's deadline replayed
                                                # (135% at rate 3 without them)
