@@ -42,7 +42,14 @@ class Overloaded(Exception):
         return max(1, round(self.retry_after_s * 1000))
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+        return retry_hint(self)
+
+
+def retry_hint(e: Exception) -> tuple[tuple[str, str], ...]:
+    """The `retry-after-ms` trailing metadata of a refusal that carries `retry_after_s` (the
+    workers' overload), else none."""
+    s = getattr(e, "retry_after_s", None)
+    return () if s is None else ((RETRY_AFTER_KEY, str(max(1, round(s * 1000)))),)   # Overloaded.retry_after_ms
 
 
 # the admission limits a router config carries under these names (AdmissionConfig.of)

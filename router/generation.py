@@ -32,7 +32,7 @@ from tandem.router.status_codes import OWN_MESSAGES, status_code
 from tandem.router.validation import RequestLimits, validate_request
 from tandem.runtime.logging_setup import bind_request
 from tandem.runtime.metrics import get_hub
-from tandem.wire.errors import InvalidRequestError, NoWorkerReady
+from tandem.wire.errors import InvalidRequestError, NoWorkerReady, WorkersOverloaded
 from tandem.wire.messages import FinishReason, OutputError, SamplingParams, SequencePaused, StepOutput
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ class Router:
         self.counters["errors"] += 1
         if isinstance(e, (InvalidRequestError, Overloaded, DuplicateRequest)):   # refused before the cluster
             self.hub.record_finished(code=code, finish_reason="none", e2e_seconds=None)
+        if isinstance(e, (Overloaded, WorkersOverloaded)):
+            self.hub.record_shed("admission" if isinstance(e, Overloaded) else e.reason)
 
     async def generate(self, request, client: str = "", deadline: float | None = None):
         """One request from `client` (for its request ids: router/request_ids.py). A request that

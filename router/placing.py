@@ -154,7 +154,7 @@ class Placer:
                 self.counters["batch_guard_refused"] = self.counters.get("batch_guard_refused", 0) + 1
                 raise WorkersOverloaded(f"no {pool} worker has room in its batch for this request within the "
                                         f"TPOT SLO ({self.cost.slo_tpot_s * 1e3:g} ms, router.slo_tpot_ms); "
-                                        "retry later")
+                                        "retry later", reason="batch_guard")
             if any_ready(views):
                 raise WorkersOverloaded(f"every {pool} worker is overloaded; retry later")
             raise NoWorkerReady(f"no {pool} worker is ready")

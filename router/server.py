@@ -18,7 +18,7 @@ from tandem.perf_model import PerfModel
 from tandem.placement import OverloadLimits
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tandem.router.admin import AdminService, publish_cluster_metrics
-from tandem.router.admission import AdmissionConfig, Overloaded, client_identity
+from tandem.router.admission import AdmissionConfig, client_identity, retry_hint
 from tandem.router.auth import bearer_token
 from tandem.router.cluster_view import ClusterView
 from tandem.router.generation import Router
@@ -53,7 +53,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         detail of a failure in the cluster was logged under the request's id (Router.generate)."""
         code = status_code(e)
         self.router.record_error(e, code.name)
-        trailing = e.trailing_metadata() if isinstance(e, Overloaded) else ()
+        trailing = retry_hint(e)     # a shed request's hint (the limiter's, the workers' overload)
         await context.abort(code, client_message(e, getattr(e, "tandem_request_id", None)),
                             trailing_metadata=trailing)
 

@@ -67,7 +67,7 @@ METRIC_NAMES = (
     "tandem:prefix_cache_queries", "tandem:prefix_cache_hits", "tandem:kv_transfer_seconds",
     "tandem:kv_transfer_bytes", "tandem:spec_decode_draft_tokens",
     "tandem:spec_decode_accepted_tokens", "tandem:pool_size", "tandem:pool_target",
-    "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests",
+    "tandem:pool_workers_by_role", "tandem:request_migrations", "tandem:requests", "tandem:requests_shed",
     *(f"tandem:{name}" for name in _MOVE_COUNTERS),
 )
 
@@ -295,6 +295,10 @@ class MetricsHub:
         self.requests = Counter("tandem:requests",
                                 "Finished requests, by finish reason and gRPC status code.",
                                 ["finish_reason", "code"], registry=r)
+        self.shed = Counter("tandem:requests_shed",
+                            "Requests refused with RESOURCE_EXHAUSTED before they ran, by reason: admission "
+                            "(the router's limiter), worker_overload (router.worker_max_*), batch_guard (no "
+                            "decode batch with room within the TPOT SLO).", ["reason"], registry=r)
         self._baselines: dict[str, _WorkerBaseline] = {}
         self._lock = threading.Lock()
 
@@ -319,6 +323,9 @@ class MetricsHub:
         self.requests.labels(finish_reason=finish_reason.lower(), code=code.upper()).inc()
         if e2e_seconds is not None:
             self.e2e.observe(e2e_seconds)
+
+    def record_shed(self, reason: str) -> None:
+        self.shed.labels(reason=reason).inc()
 
     def record_migration(self, reason: str) -> None:
         self.migrations.labels(reason=reason).inc()

@@ -43,7 +43,14 @@ class NoWorkerReady(RuntimeError):
 
 
 class WorkersOverloaded(RuntimeError):
-    """Every ready worker of a pool is past its overload limits: RESOURCE_EXHAUSTED, retry later."""
+    """Every ready worker of a pool is past its overload limits, or (`reason` "batch_guard") no
+    decode batch has room for the request within the TPOT SLO: RESOURCE_EXHAUSTED, retry after
+    `retry_after_s` (both edges send it as the hint)."""
+
+    def __init__(self, message: str, reason: str = "worker_overload", retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class MigrationsExhausted(RuntimeError):

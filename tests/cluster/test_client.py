@@ -127,6 +127,7 @@ def test_max_retries_sends_a_shed_request_again_after_the_hint(cluster):
         with pytest.raises(Overloaded):
             holder.generate(prompt="x", max_tokens=1)        # (no retries: refused at once)
         refused = router.counters["errors"]
+        assert router.hub.registry.get_sample_value("tandem:requests_shed_total", {"reason": "admission"}) >= 1
         done = _generate_as_it_ends(agent, running)          # the slot frees before the hint runs out
     assert done.usage.completion_tokens == 2 and done.text
     assert router.counters["errors"] >= refused + 1         # refused first (cancellations do not count)
@@ -171,9 +172,11 @@ def test_the_batch_guard_refuses_what_its_batch_has_no_room_for_and_a_retry_gets
     with Client(target, timeout=120) as holder, Client(target, timeout=120, max_retries=5) as agent:
         running = holder.stream(prompt="long", max_tokens=200, ignore_eos=True)
         next(running)       # one sequence decodes: a second would step past 25 ms
-        with pytest.raises(Overloaded, match="TPOT SLO"):
+        with pytest.raises(Overloaded, match="TPOT SLO") as refused:
             holder.generate(prompt="x", max_tokens=1)
+        assert refused.value.retry_after_s == 1.0                  # the router's hint, in trailing metadata
         assert router.placer.counters["batch_guard_refused"] >= 1
+        assert router.hub.registry.get_sample_value("tandem:requests_shed_total", {"reason": "batch_guard"}) >= 1
         done = _generate_as_it_ends(agent, running)
     assert done.usage.completion_tokens == 2 and done.text
     assert all(v == 0 for v in cluster.wait_idle().values())    # nothing held by the refused requests

@@ -278,3 +278,14 @@ def test_overloaded_maps_to_resource_exhausted_over_grpc():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_every_shed_request_gets_a_retry_hint_and_other_failures_none():
+    from tandem.router.admission import retry_hint
+    from tandem.wire.errors import NoWorkerReady, WorkersOverloaded
+
+    assert retry_hint(Overloaded("full", 2.2)) == ((RETRY_AFTER_KEY, "2200"),) == Overloaded("full", 2.2).trailing_metadata()
+    guard = WorkersOverloaded("no room", reason="batch_guard")
+    assert retry_hint(guard) == ((RETRY_AFTER_KEY, "1000"),) and guard.reason == "batch_guard"
+    assert WorkersOverloaded("every decode worker is overloaded").reason == "worker_overload"
+    assert retry_hint(NoWorkerReady("none")) == () and retry_hint(ValueError("bad")) == ()
