@@ -42,8 +42,10 @@ class PerfModel:
     verify_step_s = the fixed cost of a step that verifies any draft (more logits, the acceptance
                     pass), paid with probability 1 - (1 - spec_draft_prob) ** batch
     mixed step s  = a decode step + prefill_base_s + each chunk's prefill time, without its base,
-                    + mixed_step_s (what carrying both costs beyond the two: the step runs eagerly,
-                    its decodes too) (`step_s`: what one engine step costs, whatever it carries)
+                    + mixed_step_s (what carrying both costs beyond the two: positive where the
+                    step runs eagerly, its decodes too; negative, down to minus the smaller of the
+                    two bases, where one forward pass pays the fixed cost both bases charge, as
+                    on CPU) (`step_s`: what one engine step costs, whatever it carries)
     transfer s    = transfer_base_s + transfer_per_token_s * tokens
     overlap       = the engine launches step N+1 before it reads step N's tokens (CUDA, no
                     speculation, one rank: engine.inflight), so it schedules N+1 while N computes:
@@ -98,9 +100,12 @@ class PerfModel:
         coeffs = ("prefill_base_s", "prefill_per_token_s", "prefill_attn_s", "decode_base_s",
                   "decode_per_seq_s", "decode_per_ctx_token_s", "transfer_base_s", "transfer_per_token_s",
                   "request_overhead_s", "remote_overhead_s", "spec_verify_tokens", "step_host_s", "spec_draft_len",
-                  "verify_step_s", "admit_host_s", "mixed_step_s")
+                  "verify_step_s", "admit_host_s")
         if any(getattr(self, c) < 0 for c in coeffs) or self.local_prefill_threshold < 0:
             raise ConfigError("perf model: coefficients and local_prefill_threshold must be >= 0")
+        if self.mixed_step_s < -self.mixed_step_floor_s:
+            raise ConfigError(f"perf model: mixed_step_s must be >= {0.0 - self.mixed_step_floor_s:g} (minus the smaller "
+                              "of decode_base_s and prefill_base_s: a mixed step pays at least one base)")
         if self.verify_token_s is not None and self.verify_token_s < 0:
             raise ConfigError("perf model: verify_token_s must be >= 0 (or null: decode_per_seq_s)")
         if not 0.0 <= self.spec_draft_prob <= 1.0:
@@ -112,6 +117,11 @@ class PerfModel:
         if min(self.max_batch, self.max_step_tokens, self.kv_capacity_tokens, self.block_tokens) < 1:
             raise ConfigError("perf model: max_batch, max_step_tokens, kv_capacity_tokens and "
                               "block_tokens must be >= 1")
+
+    @property
+    def mixed_step_floor_s(self) -> float:
+        """How far below zero `mixed_step_s` may go: one of the two fixed costs a mixed step charges."""
+        return min(self.prefill_base_s, self.decode_base_s)
 
     def prefill_s(self, n: int, context: int) -> float:
         if not n:

@@ -14,6 +14,7 @@ from tandem.cluster.calibration import fit_control_path, fit_serving_step
 from tandem.cluster.profiling import (fit_mixed_step, fit_step_host, profile, speculation_from_requests,
                                       with_counted_drafts)
 from tandem.perf_model import PerfModel
+from tandem.wire.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 PERF = PerfModel(prefill_base_s=0.01, prefill_per_token_s=1e-5, prefill_attn_s=0.0, decode_base_s=0.005,
@@ -52,11 +53,20 @@ def test_step_host_is_what_whole_steps_take_beyond_the_forwards():
     assert fit_step_host(PERF, []) is PERF
 
 
-def test_mixed_step_raises_the_prefill_base_never_lowers_it():
+def test_mixed_steps_dearer_raise_the_prefill_base_cheaper_give_a_negative_mixed_term():
     mixed = [(8, 8000, n, 4000 + n, PERF.step_s(8, 8000, [(n, 4000 + n)]) + 0.015) for n in (128, 512, 2048)]
-    assert fit_mixed_step(PERF, mixed).prefill_base_s == pytest.approx(0.025)
-    cheap = [(b, c, n, p, w - 0.03) for b, c, n, p, w in mixed]
-    assert fit_mixed_step(PERF, cheap).prefill_base_s == PERF.prefill_base_s
+    dear = fit_mixed_step(PERF, mixed)
+    assert dear.prefill_base_s == pytest.approx(0.025) and dear.mixed_step_s == 0.0
+    # 3 ms cheaper than charged: one forward pays the fixed cost both bases charge
+    cheap = fit_mixed_step(PERF, [(b, c, n, p, w - 0.018) for b, c, n, p, w in mixed])
+    assert cheap.prefill_base_s == PERF.prefill_base_s and cheap.mixed_step_s == pytest.approx(-0.003)
+    assert cheap.step_s(8, 8000, [(128, 4128)]) == pytest.approx(PERF.step_s(8, 8000, [(128, 4128)]) - 0.003)
+    assert cheap.prefill_s(128, 128) == PERF.prefill_s(128, 128)        # a step without decodes: as before
+    # never below one base: a mixed step costs at least its decode step and its chunks
+    floor = fit_mixed_step(PERF, [(b, c, n, p, w - 1.0) for b, c, n, p, w in mixed])
+    assert floor.mixed_step_s == pytest.approx(-min(PERF.prefill_base_s, PERF.decode_base_s))
+    with pytest.raises(ConfigError, match="mixed_step_s"):
+        dataclasses.replace(PERF, mixed_step_s=-0.5)
 
 
 def test_served_step_is_a_line_in_the_batch_intercept_host_slope_per_sequence():
