@@ -63,24 +63,24 @@ def mode_configs(args) -> dict[str, dict]:
 
     if getattr(args, "layouts", None):
         return {(layout_name(*split) if isinstance(split, tuple) else
-                 f"adaptive x{args.gpus}" + ("" if split is None else " unguarded")):
-                (layout(*split) if isinstance(split, tuple) else adaptive(split is None))
+                 f"adaptive x{args.gpus}" + ("" if split == ADAPTIVE_NAME else " unguarded")):
+                (layout(*split) if isinstance(split, tuple) else adaptive(split == ADAPTIVE_NAME))
                 for split in parse_layouts(args.layouts)}
     n_prefill = args.prefill or max(1, args.gpus // 2)
     return {"disaggregated": layout(n_prefill, args.gpus - n_prefill), "colocated": layout(0, args.gpus)}
 
 
-UNGUARDED = "adaptive-unguarded"   # the adaptive layout with router.batch_guard off
+ADAPTIVE_NAME, UNGUARDED = "adaptive", "adaptive-unguarded"   # the second: router.batch_guard off
 
 
-def parse_layouts(text: str) -> list[tuple[int, int] | str | None]:
-    """"1:3,0:4,adaptive" -> [(1, 3), (0, 4), None] (None: the adaptive layout, on every GPU;
+def parse_layouts(text: str) -> list[tuple[int, int] | str]:
+    """"1:3,0:4,adaptive" -> [(1, 3), (0, 4), "adaptive"] (the adaptive layout on every GPU;
     UNGUARDED: the same without the router's batch guard); exits with a message on an item that is
     neither P:D nor one of those."""
-    out: list[tuple[int, int] | str | None] = []
+    out: list[tuple[int, int] | str] = []
     for item in text.split(","):
-        if item.strip() in ("adaptive", UNGUARDED):
-            out.append(None if item.strip() == "adaptive" else UNGUARDED)
+        if item.strip() in (ADAPTIVE_NAME, UNGUARDED):
+            out.append(item.strip())
             continue
         if item.strip() == "colocated":
             raise SystemExit("--layouts: name the colocated layout 0:N (N replicas)")

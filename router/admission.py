@@ -39,17 +39,22 @@ class Overloaded(Exception):
 
     @property
     def retry_after_ms(self) -> int:
-        return max(1, round(self.retry_after_s * 1000))
+        return hint_ms(self.retry_after_s)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return retry_hint(self)
 
 
+def hint_ms(seconds: float) -> int:
+    """A retry hint in whole milliseconds, at least 1 (the `retry-after-ms` value)."""
+    return max(1, round(seconds * 1000))
+
+
 def retry_hint(e: Exception) -> tuple[tuple[str, str], ...]:
     """The `retry-after-ms` trailing metadata of a refusal that carries `retry_after_s` (the
-    workers' overload), else none."""
+    limiter's, the workers' overload), else none."""
     s = getattr(e, "retry_after_s", None)
-    return () if s is None else ((RETRY_AFTER_KEY, str(max(1, round(s * 1000)))),)   # Overloaded.retry_after_ms
+    return () if s is None else ((RETRY_AFTER_KEY, str(hint_ms(s))),)
 
 
 # the admission limits a router config carries under these names (AdmissionConfig.of)

@@ -20,7 +20,7 @@ import time
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
-from tandem.router.admission import RETRY_AFTER_KEY, client_identity
+from tandem.router.admission import RETRY_AFTER_KEY, client_identity, hint_ms
 from tandem.router.auth import bearer_token
 from tandem.router.generation import Router
 from tandem.router.openai_choice import ChoiceBuilder
@@ -46,7 +46,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     headers = None
     if retry_after_s is not None:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after_s))),
-                   RETRY_AFTER_KEY: str(max(1, round(retry_after_s * 1000)))}
+                   RETRY_AFTER_KEY: str(hint_ms(retry_after_s))}
     return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
 
 

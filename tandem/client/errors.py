@@ -99,3 +99,9 @@ def retry_delay(e: TandemError, attempt: int, rng: random.Random | None = None) 
         return hint if 0 <= hint <= MAX_RETRY_WAIT_S else None
     backoff = min(0.5 * 2 ** attempt, 8.0)
     return backoff * (rng or random).uniform(0.75, 1.0)
+
+
+def next_retry(e: TandemError, attempt: int, started: bool, max_retries: int) -> float | None:
+    """Seconds to wait before sending a failed request again, or None to raise `e`: only a request
+    refused before its first chunk, at most `max_retries` times, as `retry_delay` says."""
+    return None if started or attempt >= max_retries else retry_delay(e, attempt)

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import DEFAULT_TARGET, TLS, auth_metadata, make_channel
-from tandem.client.errors import error_from_rpc, retry_delay
+from tandem.client.errors import error_from_rpc, next_retry
 from tandem.client.types import (Accumulator, Chunk, ClusterState, Completion, Pool, Worker, build_request,
                                  chunk_from, cluster_state_from, pool_from, worker_from)
 from tandem.protos.tandem.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
@@ -61,7 +61,7 @@ class Client:
                 return
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
-                wait = None if started or attempt >= self.max_retries else retry_delay(err, attempt)
+                wait = next_retry(err, attempt, started, self.max_retries)
                 if wait is None:
                     raise err from None
             finally:

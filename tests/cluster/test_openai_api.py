@@ -269,16 +269,23 @@ def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict, d
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def test_overload_is_a_429_with_retry_after(cluster):
+def _one_slot_router_busy(cluster):
+    """A new router of `cluster` that runs one request at a time, and an SDK stream holding that
+    slot -> (router, the stream's client, the stream)."""
     from tandem.router.admission import AdmissionConfig, AdmissionLimiter
 
-    target = cluster.add_router()
+    cluster.add_router()
     router = cluster.routers[-1][1]
     router.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
     client = _client(cluster, len(cluster.routers) - 1)
     stream = client.completions.create(model=MODEL, prompt="count: 1 2 3", max_tokens=300, stream=True,
                                        temperature=0)
     next(iter(stream))     # the one running slot is taken
+    return router, client, stream
+
+
+def test_overload_is_a_429_with_retry_after(cluster):
+    router, client, stream = _one_slot_router_busy(cluster)
     try:
         status, headers, body = _http("POST", f"http://127.0.0.1:{router.http_port}/v1/completions",
                                       {"model": MODEL, "prompt": "x", "max_tokens": 2})
@@ -289,22 +296,14 @@ def test_overload_is_a_429_with_retry_after(cluster):
             client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     finally:
         stream.close()
-    assert target and cluster.wait_idle()
+    assert cluster.wait_idle()
 
 
 def test_the_openai_sdk_retries_a_shed_request_after_the_routers_hint(cluster):
     """A client as agents run it (the openai SDK, retries on): the 429's retry hint brings its
     request back once the running slot is free, and it is answered; nothing is leaked."""
-    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
-
-    cluster.add_router()
-    router = cluster.routers[-1][1]
-    router.limiter = AdmissionLimiter(AdmissionConfig(max_in_flight=1, max_queue=0))
-    holder = _client(cluster, len(cluster.routers) - 1)
-    stream = holder.completions.create(model=MODEL, prompt="count: 1 2 3", max_tokens=300, stream=True,
-                                       temperature=0)
-    next(iter(stream))     # the one running slot is taken
-    timer = threading.Timer(0.3, stream.close)   # and freed before the hint (1 s: nothing finished yet) runs out
+    router, _, stream = _one_slot_router_busy(cluster)
+    timer = threading.Timer(0.3, stream.close)   # the slot freed before the hint (1 s: nothing finished yet) runs out
     timer.start()
     try:
         retrying = _client(cluster, len(cluster.routers) - 1).with_options(max_retries=2)
