@@ -15,9 +15,10 @@ own steps: what a loaded worker pays beyond the idle calibration (each arriving 
 time, mixed steps' extra cost, extra host time per sequence and per step: cluster/step_check.py
 `fit_load`) comes from the step traces of the *other* recorded runs of the same model (the run
 directories beside it, `sibling_load_terms`; `--load-terms others`, the default; `none`: the idle
-calibration alone). The router's admission limiter and worker overload limits run in the replay as
-the run's config set them (`layouts.router_limits`: a request predicted to wait past
-`max_expected_wait_s` for its first token is refused, as live),
+calibration alone). The router's admission limiter, worker overload limits and (for the adaptive
+layout, replayed by the adaptive simulation) batch guard run in the replay as the run's config set
+them (`layouts.router_limits`: a request predicted to wait past `max_expected_wait_s` for its first
+token is refused, as live),
 and a simulated request still running at the bench's deadline (duration + drain timeout) failed, as
 the bench cancels it. A run recorded with its engines' step traces (`steps/`) gets a second table:
 the model against each step the run made (cluster/step_check.py), after the `max error` line.

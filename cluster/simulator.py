@@ -75,7 +75,8 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     at duration + drain timeout): such a request counts as failed, as the bench counts it.
     `batch_guard` (with `adaptive`, whose router places by the cost model): a request whose decode
     worker's batch is full for it (tandem.placement.BatchGuard at the SLO's TPOT) is refused, as
-    the router refuses it (RouterConfig.batch_guard). `seed` is kept for callers: placement breaks ties deterministically."""
+    the router refuses it (RouterConfig.batch_guard). `seed` is kept for callers: placement breaks
+    ties deterministically."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
     if adaptive is not None and (prefill or colocated):
