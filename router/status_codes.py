@@ -63,7 +63,7 @@ _SCRUB = (
     (re.compile(r"\x1b\[[0-9;?]*[A-Za-z]"), ""),                                   # ANSI colours
     (re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}/?"), "<path>"),                  # file paths
     (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"), "<address>"),            # IPv4[:port]
-    (re.compile(r"\[[0-9a-f:.]+\](?::\d+)?|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b|"
+    (re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d+)?|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b|"
                 r"(?<![\w:])(?:[0-9a-f]{1,4}(?::[0-9a-f]{1,4})*)?::(?:[0-9a-f]{1,4}(?::[0-9a-f]{1,4})*)?(?![\w:])",
                 re.I), "<address>"),                                                    # IPv6
     (re.compile(r"\b(pid|PID)[=: ]+\d+"), r"\1=<pid>"),

@@ -62,6 +62,19 @@ def test_refusals_keep_their_own_message():
     assert one_line(LEAKY) == "(WorkerActor pid=<pid>, ip=<address>)"
 
 
+@pytest.mark.parametrize("text, scrubbed", [
+    ("prompt_token_ids[1] is 100000000; token ids must be in [0, 49152)",
+     "prompt_token_ids[1] is 100000000; token ids must be in [0, 49152)"),   # indices are not addresses
+    ("stop[a] and messages[0]", "stop[a] and messages[0]"),
+    ("peer [fe80::1]:50051 gone", "peer <address> gone"),
+    ("peer [::1] gone", "peer <address> gone"),
+    ("peer fe80::1 gone", "peer <address> gone"),
+    ("peer 10.0.3.17:6379 gone", "peer <address> gone"),
+])
+def test_one_line_masks_addresses_not_list_indices(text, scrubbed):
+    assert one_line(text) == scrubbed
+
+
 class FakeHub:
     def __init__(self):
         self.finished = []
