@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP edge, served with aiohttp in the router's event loop beside gRPC:
-`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{model}`,
+`GET /health`.
 
 Each request is parsed by router/openai_schema.py into the gRPC `GenerateRequest` and served by
 `Router.admit_and_generate`, the gRPC edge's own path (admission, validation, sessions,
 cancellation). Errors leave through router/status_codes.py's table, then `HTTP_STATUS`, in OpenAI's
-JSON shape. A client that goes away mid-request cancels it: aiohttp cancels the handler, and the
+JSON shape, and so do aiohttp's own refusals (an unknown path, a wrong method, a body over the
+size limit: `_openai_errors`). A client that goes away mid-request cancels it: aiohttp cancels the handler, and the
 closed generator frees what the request holds on its actors.
 """
 
@@ -24,8 +26,9 @@ from tandem.router.admission import RETRY_AFTER_KEY, client_identity, hint_ms
 from tandem.router.auth import bearer_token
 from tandem.router.generation import Router
 from tandem.router.openai_choice import ChoiceBuilder
-from tandem.router.openai_schema import (ApiError, ParsedRequest, chunk, error_body, full_response, models_list,
-                                         parse_chat, parse_completion, response_id, usage_chunk)
+from tandem.router.openai_schema import (ApiError, ParsedRequest, chunk, error_body, full_response, model_card,
+                                         models_list, parse_chat, parse_completion, response_id, unknown_model,
+                                         usage_chunk)
 from tandem.router.status_codes import client_message, http_status, status_code
 from tandem.router.tool_calls import tool_format
 
@@ -35,6 +38,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 MODEL_KEY = web.AppKey("model", str)
 TOKENS_KEY = web.AppKey("tokens", object)     # a router/auth.py TokenStore, or None: auth off
 TOKEN_TEXT_KEY = web.AppKey("token_text", object)   # token id -> its text (logprobs), cached
+MAX_BODY_KEY = web.AppKey("max_body", int)          # bytes a request body may have
 CREATED = int(time.time())   # /v1/models' `created`: when this router started
 
 
@@ -70,6 +74,25 @@ def _client(request: web.Request) -> str | None:
     return client_identity(f"http:{request.remote}", token if tokens is not None else None)
 
 
+_UNAUTHORIZED = "missing or invalid credentials: send 'Authorization: Bearer <token>'"
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """aiohttp's own refusals (404 for a path it does not serve, 405, 413 for a body over
+    `client_max_size`) in OpenAI's error shape, as the SDKs expect of every error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = {404: f"no such endpoint: {request.method} {request.path}; this server serves "
+                        "/v1/chat/completions, /v1/completions, /v1/models and /health",
+                   405: f"{request.method} is not allowed on {request.path}",
+                   413: f"the request body is over this server's limit of {request.app[MAX_BODY_KEY]} bytes"}.get(e.status, e.reason)
+        return error_response(e.status, message)
+
+
 async def _parse(request: web.Request, parse) -> ParsedRequest | web.Response:
     try:
         body = await request.json()
@@ -92,8 +115,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamResponse:
     client = _client(request)
     if client is None:
-        return error_response(401, "missing or invalid credentials: send 'Authorization: Bearer <token>'",
-                              code="invalid_api_key")
+        return error_response(401, _UNAUTHORIZED, code="invalid_api_key")
     parsed = await _parse(request, parse)
     if isinstance(parsed, web.Response):
         return parsed
@@ -152,9 +174,18 @@ async def _stream(request: web.Request, gen, first, parsed: ParsedRequest, rid: 
 
 async def list_models(request: web.Request) -> web.Response:
     if _client(request) is None:
-        return error_response(401, "missing or invalid credentials: send 'Authorization: Bearer <token>'",
-                              code="invalid_api_key")
+        return error_response(401, _UNAUTHORIZED, code="invalid_api_key")
     return web.json_response(models_list(request.app[MODEL_KEY], CREATED))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    if _client(request) is None:
+        return error_response(401, _UNAUTHORIZED, code="invalid_api_key")
+    name, served = request.match_info["model"], request.app[MODEL_KEY]
+    if name != served:
+        e = unknown_model(name, served)
+        return error_response(e.status, str(e), e.param, e.code)
+    return web.json_response(model_card(served, CREATED))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -170,13 +201,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 def make_app(router: Router, model: str, tokens=None) -> web.Application:
-    app = web.Application(client_max_size=router.limits.grpc_max_receive_bytes)
-    app[ROUTER_KEY], app[MODEL_KEY], app[TOKENS_KEY] = router, model, tokens
+    limit = router.limits.grpc_max_receive_bytes
+    app = web.Application(client_max_size=limit, middlewares=[_openai_errors])
+    app[ROUTER_KEY], app[MODEL_KEY], app[TOKENS_KEY], app[MAX_BODY_KEY] = router, model, tokens, limit
     app[TOKEN_TEXT_KEY] = functools.lru_cache(maxsize=1 << 16)(
         lambda token_id: router.tokenizer.decode([token_id], skip_special_tokens=False))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)   # ids may hold a '/' (org/name)
     app.router.add_get("/health", health)
     return app
 

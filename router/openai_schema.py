@@ -157,9 +157,13 @@ def _check_fields(body: Any, known: set[str], served_model: str) -> dict:
     if not isinstance(model, str) or not model:
         raise ApiError("you must provide a model parameter", "model")
     if model != served_model:
-        raise ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}", "model",
-                       status=404, code="model_not_found")
+        raise unknown_model(model, served_model)
     return body
+
+
+def unknown_model(model: str, served_model: str) -> ApiError:
+    return ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}", "model",
+                    status=404, code="model_not_found")
 
 
 def _sampling(body: dict) -> pb.SamplingParams:
@@ -231,6 +235,8 @@ def _parsed(req: pb.GenerateRequest, body: dict, tools: bool = False) -> ParsedR
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError("stream_options may only hold include_usage", "stream_options")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ApiError("stream must be a boolean", "stream")
     stream = bool(body.get("stream"))
     if options and not stream:
         raise ApiError("stream_options is only allowed with stream=true", "stream_options")
@@ -272,5 +278,10 @@ def full_response(chat: bool, rid: str, created: int, model: str, choice: dict, 
             "model": model, "choices": [choice], "usage": usage_dict(usage)}
 
 
+def model_card(model: str, created: int) -> dict:
+    """`GET /v1/models/{model}`'s object, and each entry of the list."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "tandem"}
+
+
 def models_list(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "tandem"}]}
+    return {"object": "list", "data": [model_card(model, created)]}

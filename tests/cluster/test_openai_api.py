@@ -41,6 +41,10 @@ def _client(cluster, router: int = 0, api_key: str = "unused") -> openai.OpenAI:
 def test_models_and_chat_match_the_grpc_path(cluster):
     client = _client(cluster)
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.response.json()["error"]["code"] == "model_not_found"
     ids, text, last = cluster.generate(messages=CHAT, max_tokens=12, temperature=0)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL

@@ -4,7 +4,10 @@ for what a real cluster cannot show on demand (shedding, a failure after the str
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
+
+import pytest
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -124,3 +127,51 @@ def test_tool_calls_reach_the_openai_client_streamed_and_whole():
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure."
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [lp.token for c in chunks for lp in c.choices[0].logprobs.content] == ["a", "b", "c"]
+
+
+def _request(method, path, *, data=None, json=None, tokens=None, headers=None, limit=None):
+    router = FakeRouter(pb.GenerateResponse(text="x", request_id="r", finish_reason=pb.STOP))
+    if limit is not None:
+        router.limits = SimpleNamespace(grpc_max_receive_bytes=limit)
+
+    async def go():
+        async with TestClient(TestServer(make_app(router, M, tokens))) as client:
+            r = await client.request(method, path, data=data, json=json, headers=headers)
+            return r.status, r.headers.get("Content-Type", ""), await r.text()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("method, path, status, words", [
+    ("GET", "/v1/embeddings", 404, "no such endpoint: GET /v1/embeddings"),
+    ("POST", "/v1/responses", 404, "no such endpoint: POST /v1/responses"),
+    ("GET", "/v1/chat/completions", 405, "GET is not allowed on /v1/chat/completions"),
+    ("DELETE", "/v1/models", 405, "DELETE is not allowed"),
+])
+def test_aiohttps_own_refusals_come_in_openais_shape(method, path, status, words):
+    got, ctype, text = _request(method, path)
+    body = json.loads(text)
+    assert got == status and ctype.startswith("application/json")
+    assert set(body["error"]) == {"message", "type", "param", "code"} and words in body["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_a_413_in_openais_shape():
+    status, _, text = _request("POST", "/v1/chat/completions", data=b"x" * 5000, limit=4096,
+                               headers={"Content-Type": "application/json"})
+    assert status == 413 and "over this server's limit of 4096 bytes" in json.loads(text)["error"]["message"]
+
+
+def test_retrieve_model_serves_the_one_model_and_404s_the_rest():
+    status, _, text = _request("GET", f"/v1/models/{M}")
+    assert status == 200 and json.loads(text) == {**json.loads(text), "id": M, "object": "model"}
+    status, _, text = _request("GET", "/v1/models/org/other-model")
+    err = json.loads(text)["error"]
+    assert status == 404 and err["code"] == "model_not_found" and "'org/other-model'" in err["message"]
+    store = SimpleNamespace(verify=lambda t: False)
+    assert _request("GET", f"/v1/models/{M}", tokens=store)[0] == 401
+
+
+@pytest.mark.parametrize("value", ["yes", 1, {"on": True}])
+def test_stream_must_be_a_boolean(value):
+    status, _, text = _request("POST", "/v1/chat/completions", json={**BODY, "stream": value})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "stream" and err["message"] == "stream must be a boolean"
