@@ -59,6 +59,12 @@ def resolve_model_dir(name: str) -> Path | None:
         path = convert_gguf(p, cache_dir() / "models" / (p.stem + "-" + str(p.stat().st_size)))
     elif p.is_dir() and (p / "config.json").exists():
         path = p
+    elif p.is_dir():
+        raise ModelNotFoundError(f"{name} is a directory without a config.json: a Hugging Face model "
+                                 "directory holds config.json, the *.safetensors weights and the tokenizer")
+    elif p.is_file():
+        raise ModelNotFoundError(f"{name} is a file but not a .gguf one: give a .gguf file, or the Hugging "
+                                 "Face model directory that holds config.json")
     else:
         raise ModelNotFoundError(f"unknown model {name!r}: use one of {sorted(PRESETS) + ['smollm2-135m']}, "
                                  f"a Hugging Face model directory, or a .gguf file")

@@ -140,3 +140,14 @@ def test_an_index_names_the_weight_files(pristine, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
     resolve_model_dir(str(path))
+
+
+def test_a_path_that_is_no_model_says_what_it_lacks(tmp_path):
+    from tandem.engine.weights import ModelNotFoundError
+    with pytest.raises(ModelNotFoundError, match="is a directory without a config.json"):
+        resolve_model_dir(str(tmp_path))
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="is a file but not a .gguf one"):
+        resolve_model_dir(str(tmp_path / "model.bin"))
+    with pytest.raises(ModelNotFoundError, match="unknown model 'no-such-model'"):
+        resolve_model_dir("no-such-model")
