@@ -150,6 +150,12 @@ class ClusterConfig:
         return self.engine if tp is None else dataclasses.replace(self.engine, tensor_parallel_size=tp)
 
     def __post_init__(self) -> None:
+        decoding = [name for name in ("prefill", "decode")
+                    if (getattr(self, name).role or name) in ("decode", "mixed")]
+        if not self.autoscale and not sum(getattr(self, name).replicas for name in decoding):
+            raise ConfigError(f"no worker would decode: the {' and '.join(decoding) or 'no'} pool's replicas are 0 "
+                              "and the autoscaler is off; give --decode 1 or more (decode.replicas), "
+                              "or run with --autoscale (its decode_min is at least 1)")
         if self.roles.enabled and self.router.placement != "cost":
             raise ConfigError("roles.enabled needs router.placement: cost (the role policy and the router "
                               "decide from the same cost model); `tandem up --layout adaptive` sets both")

@@ -73,3 +73,13 @@ def test_max_expected_wait_s_is_a_router_key():
     assert load_config(None, {}).router.max_expected_wait_s == 15.0
     with pytest.raises(ConfigError, match="max_expected_wait_s"):
         load_config(None, {"router.max_expected_wait_s": -1})
+
+
+def test_a_cluster_that_could_never_decode_is_refused():
+    with pytest.raises(ConfigError, match="no worker would decode: the decode pool's replicas are 0"):
+        load_config(None, {"decode.replicas": 0})
+    with pytest.raises(ConfigError, match="no worker would decode"):   # a prefill pool prefills only
+        load_config(None, {"decode.replicas": 0, "prefill.replicas": 4})
+    assert load_config(None, {"decode.replicas": 0, "autoscaler.enabled": True}).autoscale   # the autoscaler keeps decode_min
+    assert load_config(None, {"decode.replicas": 0, "prefill.replicas": 2, "prefill.role": "mixed"})
+    assert load_config(None, {"prefill.replicas": 0}).decode.replicas == 1   # colocated: decode workers only
