@@ -89,6 +89,8 @@ def run_mode(name: str, config: dict, args, out: Path, before_bench=None) -> dic
                  "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)]
         if args.max_context:
             bench += ["--max-context", str(args.max_context)]
+        if getattr(args, "retries", 0):
+            bench += ["--retries", str(args.retries)]
         subprocess.run(bench, env=env, cwd=ROOT, check=True)
         return json.loads((out / f"bench-{name}.json").read_text())
     finally:
@@ -193,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rates", default="0.25,0.5,1")
     ap.add_argument("--duration", type=float, default=40)
     ap.add_argument("--drain", type=float, default=60)
+    ap.add_argument("--retries", type=int, default=0, help="tandem bench --retries: refused turns sent again")
     ap.add_argument("--max-context", type=int, default=0)
     ap.add_argument("--ttft-slo-ms", type=float, default=1000)
     ap.add_argument("--tpot-slo-ms", type=float, default=40)

@@ -47,7 +47,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # one row per request, in this order (run.json's "columns")
 COLUMNS = ("session_id", "turn", "arrival_s", "prompt_tokens", "max_tokens", "shared_prefix_tokens", "status",
            "cached_prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "ttft_s",
-           "tpot_s", "e2e_s", "draft_steps")
+           "tpot_s", "e2e_s", "draft_steps", "retries")
 
 
 def _no_inf(x):
@@ -102,12 +102,13 @@ def trim(report: dict, cluster: dict, machine: str) -> dict:
             prev[r["session_id"]] = r
             rows.append([r["session_id"], r["turn"], round(r["arrival_s"], 4), r["prompt_tokens"], r["max_tokens"],
                          shared, *(r[c] for c in COLUMNS[6:11]),
-                         *(None if r[c] is None else round(r[c], 5) for c in COLUMNS[11:14]), r.get("draft_steps", 0)])
+                         *(None if r[c] is None else round(r[c], 5) for c in COLUMNS[11:14]), r.get("draft_steps", 0),
+                         r.get("retries", 0)])
         rows.sort(key=lambda x: x[2])
         runs.append({"rate": run["rate"], "elapsed_s": run["summary"]["elapsed_s"],
                      "started_unix": run.get("started_unix"), "requests": rows})
     keep = ("workload", "seed", "rates", "duration_s", "drain_timeout_s", "max_sessions", "max_context", "slo",
-            "vocab_size")
+            "vocab_size", "retries")
     return {"label": report.get("label"), "machine": machine, "created_unix": report.get("created_unix"),
             "build": build_id(), "bench": {k: cfg.get(k) for k in keep}, "cluster": _no_inf(cluster), "columns": list(COLUMNS),
             "runs": runs}
@@ -145,6 +146,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--rates", default="0.1,0.2,0.4")
     ap.add_argument("--duration", type=float, default=40)
     ap.add_argument("--drain", type=float, default=60)
+    ap.add_argument("--retries", type=int, default=0, help="tandem bench --retries: refused turns sent again")
     ap.add_argument("--max-context", type=int, default=0)
     ap.add_argument("--ttft-slo-ms", type=float, default=1000)
     ap.add_argument("--tpot-slo-ms", type=float, default=40)

@@ -33,7 +33,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from tandem.cluster.layouts import bench_deadline, recorded_mode, recorded_perf, recorded_router, router_limits
+from tandem.cluster.layouts import (bench_deadline, bench_retries, recorded_mode, recorded_perf, recorded_router,
+                                    router_limits)
 from tandem.cluster.profiling import with_counted_drafts
 from tandem.cluster.sim_model import SLO, RequestResult
 from tandem.cluster.simulator import simulate
@@ -139,7 +140,8 @@ def validate_run(run_dir: str | Path, load_terms: str = "others") -> list[dict]:
             continue                    # nothing was sent (or nothing ended) at this rate
         sim = simulate(replay_specs(reqs), n_prefill, n_decode, with_counted_drafts(model, reqs), slo,
                        pull_prefix=True, closed_loop=True, **router_limits(recorded_router(run["cluster"])),
-                       cancel_at_s=bench_deadline(run["bench"]), **recorded_mode(run["cluster"], colocated))
+                       cancel_at_s=bench_deadline(run["bench"]), **recorded_mode(run["cluster"], colocated),
+                       **bench_retries(run["bench"]))
         m, s = figures(measured_rows(reqs), slo), figures(simulated_rows(sim.requests), slo)
         err = {k: abs(s[k] - m[k]) / m[k] if m[k] else (0.0 if not s[k] else math.inf) for k in FIGURES}
         out.append({"run": Path(run_dir).name, "rate": rate_run["rate"], "requests": len(reqs),

@@ -170,6 +170,10 @@ def _register_bench(sub) -> None:
     b.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds past --duration that requests in flight may take (default 120)")
     b.add_argument("--sessions", type=int, help="at most this many sessions (trace: requests) per rate")
+    b.add_argument("--retries", type=int, default=0, metavar="N",
+                   help="send a turn refused before its first token (RESOURCE_EXHAUSTED, UNAVAILABLE) again "
+                        "after the router's retry hint, up to N times, as agents do; its TTFT counts from "
+                        "the first send (default 0: the session goes on to its next turn)")
     b.add_argument("--seed", type=int, default=0, help="workload and token ids (default 0)")
     b.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="goodput's TTFT bound (default 1000)")
     b.add_argument("--tpot-slo-ms", type=float, default=40.0, help="goodput's TPOT bound (default 40)")

@@ -60,7 +60,8 @@ def bench_config(args) -> dict:
         raise SystemExit(f"--predict: give --max-context for {args.model!r} (not a preset)")
     return {"workload": args.workload, "seed": args.seed, "max_sessions": None, "duration_s": args.duration,
             "rates": [float(r) for r in args.rates.split(",")], "max_context": context,
-            "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
+            "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+            "retries": getattr(args, "retries", 0)}
 
 
 def print_predictions(configs: dict[str, dict], args) -> list[dict]:

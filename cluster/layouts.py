@@ -152,6 +152,13 @@ def bench_deadline(bench: dict) -> float | None:
     return None if drain is None else float(bench["duration_s"]) + float(drain)
 
 
+def bench_retries(bench: dict) -> dict:
+    """simulate()'s retry options for a `tandem bench` report's config: the refused turns it sent
+    again (`--retries`, 0 where not recorded), up to the end of its duration."""
+    n = int(bench.get("retries") or 0)
+    return {"retries": n, "retry_until_s": float(bench["duration_s"])} if n else {}
+
+
 def engine_overlaps(cluster: dict) -> bool:
     """Whether the layout's decode engines overlap steps (`LLMEngine.overlap`: on CUDA, one rank,
     and no speculation, whose drafts read every token before the next step is scheduled)."""
@@ -181,5 +188,6 @@ def predict(cluster: dict, bench: dict, perf: PerfModel, rates=None) -> dict[flo
                  for sess in plan for i, t in enumerate(sess.specs)]
         out[rate] = simulate(specs, n_prefill, n_decode, model, slo, closed_loop=True,
                              send_until_s=c["duration_s"], **router_limits(recorded_router(cluster)),
-                             cancel_at_s=bench_deadline(c), **recorded_mode(cluster, colocated)).summary
+                             cancel_at_s=bench_deadline(c), **recorded_mode(cluster, colocated),
+                             **bench_retries(c)).summary
     return out

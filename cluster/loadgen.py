@@ -175,6 +175,10 @@ class BenchConfig:
     progress: bool = False
     watch_pools_s: float = 0.0  # > 0: sample the Admin API's pool sizes this often (pool_timeline)
     api: str = "grpc"  # "openai": drive the OpenAI HTTP edge (target: its HOST:PORT or URL) instead
+    # a turn refused before its first token (RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after
+    # tandem.client.errors.backoff_s (the router's hint), up to this many times, as agents and the
+    # SDKs retry; its latencies count from its first send. 0: the session goes on to its next turn
+    retries: int = 0
 
 
 def token_seed(seed: int, rate: float | None, repeat: int = 0, session_id: str | None = None) -> str:

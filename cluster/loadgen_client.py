@@ -22,6 +22,7 @@ from typing import Iterator
 import aiohttp
 import grpc
 
+from tandem.client.errors import backoff_s
 from tandem.cluster.loadgen import (RATE_MEANING, RATE_UNIT, BenchConfig, Session, load_sessions, parse_workload,
                                     plan_sessions, sessions_needed, splice_prompt, token_seed, trace_prompts)
 from tandem.cluster.loadgen_transport import GrpcTransport, OpenAITransport, SendFailed, Transport, Update
@@ -82,13 +83,26 @@ class RateRun:
         return self.loop.time() - self.t0
 
     async def send(self, rec: RequestRecord, sid: str, prompt: list[int]) -> list[int]:
-        """Stream one request; fills `rec` (token times, usage, status); -> the answer's token ids."""
+        """Stream one request; fills `rec` (token times, usage, status); -> the answer's token ids.
+        A refusal before the first token is sent again (`cfg.retries`) while the wait ends before
+        the run's duration; each attempt has a request id of its own."""
         out: list[int] = []
         self.prog.in_flight += 1
         try:
-            async for update in self.transport.stream(f"{sid}-t{rec.turn}", sid, prompt, rec.max_tokens,
-                                                      max(0.01, self.deadline - self.now())):
-                self._take(rec, update, out)
+            while True:
+                try:
+                    rid = f"{sid}-t{rec.turn}" + (f"-r{rec.retries}" if rec.retries else "")
+                    async for update in self.transport.stream(rid, sid, prompt, rec.max_tokens,
+                                                              max(0.01, self.deadline - self.now())):
+                        self._take(rec, update, out)
+                    break
+                except SendFailed as e:
+                    wait = (backoff_s(e.status, e.retry_after_s, rec.retries)
+                            if rec.retries < self.cfg.retries and not rec.token_times_s else None)
+                    if wait is None or self.now() + wait >= self.cfg.duration_s:
+                        raise
+                    rec.retries += 1
+                    await asyncio.sleep(wait)
             rec.e2e_s = self.now() - rec.arrival_s
             rec.status = "ABORTED" if rec.finish_reason == "ABORT" else "OK"
         except SendFailed as e:
@@ -333,13 +347,16 @@ def config_from_args(args) -> BenchConfig:
         raise ValueError("rates must be > 0")
     if args.duration <= 0:
         raise ValueError("--duration must be > 0")
+    if (getattr(args, "retries", 0) or 0) < 0:
+        raise ValueError("--retries must be >= 0")
     label = re.sub(r"[^A-Za-z0-9._-]", "_", args.label) if args.label else default_label(args.workload)
     return BenchConfig(target=args.target, workload=args.workload, rates=rates, duration_s=args.duration,
                        drain_timeout_s=args.drain_timeout, seed=args.seed, max_sessions=args.sessions,
                        slo=SLO(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3), max_context=args.max_context,
                        vocab_size=args.vocab_size, out_dir=args.out, label=label,
                        progress=sys.stderr.isatty() and not args.no_progress,
-                       watch_pools_s=getattr(args, "watch_pools", 0) or 0.0, api=getattr(args, "api", "grpc"))
+                       watch_pools_s=getattr(args, "watch_pools", 0) or 0.0, api=getattr(args, "api", "grpc"),
+                       retries=getattr(args, "retries", 0) or 0)
 
 
 def cmd_bench(args) -> int:

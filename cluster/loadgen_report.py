@@ -47,6 +47,7 @@ class RequestRecord:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     draft_steps: int = 0  # decode steps that verified at least one of its drafts
+    retries: int = 0  # times it was sent again after a refusal (BenchConfig.retries)
 
     @property
     def ok(self) -> bool:
@@ -121,7 +122,8 @@ def summarize(records: list[RequestRecord], *, rate: float | None, elapsed_s: fl
     return {
         "rate": rate, "elapsed_s": elapsed_s, "requests": len(records), "ok": len(ok),
         "failed": len(records) - len(ok), "errors": dict(sorted(errors.items())), "error_examples": dict(sorted(examples.items())),
-        "not_started": not_started,
+        "not_started": not_started, "retries": sum(r.retries for r in records),
+        "retried_ok": sum(r.ok and r.retries > 0 for r in records),
         "ttft_ms": pcts([r.ttft_s for r in ok]), "tpot_ms": pcts([r.tpot_s for r in ok]),
         "e2e_ms": pcts([r.e2e_s for r in ok]),
         "throughput_rps": len(ok) / elapsed, "output_tok_s": output / elapsed,
@@ -162,6 +164,8 @@ def table_notes(s: dict) -> str:
     parts = [f"{n} {code}" for code, n in s["errors"].items()]
     if s["not_started"]:
         parts.append(f"{s['not_started']} not sent (due past the duration)")
+    if s.get("retries"):
+        parts.append(f"{s['retries']} retries after refusals ({s['retried_ok']} requests OK after one or more)")
     if not parts:
         return ""
     lines = [f"rate {_num(s['rate'], 'g')}: " + ", ".join(parts)]

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Protocol
 import aiohttp
 import grpc
 
+from tandem.client.errors import RETRY_AFTER_KEY
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 # the OpenAI edge's HTTP statuses as the gRPC codes the report counts
@@ -35,9 +36,19 @@ class Update:
 
 
 class SendFailed(Exception):
-    def __init__(self, status: str, details: str):
+    """A call that failed: its gRPC status name, message, and the router's retry hint (seconds; the
+    `retry-after-ms` of a RESOURCE_EXHAUSTED, else None)."""
+
+    def __init__(self, status: str, details: str, retry_after_s: float | None = None):
         super().__init__(f"{status}: {details}")
-        self.status, self.details = status, details
+        self.status, self.details, self.retry_after_s = status, details, retry_after_s
+
+
+def _hint_s(ms: str | None) -> float | None:
+    try:
+        return int(ms) / 1000 if ms else None
+    except ValueError:
+        return None
 
 
 class Transport(Protocol):
@@ -60,7 +71,8 @@ class GrpcTransport:
                 finish = pb.FinishReason.Name(resp.finish_reason) if resp.finish_reason else None
                 yield Update(list(resp.token_ids), finish, resp.usage if finish else None)
         except grpc.aio.AioRpcError as e:
-            raise SendFailed(e.code().name, e.details() or "") from None
+            raise SendFailed(e.code().name, e.details() or "",
+                             _hint_s(dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY))) from None
 
     async def rejection(self, prompt, max_tokens):
         try:
@@ -101,7 +113,8 @@ class OpenAITransport:
             async with self.http.post(f"{self.base}/v1/completions", json=body, headers=self.headers,
                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
-                    raise SendFailed(HTTP_TO_STATUS.get(r.status, f"HTTP_{r.status}"), _message(await r.text()))
+                    raise SendFailed(HTTP_TO_STATUS.get(r.status, f"HTTP_{r.status}"), _message(await r.text()),
+                                     _hint_s(r.headers.get(RETRY_AFTER_KEY)))
                 async for update in _events(r):
                     yield update
         except TimeoutError:

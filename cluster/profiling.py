@@ -350,6 +350,10 @@ def cmd_simulate(args) -> int:
     cluster = load_config(args.config) if args.config else None
     # what the router sheds (its admission limiter, its worker overload limits), as --config sets them
     limits = {} if args.no_admission else router_limits(cluster.router if cluster else RouterConfig())
+    if args.retries < 0:
+        raise ValueError("--retries must be >= 0")
+    if args.retries:    # the clients send refused turns again, as `tandem bench --retries` does
+        limits["retries"] = args.retries
     if args.compare:
         return run_compare(args, perf, limits)
     if cluster:       # the cluster `tandem up --config` would start: its pools and autoscaler
@@ -474,5 +478,8 @@ def _register_simulate(sub) -> None:
                     help="shed nothing at the router: no admission limiter (max_expected_wait_s) and no worker "
                          "overload limits (worker_max_*); by default they run as --config (else a default "
                          "router) sets them, as the live router does")
+    sm.add_argument("--retries", type=int, default=0, metavar="N",
+                    help="clients send a refused turn again after the router's retry hint, up to N times, "
+                         "as `tandem bench --retries N` does (default 0: the session goes on)")
     add_compare_args(sm)
     sm.set_defaults(func=cmd_simulate)

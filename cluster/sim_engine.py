@@ -15,6 +15,7 @@ import heapq
 from collections import deque
 from typing import Any, Mapping, Sequence
 
+from tandem.client.errors import backoff_s
 from tandem.cluster import sim_adaptive, sim_control
 from tandem.cluster.autoscaler import AutoscalerConfig, MetricsSnapshot, PolicyState
 from tandem.cluster.pools import PrefillCounters
@@ -23,6 +24,7 @@ from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult
 from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
+from tandem.wire.errors import WORKERS_RETRY_AFTER_S
 from tandem.placement import (BatchGuard, OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered, wants_remote_prefill)
 
@@ -37,7 +39,7 @@ class Simulation:
                  send_until_s: float | Mapping[str, float] | None = None,
                  max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
                  adaptive: RoleConfig | None = None, admission: AdmissionConfig | None = None,
-                 batch_guard: bool = False):
+                 batch_guard: bool = False, retries: int = 0, retry_until_s: float | None = None):
         self.perf, self.slo, self.cfg = perf, slo, autoscaler
         # the router's admission limiter on the simulation's clock: a request whose predicted wait
         # for its first token is past the limit is refused at arrival, as live (None: none refused)
@@ -48,6 +50,8 @@ class Simulation:
         self.role_state, self.role_samples, self.role_log = sim_adaptive.new_state()
         self.seed = seed   # placement is deterministic: kept so callers' seeds still name a run
         self.send_until_s = send_until_s
+        self.retries = retries   # a refused request is sent again, as `tandem bench --retries` sends it
+        self.retry_until_s = retry_until_s   # ... while before this (send_until_s where that is set)
         self.max_workers = max_workers
         self.overload = overload
         # the cost-placing router's guard on decode batches (the adaptive layout's router places by cost)
@@ -182,15 +186,20 @@ class Simulation:
         if self.limiter is not None:
             try:    # one client, as `tandem bench` is
                 s.admission = self.limiter.admit_now(SIM_CLIENT)
-            except Overloaded:
-                s.kind = "rejected"   # RESOURCE_EXHAUSTED: the session goes on to its next turn
-                self._retire(now, s)
+            except Overloaded as e:   # RESOURCE_EXHAUSTED with the limiter's hint
+                self._refused(now, s, "RESOURCE_EXHAUSTED", e.retry_after_s)
                 return
-        w = self.pick_decode(r) if r.input_tokens + r.output_tokens <= self.perf.kv_capacity_tokens else None
+        fits = r.input_tokens + r.output_tokens <= self.perf.kv_capacity_tokens
+        w = self.pick_decode(r) if fits else None
         if w is None:
-            s.kind = "rejected"
             self._release(s)
-            self._retire(now, s)
+            if not fits:        # INVALID_ARGUMENT: never retried
+                s.kind = "rejected"
+                self._retire(now, s)
+            elif any(d.up and not d.gone and d.role != sim_adaptive.PREFILL for d in self.decodes):
+                self._refused(now, s, "RESOURCE_EXHAUSTED", WORKERS_RETRY_AFTER_S)   # WorkersOverloaded
+            else:
+                self._refused(now, s, "UNAVAILABLE", None)   # NoWorkerReady
             return
         own = self.session_decode.get(r.session_id)
         s.session_decode = own.name if own else None
@@ -198,6 +207,23 @@ class Simulation:
         w.host_debt_s += self.perf.admit_host_s    # its serving loop takes the request in
         w.waiting.append(s)
         self._admit(w, now)
+
+    def _refused(self, now: float, s: SimSeq, status: str, hint_s: float | None) -> None:
+        """The router refused `s`: the client sends it again after tandem.client.errors.backoff_s
+        (at most `retries` times, only while that is before the run's end), else it failed and the
+        session goes on to its next turn."""
+        wait = backoff_s(status, hint_s, s.retries) if s.retries < self.retries else None
+        until = self.retry_until_s if self.send_until_s is None else self._send_until(s.spec.session_id)
+        if wait is not None and (until is None or now + wait < until):
+            s.retries += 1
+            self.push(now + wait, "arrive", s)
+            return
+        s.kind = "rejected"
+        self._retire(now, s)
+
+    def _send_until(self, session_id: str) -> float | None:
+        until = self.send_until_s
+        return until.get(session_id) if isinstance(until, Mapping) else until
 
     def _admit(self, w: SimDecodeWorker, now: float) -> None:
         perf = self.perf
@@ -354,9 +380,7 @@ class Simulation:
         if self.next_turns is not None and self.next_turns.get(s.spec.session_id):
             nxt = self.next_turns[s.spec.session_id].popleft()
             nxt.arrival_s = (s.finish_s or now) + getattr(nxt.spec, "think_s", 0.0)
-            until = self.send_until_s
-            if isinstance(until, Mapping):
-                until = until.get(s.spec.session_id)
+            until = self._send_until(s.spec.session_id)
             if until is not None and nxt.arrival_s >= until:
                 # due past the run's end: neither it nor the session's later turns are sent
                 self.unsent.add(id(nxt))

@@ -90,7 +90,7 @@ class PrefixCache:
 class SimSeq:
     __slots__ = ("spec", "idx", "arrival_s", "decode", "reserved", "pinned", "cached", "kind",
                  "prefill_left", "context", "generated", "first_token_s", "finish_s", "session_decode",
-                 "credit", "chunk", "prefill_start_s", "prefiller", "queued_s", "admission")
+                 "credit", "chunk", "prefill_start_s", "prefiller", "queued_s", "admission", "retries")
 
     def __init__(self, spec: RequestLike, idx: int):
         self.spec, self.idx, self.arrival_s = spec, idx, spec.arrival_s
@@ -109,6 +109,7 @@ class SimSeq:
         # KV): an overlapped engine schedules it into the step after the one then computing
         self.queued_s = 0.0
         self.admission = None  # its slot in the router's admission limiter, where one is simulated
+        self.retries = 0  # times the client sent it again after a refusal (Simulation.retries)
 
     def emit(self, tokens_per_step: float) -> int:
         """Tokens one decode step emits for this sequence: `tokens_per_step` on average (1 + the

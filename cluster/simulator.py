@@ -52,7 +52,7 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
              max_workers: int | None = None, overload: OverloadLimits = OverloadLimits(),
              adaptive: RoleConfig | None = None, role_log: list | None = None,
              admission: AdmissionConfig | None = None, cancel_at_s: float | None = None,
-             batch_guard: bool = False) -> SimResult:
+             batch_guard: bool = False, retries: int = 0, retry_until_s: float | None = None) -> SimResult:
     """Replay `workload_requests` against `prefill` + `decode` workers. `colocated`: no prefill
     pool, every decode worker prefills everything itself (chunked). `closed_loop`: a session's turn
     k+1 is sent `think_s` after turn k finishes (an agent waits for its answer) instead of at its
@@ -75,8 +75,11 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
     at duration + drain timeout): such a request counts as failed, as the bench counts it.
     `batch_guard` (with `adaptive`, whose router places by the cost model): a request whose decode
     worker's batch is full for it (tandem.placement.BatchGuard at the SLO's TPOT) is refused, as
-    the router refuses it (RouterConfig.batch_guard). `seed` is kept for callers: placement breaks
-    ties deterministically."""
+    the router refuses it (RouterConfig.batch_guard). `retries`: a refused request (the limiter,
+    the batch guard, every worker overloaded or none up) is sent again after the retry policy's
+    wait (tandem.client.errors.backoff_s, the router's hint) up to this many times while that is
+    before `send_until_s` (else `retry_until_s`: a replay of recorded arrivals), its latencies counted from its first send, as `tandem bench --retries`
+    sends it. `seed` is kept for callers: placement breaks ties deterministically."""
     if decode < 1 or prefill < 0:
         raise ValueError(f"need decode >= 1 and prefill >= 0, got prefill={prefill}, decode={decode}")
     if adaptive is not None and (prefill or colocated):
@@ -85,7 +88,7 @@ def simulate(workload_requests: Sequence[RequestLike], prefill: int, decode: int
         raise ValueError(f"{prefill} prefill + {decode} decode workers exceed max_workers={max_workers}")
     sim = Simulation(workload_requests, prefill, decode, perf, slo, autoscaler, seed, colocated,
                      worker_startup_s, closed_loop, pull_prefix, send_until_s, max_workers, overload, adaptive,
-                     admission, batch_guard)
+                     admission, batch_guard, retries, retry_until_s)
     sim.run()
     if role_log is not None:
         role_log.extend(sim.role_log)

@@ -88,17 +88,23 @@ MAX_RETRY_WAIT_S = 60.0     # a hint longer than this is not waited for: the err
 
 def retry_delay(e: TandemError, attempt: int, rng: random.Random | None = None) -> float | None:
     """Seconds to wait before retry `attempt` (0 for the first) of a request that failed with `e`
-    before its first chunk, or None where a retry would not help. RESOURCE_EXHAUSTED waits the
-    router's hint (`retry_after_s`); without one, and on UNAVAILABLE, 0.5 s doubling per attempt up to
-    8 s, each drawn from 75-100% so clients shed together do not return together. A hint past
-    MAX_RETRY_WAIT_S: None (the cluster is saying it is full for a long while)."""
-    if not isinstance(e, (Overloaded, Unavailable)):
-        return None
+    before its first chunk, or None where a retry would not help (`backoff_s`, each backoff drawn
+    from 75-100% so clients shed together do not return together)."""
     hint = e.retry_after_s if isinstance(e, Overloaded) else None
-    if hint is not None:
-        return hint if 0 <= hint <= MAX_RETRY_WAIT_S else None
-    backoff = min(0.5 * 2 ** attempt, 8.0)
-    return backoff * (rng or random).uniform(0.75, 1.0)
+    return backoff_s(e.code.name, hint, attempt, (rng or random).uniform(0.75, 1.0))
+
+
+def backoff_s(status: str, hint_s: float | None, attempt: int, jitter: float = 1.0) -> float | None:
+    """The retry policy, pure (the client's, `tandem bench --retries`' and the simulator's): a
+    request refused with gRPC status `status` (its name) before its first chunk waits this long
+    before retry `attempt`, or None where a retry would not help. RESOURCE_EXHAUSTED waits the
+    router's hint; without one, and on UNAVAILABLE, 0.5 s doubling per attempt up to 8 s, times
+    `jitter`. A hint past MAX_RETRY_WAIT_S: None (the cluster is saying it is full for a long while)."""
+    if status not in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+        return None
+    if status == "RESOURCE_EXHAUSTED" and hint_s is not None:
+        return hint_s if 0 <= hint_s <= MAX_RETRY_WAIT_S else None
+    return min(0.5 * 2 ** attempt, 8.0) * jitter
 
 
 def next_retry(e: TandemError, attempt: int, started: bool, max_retries: int) -> float | None:

@@ -42,12 +42,16 @@ class NoWorkerReady(RuntimeError):
     """No worker of a pool is ready (all gone, starting or draining): UNAVAILABLE, retry later."""
 
 
+WORKERS_RETRY_AFTER_S = 1.0   # the hint a WorkersOverloaded refusal carries (the simulator's too)
+
+
 class WorkersOverloaded(RuntimeError):
     """Every ready worker of a pool is past its overload limits, or (`reason` "batch_guard") no
     decode batch has room for the request within the TPOT SLO: RESOURCE_EXHAUSTED, retry after
     `retry_after_s` (both edges send it as the hint)."""
 
-    def __init__(self, message: str, reason: str = "worker_overload", retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, reason: str = "worker_overload",
+                 retry_after_s: float = WORKERS_RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s

@@ -65,3 +65,23 @@ def test_bench_sweeps_agent_sessions_and_reports_what_the_cluster_did(make_clust
     for name in ("bench-ci-cdf.png", "bench-ci-goodput.png", "bench-ci-timeline.png"):  # `make setup` installs matplotlib
         assert (tmp_path / name).is_file(), f"{name} missing; stderr: {proc.stderr}"
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def test_bench_retries_what_a_one_slot_router_sheds(make_cluster, tmp_path):
+    """--retries against a router that runs one request at a time and queues none: sessions that
+    arrive together are shed (RESOURCE_EXHAUSTED with the limiter's hint) and come back after it,
+    and turns are served after one or more retries; a refusal whose wait would end past the
+    duration stays a failure. The report and each record count the retries."""
+    c = make_cluster({**CLUSTER, "router.max_in_flight": 1, "router.max_queue": 0})
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", "bench", "--target", c.target, "--workload", "agent-small",
+           "--rate", "8", "--duration", "3", "--sessions", "3", "--max-context", "300", "--seed", "2",
+           "--out", str(tmp_path), "--label", "retry", "--retries", "50"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads((tmp_path / "bench-retry.json").read_text())["runs"][0]
+    s, reqs = run["summary"], run["requests"]
+    assert set(s["errors"]) <= {"RESOURCE_EXHAUSTED"}, s["error_examples"]
+    served_after_retry = [r for r in reqs if r["retries"] and r["status"] == "OK"]
+    assert served_after_retry and all(r["ttft_s"] >= 0.05 * r["retries"] for r in served_after_retry)
+    assert s["retries"] == sum(r["retries"] for r in reqs) and s["retried_ok"] == len(served_after_retry)
+    assert s["ok"] > s["failed"] and "retries after refusals" in proc.stdout

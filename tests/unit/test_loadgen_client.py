@@ -22,17 +22,19 @@ from tandem.router.validation import RequestLimits
 
 
 class FakeError(grpc.aio.AioRpcError):
-    def __init__(self) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, None, None, details="too busy")
+    def __init__(self, code=grpc.StatusCode.RESOURCE_EXHAUSTED, hint_ms: int | None = None) -> None:
+        trailing = grpc.aio.Metadata(("retry-after-ms", str(hint_ms))) if hint_ms is not None else None
+        super().__init__(code, None, trailing, details="too busy")
 
 
 class FakeStub:
     """Answers each request with its max_tokens tokens in two messages; sessions named in `fail`
-    get RESOURCE_EXHAUSTED."""
+    get RESOURCE_EXHAUSTED; `refuse`: a session's first N calls get `refusal` (a FakeError)."""
 
-    def __init__(self, fail=()) -> None:
+    def __init__(self, fail=(), refuse=None, refusal=None) -> None:
         self.requests: list[pb.GenerateRequest] = []
         self.fail = set(fail)
+        self.refuse, self.refusal = dict(refuse or {}), refusal
 
     def Generate(self, req, timeout=None, metadata=()):
         self.requests.append(req)
@@ -41,6 +43,10 @@ class FakeStub:
     async def _answer(self, req):
         if any(req.session_id.endswith(s) for s in self.fail):
             raise FakeError()
+        left = self.refuse.get(req.session_id, 0)
+        if left:
+            self.refuse[req.session_id] = left - 1
+            raise self.refusal
         n = req.sampling.max_tokens
         ids = [7 + i for i in range(n)]
         yield pb.GenerateResponse(token_ids=ids[: n // 2])
@@ -85,16 +91,54 @@ def test_a_turn_due_past_the_duration_is_not_sent():
 
 
 
+def _run(stub, sessions, duration_s=5.0, retries=0):
+    cfg = BenchConfig(target="fake", workload="agent", rates=(1.0,), duration_s=duration_s, drain_timeout_s=1.0,
+                      retries=retries)
+    return asyncio.run(run_rate(stub, sessions, cfg, session_workload=True, rate=1.0, vocab_size=1000,
+                                run_tag="t"))[0]
+
+
+def test_retries_send_a_refused_turn_again_after_the_routers_hint():
+    """--retries: a turn refused before its first token waits the router's hint and goes again
+    (a request id of its own each time); its TTFT counts from its first send; the session then
+    goes on. Without retries the refusal is the turn's status."""
+    refusal = FakeError(hint_ms=200)
+    stub = FakeStub(refuse={"t-s-a": 2}, refusal=refusal)
+    records = _run(stub, [session("s-a", 2)], retries=3)
+    first, second = sorted(records, key=lambda r: r.turn)
+    assert first.status == "OK" and first.retries == 2 and second.status == "OK" and second.retries == 0
+    assert first.ttft_s >= 0.4                       # two waits of the 200 ms hint before it was served
+    assert [r.request_id for r in stub.requests] == ["t-s-a-t0", "t-s-a-t0-r1", "t-s-a-t0-r2", "t-s-a-t1"]
+    once = _run(FakeStub(refuse={"t-s-a": 2}, refusal=refusal), [session("s-a", 2)], retries=1)
+    assert sorted((r.turn, r.status, r.retries) for r in once) == [(0, "RESOURCE_EXHAUSTED", 1), (1, "OK", 0)]
+    none = _run(FakeStub(refuse={"t-s-a": 1}, refusal=refusal), [session("s-a", 1)])
+    assert [(r.status, r.retries) for r in none] == [("RESOURCE_EXHAUSTED", 0)]
+
+
+def test_retries_stop_at_the_duration_and_never_retry_a_bad_request():
+    late = FakeError(hint_ms=3000)                  # the wait would end past the 1 s duration
+    records = _run(FakeStub(refuse={"t-s-a": 1}, refusal=late), [session("s-a", 1)], duration_s=1.0, retries=5)
+    assert [(r.status, r.retries) for r in records] == [("RESOURCE_EXHAUSTED", 0)]
+    bad = FakeError(grpc.StatusCode.INVALID_ARGUMENT)
+    stub = FakeStub(refuse={"t-s-a": 1}, refusal=bad)
+    assert [(r.status, r.retries) for r in _run(stub, [session("s-a", 1)], retries=5)] == [("INVALID_ARGUMENT", 0)]
+    assert len(stub.requests) == 1
+    gone = FakeError(grpc.StatusCode.UNAVAILABLE)   # no hint: backoff_s' 0.5 s
+    records = _run(FakeStub(refuse={"t-s-a": 1}, refusal=gone), [session("s-a", 1)], retries=1)
+    assert [(r.status, r.retries) for r in records] == [("OK", 1)] and records[0].ttft_s >= 0.5
+
+
 class FakeRouter:
     """The OpenAI edge's Router: answers like FakeStub, sheds sessions named in `fail` (429)."""
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), shed_first=0, hint_s=1.0):
         self.stub, self.limits = FakeStub(), RequestLimits()
-        self.fail = set(fail)
+        self.fail, self.shed_first, self.hint_s = set(fail), shed_first, hint_s
 
     async def admit_and_generate(self, request, client, deadline=None):
-        if any(request.session_id.endswith(s) for s in self.fail):
-            raise Overloaded("queue full", 1.0)
+        if any(request.session_id.endswith(s) for s in self.fail) or self.shed_first > 0:
+            self.shed_first -= 1
+            raise Overloaded("queue full", self.hint_s)
         self.stub.requests.append(request)
         async for resp in self.stub._answer(request):
             yield resp
@@ -126,3 +170,19 @@ def test_the_openai_api_runs_the_same_plan_with_the_same_records():
     assert list(sent[1].prompt_token_ids[:20]) == list(sent[0].prompt_token_ids) + [7, 8, 9, 10]
     assert sent[0].sampling.ignore_eos and sent[0].sampling.temperature == 0
     assert by[("s-b", 0)].status == "RESOURCE_EXHAUSTED" and "queue full" in by[("s-b", 0)].error
+
+
+def test_the_openai_api_s_retry_hint_reaches_the_bench():
+    """Over HTTP the hint is the 429's retry-after-ms header: a retried turn waits it."""
+    router = FakeRouter(shed_first=1, hint_s=0.3)
+    cfg = BenchConfig(target="fake", workload="agent", rates=(1.0,), duration_s=5.0, drain_timeout_s=1.0, retries=2)
+
+    async def go():
+        async with TestServer(make_app(router, "m")) as server, aiohttp.ClientSession() as http:
+            transport = await OpenAITransport.connect(http, str(server.make_url("")))
+            return await run_rate(transport, [session("s-a", 1)], cfg, session_workload=True, rate=1.0,
+                                  vocab_size=1000, run_tag="t")
+
+    records, _, _ = asyncio.run(go())
+    assert [(r.status, r.retries) for r in records] == [("OK", 1)]
+    assert 0.3 <= records[0].ttft_s < 0.5          # the hint, not the 0.5 s backoff of a hint-less refusal
