@@ -18,6 +18,8 @@ import argparse
 import itertools
 import json
 
+from tandem.cluster.config import RouterConfig
+from tandem.cluster.layouts import router_limits
 from tandem.cluster.profiling import with_load_terms
 from tandem.cluster.sim_model import SLO
 from tandem.cluster.simulate_compare import compare
@@ -53,10 +55,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-admission", action="store_true",
                     help="shed nothing at the router (by default a default router's admission limiter runs, "
                          "as `tandem up` serves)")
+    ap.add_argument("--retries", type=int, default=0, metavar="N",
+                    help="clients send a refused turn again after the router's hint, up to N times "
+                         "(tandem bench --retries); default 0: the session goes on")
     ap.add_argument("--load-from", nargs="+", metavar="RUN_DIR", default=[],
                     help="add the loaded-worker terms fitted on these recorded runs' step traces")
     args = ap.parse_args(argv)
     perf = with_load_terms(PerfModel.load(args.perf), args.load_from)
+    limits = {} if args.no_admission else router_limits(RouterConfig())
+    if args.retries:
+        limits["retries"] = args.retries
     rows, worst, at15 = [], [], []
     head = f"{'gpus':>4} {'ctx':>6} {'tpot':>4} {'ttft':>5} {'rate':>5}  goodput per layout (r/s)"
     print(head)
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
                                                    [float(x) for x in args.ttft_ms.split(",")]):
         rates = [float(r) * gpus / 2 for r in args.rates.split(",")]
         runs = [compare(perf, layouts_for(gpus), gpus, rates, SLO(ttft / 1e3, tpot / 1e3), duration_s=args.duration,
-                        max_context=ctx, seed=seed, limits={} if args.no_admission else None)
+                        max_context=ctx, seed=seed, limits=limits)
                 for seed in range(args.seeds)]
         for rate in rates:
             point = mean_rows([{r["layout"]: r for r, _ in res if r["rate"] == rate} for res in runs])
