@@ -212,8 +212,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Defaults, then the YAML file at `path`, then dotted `overrides` whose value is not None."""
     data = config_to_dict(ClusterConfig())
     if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {path}: {e.strerror or e}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}"
+                              + (f" (line {e.problem_mark.line + 1})" if getattr(e, "problem_mark", None) else "")) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config: {path} must hold a mapping at the top level")
         unknown = set(loaded) - set(data)

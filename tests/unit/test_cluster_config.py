@@ -83,3 +83,12 @@ def test_a_cluster_that_could_never_decode_is_refused():
     assert load_config(None, {"decode.replicas": 0, "autoscaler.enabled": True}).autoscale   # the autoscaler keeps decode_min
     assert load_config(None, {"decode.replicas": 0, "prefill.replicas": 2, "prefill.role": "mixed"})
     assert load_config(None, {"prefill.replicas": 0}).decode.replicas == 1   # colocated: decode workers only
+
+
+def test_a_config_file_that_cannot_be_read_or_parsed_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read .*missing.yaml: No such file or directory"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router:\n  port: [1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: .*\(line \d+\)"):
+        load_config(bad)
