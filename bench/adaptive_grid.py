@@ -62,9 +62,7 @@ def main(argv=None) -> int:
                     help="add the loaded-worker terms fitted on these recorded runs' step traces")
     args = ap.parse_args(argv)
     perf = with_load_terms(PerfModel.load(args.perf), args.load_from)
-    limits = {} if args.no_admission else router_limits(RouterConfig())
-    if args.retries:
-        limits["retries"] = args.retries
+    limits = _limits(args)
     rows, worst, at15 = [], [], []
     head = f"{'gpus':>4} {'ctx':>6} {'tpot':>4} {'ttft':>5} {'rate':>5}  goodput per layout (r/s)"
     print(head)
@@ -102,6 +100,12 @@ def main(argv=None) -> int:
         lo = min(at15, key=lambda x: x[0])
         print(f"TPOT 15 ms: adaptive / colocated from {lo[0]:.2f} (min) to {max(x[0] for x in at15):.2f}")
     return 0
+
+
+def _limits(args) -> dict:
+    """What the router sheds (a default router's limits, or none) and how often clients retry."""
+    limits = {} if args.no_admission else router_limits(RouterConfig())
+    return {**limits, "retries": args.retries} if args.retries else limits
 
 
 if __name__ == "__main__":

@@ -32,10 +32,12 @@ Clock = Callable[[], float]
 class Overloaded(Exception):
     """The router is shedding this request; the client should retry after `retry_after_s`."""
 
-    def __init__(self, reason: str, retry_after_s: float) -> None:
+    def __init__(self, reason: str, retry_after_s: float, *, router_wide: bool = False) -> None:
         super().__init__(f"{reason}; retry after {retry_after_s:.2f} s")
         self.reason = reason
         self.retry_after_s = retry_after_s
+        # the whole router is full (not one client's limit): AdmissionLimiter spaces such hints
+        self.router_wide = router_wide
 
     @property
     def retry_after_ms(self) -> int:
@@ -184,6 +186,7 @@ class AdmissionLimiter:
         self._unstarted = 0          # admitted or queued, no first token yet: the requests ahead
         self._busy_since: float | None = None   # since when some request has waited to start
         self._last_start = 0.0
+        self._promised_s = 0.0       # the latest return time a router-wide refusal's hint gave
         self._on_change = on_change
         self._running = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
@@ -215,7 +218,7 @@ class AdmissionLimiter:
             raise Overloaded(f"server overloaded: {self._running} requests running and "
                              f"{len(self._queue)} queued (the queue limit)",
                              # by then half the queue has cleared: retries do not all collide
-                             self.rate.retry_after(c.max_queue // 2 + 1))
+                             self.rate.retry_after(c.max_queue // 2 + 1), router_wide=True)
 
     def _check_predicted_wait(self) -> None:
         limit = self.config.max_expected_wait_s
@@ -225,7 +228,19 @@ class AdmissionLimiter:
             raise Overloaded(f"server overloaded: {self._unstarted} requests are waiting for their first token, "
                              f"about {expected:.1f} s of work at the recent rate, over the {limit:g} s limit",
                              # by then the backlog is back under the limit
-                             min(c.max_retry_after_s, max(c.min_retry_after_s, expected - limit)))
+                             min(c.max_retry_after_s, max(c.min_retry_after_s, expected - limit)), router_wide=True)
+
+    def _spaced(self, hint_s: float) -> float:
+        """A router-wide refusal's hint, past the return times handed out before it by one start at
+        the recent rate each: clients shed together come back one after another, not all at once
+        into the same full router (the openai SDKs wait a hint exactly, without jitter)."""
+        now, c = self._clock(), self.config
+        rate = self.starts.per_second() or self.rate.per_second()
+        if rate and self._promised_s > now:
+            hint_s = max(hint_s, self._promised_s - now + 1.0 / rate)
+        hint_s = min(c.max_retry_after_s, max(c.min_retry_after_s, hint_s))
+        self._promised_s = max(self._promised_s, now + hint_s)
+        return hint_s
 
     def started(self, admission: Admission) -> None:
         """`admission`'s request has its first token out: one fewer ahead, one start at the rate."""
@@ -244,7 +259,12 @@ class AdmissionLimiter:
 
     def _count_in(self, client: str) -> float:
         """Refuse (Overloaded) or count the request in among those ahead of later ones; -> now."""
-        self.check(client)
+        try:
+            self.check(client)
+        except Overloaded as e:
+            if not e.router_wide:
+                raise
+            raise Overloaded(e.reason, self._spaced(e.retry_after_s), router_wide=True) from None
         arrived = self._clock()
         self._per_client[client] += 1
         self._unstarted += 1

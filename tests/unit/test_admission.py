@@ -289,3 +289,38 @@ def test_every_shed_request_gets_a_retry_hint_and_other_failures_none():
     assert retry_hint(guard) == ((RETRY_AFTER_KEY, "1000"),) and guard.reason == "batch_guard"
     assert WorkersOverloaded("every decode worker is overloaded").reason == "worker_overload"
     assert retry_hint(NoWorkerReady("none")) == () and retry_hint(ValueError("bad")) == ()
+
+
+def test_router_wide_refusals_that_come_together_get_spaced_hints():
+    """Clients shed together are told to come back one after another (one start at the recent
+    rate apart, past the latest return time given), not all at the same moment; once those
+    return times have passed, a refusal gets the plain hint again."""
+    async def main():
+        clock = FakeClock(0.0)
+        lim = make_limiter(clock, max_in_flight=100, max_queue=100, max_expected_wait_s=2.0, min_start_samples=4)
+        for _ in range(4):                  # 4 starts, one each 0.25 s of backlog: 4 a second
+            adm = await lim.acquire("warm")
+            clock.now += 0.25
+            lim.started(adm)
+            lim.release(adm)
+        ahead, hints = [], []
+        while not hints:                    # a backlog up to the 2 s limit, then the first refusal
+            try:
+                ahead.append(await lim.acquire(f"a{len(ahead)}"))
+            except Overloaded as e:
+                hints.append(e.retry_after_s)
+        for i in range(3):
+            with pytest.raises(Overloaded) as e:
+                await lim.acquire(f"shed{i}")
+            hints.append(e.value.retry_after_s)
+        step = 1 / lim.starts.per_second()                           # one start at the recent rate
+        assert 0.2 < step < 0.3 and hints[0] < 2 * step              # just over the limit
+        assert [b - a for a, b in zip(hints, hints[1:])] == pytest.approx([step] * 3)   # one after another
+        clock.now += 5.0                                             # the promises have passed
+        with pytest.raises(Overloaded) as e:
+            await lim.acquire("later")
+        assert e.value.retry_after_s == pytest.approx(hints[0])
+        for adm in ahead:
+            lim.release(adm)
+
+    asyncio.run(main())

@@ -248,21 +248,21 @@ def test_the_routers_admission_limiter_sheds_an_overload_in_the_simulation():
 
 def test_retried_refusals_come_back_after_the_hint_and_count_from_their_first_send():
     """`retries` (tandem bench --retries): a request the limiter refuses is sent again after its
-    hint (the wait the limiter expects), so with retries enough every one is served, the queue
-    holds more and TTFT, counted from the first send, grows past the limit; a few retries against
-    a burst 4x the worker's rate mostly meet the same full queue; none is sent again at or past
-    `retry_until_s`."""
+    hint. The limiter spaces the hints of refusals that come together (one start at the recent rate
+    apart), so under a burst 4x the worker's rate two retries serve every request, in turn: the
+    queue holds more and TTFT, counted from the first send, grows past the limit. None is sent
+    again at or past `retry_until_s`."""
     from tandem.router.admission import AdmissionConfig
 
     reqs = burst(100, 4000, 2, over_s=10.0)
     limits = AdmissionConfig(max_expected_wait_s=3.0, min_start_samples=4)
-    runs = {n: simulate(reqs, 0, 1, PERF, SLO_, colocated=True, admission=limits, retries=n) for n in (0, 20, 400)}
+    runs = {n: simulate(reqs, 0, 1, PERF, SLO_, colocated=True, admission=limits, retries=n) for n in (0, 1, 2)}
     rejected = {n: r.summary.rejected for n, r in runs.items()}
-    assert rejected[400] == 0 < rejected[20] < rejected[0], rejected
-    assert runs[400].summary.ttft_p90 > 3 * runs[0].summary.ttft_p90 > limits.max_expected_wait_s
-    assert [r.arrival_s for r in runs[400].requests] == [r.arrival_s for r in runs[0].requests]   # as first sent
-    cut = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, admission=limits, retries=400, retry_until_s=10.0)
-    assert rejected[0] - 5 <= cut.summary.rejected <= rejected[0] + 5   # the burst's own 10 s: few get back in
+    assert rejected[2] == 0 < rejected[1] < rejected[0], rejected
+    assert runs[2].summary.ttft_p90 > 3 * runs[0].summary.ttft_p90 > limits.max_expected_wait_s
+    assert [r.arrival_s for r in runs[2].requests] == [r.arrival_s for r in runs[0].requests]   # as first sent
+    cut = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, admission=limits, retries=2, retry_until_s=10.0)
+    assert cut.summary.rejected >= rejected[0] - 5   # the burst's own 10 s: hardly any gets back in
 
 
 def test_a_request_no_worker_can_take_is_retried_after_the_workers_hint():
