@@ -17,7 +17,7 @@ from typing import AsyncIterator, Protocol
 import aiohttp
 import grpc
 
-from tandem.client.errors import RETRY_AFTER_KEY
+from tandem.client.errors import RETRY_AFTER_KEY, retry_hint_s
 from tandem.protos.tandem.v1 import generation_pb2 as pb
 
 # the OpenAI edge's HTTP statuses as the gRPC codes the report counts
@@ -44,13 +44,6 @@ class SendFailed(Exception):
         self.status, self.details, self.retry_after_s = status, details, retry_after_s
 
 
-def _hint_s(ms: str | None) -> float | None:
-    try:
-        return int(ms) / 1000 if ms else None
-    except ValueError:
-        return None
-
-
 class Transport(Protocol):
     def stream(self, request_id: str, session_id: str, prompt: list[int], max_tokens: int,
                timeout: float) -> AsyncIterator[Update]: ...
@@ -72,7 +65,7 @@ class GrpcTransport:
                 yield Update(list(resp.token_ids), finish, resp.usage if finish else None)
         except grpc.aio.AioRpcError as e:
             raise SendFailed(e.code().name, e.details() or "",
-                             _hint_s(dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY))) from None
+                             retry_hint_s(dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY))) from None
 
     async def rejection(self, prompt, max_tokens):
         try:
@@ -114,7 +107,7 @@ class OpenAITransport:
                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
                     raise SendFailed(HTTP_TO_STATUS.get(r.status, f"HTTP_{r.status}"), _message(await r.text()),
-                                     _hint_s(r.headers.get(RETRY_AFTER_KEY)))
+                                     retry_hint_s(r.headers.get(RETRY_AFTER_KEY)))
                 async for update in _events(r):
                     yield update
         except TimeoutError:

@@ -152,13 +152,16 @@ class Simulation:
         guard, none whose batch is full for the request (the session's own full: none). None: no
         worker can take it (the router answers UNAVAILABLE or RESOURCE_EXHAUSTED)."""
         perf = self.perf
-        live = {w.name: w for w in self.decodes if w.up and not w.gone
-                and w.role != sim_adaptive.PREFILL}
+        live = {w.name: w for w in self._decoding()}
         own = self.session_decode.get(r.session_id)
         views = [w.view(r, perf.block_tokens, perf.kv_capacity_tokens) for w in live.values()]
         full = self.guard.full_for(r.input_tokens, perf.block_tokens) if self.guard else None
         wid = choose_worker(views, own.name if own else None, overload_fn=self.overload, full=full)
         return live.get(wid)
+
+    def _decoding(self) -> list[SimDecodeWorker]:
+        """The decode workers up and not lent to prefill only: those a request may be placed on."""
+        return [w for w in self.decodes if w.up and not w.gone and w.role != sim_adaptive.PREFILL]
 
     def pick_prefill(self, s: SimSeq, now: float) -> SimPrefillWorker | None:
         """The router's prefill choice for a request the decode worker may prefill remotely: the
@@ -196,7 +199,7 @@ class Simulation:
             if not fits:        # INVALID_ARGUMENT: never retried
                 s.kind = "rejected"
                 self._retire(now, s)
-            elif any(d.up and not d.gone and d.role != sim_adaptive.PREFILL for d in self.decodes):
+            elif self._decoding():
                 self._refused(now, s, "RESOURCE_EXHAUSTED", WORKERS_RETRY_AFTER_S)   # WorkersOverloaded
             else:
                 self._refused(now, s, "UNAVAILABLE", None)   # NoWorkerReady

@@ -54,6 +54,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
 
 
+def _api_error(e: ApiError) -> web.Response:
+    return error_response(e.status, str(e), e.param, e.code)
+
+
 def _from_exception(router: Router, e: Exception) -> web.Response:
     """The HTTP response for a failure of the request path, by the gRPC edge's one table."""
     code = status_code(e)
@@ -101,7 +105,7 @@ async def _parse(request: web.Request, parse) -> ParsedRequest | web.Response:
     try:
         return parse(body, request.headers, request.app[MODEL_KEY])
     except ApiError as e:
-        return error_response(e.status, str(e), e.param, e.code)
+        return _api_error(e)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -183,8 +187,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
         return error_response(401, _UNAUTHORIZED, code="invalid_api_key")
     name, served = request.match_info["model"], request.app[MODEL_KEY]
     if name != served:
-        e = unknown_model(name, served)
-        return error_response(e.status, str(e), e.param, e.code)
+        return _api_error(unknown_model(name, served))
     return web.json_response(model_card(served, CREATED))
 
 

@@ -78,9 +78,17 @@ def error_from_rpc(e: grpc.RpcError) -> TandemError:
     code, details = e.code(), e.details() or ""
     cls = _BY_CODE.get(code, InternalError)
     if cls is Overloaded:
-        ms = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-        return Overloaded(details, int(ms) / 1000 if ms else None)
+        return Overloaded(details, retry_hint_s(dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)))
     return cls(details, code)
+
+
+def retry_hint_s(ms: str | None) -> float | None:
+    """A `retry-after-ms` value (gRPC trailing metadata or HTTP header) in seconds; None where
+    absent or not an integer."""
+    try:
+        return int(ms) / 1000 if ms else None
+    except ValueError:
+        return None
 
 
 MAX_RETRY_WAIT_S = 60.0     # a hint longer than this is not waited for: the error is raised
