@@ -200,7 +200,8 @@ class Simulation:
                 s.kind = "rejected"
                 self._retire(now, s)
             elif self._decoding():
-                self._refused(now, s, "RESOURCE_EXHAUSTED", WORKERS_RETRY_AFTER_S)   # WorkersOverloaded
+                hint = WORKERS_RETRY_AFTER_S if self.limiter is None else self.limiter.spaced(WORKERS_RETRY_AFTER_S, workers=True)
+                self._refused(now, s, "RESOURCE_EXHAUSTED", hint)   # WorkersOverloaded, spaced as the router does
             else:
                 self._refused(now, s, "UNAVAILABLE", None)   # NoWorkerReady
             return

@@ -182,6 +182,7 @@ class AdmissionLimiter:
         self.config = config
         self._clock = clock
         self.rate = ServiceRate(config, clock)
+        self.served = ServiceRate(config, clock)   # only the releases of requests that started: room freed
         self.starts = StartRate(config, clock)
         self._unstarted = 0          # admitted or queued, no first token yet: the requests ahead
         self._busy_since: float | None = None   # since when some request has waited to start
@@ -230,12 +231,14 @@ class AdmissionLimiter:
                              # by then the backlog is back under the limit
                              min(c.max_retry_after_s, max(c.min_retry_after_s, expected - limit)), router_wide=True)
 
-    def _spaced(self, hint_s: float) -> float:
+    def spaced(self, hint_s: float, workers: bool = False) -> float:
         """A router-wide refusal's hint, past the return times handed out before it by one start at
         the recent rate each: clients shed together come back one after another, not all at once
-        into the same full router (the openai SDKs wait a hint exactly, without jitter)."""
+        into the same full router (the openai SDKs wait a hint exactly, without jitter). `workers`:
+        the workers' own refusal (every decode worker overloaded or full, router/generation.py),
+        whose room comes back as served requests end, so the rate is theirs."""
         now, c = self._clock(), self.config
-        rate = self.starts.per_second() or self.rate.per_second()
+        rate = self.served.per_second() if workers else self.starts.per_second() or self.rate.per_second()
         if rate and self._promised_s > now:
             hint_s = max(hint_s, self._promised_s - now + 1.0 / rate)
         hint_s = min(c.max_retry_after_s, max(c.min_retry_after_s, hint_s))
@@ -264,7 +267,7 @@ class AdmissionLimiter:
         except Overloaded as e:
             if not e.router_wide:
                 raise
-            raise Overloaded(e.reason, self._spaced(e.retry_after_s), router_wide=True) from None
+            raise Overloaded(e.reason, self.spaced(e.retry_after_s), router_wide=True) from None
         arrived = self._clock()
         self._per_client[client] += 1
         self._unstarted += 1
@@ -316,6 +319,8 @@ class AdmissionLimiter:
         if not admission.started:   # failed or cancelled before its first token
             admission.started = True
             self._not_waiting()
+        else:
+            self.served.record_release()
         self._forget(admission.client)
         self.rate.record_release()
         self._hand_over()

@@ -112,6 +112,9 @@ class Router:
             async for resp in self.generate(request, client, deadline):
                 self.limiter.started(adm)      # its first token: no longer ahead of newcomers
                 yield resp
+        except WorkersOverloaded as e:         # refused by every worker: as router-wide as the limiter's
+            e.retry_after_s = self.limiter.spaced(e.retry_after_s, workers=True)
+            raise
         finally:
             self.limiter.release(adm)
 

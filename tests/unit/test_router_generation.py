@@ -165,6 +165,9 @@ class RecordingHub:
     def record_migration(self, reason):
         self.migrations.append(reason)
 
+    def record_queue_time(self, s):
+        pass
+
 
 def make_router(view, **kw) -> Router:
     router = Router(view, tokenizer=None, model_config=MODEL, block_size=BLOCK, sessions=InMemorySessionStore(),
@@ -293,6 +296,37 @@ def test_every_worker_overloaded_is_resource_exhausted():
         asyncio.run(run(router, request()))
     assert status_code(err.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not view.actor("d0").calls and not view.actor("d1").calls
+
+
+def test_refusals_by_every_worker_come_with_spaced_retry_hints():
+    """Every decode worker overloaded is a refusal of the whole router, as the limiter's are: the
+    clients refused together get return times one start at the recent rate apart (the openai SDKs
+    wait the hint exactly), the first the workers' own hint."""
+    from tandem.router.admission import AdmissionConfig, AdmissionLimiter
+    from tandem.wire.errors import WORKERS_RETRY_AFTER_S
+
+    view = FakeView()
+    view.add(FakeDecode("d0", view), "decode", waiting=5)
+    router = make_router(view, overload=OverloadLimits(max_waiting=4))
+    clock = SimpleNamespace(now=100.0)
+    router.limiter = AdmissionLimiter(AdmissionConfig(min_start_samples=4), clock=lambda: clock.now)
+
+    async def main():
+        for _ in range(4):                  # 4 starts, one each 0.25 s of backlog: 4 a second
+            adm = await router.limiter.acquire("warm")
+            clock.now += 0.25
+            router.limiter.started(adm)
+            router.limiter.release(adm)
+        hints = []
+        for i in range(3):
+            with pytest.raises(WorkersOverloaded) as err:
+                [r async for r in router.admit_and_generate(request(), f"c{i}")]
+            hints.append(err.value.retry_after_s)
+        return hints
+
+    hints = asyncio.run(main())
+    assert hints == pytest.approx([WORKERS_RETRY_AFTER_S, WORKERS_RETRY_AFTER_S + 0.25, WORKERS_RETRY_AFTER_S + 0.5])
+    assert router.limiter.running == 0 and router.limiter.waiting == 0    # the refused hold no slot
 
 
 def test_without_limits_the_session_keeps_its_worker():

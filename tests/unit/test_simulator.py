@@ -280,6 +280,21 @@ def test_a_request_no_worker_can_take_is_retried_after_the_workers_hint():
     assert all(t >= WORKERS_RETRY_AFTER_S for t in retried)
 
 
+def test_clients_every_worker_refused_together_come_back_spaced():
+    """With the router's limiter (which spaces the workers' refusals by the rate served requests
+    end at), a burst four times what the one worker holds is served in full after 4 retries; with
+    the plain 1 s hint for all, every retry wave meets the same full worker and most fail."""
+    from tandem.placement import OverloadLimits
+    from tandem.router.admission import AdmissionConfig
+
+    reqs = burst(40, 64, 100, over_s=0.05)
+    holds_four = OverloadLimits(max_waiting=0, max_load=4)
+    plain = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, overload=holds_four, retries=4)
+    spaced = simulate(reqs, 0, 1, PERF, SLO_, colocated=True, overload=holds_four, retries=4,
+                      admission=AdmissionConfig(max_expected_wait_s=None))
+    assert plain.summary.rejected > 20 and spaced.summary.rejected == 0
+
+
 def test_a_request_running_at_the_clients_deadline_failed():
     """`cancel_at_s` (tandem bench's duration + drain timeout): a request still running then is
     counted failed, as the bench counts it; the others are as without it."""
