@@ -133,7 +133,8 @@ class ActorStarter:
         handle = WorkerActor.options(**opts).remote(worker_id, pool, engine_cfg, self.rendezvous,
                                                     self.config.decode.local_prefill_threshold, pcfg.num_cpus,
                                                     self.config.kv_transfer, role=pcfg.role or None,
-                                                    placement=placement)
+                                                    placement=placement,
+                                                    latency_window_s=self.config.autoscaler.latency_window_s)
         return ActorMember(worker_id, pool, handle, self.health_timeout_s, placement)
 
     def adopt(self, timeout_s: float = 30.0) -> list[tuple[ActorMember, Any, Any]]:

@@ -105,6 +105,9 @@ class AutoscalerConfig:
     max_step_up: int = 2  # workers added to one pool per decision
     max_step_down: int = 1  # workers removed from one pool per decision
     period_s: float = 5.0  # how often the controller calls decide()
+    # the span of recent requests each worker's TTFT and TPOT percentiles cover (its reports): how
+    # long a burst's slow requests keep counting, and so keep a pool grown
+    latency_window_s: float = 30.0
     # Defaults for per-worker capacity when the snapshot has no measurement.
     prefill_tokens_per_s_per_worker: float = 8000.0
     max_seqs_per_worker: int = 256
@@ -123,7 +126,8 @@ class AutoscalerConfig:
                 fail(f"{name} must be > 0 or null, got {v}")
         if self.min_ratio is not None and self.max_ratio is not None and self.min_ratio > self.max_ratio:
             fail(f"min_ratio ({self.min_ratio}) must be <= max_ratio ({self.max_ratio})")
-        for name in ("ttft_target_s", "tpot_target_s", "period_s", "prefill_tokens_per_s_per_worker"):
+        for name in ("ttft_target_s", "tpot_target_s", "period_s", "prefill_tokens_per_s_per_worker",
+                     "latency_window_s"):
             if not getattr(self, name) > 0:
                 fail(f"{name} must be > 0, got {getattr(self, name)}")
         if self.slo_percentile not in PERCENTILES:

@@ -107,6 +107,10 @@ class Simulation:
     # -- pools -----------------------------------------------------------------------------------
     def add_worker(self, pool: list, cls: type, now: float, started: bool = False) -> None:
         w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens)
+        if self.cfg is not None:     # the span of its TTFT and TPOT reports, as a live worker's
+            w.prefill_latency.window_s = self.cfg.latency_window_s
+            if isinstance(w, SimDecodeWorker):
+                w.tpot.window_s = self.cfg.latency_window_s
         if self.role_config is not None and isinstance(w, SimDecodeWorker):
             w.role = sim_adaptive.MIXED   # the adaptive layout's workers start mixed, as live
         if started:

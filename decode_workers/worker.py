@@ -54,7 +54,8 @@ class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector | None = None,
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  router_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 warmup: dict[str, Any] | None = None, shared: SharedEngine | None = None):
+                 warmup: dict[str, Any] | None = None, shared: SharedEngine | None = None,
+                 latency_window_s: float = 30.0):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests;
         None: no remote prefill). `shared`: the loop, sender and receiver of a worker that also
@@ -90,7 +91,7 @@ class DecodeWorker:
         self.counters = {"requests": 0, "remote_prefills": 0, "local_prefills": 0, "transfer_failures": 0,
                          "kv_transfer_bytes": 0, "sequences_migrated_in": 0, "tokens_recomputed": 0}
         self.transfer_times = TransferTimes()  # KV landed, per transfer: the kv_transfer_seconds histogram
-        self.tpot = LatencyWindow()
+        self.tpot = LatencyWindow(latency_window_s)
         self._snapshot: WorkerStats | None = None
         self._owns_loop = shared is None
         if shared is not None:

@@ -51,7 +51,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector,
                  transfer_config: KVTransferConfig | None = None, reservation_timeout_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
-                 shared: SharedEngine | None = None):
+                 shared: SharedEngine | None = None, latency_window_s: float = 30.0):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests).
         `shared`: the loop, sender and receiver of a worker that also decodes over this engine
@@ -90,7 +90,7 @@ class PrefillWorker:
                          "transfer_failures": 0,
                          "kv_transfer_bytes": 0}
         self.transfer_times = TransferTimes()  # KV delivered, per transfer: the kv_transfer_seconds histogram
-        self.latency = LatencyWindow()  # reserve -> KV delivered: the part of TTFT this pool controls
+        self.latency = LatencyWindow(latency_window_s)  # reserve -> KV delivered: the part of TTFT this pool controls
         self._snapshot: WorkerStats | None = None
         self._owns_loop = shared is None
         if shared is not None:

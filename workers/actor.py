@@ -26,8 +26,10 @@ log = logging.getLogger(__name__)
 @ray.remote(**ACTOR_CONCURRENCY)
 class WorkerActor(PoolActorBase):
     def __init__(self, worker_id: str, pool: str, engine_config, rendezvous: str, local_prefill_threshold: float,
-                 num_cpus: float = 1.0, transfer_config=None, role: str | None = None, placement=None):
-        """`placement`: a tensor-parallel worker's placement group (rank r in bundle r; this actor is rank 0)."""
+                 num_cpus: float = 1.0, transfer_config=None, role: str | None = None, placement=None,
+                 latency_window_s: float = 30.0):
+        """`placement`: a tensor-parallel worker's placement group (rank r in bundle r; this actor is rank 0).
+        `latency_window_s`: the span its TTFT and TPOT percentiles cover (autoscaler.latency_window_s)."""
         setup_process(num_cpus)
         # torch loads only now, after setup_process set CUDA_MODULE_LOADING for this process
         from tandem.decode_workers.worker import warm_up  # noqa: PLC0415
@@ -51,7 +53,7 @@ class WorkerActor(PoolActorBase):
         layout = TPLayout(worker_id, 0, tp, engine.model_config.num_kv_heads * tp, self.connector.peer_tp)
         self.worker = PoolWorker(worker_id, pool, engine, self.connector, role=role,
                                  local_prefill_threshold=local_prefill_threshold, transfer_config=tcfg, warmup=warmup,
-                                 tp_layout=layout, tp_ranks=self.ranks)
+                                 tp_layout=layout, tp_ranks=self.ranks, latency_window_s=latency_window_s)
         after_startup()
 
     def _rank_lost(self, why: str) -> None:

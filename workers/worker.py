@@ -40,7 +40,7 @@ class PoolWorker:
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  reservation_timeout_s: float = 120.0, router_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
-                 tp_layout: TPLayout | None = None, tp_ranks: RankEnds | None = None):
+                 tp_layout: TPLayout | None = None, tp_ranks: RankEnds | None = None, latency_window_s: float = 30.0):
         """`pool`: where it started ("prefill" | "decode"), its role unless `role` is given.
         `tp_layout`: its transfers reshard KV by head for peers of other tensor-parallel sizes,
         `tp_ranks` its own ranks 1..N-1 (kv_transfer.tp_ends). The rest as `PrefillWorker` and
@@ -59,10 +59,10 @@ class PoolWorker:
         shared = SharedEngine(self.loop, self.sender, self.receiver)
         self.prefill = PrefillWorker(worker_id, engine, connector, transfer_config=tcfg,
                                      reservation_timeout_s=reservation_timeout_s, clock=clock, warmup=warmup,
-                                     shared=shared)
+                                     shared=shared, latency_window_s=latency_window_s)
         self.decode = DecodeWorker(worker_id, engine, connector, local_prefill_threshold=local_prefill_threshold,
                                    transfer_config=tcfg, router_timeout_s=router_timeout_s, clock=clock,
-                                   warmup=warmup, shared=shared)
+                                   warmup=warmup, shared=shared, latency_window_s=latency_window_s)
         self._snapshot: WorkerStats | None = None
         self._apply()
         self.loop.start()

@@ -16,7 +16,7 @@ AUTOSCALE = {
     "autoscaler.enabled": True, "autoscaler.prefill_min": 1, "autoscaler.prefill_max": 2,
     "autoscaler.decode_min": 1, "autoscaler.decode_max": 1, "autoscaler.ttft_target_s": 1.0,
     "autoscaler.upscale_delay_s": 0.0, "autoscaler.downscale_delay_s": 3.0, "autoscaler.period_s": 0.5,
-    "autoscaler.prefill_tokens_per_s_per_worker": 2000.0,
+    "autoscaler.prefill_tokens_per_s_per_worker": 2000.0, "autoscaler.latency_window_s": 8.0,
 }
 
 
@@ -47,7 +47,8 @@ def test_burst_grows_prefill_then_idle_shrinks_it(make_cluster):
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     # 4 prompts of ~670 tokens: 2,700 tokens waiting at once, 1.7x what grows the pool at the test's
     # 2,000 tok/s per worker (the first decision after the burst arrives grows it), and each one's
-    # TTFT is far over the 1 s target (which holds the pool at 2 until 30 s after the last one)
+    # TTFT is far over the 1 s target (which holds the pool at 2 until the workers' 8 s latency
+    # window has passed the last one)
     prompts = [" ".join(words[(i + j) % 12] for j in range(500)) + f" #{i}" for i in range(4)]
     results: list = [None] * len(prompts)
     errors: list = []

@@ -227,3 +227,17 @@ def test_roles_flipping_all_the_time_lose_no_accepted_request_and_leak_no_block(
         flipper.join()
     assert done + refused == 12 and done > 0, (done, refused)
     assert_clean(a, b)
+
+
+def test_the_latency_window_reaches_both_parts_reports(net):
+    """autoscaler.latency_window_s (carried to each worker actor) is the span of the TTFT and TPOT
+    percentiles both parts report: a sample older than it is gone from the report."""
+    now = [100.0]
+    w = create_pool_worker(net, "c", "decode", latency_window_s=5.0, clock=lambda: now[0])
+    try:
+        assert w.prefill.latency.window_s == w.decode.tpot.window_s == 5.0
+        w.decode.tpot.add(now[0], 0.02)
+        assert w.decode.tpot.percentiles(now[0] + 4.0)["p90"] == 0.02
+        assert w.decode.tpot.percentiles(now[0] + 6.0)["p90"] is None
+    finally:
+        w.shutdown()

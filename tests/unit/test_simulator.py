@@ -311,3 +311,13 @@ def test_a_request_running_at_the_clients_deadline_failed():
                                                                      ttft_s=None, tpot_s=None, e2e_s=None))
     assert bench_deadline({"duration_s": 60.0, "drain_timeout_s": 20.0}) == 80.0
     assert bench_deadline({"duration_s": 60.0}) is None
+
+
+def test_simulated_workers_report_over_the_autoscalers_latency_window():
+    """A simulated worker's TTFT and TPOT reports span autoscaler.latency_window_s, as a live one's."""
+    from tandem.cluster.sim_engine import Simulation
+
+    cfg = AutoscalerConfig(latency_window_s=7.0)
+    sim = Simulation(burst(2, 64, 4), 1, 1, PERF, SLO_, cfg, 0, False, 0.0, False, False)
+    assert [w.prefill_latency.window_s for w in sim.prefills + sim.decodes] == [7.0, 7.0]
+    assert sim.decodes[0].tpot.window_s == 7.0
