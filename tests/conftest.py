@@ -7,6 +7,9 @@
 
 `hf_smollm2` (session scope): transformers' SmolLM2-135M on the GGUF the engine serves, in fp32, the
 reference of tests/engine and tests/cluster (loading it takes ~15 s: once per run).
+
+Every test: Triton's interpreter, once a test module has loaded it, skips re-patching
+`triton.language` on each nested helper call (tests/interpreter_patching.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import interpreter_patching
 
 
 @dataclass
@@ -81,6 +86,11 @@ def start_redis_server(port: int | None = None, timeout_s: float = 15.0) -> Redi
                         pytrace=False)
         time.sleep(0.05)
     return server
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_patches_once_a_launch():
+    interpreter_patching.install()
 
 
 @pytest.fixture(scope="session")
