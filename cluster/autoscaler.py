@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.runtime.latency import DEFAULT_WINDOW_S
 from tandem.wire.errors import ConfigError
 
 _EPS = 1e-9
@@ -107,7 +108,7 @@ class AutoscalerConfig:
     period_s: float = 5.0  # how often the controller calls decide()
     # the span of recent requests each worker's TTFT and TPOT percentiles cover (its reports): how
     # long a burst's slow requests keep counting, and so keep a pool grown
-    latency_window_s: float = 30.0
+    latency_window_s: float = DEFAULT_WINDOW_S
     # Defaults for per-worker capacity when the snapshot has no measurement.
     prefill_tokens_per_s_per_worker: float = 8000.0
     max_seqs_per_worker: int = 256

@@ -24,6 +24,7 @@ from tandem.cluster.sim_model import SLO, PoolSample, RequestLike, RequestResult
 from tandem.perf_model import PerfModel
 from tandem.cluster.sim_workers import SimDecodeWorker, SimPrefillWorker, SimSeq, SimWorker
 from tandem.router.admission import AdmissionConfig, AdmissionLimiter, Overloaded
+from tandem.runtime.latency import DEFAULT_WINDOW_S
 from tandem.wire.errors import WORKERS_RETRY_AFTER_S
 from tandem.placement import (BatchGuard, OverloadLimits, choose_worker, local_prefill_queue, prefill_placement,
                               remote_prefill_offered, wants_remote_prefill)
@@ -106,11 +107,9 @@ class Simulation:
 
     # -- pools -----------------------------------------------------------------------------------
     def add_worker(self, pool: list, cls: type, now: float, started: bool = False) -> None:
-        w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens)
-        if self.cfg is not None:     # the span of its TTFT and TPOT reports, as a live worker's
-            w.prefill_latency.window_s = self.cfg.latency_window_s
-            if isinstance(w, SimDecodeWorker):
-                w.tpot.window_s = self.cfg.latency_window_s
+        # the span of its TTFT and TPOT reports is the autoscaler's, as a live worker's
+        window = self.cfg.latency_window_s if self.cfg is not None else DEFAULT_WINDOW_S
+        w = cls(len(pool), now + (0.0 if started else self.startup_s), self.perf.block_tokens, window)
         if self.role_config is not None and isinstance(w, SimDecodeWorker):
             w.role = sim_adaptive.MIXED   # the adaptive layout's workers start mixed, as live
         if started:
@@ -204,8 +203,9 @@ class Simulation:
                 s.kind = "rejected"
                 self._retire(now, s)
             elif self._decoding():
-                hint = WORKERS_RETRY_AFTER_S if self.limiter is None else self.limiter.spaced(WORKERS_RETRY_AFTER_S, workers=True)
-                self._refused(now, s, "RESOURCE_EXHAUSTED", hint)   # WorkersOverloaded, spaced as the router does
+                hint = WORKERS_RETRY_AFTER_S   # WorkersOverloaded's, spaced as the router spaces it
+                self._refused(now, s, "RESOURCE_EXHAUSTED",
+                              hint if self.limiter is None else self.limiter.spaced(hint, workers=True))
             else:
                 self._refused(now, s, "UNAVAILABLE", None)   # NoWorkerReady
             return

@@ -16,7 +16,7 @@ from typing import Any
 from tandem.cluster.sim_model import RequestLike
 from tandem.perf_model import PerfModel
 from tandem.placement import DRAINING, READY, WorkerView
-from tandem.runtime.latency import LatencyWindow
+from tandem.runtime.latency import DEFAULT_WINDOW_S, LatencyWindow
 from tandem.wire.cluster import WorkerEntry
 from tandem.wire.stats import Percentiles, WorkerStats
 
@@ -125,7 +125,7 @@ class SimWorker:
     pool = ""
     role = ""  # what it serves, as WorkerEntry.role ("": its pool's)
 
-    def __init__(self, wid: int, ready_s: float, block_tokens: int):
+    def __init__(self, wid: int, ready_s: float, block_tokens: int, latency_window_s: float = DEFAULT_WINDOW_S):
         self.wid, self.ready_s = wid, ready_s
         self.up = False  # started
         self.accepting = False  # started and not draining
@@ -137,7 +137,7 @@ class SimWorker:
         # workers (counted when handed to its engine, as the live prefill part counts them), and the
         # latency from reserving such a prefill to its KV ready on the decode worker
         self.computed_tokens = 0
-        self.prefill_latency = LatencyWindow()
+        self.prefill_latency = LatencyWindow(latency_window_s)
 
     @property
     def name(self) -> str:
@@ -227,7 +227,7 @@ class SimDecodeWorker(SimWorker):
         self.step_started_s = 0.0
         self.busy_s = 0.0  # time in finished steps
         self.host_debt_s = 0.0  # admit_host_s of requests routed here since its last step began
-        self.tpot = LatencyWindow()  # each finished sequence's time per output token
+        self.tpot = LatencyWindow(self.prefill_latency.window_s)  # each finished sequence's time per output token
         # the engine's prompt counters (engine/stats.py `count_prompts`): positions computed, and
         # prompts whose last position was computed here and their lengths
         self.prompt_tokens_computed = self.prompts_completed = self.prompt_tokens_completed = 0

@@ -40,7 +40,7 @@ from tandem.kv_transfer.receiver import LayerStreamReceiver
 from tandem.kv_transfer.sender import LayerStreamSender
 from tandem.kv_transfer.shared import SharedEngine
 from tandem.placement import wants_remote_prefill
-from tandem.runtime.latency import LatencyWindow
+from tandem.runtime.latency import DEFAULT_WINDOW_S, LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, WorkerUnavailable
 from tandem.wire.messages import (DecodePlan, DecodeReserve, FirstToken, Output, OutputError, SamplingParams,
@@ -55,7 +55,7 @@ class DecodeWorker:
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  router_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  warmup: dict[str, Any] | None = None, shared: SharedEngine | None = None,
-                 latency_window_s: float = 30.0):
+                 latency_window_s: float = DEFAULT_WINDOW_S):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests;
         None: no remote prefill). `shared`: the loop, sender and receiver of a worker that also

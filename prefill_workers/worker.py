@@ -38,7 +38,7 @@ from tandem.kv_transfer.sender import LayerStreamSender
 from tandem.kv_transfer.shared import SharedEngine
 from tandem.prefill_workers.first_tokens import FirstTokenBoard
 from tandem.prefill_workers.records import PrefillJob, PrefillState
-from tandem.runtime.latency import LatencyWindow
+from tandem.runtime.latency import DEFAULT_WINDOW_S, LatencyWindow
 from tandem.runtime.metrics import TransferTimes
 from tandem.wire.errors import NoReservation, TransferFailed, WorkerUnavailable
 from tandem.wire.messages import FirstTokenReady, PrefillReservation, PrefillReserve, PrefillResult, SamplingParams
@@ -51,7 +51,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, connector: Connector,
                  transfer_config: KVTransferConfig | None = None, reservation_timeout_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
-                 shared: SharedEngine | None = None, latency_window_s: float = 30.0):
+                 shared: SharedEngine | None = None, latency_window_s: float = DEFAULT_WINDOW_S):
         """`engine`: warmed up already where it wants to be (`warm_up`, whose result is `warmup`).
         `connector`: this actor's transport endpoint (a DistConnector; a FakeConnector in tests).
         `shared`: the loop, sender and receiver of a worker that also decodes over this engine

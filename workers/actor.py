@@ -14,6 +14,7 @@ import os
 import ray
 
 from tandem.kv_transfer.config import KVTransferConfig
+from tandem.runtime.latency import DEFAULT_WINDOW_S
 from tandem.runtime.pool_actor import ACTOR_CONCURRENCY, PoolActorBase
 from tandem.runtime.process import after_startup, setup_process
 from tandem.workers.tp_ranks import TPRanks
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class WorkerActor(PoolActorBase):
     def __init__(self, worker_id: str, pool: str, engine_config, rendezvous: str, local_prefill_threshold: float,
                  num_cpus: float = 1.0, transfer_config=None, role: str | None = None, placement=None,
-                 latency_window_s: float = 30.0):
+                 latency_window_s: float = DEFAULT_WINDOW_S):
         """`placement`: a tensor-parallel worker's placement group (rank r in bundle r; this actor is rank 0).
         `latency_window_s`: the span its TTFT and TPOT percentiles cover (autoscaler.latency_window_s)."""
         setup_process(num_cpus)

@@ -25,6 +25,7 @@ from tandem.kv_transfer.link import Connector
 from tandem.kv_transfer.shared import SharedEngine
 from tandem.kv_transfer.tp_ends import RankEnds, TPLayout, make_ends
 from tandem.prefill_workers.worker import PrefillWorker
+from tandem.runtime.latency import DEFAULT_WINDOW_S
 from tandem.wire.errors import InvalidRole
 from tandem.wire.messages import DecodeReserve, PrefillReserve
 from tandem.wire.stats import WorkerStats
@@ -40,7 +41,7 @@ class PoolWorker:
                  local_prefill_threshold: float = 256, transfer_config: KVTransferConfig | None = None,
                  reservation_timeout_s: float = 120.0, router_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, warmup: dict[str, Any] | None = None,
-                 tp_layout: TPLayout | None = None, tp_ranks: RankEnds | None = None, latency_window_s: float = 30.0):
+                 tp_layout: TPLayout | None = None, tp_ranks: RankEnds | None = None, latency_window_s: float = DEFAULT_WINDOW_S):
         """`pool`: where it started ("prefill" | "decode"), its role unless `role` is given.
         `tp_layout`: its transfers reshard KV by head for peers of other tensor-parallel sizes,
         `tp_ranks` its own ranks 1..N-1 (kv_transfer.tp_ends). The rest as `PrefillWorker` and

@@ -6,8 +6,12 @@ from __future__ import annotations
 from collections import deque
 
 
+# how far back a worker's TTFT and TPOT percentiles look, unless autoscaler.latency_window_s says
+DEFAULT_WINDOW_S = 30.0
+
+
 class LatencyWindow:
-    def __init__(self, window_s: float = 30.0, max_samples: int = 4096):
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, max_samples: int = 4096):
         self.window_s = window_s
         self.samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (at, seconds)
 
