@@ -30,7 +30,8 @@ def _read_prompt_file(path: str) -> list[dict]:
             if len(keys) != 1:
                 raise InvalidRequestError(f"{path}:{n}: give exactly one of prompt, messages, prompt_token_ids")
             allowed = {"prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
-                       "top_k", "seed", "stop", "ignore_eos", "request_id"}
+                       "top_k", "seed", "stop", "ignore_eos", "request_id", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty"}
             unknown = set(obj) - allowed
             if unknown:
                 raise InvalidRequestError(f"{path}:{n}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")

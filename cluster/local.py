@@ -54,7 +54,8 @@ class RunningCluster:
         """-> (token ids, text, last response). kw: prompt | prompt_token_ids | messages, session_id,
         and sampling fields."""
         sampling = {k: kw.pop(k) for k in list(kw) if k in ("max_tokens", "temperature", "top_p", "top_k",
-                                                           "seed", "stop", "ignore_eos")}
+                                                           "seed", "stop", "ignore_eos", "presence_penalty",
+                                                           "frequency_penalty", "repetition_penalty")}
         msgs = kw.pop("messages", None)
         req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **kw)
         if msgs:

@@ -186,10 +186,10 @@ class LLMEngine:
         post-processes while the GPU computes. Steps whose inputs need the host's tokens (speculative
         drafts, layer_done, prefill-only requests, seeded sampling) resolve within the call."""
         t0 = time.perf_counter()
-        drafts = {}
-        if self.speculator is not None:
-            self.settle()            # its proposals read every token
-            drafts = self.speculator.propose(self.scheduler.running, self.scheduler.requests)
+        if self.speculator is not None or any(r.sampling.penalized for r in self.scheduler.running):
+            self.settle()            # its proposals, and penalties (engine.penalties), read every token
+        drafts = {} if self.speculator is None else self.speculator.propose(self.scheduler.running,
+                                                                            self.scheduler.requests)
         sched = self.scheduler.schedule({rid: len(d) for rid, d in drafts.items()})
         self.stats.preemptions += len(sched.preempted)
         if sched.empty:
@@ -207,7 +207,8 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.begin(time.time() - (time.perf_counter() - t0), sched.scheduled)
         t2 = time.perf_counter()
-        logits = self.runner.execute(batch, hook)
+        logits = self.sampler.penalties.apply_to_step(self.runner.execute(batch, hook), batch.logits_owner,
+                                              self.scheduler.requests)
         launched = None if self.speculator is not None else self._sample(sched, batch, logits)
         t3 = time.perf_counter()
         self._count_step(sched)

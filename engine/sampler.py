@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.penalties import Penalties
 from tandem.wire.messages import SamplingParams
 
 
@@ -79,6 +80,7 @@ class Sampler:
     def __init__(self):
         self.generators: dict[str, torch.Generator] = {}
         self.device_generators: dict[torch.device, torch.Generator] = {}
+        self.penalties = Penalties()  # per-request state of the penalized requests
 
     def generator(self, request_id: str, seed: int | None) -> torch.Generator:
         g = self.generators.get(request_id)
@@ -90,6 +92,7 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.penalties.release(request_id)
 
     @staticmethod
     def needs_host(params: list[tuple[str, SamplingParams]]) -> bool:

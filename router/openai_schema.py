@@ -4,11 +4,12 @@ sampling are router/generation.py's), and `GenerateResponse`s become OpenAI's re
 stream chunks. Pure: no I/O, no event loop.
 
 A field OpenAI defines that Tandem does not implement (`n` > 1, `tool_choice` "required" or a named
-function, penalties) and any field OpenAI does not define is refused with `ApiError` naming it
+function, `logit_bias`) and any field OpenAI does not define is refused with `ApiError` naming it
 (`param`), never ignored; fields that only label a request (`user`, `metadata`) are accepted.
 `logprobs` set the gRPC `sampling.logprobs`; `tools` become `GenerateRequest.tools`, rendered by the
-model's chat template (the router refuses them when the template has none). Two vLLM extensions
-are accepted: `ignore_eos`, and `return_token_ids` (each choice carries its new `token_ids`).
+model's chat template (the router refuses them when the template has none). `presence_penalty` and
+`frequency_penalty` set the gRPC sampling's. Three vLLM extensions are accepted: `ignore_eos`,
+`repetition_penalty`, and `return_token_ids` (each choice carries its new `token_ids`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tandem.protos.tandem.v1 import generation_pb2 as pb
-from tandem.wire.messages import MAX_TOP_LOGPROBS
+from tandem.wire.messages import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 # Fields each endpoint acts on, and those it accepts without effect (labels and defaults).
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
            "user", "prompt_cache_key", "n", "logprobs", "presence_penalty", "frequency_penalty",
            "logit_bias", "metadata", "safety_identifier", "store", "service_tier",
-           "ignore_eos", "return_token_ids"}   # vLLM's extensions: exact output lengths, token ids out
+           "ignore_eos", "return_token_ids",    # vLLM's extensions: exact output lengths, token ids out,
+           "repetition_penalty"}                # and transformers' repetition penalty
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # field -> the values that mean "off", which are accepted; any other value is refused
 _OFF: dict[str, tuple] = {"n": (None, 1),
-                          "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+                          "logit_bias": (None, {}),
                           "tool_choice": (None, "none", "auto"), "echo": (None, False),
                           "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None, True, False),
                           "response_format": (None, {"type": "text"}), "store": (None, False)}
@@ -190,6 +192,17 @@ def _sampling(body: dict) -> pb.SamplingParams:
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise ApiError(f"{flag} must be a boolean", flag)
     sp.ignore_eos = bool(body.get("ignore_eos"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, 0.0)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ApiError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
+        setattr(sp, name, value)
+    if body.get("repetition_penalty") is not None:
+        value = _number(body, "repetition_penalty", 1.0)
+        if not 0 < value <= MAX_REPETITION_PENALTY:
+            raise ApiError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+                           "repetition_penalty")
+        sp.repetition_penalty = value
     return sp
 
 

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, replace
 
 from tandem.wire.errors import InvalidRequestError
-from tandem.wire.messages import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
+from tandem.wire.messages import (MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS,
+                                  SamplingParams)
 
 # One error type for bad input, shared with the engine (which raises it for the same reasons).
 InvalidRequest = InvalidRequestError
@@ -261,11 +262,21 @@ def _check_sampling(s, vocab_size: int, max_context: int,
     if spec_k is not None and spec_k > MAX_SPECULATIVE_TOKENS:
         raise InvalidRequest(f"sampling.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS} "
                              f"(0 = off for this request), got {spec_k}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+            raise InvalidRequest(f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
+                                 f"got {value}")
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 = off), got {repetition}")
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=s.temperature, top_p=top_p,
         top_k=0 if s.top_k >= vocab_size else s.top_k,  # k >= vocab keeps every token: off
         seed=s.seed if s.HasField("seed") else None, stop=stop, ignore_eos=s.ignore_eos, logprobs=logprobs,
-        num_speculative_tokens=spec_k)
+        num_speculative_tokens=spec_k, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=repetition)
     return sampling, max_tokens_given
 
 

@@ -47,6 +47,8 @@ class Speculator:
             if r.prefill_only or r.num_computed_tokens != r.num_tokens - 1:
                 other += r.num_tokens - r.num_computed_tokens
                 continue
+            if r.sampling.penalized:  # its logits are penalized by what precedes each row: no drafts
+                continue
             k = r.sampling.num_speculative_tokens
             k = self.num_tokens if k is None else k
             k = k if self.max_drafts is None else min(k, self.max_drafts)

@@ -63,11 +63,14 @@ def build_request(*, prompt: str | None = None, messages: Sequence[dict] | None 
                   prompt_token_ids: Sequence[int] | None = None, session_id: str = "", request_id: str = "",
                   max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
                   top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-                  logprobs: int | None = None, tools: Sequence[dict] = ()) -> pb.GenerateRequest:
+                  logprobs: int | None = None, tools: Sequence[dict] = (), presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, repetition_penalty: float | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; exactly one of prompt, messages, prompt_token_ids.
     `messages`: {"role", "content"} dicts; `tools`: {"name", "description", "parameters" (JSON text)}."""
-    sp = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos)
-    for name, value in (("max_tokens", max_tokens), ("top_p", top_p), ("seed", seed), ("logprobs", logprobs)):
+    sp = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+    for name, value in (("max_tokens", max_tokens), ("top_p", top_p), ("seed", seed), ("logprobs", logprobs),
+                        ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sp, name, value)
     req = pb.GenerateRequest(request_id=request_id, session_id=session_id, sampling=sp,

@@ -17,6 +17,8 @@ from tandem.wire.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_SPECULATIVE_TOKENS = 64  # draft tokens one request may ask to verify per step
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 10.0  # a sanity bound: at 10 a repeated token's logit is a tenth
 
 
 class FinishReason(enum.Enum):
@@ -40,6 +42,13 @@ class SamplingParams:
     # log-probabilities: None = off (costs nothing); n >= 0: each output token's logprob and the n
     # most likely tokens of the distribution it was drawn from (`TokenLogprob`)
     logprobs: int | None = None
+    # penalties on what was said (`engine.penalties`): OpenAI's presence (subtracted from the logit
+    # of each token already in the output) and frequency (times its count there), each in [-2, 2],
+    # and vLLM's / transformers' repetition penalty (a logit of a token in the prompt or the output
+    # divided by it when positive, multiplied when negative), > 0; 0, 0 and 1 are off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -59,10 +68,22 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                                      f"got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on: the engine then needs the request's tokens on the host each step."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass

@@ -145,6 +145,29 @@ def test_the_readme_curl_examples_run(cluster):
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
+def test_penalties_through_both_pools_give_the_engines_tokens(cluster):
+    """presence and frequency penalties (OpenAI's fields) and vLLM's repetition_penalty (extra_body)
+    reach the engines: the prefill actor samples the first token (the repetition penalty already
+    applies to the prompt), the decode actor the rest; greedy, the text is the in-process engine's
+    with the same penalties (tests/engine/test_penalties.py checks those against transformers),
+    and differs from the unpenalized text. Out of range: a 400 naming the field."""
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    client = _client(cluster)
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.5}
+    ref = LLMEngine(EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=256))).generate(
+        [{"messages": CHAT, "max_tokens": 24, **penalties}, {"messages": CHAT, "max_tokens": 24}])
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                       presence_penalty=0.8, frequency_penalty=0.6,
+                                       extra_body={"repetition_penalty": 1.5})
+    assert r.choices[0].message.content == ref[0]["text"] != ref[1]["text"]
+    for bad in ({"presence_penalty": 3}, {"extra_body": {"repetition_penalty": -1}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, **bad)
+        assert e.value.response.json()["error"]["param"] in ("presence_penalty", "repetition_penalty")
+
+
 def test_logprobs_chat_streamed_and_not(cluster):
     client = _client(cluster)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,

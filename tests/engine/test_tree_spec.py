@@ -214,7 +214,8 @@ def test_graph_query_limit_bounds_drafts_and_trees():
     free = build_speculator(cfg, target, Sampler(), num_blocks=8, block_size=4, dtype="float32", seed=0)
     assert free.proposer.tree_nodes == 40
     req = SimpleNamespace(request_id="r", prefill_only=False, num_computed_tokens=9, num_tokens=10,
-                          output_token_ids=[1], sampling=SimpleNamespace(num_speculative_tokens=None, max_tokens=100))
+                          output_token_ids=[1], sampling=SimpleNamespace(num_speculative_tokens=None, max_tokens=100,
+                                                                 penalized=False))
     assert bounded.caps([req]) == ({"r": 15}, 0)
     assert free.caps([req]) == ({"r": 40}, 0)
     req.sampling.num_speculative_tokens = 30   # a request's own k is bounded too

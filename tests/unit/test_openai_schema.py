@@ -48,7 +48,9 @@ def test_max_tokens_and_text_parts_and_developer_role():
     ({"tools": [{"type": "function"}]}, "tools[0]"), ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
      "messages[0].tool_calls[0]"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "lots"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"frobnicate": 1}, "frobnicate"),
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"seed": -1}, "seed"),
     ({"stop": [1]}, "stop"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
@@ -63,6 +65,14 @@ def test_unsupported_or_bad_fields_are_refused_by_name(extra, param):
 
 def test_off_values_of_unimplemented_fields_are_accepted():
     parse_chat({**CHAT, "n": 1, "logprobs": False, "tools": [], "presence_penalty": 0, "user": "x"}, {}, M)
+
+
+def test_penalties_become_the_grpc_fields():
+    sp = parse_chat({**CHAT, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+                    {}, M).request.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
+    sp = parse_completion({"model": M, "prompt": "x"}, {}, M).request.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.HasField("repetition_penalty")) == (0.0, 0.0, False)
 
 
 def test_logprobs_and_tools_become_the_grpc_fields():

@@ -60,6 +60,16 @@ def test_token_ids_and_all_sampling_fields():
     assert v.max_tokens_given
 
 
+def test_penalties_pass_through_and_are_bounded():
+    s = validate(make_request(prompt="x", sampling=dict(presence_penalty=1.0, frequency_penalty=-0.5,
+                                                        repetition_penalty=1.1))).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (1.0, -0.5, 1.1) and s.penalized
+    assert not validate(make_request(prompt="x")).sampling.penalized
+    rejects(make_request(prompt="x", sampling=dict(presence_penalty=2.5)), "sampling.presence_penalty must be in")
+    rejects(make_request(prompt="x", sampling=dict(frequency_penalty=float("nan"))), "sampling.frequency_penalty")
+    rejects(make_request(prompt="x", sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty must be in")
+
+
 def test_messages():
     msgs = [pb.ChatMessage(role=r, content=f"{r} text") for r in ("system", "user", "assistant",
                                                                   "tool")]

@@ -16,15 +16,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.ToolB\t\n\x07_prompt\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x9c\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x03\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokens\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\"\xc3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.ToolB\t\n\x07_prompt\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x89\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x03\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penalty\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\"\xc3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.tandem.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1313
-  _globals['_FINISHREASON']._serialized_end=1391
+  _globals['_FINISHREASON']._serialized_start=1422
+  _globals['_FINISHREASON']._serialized_end=1500
   _globals['_GENERATEREQUEST']._serialized_start=49
   _globals['_GENERATEREQUEST']._serialized_end=283
   _globals['_CHATMESSAGE']._serialized_start=285
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=471
   _globals['_TOOLCALL']._serialized_end=526
   _globals['_SAMPLINGPARAMS']._serialized_start=529
-  _globals['_SAMPLINGPARAMS']._serialized_end=813
-  _globals['_USAGE']._serialized_start=816
-  _globals['_USAGE']._serialized_end=977
-  _globals['_GENERATERESPONSE']._serialized_start=980
-  _globals['_GENERATERESPONSE']._serialized_end=1175
-  _globals['_TOKENLOGPROB']._serialized_start=1177
-  _globals['_TOKENLOGPROB']._serialized_end=1262
-  _globals['_TOPLOGPROB']._serialized_start=1264
-  _globals['_TOPLOGPROB']._serialized_end=1311
-  _globals['_GENERATION']._serialized_start=1393
-  _globals['_GENERATION']._serialized_end=1476
+  _globals['_SAMPLINGPARAMS']._serialized_end=922
+  _globals['_USAGE']._serialized_start=925
+  _globals['_USAGE']._serialized_end=1086
+  _globals['_GENERATERESPONSE']._serialized_start=1089
+  _globals['_GENERATERESPONSE']._serialized_end=1284
+  _globals['_TOKENLOGPROB']._serialized_start=1286
+  _globals['_TOKENLOGPROB']._serialized_end=1371
+  _globals['_TOPLOGPROB']._serialized_start=1373
+  _globals['_TOPLOGPROB']._serialized_end=1420
+  _globals['_GENERATION']._serialized_start=1502
+  _globals['_GENERATION']._serialized_end=1585
 # @@protoc_insertion_point(module_scope)
