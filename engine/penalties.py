@@ -26,9 +26,10 @@ class Penalties:
     counts and which tokens its prompt holds, over the vocabulary (5 bytes a token: 0.6 MiB a
     request at a 128k vocabulary). A step adds only the tokens output since the last one (one
     scatter for the batch) and penalizes every penalized row with a few dense ops over [rows,
-    vocab]: its host work does not grow with the outputs' lengths, and at 64 rows of a 128k
-    vocabulary the ops move ~300 MB, tens of microseconds. On a CPU those dense ops cost ~1 ms per
-    row, so each row is penalized sparsely instead, over its distinct tokens."""
+    vocab]: its host work does not grow with the outputs' lengths (at 64 rows of a 128k vocabulary
+    the ops move ~300 MB: tens of microseconds at HBM rates, by the bytes; bench/penalties.py times
+    it). On a CPU those dense ops cost ~1 ms a row (docs/benchmarks.md), so each row is penalized
+    sparsely instead, over its distinct tokens."""
 
     def __init__(self, initial_slots: int = 8, dense: bool | None = None):
         self.dense = dense  # None: on CUDA devices
