@@ -35,6 +35,11 @@ def _read_prompt_file(path: str) -> list[dict]:
             unknown = set(obj) - allowed
             if unknown:
                 raise InvalidRequestError(f"{path}:{n}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+            try:  # the sampling values, checked here so an error names its line
+                SamplingParams(**{k: tuple(v) if k == "stop" else v for k, v in obj.items()
+                                  if k in SamplingParams.__dataclass_fields__})
+            except (InvalidRequestError, TypeError) as e:
+                raise InvalidRequestError(f"{path}:{n}: {e}") from None
             reqs.append(obj)
     if not reqs:
         raise InvalidRequestError(f"{path}: no requests")

@@ -65,7 +65,7 @@ def test_cli_reports_bad_input_and_exits_nonzero(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--model", "tiny-random",
                         "--prompt-file", str(f), "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "top_p must be in (0, 1]" in r.stderr
+    assert f"{f}:2: top_p must be in (0, 1]" in r.stderr  # the line is named
     assert r.stdout == ""  # nothing ran
 
 
