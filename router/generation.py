@@ -154,14 +154,8 @@ class Router:
         finally:
             self.active.release(client, rid)
 
-    async def _generate(self, v, ids, sampling, rid, cluster_id, t0, deadline=None):
+    async def _generate(self, v, ids, sp: SamplingParams, rid, cluster_id, t0, deadline=None):
         sess = await self.sessions.get(v.session_id) if v.session_id else None
-        sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                            top_k=sampling.top_k, seed=sampling.seed, stop=tuple(sampling.stop),
-                            ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-                            num_speculative_tokens=sampling.num_speculative_tokens,
-                            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                            repetition_penalty=sampling.repetition_penalty)
         flow = RequestFlow(rid, ids, sp, max_migrations=self.max_migrations, cluster_id=cluster_id,
                            deadline=deadline)
         queue: asyncio.Queue = asyncio.Queue()
