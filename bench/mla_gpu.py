@@ -183,6 +183,36 @@ class MLABench(Bench):
         if self.profile_steps:
             self.section("profile_prefill", lambda: self.profile_prefill(e, n))
 
+    def step_variants(self, spec: str, repeats: int) -> None:
+        """Batch-1 decode steps (context 1k) under each variant of the latent attention's decode
+        launch, interleaved `repeats` times, each on an engine of its own (its own graph): a variant
+        is `+`-joined tokens, `splitsN` (mla_decode.MAX_SPLITS: context slices of a batch-1 token),
+        `uv` (W_UV in the merge, LatentAttention.fused_uv), `base` (the defaults)."""
+        from tandem.engine.kernels import mla_decode  # noqa: PLC0415 (Triton, after the env is set)
+        from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
+
+        default = (mla_decode.MAX_SPLITS, LatentAttention.fused_uv)
+        ctx, wbytes = (64, 0) if self.dry else (1024, self.weights_read(1)[0])
+        times: dict[str, list[float]] = {v: [] for v in spec.split(",")}
+        for _ in range(repeats):
+            for variant in times:
+                mla_decode.MAX_SPLITS, LatentAttention.fused_uv = default
+                for tok in variant.split("+"):
+                    if tok.startswith("splits"):
+                        mla_decode.MAX_SPLITS = int(tok[6:])
+                    elif tok == "uv":
+                        LatentAttention.fused_uv = True
+                    elif tok != "base":
+                        raise SystemExit(f"--step-variants: unknown token {tok!r} (splitsN, uv, base)")
+                e = self.engine(self.model, self.tok, num_blocks=(ctx + 64) // 16 + 64, max_batched=8192)
+                r = self.decode(e, 1, ctx, 2 if self.dry else 4, 3 if self.dry else 16, f"v{len(times[variant])}",
+                                wbytes, self.kv_bytes_per_token(self.model))
+                times[variant].append(r["step_ms"])
+                print(f"# variant {variant}: {r['step_ms']:.3f} ms", flush=True)
+                del e
+        mla_decode.MAX_SPLITS, LatentAttention.fused_uv = default
+        self.results["step_variants"] = {v: {"step_ms": statistics.median(t), "runs": t} for v, t in times.items()}
+
     def profile_prefill(self, e, n: int) -> None:
         """GPU time by part of one n-token prefill step (eager: prefill steps are not graphed)."""
         e.settle()
@@ -261,6 +291,10 @@ class MLABench(Bench):
         for t in r.get("transfer", []):
             print(f"| {t['model']} | {t['kv_bytes_per_token']:,} | {t['transfer_8k_mb']:.0f} | {t['nccl_gbs']:.0f} "
                   f"| {t['transfer_8k_ms']:.2f} |")
+        if r.get("step_variants"):
+            print("\n| batch-1 step variant (1k) | step ms (median of runs) | runs |\n|---|---:|---|")
+            for v, d in r["step_variants"].items():
+                print(f"| {v} | {d['step_ms']:.3f} | {', '.join(f'{t:.3f}' for t in d['runs'])} |")
         if r.get("errors"):
             print(f"\nerrors: {r['errors']}")
 
@@ -292,6 +326,10 @@ def main() -> None:
                     help="engine.kernels.gemv.POLICY for one-token projections (default: table)")
     ap.add_argument("--pdl", choices=("on", "off"), default=None,
                     help="PDL launches for the small kernels (engine.kernels.pdl.ENABLED; default: per model)")
+    ap.add_argument("--step-variants", default=None,
+                    help="only time batch-1 decode steps under these launch variants, comma-separated "
+                         "(splitsN, uv, base, joined by +; see MLABench.step_variants)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --step-variants")
     args = ap.parse_args()
     set_options(args)
     b = MLABench(DRY, args.out)
@@ -303,6 +341,10 @@ def main() -> None:
     if "kernel" not in args.skip:
         b.section("kernel", b.kernel)
     b.section("load", b.load)
+    if args.step_variants:
+        b.section("step_variants", lambda: b.step_variants(args.step_variants, args.repeats))
+        b.table()
+        return
     b.section("decode", b.decode_rows)
     b.section("transfer", b.transfer)
     b.table()
