@@ -31,6 +31,9 @@ MAX_SPLITS = 32
 # the partial kernel's launch: context positions per loop step, warps, pipeline stages (bench/mla_gpu.py
 # --sweep times others on the GPU)
 LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+# the plain merge's rank columns per program (a power of two; None: the whole rank, one program per
+# (token, head)); bench/mla_gpu.py --step-variants mergeN times others
+MERGE_RANK_BLOCK: int | None = None
 # the merge with W_UV (mla_decode's w_uv): outputs per program and rank columns per loop step. At
 # V2-Lite's sizes (v 128, rank 512) 4 programs per (token, head), 64 in a batch-1 step, each reading
 # the head's partial sums (64 KB of fp32 at 32 slices) and a [32, 512] slice of W_UV (32 KB in
@@ -112,12 +115,14 @@ def _split_weights(ml_ptr, base, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                      RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                      RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_RM: tl.constexpr):
+    # program (token, head, block of BLOCK_RM rank columns)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * num_heads + h) * SPLITS
     sp, smask, w, den = _split_weights(ml_ptr, base, SPLITS, BLOCK_S)
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2) * BLOCK_RM + tl.arange(0, BLOCK_RM)
     acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_R + r[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / den
     tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
@@ -217,8 +222,10 @@ def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.
     block_s = max(2, next_power_of_2(splits))
     if w_uv is None:
         out = torch.empty(H, T, rank, dtype=dtype, device=acc.device).transpose(0, 1)
-        _mla_merge_kernel[(T, H)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank, SPLITS=splits,
-                                  BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4)
+        block_rm = min(block_r, MERGE_RANK_BLOCK or block_r)
+        _mla_merge_kernel[(T, H, block_r // block_rm)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank,
+                                                       SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r,
+                                                       BLOCK_RM=block_rm, num_warps=4)
         return out
     v = w_uv.shape[1]
     out = torch.empty(T, H, v, dtype=dtype, device=acc.device)

@@ -104,6 +104,19 @@ def test_merge_with_w_uv_matches_merge_then_bmm(tokens, heads, rank, v, splits, 
     assert rel_err(out.cpu(), ref.cpu()) < bound
 
 
+@pytest.mark.parametrize("block", [8, 16])
+def test_merge_by_rank_blocks_matches_whole_rank(block, monkeypatch):
+    """The plain merge with several programs per (token, head) (MERGE_RANK_BLOCK) gives the whole-rank
+    merge's bits, rank 24 in blocks of 8 and 16 (the last partial), some slices empty."""
+    gen = torch.Generator().manual_seed(7)
+    acc, ml = _partials(gen, 3, 4, 5, 32)
+    whole = decode_mod.merge_partials(acc, ml, 24, torch.float32)
+    monkeypatch.setattr(decode_mod, "MERGE_RANK_BLOCK", block)
+    blocked = decode_mod.merge_partials(acc, ml, 24, torch.float32)
+    assert blocked.shape == whole.shape == (3, 4, 24)
+    assert torch.equal(blocked, whole)
+
+
 def test_merge_rounds_o_lat_before_w_uv():
     """The W_UV product reads o_lat rounded to bf16, as the bmm form's (whose merge stores it): with
     o_lat[0] = 1 + 2^-9 (a quarter of bf16's step at 1, so it rounds to 1 either way) and o_lat[1] = 1,
