@@ -184,36 +184,46 @@ class MLABench(Bench):
             self.section("profile_prefill", lambda: self.profile_prefill(e, n))
 
     def step_variants(self, spec: str, repeats: int) -> None:
-        """Batch-1 decode steps (context 1k) under each variant of the latent attention's decode
-        launch, interleaved `repeats` times, each on an engine of its own (its own graph): a variant
-        is `+`-joined tokens, `splitsN` (mla_decode.MAX_SPLITS: context slices of a batch-1 token),
-        `uv` (W_UV in the merge, LatentAttention.fused_uv), `mergeN` (mla_decode.MERGE_RANK_BLOCK: the
-        plain merge's rank columns per program), `base` (the defaults)."""
-        from tandem.engine.kernels import mla_decode  # noqa: PLC0415 (Triton, after the env is set)
+        """Batch-1 decode steps (context 1k) under each variant of the latent attention's and the MoE
+        layer's launches, interleaved `repeats` times, each on an engine of its own (its own graph): a
+        variant is `+`-joined tokens, `splitsN` (mla_decode.MAX_SPLITS: context slices of a batch-1
+        token), `uv` (W_UV in the merge, LatentAttention.fused_uv), `mergeN` (mla_decode.MERGE_RANK_BLOCK:
+        the plain merge's rank columns per program), `nopdl-mla` / `nopdl-moe` / `nopdl` (plain launches
+        for the latent attention's kernels, the MoE decode kernels, both), `base` (the defaults)."""
+        from tandem.engine.kernels import mla_decode, mla_prepare, moe_decode  # noqa: PLC0415 (Triton, after the env is set)
         from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
 
-        default = (mla_decode.MAX_SPLITS, LatentAttention.fused_uv, mla_decode.MERGE_RANK_BLOCK)
+        knobs = [(mla_decode, "MAX_SPLITS"), (LatentAttention, "fused_uv"), (mla_decode, "MERGE_RANK_BLOCK"),
+                 (mla_decode, "PDL"), (mla_prepare, "PDL"), (moe_decode, "PDL")]
+        default = [getattr(obj, name) for obj, name in knobs]
+        tokens = {"uv": [(LatentAttention, "fused_uv", True)],
+                  "nopdl-mla": [(mla_decode, "PDL", False), (mla_prepare, "PDL", False)],
+                  "nopdl-moe": [(moe_decode, "PDL", False)], "base": []}
+        tokens["nopdl"] = tokens["nopdl-mla"] + tokens["nopdl-moe"]
         ctx, wbytes = (64, 0) if self.dry else (1024, self.weights_read(1)[0])
         times: dict[str, list[float]] = {v: [] for v in spec.split(",")}
         for _ in range(repeats):
             for variant in times:
-                mla_decode.MAX_SPLITS, LatentAttention.fused_uv, mla_decode.MERGE_RANK_BLOCK = default
+                for (obj, name), value in zip(knobs, default):
+                    setattr(obj, name, value)
                 for tok in variant.split("+"):
                     if tok.startswith("splits"):
                         mla_decode.MAX_SPLITS = int(tok[6:])
-                    elif tok == "uv":
-                        LatentAttention.fused_uv = True
                     elif tok.startswith("merge"):
                         mla_decode.MERGE_RANK_BLOCK = int(tok[5:])
-                    elif tok != "base":
-                        raise SystemExit(f"--step-variants: unknown token {tok!r} (splitsN, uv, mergeN, base)")
+                    elif tok in tokens:
+                        for obj, name, value in tokens[tok]:
+                            setattr(obj, name, value)
+                    else:
+                        raise SystemExit(f"--step-variants: unknown token {tok!r} (splitsN, mergeN, {', '.join(tokens)})")
                 e = self.engine(self.model, self.tok, num_blocks=(ctx + 64) // 16 + 64, max_batched=8192)
                 r = self.decode(e, 1, ctx, 2 if self.dry else 4, 3 if self.dry else 16, f"v{len(times[variant])}",
                                 wbytes, self.kv_bytes_per_token(self.model))
                 times[variant].append(r["step_ms"])
-                print(f"# variant {variant}: {r['step_ms']:.3f} ms", flush=True)
+                print(f"# variant {variant}: {r['step_ms']:.3f} ms (floor {r['floor_ms']:.3f})", flush=True)
                 del e
-        mla_decode.MAX_SPLITS, LatentAttention.fused_uv, mla_decode.MERGE_RANK_BLOCK = default
+        for (obj, name), value in zip(knobs, default):
+            setattr(obj, name, value)
         self.results["step_variants"] = {v: {"step_ms": statistics.median(t), "runs": t} for v, t in times.items()}
 
     def profile_prefill(self, e, n: int) -> None:
@@ -331,7 +341,7 @@ def main() -> None:
                     help="PDL launches for the small kernels (engine.kernels.pdl.ENABLED; default: per model)")
     ap.add_argument("--step-variants", default=None,
                     help="only time batch-1 decode steps under these launch variants, comma-separated "
-                         "(splitsN, uv, mergeN, base, joined by +; see MLABench.step_variants)")
+                         "(splitsN, mergeN, uv, nopdl, nopdl-mla, nopdl-moe, base, joined by +; see MLABench.step_variants)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --step-variants")
     args = ap.parse_args()
     set_options(args)

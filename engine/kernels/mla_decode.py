@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention import AttentionMetadata
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
                                             require_same, require_tensor)
 
@@ -31,6 +32,11 @@ MAX_SPLITS = 32
 # the partial kernel's launch: context positions per loop step, warps, pipeline stages (bench/mla_gpu.py
 # --sweep times others on the GPU)
 LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+# PDL launches (engine.kernels.pdl: where the forward asks for them) for the partial and merge kernels;
+# the merge with W_UV lets the kernel after it (the o projection's GEMV, which loads weights before its
+# own wait) be scheduled before it waits itself, as the split attention's merge does (few programs).
+# False: plain launches (bench/mla_gpu.py's `nopdl` variant compares)
+PDL = True
 # the plain merge's rank columns per program (a power of two; None: the whole rank, one program per
 # (token, head)); bench/mla_gpu.py --step-variants mergeN times others
 MERGE_RANK_BLOCK: int | None = None
@@ -49,7 +55,9 @@ def _mla_partial_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_cb, stride_cs, stride_tb,
     RANK: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,8 +124,9 @@ def _split_weights(ml_ptr, base, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
 @triton.jit
 def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
                       RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_RM: tl.constexpr):
+                      BLOCK_RM: tl.constexpr, USE_PDL: tl.constexpr = False):
     # program (token, head, block of BLOCK_RM rank columns)
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * num_heads + h) * SPLITS
@@ -131,10 +140,13 @@ def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
 @triton.jit
 def _mla_merge_uv_kernel(acc_ptr, ml_ptr, w_ptr, out_ptr, num_heads, stride_wh, stride_wv, stride_ot, stride_oh,
                          RANK: tl.constexpr, V: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_R: tl.constexpr, CHUNK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                         BLOCK_R: tl.constexpr, CHUNK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """The merge, then W_UV: program (token, head, block of BLOCK_V outputs) walks the rank in
     chunks, merging the slices' partial sums of each chunk (o_lat's chunk, rounded to the model
     dtype as the plain merge stores it) and adding W_UV[h][block, chunk] @ o_lat[chunk] in fp32."""
+    pdl.release(USE_PDL, True)
+    pdl.enter_released(USE_PDL, True)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -208,7 +220,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         meta.block_tables.stride(0),
         RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
         BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
-        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"]} if q.is_cuda else {}))
+        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"], **_pdl(q.device)}
+           if q.is_cuda else {}))
     return merge_partials(acc, ml, rank, q.dtype, w_uv)
 
 
@@ -225,15 +238,24 @@ def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.
         block_rm = min(block_r, MERGE_RANK_BLOCK or block_r)
         _mla_merge_kernel[(T, H, block_r // block_rm)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank,
                                                        SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r,
-                                                       BLOCK_RM=block_rm, num_warps=4)
+                                                       BLOCK_RM=block_rm, **_launch(acc.device))
         return out
     v = w_uv.shape[1]
     out = torch.empty(T, H, v, dtype=dtype, device=acc.device)
     block_v, chunk_r = min(UV_LAUNCH["block_v"], next_power_of_2(v)), min(UV_LAUNCH["chunk_r"], block_r)
     _mla_merge_uv_kernel[(T, H, triton.cdiv(v, block_v))](
         acc, ml, w_uv, out, H, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), RANK=rank, V=v,
-        SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r, CHUNK_R=chunk_r, BLOCK_V=block_v, num_warps=4)
+        SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r, CHUNK_R=chunk_r, BLOCK_V=block_v, **_launch(acc.device))
     return out
+
+
+def _pdl(device: torch.device) -> dict:
+    return pdl.launch_options(device) if PDL else {"USE_PDL": False}
+
+
+def _launch(device: torch.device) -> dict:
+    """A merge kernel's launch keywords: 4 warps and the PDL options on a GPU (the interpreter: none)."""
+    return {"num_warps": 4, **_pdl(device)} if device.type == "cuda" else {}
 
 
 def _check(q, cache, meta, rank, q_pe, w_uv) -> tuple[torch.Tensor, torch.Tensor]:

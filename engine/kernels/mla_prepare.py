@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_power_of_2, require_runnable,
                                             require_same, require_tensor)
 
@@ -30,6 +31,10 @@ from tandem.engine.kernels.validate import (FLOAT_DTYPES, INDEX_DTYPES, next_pow
 # heads) 8 programs per head, 128 per token, each reading a [128, 64] slice of W_UK (16 KB in bf16).
 # Not measured against other widths (bench/mla_gpu.py --absorb-launch sets it)
 UK_BLOCK = 64
+# PDL launches (engine.kernels.pdl: where the forward asks for them) for both kernels; the W_UK slice
+# is loaded before the wait (no kernel writes weights). False: plain launches (bench/mla_gpu.py's
+# `nopdl` variant compares)
+PDL = True
 
 
 @triton.jit
@@ -83,7 +88,9 @@ def _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slo
 def _prepare_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr,
                     eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
                     stride_cb, stride_cr, RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
-                    INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
+                    INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)
     _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr,
                    tl.program_id(0).to(tl.int64), eps, num_heads, stride_qt, stride_qh, stride_kt, stride_cs,
                    stride_pt, stride_ph, block_size, stride_cb, stride_cr, RANK, NOPE, HALF, INTERLEAVE, BLOCK_R,
@@ -96,23 +103,25 @@ def _prepare_uk_kernel(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr,
                        stride_cb, stride_cr, stride_wh, stride_wn, stride_lt, stride_lh,
                        RANK: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
-                       NOPE_PAD: tl.constexpr, BLOCK_UK: tl.constexpr):
+                       NOPE_PAD: tl.constexpr, BLOCK_UK: tl.constexpr, USE_PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     rb = tl.program_id(2)
-    if (h == 0) & (rb == 0):  # once per token
-        _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr, t, eps,
-                       num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
-                       stride_cb, stride_cr, RANK, NOPE, HALF, INTERLEAVE, BLOCK_R, BLOCK_H, HALF_PAD)
-    # q_lat[t, h, block] = q_nope[t, h] @ W_UK[h][:, block]: fp32 sums, rounded once (as torch.bmm's output)
+    # q_lat[t, h, block] = q_nope[t, h] @ W_UK[h][:, block]: fp32 sums, rounded once (as torch.bmm's output);
+    # the weight slice first (before the PDL wait: no kernel writes it)
     n = tl.arange(0, NOPE_PAD)
     nm = n < NOPE
     r = rb * BLOCK_UK + tl.arange(0, BLOCK_UK)
     rm = r < RANK
-    x = tl.load(q_ptr + t * stride_qt + h * stride_qh + n, mask=nm, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + r[None, :], mask=nm[:, None] & rm[None, :],
-                other=0.0).to(tl.float32)
-    q_lat = tl.sum(x[:, None] * w, 0)
+                other=0.0)
+    pdl.enter(USE_PDL)
+    if (h == 0) & (rb == 0):  # once per token
+        _prepare_token(q_ptr, kv_ptr, pos_ptr, cos_sin_ptr, norm_ptr, cache_ptr, slot_ptr, q_pe_ptr, t, eps,
+                       num_heads, stride_qt, stride_qh, stride_kt, stride_cs, stride_pt, stride_ph, block_size,
+                       stride_cb, stride_cr, RANK, NOPE, HALF, INTERLEAVE, BLOCK_R, BLOCK_H, HALF_PAD)
+    x = tl.load(q_ptr + t * stride_qt + h * stride_qh + n, mask=nm, other=0.0).to(tl.float32)
+    q_lat = tl.sum(x[:, None] * w.to(tl.float32), 0)
     tl.store(q_lat_ptr + t * stride_lt + h * stride_lh + r, q_lat.to(q_lat_ptr.dtype.element_ty), mask=rm)
 
 
@@ -160,12 +169,12 @@ def mla_prepare(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_
     q_pe = torch.empty((T, H, rope), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_pe
-    launch = {"num_warps": 4} if q.is_cuda else {}
     _prepare_kernel[(T,)](
         q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, q_pe, float(eps), H,
         q.stride(0), q.stride(1), kv.stride(0), cos_sin.stride(0), q_pe.stride(0), q_pe.stride(1), cache.shape[1],
         cache.stride(0), cache.stride(1), RANK=rank, NOPE=nope, HALF=rope // 2, INTERLEAVE=interleave,
-        BLOCK_R=next_power_of_2(rank), BLOCK_H=next_power_of_2(H), HALF_PAD=next_power_of_2(rope // 2), **launch)
+        BLOCK_R=next_power_of_2(rank), BLOCK_H=next_power_of_2(H), HALF_PAD=next_power_of_2(rope // 2),
+        **_launch(q.device))
     return q_pe
 
 
@@ -186,12 +195,18 @@ def mla_prepare_uk(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, c
     if T == 0:
         return q_lat, q_pe
     block_uk = min(UK_BLOCK, next_power_of_2(rank))
-    launch = {"num_warps": 4} if q.is_cuda else {}
     _prepare_uk_kernel[(T, H, triton.cdiv(rank, block_uk))](
         q, kv, positions, cos_sin, norm_weight, cache, slot_mapping, q_pe, w_uk, q_lat, float(eps), H,
         q.stride(0), q.stride(1), kv.stride(0), cos_sin.stride(0), q_pe.stride(0), q_pe.stride(1), cache.shape[1],
         cache.stride(0), cache.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         RANK=rank, NOPE=nope, HALF=rope // 2, INTERLEAVE=interleave, BLOCK_R=next_power_of_2(rank),
         BLOCK_H=next_power_of_2(H), HALF_PAD=next_power_of_2(rope // 2), NOPE_PAD=next_power_of_2(nope),
-        BLOCK_UK=block_uk, **launch)
+        BLOCK_UK=block_uk, **_launch(q.device))
     return q_lat, q_pe
+
+
+def _launch(device: torch.device) -> dict:
+    """The launch keywords of both kernels: 4 warps and the PDL options on a GPU (the interpreter: none)."""
+    if device.type != "cuda":
+        return {}
+    return {"num_warps": 4, **(pdl.launch_options(device) if PDL else {"USE_PDL": False})}

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.config import MoEConfig
+from tandem.engine.kernels import pdl
 from tandem.engine.kernels.moe_route import _route_token, check_routing, route_constants
 from tandem.engine.kernels.validate import (FLOAT_DTYPES, next_power_of_2, require_runnable, require_same,
                                             require_tensor)
@@ -51,6 +52,10 @@ FUSED_DECODE = True
 # second token on: a block's programs for every token are adjacent), so the bytes grow with T
 # where the grouped path's do not; at 4 tokens it still won by 4% (above), 5+ were not timed.
 MAX_TOKENS = 4
+# PDL launches (engine.kernels.pdl: where the forward asks for them) for the three kernels; launch 1
+# loads its first weight tile before it waits (no kernel writes weights). False: plain launches
+# (bench/mla_gpu.py's `nopdl` variant compares)
+PDL = True
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,21 @@ class DecodedMoE:
 
 @triton.jit
 def _dot_rows(w_rows, x_ptr, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-              EVEN_K: tl.constexpr):
+              EVEN_K: tl.constexpr, WAIT_AFTER_FIRST: tl.constexpr = False):
     # w_rows [BLOCK_N] pointers to weight rows -> [BLOCK_N] fp32: each row . x[0:K]. Each thread's
-    # VEC columns (one 16-byte load) summed in its registers; the one cross-thread sum at the end
+    # VEC columns (one 16-byte load) summed in its registers; the one cross-thread sum at the end.
+    # WAIT_AFTER_FIRST: the kernel's PDL wait comes after the first weight tile's load (x after it)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if WAIT_AFTER_FIRST:
+        k_mask = rk < K
+        w_first = tl.load(w_rows[:, None] + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        pdl.enter(True)
+        x = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.reshape(w_first.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows[:, None] + ks[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
@@ -112,7 +126,9 @@ def _pair_rows(block, inter, BLOCK_N: tl.constexpr):
 @triton.jit
 def _router_shared_kernel(x_ptr, wr_ptr, logits_ptr, ws_ptr, hs_ptr, T, H, E, I_S, ROUTER_PROGRAMS,
                           stride_x, stride_wr, stride_l, stride_ws, stride_hs,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    # with PDL each branch's _dot_rows waits, after its first weight tile's load
     pid = tl.program_id(0)
     t = pid % T  # tokens fastest: a block's programs for every token run side by side (its rows from L2)
     block = pid // T
@@ -120,11 +136,12 @@ def _router_shared_kernel(x_ptr, wr_ptr, logits_ptr, ws_ptr, hs_ptr, T, H, E, I_
     if block < ROUTER_PROGRAMS:  # logits [T, E] fp32, never rounded
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < E
-        logits = _dot_rows(wr_ptr + rn.to(tl.int64) * stride_wr, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+        logits = _dot_rows(wr_ptr + rn.to(tl.int64) * stride_wr, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K,
+                           USE_PDL)
         tl.store(logits_ptr + t.to(tl.int64) * stride_l + rn, logits, mask=n_mask)
     else:  # the shared experts' gate and up, each rounded as their GEMV's output is, then SiLU * up
         rows, n_mask, channels = _pair_rows(block - ROUTER_PROGRAMS, I_S, BLOCK_N)
-        out = _dot_rows(ws_ptr + rows * stride_ws, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+        out = _dot_rows(ws_ptr + rows * stride_ws, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K, USE_PDL)
         dt = hs_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
         tl.store(hs_ptr + t.to(tl.int64) * stride_hs + channels, (gate * tl.sigmoid(gate) * up).to(dt),
@@ -138,7 +155,9 @@ def _routed_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w_ptr, h_ptr, ids_ptr, w
                            TOP_K: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
                            SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RANKING: tl.constexpr,
                            RENORM: tl.constexpr, BIG: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)  # the logits are launch 1's
     pair = tl.program_id(0)  # t * TOP_K + slot
     block = tl.program_id(1)
     t, s = pair // TOP_K, pair % TOP_K
@@ -163,7 +182,8 @@ def _routed_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w_ptr, h_ptr, ids_ptr, w
 def _down_sum_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, hs_ptr, ws_ptr, out_ptr, T, H, INTER, I_S,
                      stride_h, stride_we, stride_wn, stride_hs, stride_ws, stride_o,
                      TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     VEC: tl.constexpr, EVEN_I: tl.constexpr, EVEN_I_S: tl.constexpr):
+                     VEC: tl.constexpr, EVEN_I: tl.constexpr, EVEN_I_S: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)  # the ids, weights and h are launch 2's
     # out[t, n] = sum over slots s of weights[t, s] * rnd(w2[ids[t, s], n] . h[t, s]) (+ rnd(ws[n] . hs[t])),
     # rnd the model dtype's rounding, the sum in fp32 in that order (_down_pair_gemv_kernel + _sum_slots_kernel)
     pid = tl.program_id(0)
@@ -258,7 +278,8 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
     h = torch.empty((tokens * k, inter), dtype=x.dtype, device=dev)
     cfg = _tiles(x, tiles, experts, inter, inter_s)
     vec = 16 // x.element_size()
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages} if dev.type == "cuda" else {}
+    launch = ({"num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
+               **(pdl.launch_options(dev) if PDL else {"USE_PDL": False})} if dev.type == "cuda" else {})
     k1, k3 = cfg["k1"], cfg["k3"]
     router_programs = triton.cdiv(experts, cfg["rows1"])
     shared_programs = triton.cdiv(inter_s, cfg["rows1"] // 2)

@@ -19,11 +19,15 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.engine.kernels import attention_rope_kv, attention_split, fused, paged_attention
+from tandem.engine.config import PRESETS
+from tandem.engine.kernels import (attention_rope_kv, attention_split, fused, mla_decode, mla_prepare, moe_decode,
+                                   moe_route, paged_attention)
 
 POINTERS = {"positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
             "block_tables_ptr": "*i32", "tree_mask_ptr": "*i32", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32",
-            "cos_sin_ptr": "*fp32", "counter_ptr": "*i32"}
+            "cos_sin_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64", "tables_ptr": "*i32",
+            "tok_seq_ptr": "*i32", "kv_len_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "logits_ptr": "*fp32",
+            "bias_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32"}
 decode = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, PRECISION="tf32",
               SLIDING=False, TREE=False, ROPE=False, MERGE=False, MTILE=16, EARLY=False)
 KERNELS = {
@@ -41,6 +45,23 @@ KERNELS = {
     "merge_partitions": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16, EARLY=False)),
     "merge_partitions_early": (attention_split._merge_partitions_kernel, dict(HEAD_DIM=128, TILE=16, EARLY=True)),
 }
+# DeepSeek-V2-Lite's shapes: latent attention's prepare, decode and merge kernels, the MoE decode launches
+prepare = dict(RANK=512, NOPE=128, HALF=32, INTERLEAVE=True, BLOCK_R=512, BLOCK_H=16, HALF_PAD=32)
+moe_tile = dict(BLOCK_N=16, BLOCK_K=512, VEC=8, EVEN_K=True)
+KERNELS.update({
+    "mla_prepare": (mla_prepare._prepare_kernel, prepare),
+    "mla_prepare_uk": (mla_prepare._prepare_uk_kernel, dict(prepare, NOPE_PAD=128, BLOCK_UK=64)),
+    "mla_partial": (mla_decode._mla_partial_kernel, dict(RANK=512, ROPE=64, SPLITS=32, IEEE=False, BLOCK_HEADS=16,
+                                                         BLOCK_N=32, BLOCK_R=512, BLOCK_P=64)),
+    "mla_merge": (mla_decode._mla_merge_kernel, dict(RANK=512, SPLITS=32, BLOCK_S=32, BLOCK_R=512, BLOCK_RM=128)),
+    "mla_merge_uv": (mla_decode._mla_merge_uv_kernel, dict(RANK=512, V=128, SPLITS=32, BLOCK_S=32, BLOCK_R=512,
+                                                           CHUNK_R=64, BLOCK_V=32)),
+    "moe_router_shared": (moe_decode._router_shared_kernel, moe_tile),
+    "moe_routed_gate_up": (moe_decode._routed_gate_up_kernel,
+                           dict(moe_tile, **moe_route.route_constants(PRESETS["deepseek-v2-lite-random"].moe))),
+    "moe_down_sum": (moe_decode._down_sum_kernel, dict(TOP_K=6, HAS_SHARED=True, BLOCK_N=4, BLOCK_K=512, VEC=8,
+                                                       EVEN_I=False, EVEN_I_S=False)),
+})
 for name, (kernel, const) in KERNELS.items():
     const = {**const, "USE_PDL": True}
     sig = {}
@@ -50,7 +71,7 @@ for name, (kernel, const) in KERNELS.items():
         elif arg.endswith("_ptr"):
             sig[arg] = POINTERS.get(arg, "*bf16")
         else:
-            sig[arg] = "fp32" if arg in ("eps", "scale_log2") else "i32"
+            sig[arg] = "fp32" if arg in ("eps", "scale_log2", "scale") else "i32"
     ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
     body = ptx[ptx.index(".entry"):]
@@ -89,6 +110,8 @@ _BEFORE_WAIT["merge_partitions_early"] = _BEFORE_WAIT["merge_partitions"]
 _BEFORE_WAIT.update(decode_whole=_BEFORE_WAIT["decode"], decode_merge=_BEFORE_WAIT["decode"] | {
     "positions_ptr", "cos_sin_ptr", "slot_ptr"})
 _BEFORE_WAIT["decode_rope"] = _BEFORE_WAIT["decode_early"] = _BEFORE_WAIT["decode_merge"]
+# weights, which no kernel writes: W_UK's slice, the router's and the shared experts' first tile
+_BEFORE_WAIT.update(mla_prepare_uk={"w_ptr"}, moe_router_shared={"wr_ptr", "ws_ptr"})
 
 
 def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
@@ -108,15 +131,21 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
             reads.setdefault(name, set()).update(rest)
     assert launches == dict.fromkeys(("rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
                                       "decode_rope", "decode_merge", "reduce_partitions", "merge_partitions",
-                                      "merge_partitions_early", "decode_early"), True)
-    # only the kernels asked to (SplitPolicy.early_release, paged_attention.EARLY_RELEASE) let the next
-    # kernel start before their wait
-    assert {name for name, yes in early.items() if yes} == {"merge_partitions_early", "decode_early"}, early
+                                      "merge_partitions_early", "decode_early", "mla_prepare", "mla_prepare_uk",
+                                      "mla_partial", "mla_merge", "mla_merge_uv", "moe_router_shared",
+                                      "moe_routed_gate_up", "moe_down_sum"), True)
+    # only the kernels asked to (SplitPolicy.early_release, paged_attention.EARLY_RELEASE, the latent
+    # merge with W_UV) let the next kernel start before their wait
+    assert {name for name, yes in early.items() if yes} == {"merge_partitions_early", "decode_early",
+                                                             "mla_merge_uv"}, early
     for name in launches:  # nothing the kernel before may be writing is read before the wait
         assert reads.get(name, set()) <= _BEFORE_WAIT.get(name, set()), (name, reads.get(name))
     # and the decode kernel's metadata and rotary angles are in flight before it
     assert {"seq_lens_ptr", "query_start_loc_ptr"} <= reads["decode"], reads["decode"]
     assert {"cos_sin_ptr", "positions_ptr", "slot_ptr"} <= reads["decode_rope"], reads["decode_rope"]
+    # and the weight tiles that stream before the wait do (the MoE launch's router branch: the PTX up to
+    # the first wait; its shared-experts branch runs the same _dot_rows)
+    assert reads["mla_prepare_uk"] == {"w_ptr"} and "wr_ptr" in reads["moe_router_shared"], reads
 
 
 def test_launch_options(monkeypatch):

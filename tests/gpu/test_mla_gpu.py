@@ -194,3 +194,39 @@ def test_fused_absorbed_form_bf16(query_lens, ctx_lens, uv):
         graph.replay()
         want = run(attn, static_x, kv_cache.clone())
         assert _rel(static_out, want) < 1e-3, (i, _rel(static_out, want))
+
+
+@pytest.mark.parametrize("uv", [False, True], ids=["uv-bmm", "uv-in-merge"])
+@pytest.mark.parametrize("merge_block", [None, 128], ids=["merge-whole-rank", "merge-128"])
+def test_pdl_launches_give_the_plain_launches_bits(uv, merge_block, monkeypatch):
+    """The fused absorbed form's kernels (prepare with W_UK, partial, merge, with or without W_UV)
+    launched with PDL, eager and from a CUDA graph of three layers' calls back to back (each kernel's
+    programs scheduled while the one before runs), give the plain launches' bits: PDL moves when a
+    kernel starts, never what it reads (tests/engine/test_pdl.py checks the waits in the PTX)."""
+    from tandem.engine.kernels import mla_decode as decode_mod
+    from tandem.engine.kernels import pdl
+
+    monkeypatch.setattr(decode_mod, "MERGE_RANK_BLOCK", merge_block)
+    attn, x, positions, cos_sin, kv_cache, meta = _layer_step([1], [4000], 3)
+    attn.fused_uv = uv
+    run = lambda x, cache: attn._attend(x, positions, cos_sin, cache, meta, kernel=mla_decode)  # noqa: E731
+    chain = lambda x, cache: run(run(run(x, cache) @ torch.ones(2048, 2048, device="cuda").bfloat16() / 2048, cache)  # noqa: E731
+                                 .contiguous(), cache)
+    plain = run(x, kv_cache.clone())
+    plain_chain = chain(x, kv_cache.clone())
+    with pdl.auto(True):
+        assert pdl.on() and pdl.supported(x.device)
+        assert torch.equal(run(x, kv_cache.clone()), plain)
+        static_x, cache = x.clone(), kv_cache.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(static_x, cache)  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_x, cache)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain_chain)

@@ -245,3 +245,28 @@ def test_decode_path_captured_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, layer.forward_fused(x, ops)) and not torch.equal(out, before), tokens
     assert calls and set(calls) == {1, moe_decode.MAX_TOKENS}
+
+
+@torch.inference_mode()
+def test_decode_path_with_pdl_launches_gives_the_plain_bits(monkeypatch):
+    """The three launches as PDL launches (launch 1 loading its first weight tile before it waits),
+    four MoE layers back to back, eager and replayed from a CUDA graph: the plain launches' bits."""
+    from tandem.engine.kernels import pdl  # noqa: PLC0415 (CUDA only)
+    from tandem.engine.model import TritonOps  # noqa: PLC0415 (as above)
+
+    layer, ops = _v2_lite_layer(True, monkeypatch), TritonOps()
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+        chain = lambda x: layer.forward_fused(layer.forward_fused(layer.forward_fused(  # noqa: E731
+            layer.forward_fused(x, ops), ops), ops), ops)
+        plain = chain(x)
+        with pdl.auto(True):
+            assert pdl.on() and pdl.supported(x.device)
+            assert torch.equal(chain(x), plain), tokens
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(x)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain), tokens
