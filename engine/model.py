@@ -195,9 +195,7 @@ class DecoderLayer(nn.Module):
             h = attn.forward_fused(a, positions, cos_sin, kv_cache, meta, ops, projected=True)
         if dense:
             return mlp.norm_residual(h, residual, self.post_attention_layernorm, next_norm, ops)
-        h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps, residual)
-        return mlp.forward_fused(h, ops), residual
+        return mlp.norm_forward_fused(h, residual, self.post_attention_layernorm, ops)
 
     def takes_folded_norm(self) -> bool:
         """Whether this layer's first projection reads a norm folded into the layer before

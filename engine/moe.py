@@ -206,6 +206,23 @@ class SparseMoE(nn.Module):
         shared = None if self.shared_experts is None else self.shared_experts.forward_fused(x, ops)
         return self.reduce_output(fused_experts(x, self.w13, self.w2, weights, ids, add=shared))
 
+    def norm_forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, norm, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on RMSNorm(x + residual) (DecoderLayer.forward_fused's post-attention norm) ->
+        (output, new residual stream). A decode step's three launches take the norm into the first
+        (engine.kernels.moe_decode.NORM_FOLD); otherwise ops.rms_norm runs first."""
+        from tandem.engine.kernels import moe_decode  # noqa: PLC0415 (triton loads only where kernels run)
+
+        if (moe_decode.NORM_FOLD and residual is not None and moe_decode.takes(x.shape[0]) and self._plain_shared()
+                and x.is_contiguous() and residual.is_contiguous()):
+            s = self.shared_experts
+            got = moe_decode.moe_decode(
+                x, self.gate.weight, self.gate.moe, self.gate.e_score_correction_bias, self.w13, self.w2,
+                s.gate_up_proj.weight if s is not None else None, s.down_proj.weight if s is not None else None,
+                norm=(residual, norm.weight, norm.eps))
+            return self.reduce_output(got.out), got.residual
+        h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        return self.forward_fused(h, ops), residual
+
     def _plain_shared(self) -> bool:
         """Whether the shared experts (if any) are two bias-free model-dtype projections with no
         reduction of their own, as engine.kernels.moe_decode reads them."""

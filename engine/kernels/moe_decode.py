@@ -56,6 +56,9 @@ MAX_TOKENS = 4
 # loads its first weight tile before it waits (no kernel writes weights). False: plain launches
 # (bench/mla_gpu.py's `nopdl` variant compares)
 PDL = True
+# SparseMoE.norm_forward_fused folds the post-attention RMSNorm into launch 1 (moe_decode's `norm`):
+# one launch fewer per MoE layer. False: rms_norm's own launch first (bench/mla_gpu.py's `nonorm`)
+NORM_FOLD = True
 
 
 @dataclass(frozen=True)
@@ -76,19 +79,46 @@ TILES = DecodeTiles()
 @dataclass(frozen=True)
 class DecodedMoE:
     """The layer's output [T, H] (model dtype) and what routed it: logits [T, E] fp32, weights
-    [T, k] fp32 and ids [T, k] int32, as route_fused returns them."""
+    [T, k] fp32 and ids [T, k] int32, as route_fused returns them; with the norm folded in
+    (moe_decode's `norm`), the new residual stream and the normalised input [T, H] (else None)."""
     out: torch.Tensor
     logits: torch.Tensor
     weights: torch.Tensor
     ids: torch.Tensor
+    residual: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+
+
+@triton.jit
+def _input_tile(x_ptr, r_ptr, g_ptr, ks, k_mask, rstd, NORM: tl.constexpr):
+    # x[ks] in fp32; NORM: RMSNorm(x + r)[ks] * g with rms_norm's roundings (engine.kernels.fused)
+    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+    if NORM:
+        dt = x_ptr.dtype.element_ty
+        s = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        return ((s * rstd).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _norm_rstd(x_ptr, r_ptr, K, eps, BLOCK_H: tl.constexpr):
+    # 1 / rms of round(x + r) over the whole row, as rms_norm computes it
+    cols = tl.arange(0, BLOCK_H)
+    cm = cols < K
+    s = (tl.load(x_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+         + tl.load(r_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
 
 
 @triton.jit
 def _dot_rows(w_rows, x_ptr, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-              EVEN_K: tl.constexpr, WAIT_AFTER_FIRST: tl.constexpr = False):
-    # w_rows [BLOCK_N] pointers to weight rows -> [BLOCK_N] fp32: each row . x[0:K]. Each thread's
-    # VEC columns (one 16-byte load) summed in its registers; the one cross-thread sum at the end.
-    # WAIT_AFTER_FIRST: the kernel's PDL wait comes after the first weight tile's load (x after it)
+              EVEN_K: tl.constexpr, WAIT_AFTER_FIRST: tl.constexpr = False, r_ptr=None, g_ptr=None, eps=0.0,
+              NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16):
+    # w_rows [BLOCK_N] pointers to weight rows -> ([BLOCK_N] fp32: each row . x[0:K], the norm's 1/rms).
+    # Each thread's VEC columns (one 16-byte load) summed in its registers; the one cross-thread sum
+    # at the end. WAIT_AFTER_FIRST: the kernel's PDL wait comes after the first weight tile's load
+    # (the input after it). NORM: the input is RMSNorm(x + r) * g (_input_tile), 1/rms worked out first
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
     start = 0
@@ -96,21 +126,25 @@ def _dot_rows(w_rows, x_ptr, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
         k_mask = rk < K
         w_first = tl.load(w_rows[:, None] + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         pdl.enter(True)
-        x = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    rstd = 1.0
+    if NORM:
+        rstd = _norm_rstd(x_ptr, r_ptr, K, eps, BLOCK_H)
+    if WAIT_AFTER_FIRST:
+        x = _input_tile(x_ptr, r_ptr, g_ptr, rk, k_mask, rstd, NORM)
         acc += tl.sum(tl.reshape(w_first.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows[:, None] + ks[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + ks).to(tl.float32)
+            x = _input_tile(x_ptr, r_ptr, g_ptr, ks, rk < BLOCK_K, rstd, NORM)
         else:
             k_mask = ks < K
             w = tl.load(w_rows[:, None] + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             w = w.to(tl.float32)
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = _input_tile(x_ptr, r_ptr, g_ptr, ks, k_mask, rstd, NORM)
         acc += tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), rstd
 
 
 @triton.jit
@@ -124,24 +158,39 @@ def _pair_rows(block, inter, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _router_shared_kernel(x_ptr, wr_ptr, logits_ptr, ws_ptr, hs_ptr, T, H, E, I_S, ROUTER_PROGRAMS,
+def _router_shared_kernel(x_ptr, wr_ptr, logits_ptr, ws_ptr, hs_ptr, r_ptr, g_ptr, xn_ptr, new_r_ptr, eps,
+                          T, H, E, I_S, ROUTER_PROGRAMS,
                           stride_x, stride_wr, stride_l, stride_ws, stride_hs,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    # with PDL each branch's _dot_rows waits, after its first weight tile's load
+                          NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, USE_PDL: tl.constexpr = False):
+    # with PDL each branch's _dot_rows waits, after its first weight tile's load. NORM: x is the
+    # attention's output and r the residual stream (rows of stride_x too); every program works out
+    # the norm of its token itself, and the first router program of each token writes the new
+    # stream round(x + r) to new_r and the normalised row to xn (what rms_norm would write)
     pid = tl.program_id(0)
     t = pid % T  # tokens fastest: a block's programs for every token run side by side (its rows from L2)
     block = pid // T
-    x_row = x_ptr + t.to(tl.int64) * stride_x
+    row = t.to(tl.int64) * stride_x
+    x_row, r_row = x_ptr + row, r_ptr + row
     if block < ROUTER_PROGRAMS:  # logits [T, E] fp32, never rounded
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < E
-        logits = _dot_rows(wr_ptr + rn.to(tl.int64) * stride_wr, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                           USE_PDL)
+        logits, rstd = _dot_rows(wr_ptr + rn.to(tl.int64) * stride_wr, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC,
+                                 EVEN_K, USE_PDL, r_row, g_ptr, eps, NORM, BLOCK_H)
         tl.store(logits_ptr + t.to(tl.int64) * stride_l + rn, logits, mask=n_mask)
+        if NORM:
+            if block == 0:
+                cols = tl.arange(0, BLOCK_H)
+                cm = cols < H
+                s = (tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
+                     + tl.load(r_row + cols, mask=cm, other=0.0).to(tl.float32)).to(xn_ptr.dtype.element_ty)
+                tl.store(new_r_ptr + row + cols, s, mask=cm)
+                tl.store(xn_ptr + row + cols, _input_tile(x_row, r_row, g_ptr, cols, cm, rstd, NORM)
+                         .to(xn_ptr.dtype.element_ty), mask=cm)
     else:  # the shared experts' gate and up, each rounded as their GEMV's output is, then SiLU * up
         rows, n_mask, channels = _pair_rows(block - ROUTER_PROGRAMS, I_S, BLOCK_N)
-        out = _dot_rows(ws_ptr + rows * stride_ws, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K, USE_PDL)
+        out, rstd = _dot_rows(ws_ptr + rows * stride_ws, x_row, n_mask, H, BLOCK_N, BLOCK_K, VEC, EVEN_K, USE_PDL,
+                              r_row, g_ptr, eps, NORM, BLOCK_H)
         dt = hs_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
         tl.store(hs_ptr + t.to(tl.int64) * stride_hs + channels, (gate * tl.sigmoid(gate) * up).to(dt),
@@ -169,8 +218,8 @@ def _routed_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w_ptr, h_ptr, ids_ptr, w
     tl.store(weights_ptr + t * TOP_K + slots, weights, mask=writes)
     expert = tl.sum(tl.where(slots == s, ids, 0), 0).to(tl.int64)
     rows, n_mask, channels = _pair_rows(block, INTER, BLOCK_N)
-    out = _dot_rows(w_ptr + expert * stride_we + rows * stride_wn, x_ptr + t.to(tl.int64) * stride_x, n_mask, H,
-                    BLOCK_N, BLOCK_K, VEC, EVEN_K)
+    out, _ = _dot_rows(w_ptr + expert * stride_we + rows * stride_wn, x_ptr + t.to(tl.int64) * stride_x, n_mask, H,
+                       BLOCK_N, BLOCK_K, VEC, EVEN_K)
     # gate and up rounded to the model dtype before the activation, as engine.kernels.moe's are
     dt = h_ptr.dtype.element_ty
     gate, up = tl.split(tl.reshape(out.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
@@ -195,12 +244,12 @@ def _down_sum_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, hs_ptr, ws_ptr, out_pt
     for s in range(TOP_K):
         pair = t * TOP_K + s
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        y = _dot_rows(w2_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn, h_ptr + pair * stride_h, n_mask,
-                      INTER, BLOCK_N, BLOCK_K, VEC, EVEN_I)
+        y, _ = _dot_rows(w2_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn, h_ptr + pair * stride_h, n_mask,
+                         INTER, BLOCK_N, BLOCK_K, VEC, EVEN_I)
         total += y.to(dt).to(tl.float32) * tl.load(weights_ptr + pair)
     if HAS_SHARED:
-        y = _dot_rows(ws_ptr + rn.to(tl.int64) * stride_ws, hs_ptr + t * stride_hs, n_mask, I_S,
-                      BLOCK_N, BLOCK_K, VEC, EVEN_I_S)
+        y, _ = _dot_rows(ws_ptr + rn.to(tl.int64) * stride_ws, hs_ptr + t * stride_hs, n_mask, I_S,
+                         BLOCK_N, BLOCK_K, VEC, EVEN_I_S)
         total += y.to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_o + rn, total.to(dt), mask=n_mask)
 
@@ -253,12 +302,25 @@ def _tiles(x: torch.Tensor, tiles: DecodeTiles, experts: int, inter: int, inter_
 
 def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None,
                w13: torch.Tensor, w2: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
-               shared_down: torch.Tensor | None = None, *, tiles: DecodeTiles | None = None) -> DecodedMoE:
+               shared_down: torch.Tensor | None = None, *, tiles: DecodeTiles | None = None,
+               norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> DecodedMoE:
     """SparseMoE.forward of x [T, H] (T <= MAX_TOKENS) in three launches: router_weight [E, H];
     `moe` and score_bias [E] fp32 (noaux_tc only) as engine.moe.route takes them; w13 [E, 2I, H]
     (gate rows, then up rows), w2 [E, H, I]; the shared experts' gate/up [2Is, H] and down [H, Is]
-    (both None without shared experts); all weights in x's dtype."""
+    (both None without shared experts); all weights in x's dtype.
+    `norm` = (residual [T, H], norm weight [H], eps): the layer's input is rms_norm(x, weight, eps,
+    residual)'s, worked out inside the first launch (engine.kernels.fused.rms_norm's launch gone);
+    the result carries the new residual stream, round(x + residual), and the normalised input."""
     _check(x, router_weight, moe, score_bias, w13, w2, shared_gate_up, shared_down)
+    if norm is not None:
+        residual, norm_weight = norm[0], norm[1]
+        require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
+        require_tensor("norm weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+        require_same("residual", residual, "x", x, shape=True)
+        require_same("norm weight", norm_weight, "x", x, dtype=False)
+        if not residual.is_contiguous() or norm_weight.shape[0] != x.shape[1]:
+            raise ValueError(f"residual must be contiguous and norm weight [{x.shape[1]}], got strides "
+                             f"{residual.stride()} and {tuple(norm_weight.shape)}")
     require_runnable(x, _routed_gate_up_kernel)
     tiles = tiles or TILES
     if tiles.gate_up_rows % 2 or tiles.gate_up_rows < 2:
@@ -269,8 +331,9 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
     weights = torch.empty((tokens, k), dtype=torch.float32, device=dev)
     ids = torch.empty((tokens, k), dtype=torch.int32, device=dev)
     out = torch.empty_like(x)
+    normed, new_residual = (torch.empty_like(x), torch.empty_like(x)) if norm is not None else (None, None)
     if tokens == 0:
-        return DecodedMoE(out, logits, weights, ids)
+        return DecodedMoE(out, logits, weights, ids, new_residual, normed)
     shared = shared_gate_up is not None
     inter_s = shared_down.shape[1] if shared else 0
     ws, wd = (shared_gate_up, shared_down) if shared else (x, x)  # x stands in for unused pointers
@@ -283,10 +346,14 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
     k1, k3 = cfg["k1"], cfg["k3"]
     router_programs = triton.cdiv(experts, cfg["rows1"])
     shared_programs = triton.cdiv(inter_s, cfg["rows1"] // 2)
+    folded = (norm[0], norm[1], normed, new_residual, float(norm[2])) if norm is not None else (x, x, x, x, 0.0)
     _router_shared_kernel[(tokens * (router_programs + shared_programs),)](
-        x, router_weight, logits, ws, hs, tokens, hidden, experts, inter_s, router_programs,
+        x, router_weight, logits, ws, hs, *folded, tokens, hidden, experts, inter_s, router_programs,
         x.stride(0), router_weight.stride(0), logits.stride(0), ws.stride(0), hs.stride(0),
-        BLOCK_N=cfg["rows1"], BLOCK_K=k1, VEC=min(vec, k1), EVEN_K=hidden % k1 == 0, **launch)
+        BLOCK_N=cfg["rows1"], BLOCK_K=k1, VEC=min(vec, k1), EVEN_K=hidden % k1 == 0, NORM=norm is not None,
+        BLOCK_H=next_power_of_2(hidden), **launch)
+    if norm is not None:
+        x = normed  # launch 2's input
     _routed_gate_up_kernel[(tokens * k, triton.cdiv(inter, cfg["rows2"] // 2))](
         x, logits, score_bias if score_bias is not None else logits, w13, h, ids, weights,
         float(moe.routed_scaling_factor), hidden, inter, x.stride(0), logits.stride(0), w13.stride(0),
@@ -297,7 +364,7 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
         h.stride(0), w2.stride(0), w2.stride(1), hs.stride(0), wd.stride(0), out.stride(0),
         TOP_K=k, HAS_SHARED=shared, BLOCK_N=cfg["rows3"], BLOCK_K=k3, VEC=min(vec, k3),
         EVEN_I=inter % k3 == 0, EVEN_I_S=not shared or inter_s % k3 == 0, **launch)
-    return DecodedMoE(out, logits, weights, ids)
+    return DecodedMoE(out, logits, weights, ids, new_residual, normed)
 
 
 def takes(tokens: int) -> bool:

@@ -146,6 +146,60 @@ def test_sparse_moe_takes_it_within_the_limit(monkeypatch):
     assert calls == [1, md.MAX_TOKENS]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_norm_folded_into_launch_one_gives_rms_norm_then_the_layer(tokens, dtype):
+    """moe_decode's `norm`: the layer on rms_norm(x, weight, eps, residual) with the norm worked out
+    inside launch 1 gives that launch pair's bits: the new residual stream and the normalised input
+    as rms_norm writes them, and the same routing and output."""
+    from tandem.engine.kernels.fused import rms_norm
+
+    moe = ROUTINGS["v2-greedy"]
+    x, wr, bias, w13, w2, sg, sd = _layer(moe, tokens, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    residual = torch.randn(tokens, H, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(H, generator=gen)).to(dtype)
+    h, want_residual = rms_norm(x, weight, 1e-6, residual)
+    want = md.moe_decode(h, wr, moe, bias, w13, w2, sg, sd)
+    got = md.moe_decode(x, wr, moe, bias, w13, w2, sg, sd, norm=(residual, weight, 1e-6))
+    assert torch.equal(got.residual, want_residual) and torch.equal(got.normed, h)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.ids, want.ids)
+    assert torch.equal(got.out, want.out)
+    assert want.residual is None and want.normed is None
+
+
+def test_sparse_moe_folds_the_norm_where_it_takes_the_three_launches(monkeypatch):
+    """SparseMoE.norm_forward_fused: within the limit moe_decode runs with the norm (no rms_norm
+    launch), past it or with NORM_FOLD off rms_norm runs first; the same outputs and stream."""
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.model import RMSNorm, TritonOps
+    from tandem.engine.moe import SparseMoE
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=H, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=12, moe=ROUTINGS["v2-greedy"])
+    layer, norm = SparseMoE(cfg), RMSNorm(H, 1e-6)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in [*layer.parameters(), norm.weight]:
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    ops, calls = TritonOps(), []
+    real_norm, real_decode = ops.rms_norm, md.moe_decode
+    ops.rms_norm = lambda *a: calls.append("rms_norm") or real_norm(*a)
+    monkeypatch.setattr(md, "moe_decode", lambda x, *a, **kw: calls.append(("decode", "norm" in kw)) or
+                        real_decode(x, *a, **kw))
+    x, residual = torch.randn(md.MAX_TOKENS + 1, H, generator=gen), torch.randn(md.MAX_TOKENS + 1, H, generator=gen)
+    with torch.inference_mode():
+        for fold, tokens, want_calls in ((True, 1, [("decode", True)]), (True, md.MAX_TOKENS + 1, ["rms_norm"]),
+                                         (False, 1, ["rms_norm", ("decode", False)])):
+            monkeypatch.setattr(md, "NORM_FOLD", fold)
+            calls.clear()
+            out, stream = layer.norm_forward_fused(x[:tokens], residual[:tokens], norm, ops)
+            assert calls == want_calls, (fold, tokens, calls)
+            ref_stream = x[:tokens] + residual[:tokens]
+            assert torch.allclose(stream, ref_stream)
+            assert torch.allclose(out, layer(norm(ref_stream)), rtol=1e-5, atol=1e-6), (fold, tokens)
+
+
 def test_bad_input_is_refused_by_name():
     moe = ROUTINGS["v3-noaux-tc"]
     x, wr, bias, w13, w2, sg, sd = _layer(moe, 2, torch.float32, seed=0)
@@ -167,6 +221,10 @@ def test_bad_input_is_refused_by_name():
         md.moe_decode(x, wr, moe, bias, w13, w2, sg, None)
     with pytest.raises(ValueError, match="shared_gate_up"):
         md.moe_decode(x, wr, moe, bias, w13, w2, sg[:, :8], sd)
+    with pytest.raises(ValueError, match="residual has shape"):
+        md.moe_decode(x, wr, moe, bias, w13, w2, sg, sd, norm=(x[:1], torch.ones(H), 1e-6))
+    with pytest.raises(ValueError, match="norm weight"):
+        md.moe_decode(x, wr, moe, bias, w13, w2, sg, sd, norm=(x, torch.ones(H + 1), 1e-6))
     with pytest.raises(ValueError, match="gate_up_rows must be even"):
         md.moe_decode(x, wr, moe, bias, w13, w2, sg, sd, tiles=md.DecodeTiles(gate_up_rows=3))
 

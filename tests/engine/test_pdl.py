@@ -56,7 +56,7 @@ KERNELS.update({
     "mla_merge": (mla_decode._mla_merge_kernel, dict(RANK=512, SPLITS=32, BLOCK_S=32, BLOCK_R=512, BLOCK_RM=128)),
     "mla_merge_uv": (mla_decode._mla_merge_uv_kernel, dict(RANK=512, V=128, SPLITS=32, BLOCK_S=32, BLOCK_R=512,
                                                            CHUNK_R=64, BLOCK_V=32)),
-    "moe_router_shared": (moe_decode._router_shared_kernel, moe_tile),
+    "moe_router_shared": (moe_decode._router_shared_kernel, dict(moe_tile, NORM=True, BLOCK_H=2048)),
     "moe_routed_gate_up": (moe_decode._routed_gate_up_kernel,
                            dict(moe_tile, **moe_route.route_constants(PRESETS["deepseek-v2-lite-random"].moe))),
     "moe_down_sum": (moe_decode._down_sum_kernel, dict(TOP_K=6, HAS_SHARED=True, BLOCK_N=4, BLOCK_K=512, VEC=8,

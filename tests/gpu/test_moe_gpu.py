@@ -270,3 +270,40 @@ def test_decode_path_with_pdl_launches_gives_the_plain_bits(monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, plain), tokens
+
+
+@torch.inference_mode()
+def test_norm_folded_into_launch_one_at_deepseek_v2_lite_shape(monkeypatch):
+    """SparseMoE.norm_forward_fused with the post-attention norm inside launch 1 (NORM_FOLD), PDL on
+    and off, eager and from a CUDA graph, against rms_norm's launch then the three: the same new
+    residual stream, and the output within one bf16 ulp (the norm's sum of squares may be reduced
+    in another order than rms_norm's, which would move a few outputs by an ulp)."""
+    import tandem.engine.kernels.moe_decode as moe_decode  # noqa: PLC0415 (CUDA only)
+    from tandem.engine.kernels import pdl  # noqa: PLC0415 (as above)
+    from tandem.engine.model import RMSNorm, TritonOps  # noqa: PLC0415 (as above)
+
+    layer, ops = _v2_lite_layer(True, monkeypatch), TritonOps()
+    norm = RMSNorm(2048, 1e-6).cuda().bfloat16()
+    norm.weight.normal_(1.0, 0.1)
+    for tokens in (1, 4):
+        x, residual = torch.randn(2, tokens, 2048, device="cuda").bfloat16()
+        h, want_stream = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        want = layer.forward_fused(h, ops)
+        for use_pdl in (False, True):
+            with pdl.auto(use_pdl):
+                out, stream = layer.norm_forward_fused(x, residual, norm, ops)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    g_out, g_stream = layer.norm_forward_fused(x, residual, norm, ops)
+            graph.replay()
+            torch.cuda.synchronize()
+            for o, s in ((out, stream), (g_out, g_stream)):
+                assert torch.equal(s, want_stream), (tokens, use_pdl)
+                assert torch.allclose(o.float(), want.float(), rtol=2 ** -7, atol=2 ** -8), (tokens, use_pdl)
+                assert (o != want).float().mean() < 0.01, (tokens, use_pdl, (o != want).sum())
+    monkeypatch.setattr(moe_decode, "NORM_FOLD", False)
+    calls = []
+    real = ops.rms_norm
+    ops.rms_norm = lambda *a: calls.append(1) or real(*a)
+    layer.norm_forward_fused(x, residual, norm, ops)
+    assert calls == [1]
