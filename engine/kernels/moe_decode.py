@@ -286,6 +286,16 @@ def _check(x, router_weight, moe, score_bias, w13, w2, shared_gate_up, shared_do
                              f"{tuple(shared_down.shape)} do not fit: need [2Is, {hidden}] and [{hidden}, Is]")
 
 
+def _check_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
+    require_tensor("norm weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    require_same("residual", residual, "x", x, shape=True)
+    require_same("norm weight", norm_weight, "x", x, dtype=False)
+    if not residual.is_contiguous() or norm_weight.shape[0] != x.shape[1]:
+        raise ValueError(f"residual must be contiguous and norm weight [{x.shape[1]}], got strides "
+                         f"{residual.stride()} and {tuple(norm_weight.shape)}")
+
+
 def _tiles(x: torch.Tensor, tiles: DecodeTiles, experts: int, inter: int, inter_s: int) -> dict:
     """Each launch's (rows per program, K tile). The interpreter (CPU) pays per program, not per
     byte: there, the widest tiles that fit each matrix."""
@@ -313,14 +323,7 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
     the result carries the new residual stream, round(x + residual), and the normalised input."""
     _check(x, router_weight, moe, score_bias, w13, w2, shared_gate_up, shared_down)
     if norm is not None:
-        residual, norm_weight = norm[0], norm[1]
-        require_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES)
-        require_tensor("norm weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
-        require_same("residual", residual, "x", x, shape=True)
-        require_same("norm weight", norm_weight, "x", x, dtype=False)
-        if not residual.is_contiguous() or norm_weight.shape[0] != x.shape[1]:
-            raise ValueError(f"residual must be contiguous and norm weight [{x.shape[1]}], got strides "
-                             f"{residual.stride()} and {tuple(norm_weight.shape)}")
+        _check_norm(x, *norm[:2])
     require_runnable(x, _routed_gate_up_kernel)
     tiles = tiles or TILES
     if tiles.gate_up_rows % 2 or tiles.gate_up_rows < 2:
