@@ -27,8 +27,11 @@ it with one copy, then scatters the table with one device copy: no host synchron
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +52,21 @@ class GraphKey:
     query_len: int  # power of two >= the longest query
     context: int  # 0: any context (one pass per sequence); else the split-K context bucket
     tree: bool = False  # tree drafts: the attention reads the static tree mask
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while a graph is captured: a collection then may free an
+    unreachable CUDAGraph (of an engine or runner dropped earlier, in a reference cycle), and
+    destroying a graph during a capture invalidates the capture (seen on an H100: eight captures
+    in a row failed that way after benchmark engines were dropped, 2026-12-05)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -301,7 +319,7 @@ class DecodeGraphs:
         self._stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), collector_paused():
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     out = self.step(key)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.cuda_graphs import collector_paused
+
 log = logging.getLogger(__name__)
 
 # "0" turns the scheme off in every engine of a process (and of a cluster: `tandem up` passes
@@ -220,7 +222,7 @@ class PiecewiseGraphs:
             self._forward(size, _Splitter(self.model.ops_for(self.device), self, _Bucket(size)))
             self._graph = None
             self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), collector_paused():
                 self._begin()
                 try:
                     hidden = self._forward(size, _Splitter(self.model.ops_for(self.device), self, bucket))

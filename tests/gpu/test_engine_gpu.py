@@ -232,3 +232,41 @@ def test_serving_after_warmup_compiles_no_kernel():
     reqs = [{"prompt_token_ids": p, "max_tokens": 9 + i % 5, "ignore_eos": True} for i, p in enumerate(prompts)]
     e.generate(reqs, arrivals=[0, 0, 1, 2, 3, 5, 6, 6, 8, 9, 11])
     assert watch.late == late, f"{watch.late - late} kernel compiles while serving; last: {watch.last_late}"
+
+
+def test_a_capture_survives_a_collection_that_frees_an_old_graph():
+    """With the collector run at every allocation (threshold 1), graphs dropped in reference cycles
+    are freed as soon as it runs: inside collector_paused (as the engine captures) a capture after
+    each drop succeeds and replays. Without the pause the collection ran inside the capture and
+    invalidated it (an H100 benchmark, 2026-12-05: eight failed captures in a row)."""
+    import gc
+
+    from tandem.engine.cuda_graphs import collector_paused
+
+    x = torch.ones(8, device="cuda")
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1)
+    try:
+        for i in range(3):
+            old = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(old):
+                x.mul(3)
+            cycle = {"graph": old}
+            cycle["self"] = cycle
+            del old, cycle
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), collector_paused():
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    y = x * (i + 2)
+                    _ = [{"k": [j]} for j in range(100)]  # allocations that would run the collector
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, torch.full((8,), float(i + 2), device="cuda"))
+    finally:
+        gc.set_threshold(*threshold)

@@ -28,3 +28,29 @@ def test_graph_input_buffers_start_16_byte_aligned():
         assert [p.numel() for p in parts] == [tokens] * 4 + [batch + 1, batch]
         assert all((p.data_ptr() - s.buffer.data_ptr()) % 16 == 0 for p in parts)
         assert s.header_len % 4 == 0
+
+
+def test_graph_captures_pause_the_garbage_collector():
+    """engine.cuda_graphs.collector_paused (around every decode and piecewise capture): no automatic
+    collection inside (one could destroy a dropped CUDAGraph and so invalidate the capture), the
+    collector's state as it was after, on an exception too, and left off where it was off."""
+    import gc
+
+    import pytest
+
+    from tandem.engine.cuda_graphs import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        raise KeyError("a capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
