@@ -181,13 +181,13 @@ class LLMEngine:
         runs once the step's kernels are queued, before the host waits for them; `wait_device()` blocks
         until they are done (None on CPU). On a GPU that is most of a long prefill step: time a serving
         loop can spend on calls that do not touch the running step (EngineLoop.call_mid_step).
-        With `overlap` (default on CUDA), a plain decode step's tokens stay on the device: the call
-        returns the outputs of the step before (engine.inflight), so the host schedules, prepares and
-        post-processes while the GPU computes. Steps whose inputs need the host's tokens (speculative
-        drafts, layer_done, prefill-only requests, seeded sampling) resolve within the call."""
+        With `overlap` (default on CUDA), a plain decode step's tokens stay on the device: the call returns
+        the outputs of the step before (engine.inflight), so the host schedules, prepares and post-processes
+        while the GPU computes. Steps whose inputs need the host's tokens (speculative drafts, layer_done,
+        prefill-only requests, seeded sampling, penalties on a CPU) resolve within the call."""
         t0 = time.perf_counter()
-        if self.speculator is not None or any(r.sampling.penalized for r in self.scheduler.running):
-            self.settle()            # its proposals, and penalties (engine.penalties), read every token
+        if self.speculator is not None or self.sampler.penalties.needs_host(self.scheduler.running, self.runner.device):
+            self.settle()            # its proposals, and penalties on a CPU (engine.penalties), read every token
         drafts = {} if self.speculator is None else self.speculator.propose(self.scheduler.running,
                                                                             self.scheduler.requests)
         sched = self.scheduler.schedule({rid: len(d) for rid, d in drafts.items()})

@@ -7,9 +7,12 @@
 
 Repetition first, then presence and frequency, as vLLM orders them. The penalized logits are what
 the request samples from, what speculative verification compares against and what its logprobs
-report ("the distribution it was drawn from"). They need every output token on the host, so the
-engine settles an overlapped step before a step that samples a penalized request
-(`LLMEngine.step`), and the speculator drafts nothing for one.
+report ("the distribution it was drawn from"). The speculator drafts nothing for a penalized request.
+
+On a GPU (the dense state) a step's sampled tokens are counted on the device as they are drawn
+(`count_sampled`, from Sampler.sample_batch): a penalized request needs none of its tokens on the
+host, and the overlapped step keeps overlapping. On a CPU (sparse) each step reads the request's
+output from the host, so the engine settles an overlapped step first (`needs_host`).
 """
 
 from __future__ import annotations
@@ -36,13 +39,40 @@ class Penalties:
         self._prompt_seen: dict[str, torch.Tensor] = {}  # sparse: the distinct prompt tokens
         self._slot: dict[str, int] = {}
         self._counted: dict[str, int] = {}  # output tokens already in the counts
+        # the request's preemption count when its slot was filled: a preemption drops the tokens still
+        # on the device (counted already), so the slot is rebuilt from the host's output after one
+        self._epoch: dict[str, int] = {}
         self._free: list[int] = []
         self._initial = initial_slots
         self._counts: torch.Tensor | None = None     # [slots, V] float32
         self._in_prompt: torch.Tensor | None = None  # [slots, V] bool
 
+    def dense_on(self, device: torch.device) -> bool:
+        """Whether penalties on `device` keep the dense state (the default on CUDA)."""
+        return self.dense if self.dense is not None else device.type == "cuda"
+
+    def needs_host(self, running, device: torch.device) -> bool:
+        """Whether the next step's penalties read output tokens on the host (some running request
+        is penalized and the state is sparse): LLMEngine.step settles an overlapped step first."""
+        return not self.dense_on(device) and any(r.sampling.penalized for r in running)
+
+    def count_sampled(self, params: list[tuple[str, SamplingParams]], tokens: torch.Tensor) -> None:
+        """Add one step's sampled tokens [N] (on the device, row i is params[i]'s) to the counts of
+        the penalized rows that have a slot, on the device and without a host synchronisation; the
+        host's output lists then have those positions counted already (`apply` skips them)."""
+        rows = [(i, self._slot[rid]) for i, (rid, sp) in enumerate(params) if sp.penalized and rid in self._slot]
+        if not rows or self._counts is None:
+            return
+        dev = self._counts.device
+        index, slots = _on([r for r, _ in rows], dev), _on([slot for _, slot in rows], dev)
+        with torch.inference_mode():  # the counts were made under it (apply_to_step)
+            self._counts.index_put_((slots, tokens[index]), torch.ones(len(rows), device=dev), accumulate=True)
+        for i, _ in rows:
+            self._counted[params[i][0]] += 1
+
     def release(self, request_id: str) -> None:
         self._prompt_seen.pop(request_id, None)
+        self._epoch.pop(request_id, None)
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
@@ -51,16 +81,22 @@ class Penalties:
     def apply_to_step(self, logits: torch.Tensor, owners: list[tuple[str, int]], requests: dict) -> torch.Tensor:
         """Penalize a step's logits [N, V] in place for its penalized requests and return them.
         `owners`: (request id, logits rows) in order; each penalized request has one row (the
-        speculator drafts nothing for it) and its whole output on the host (the engine settled the
-        step before)."""
+        speculator drafts nothing for it). Its output tokens still on the device (placeholders on
+        the host) are in the dense counts already (count_sampled); the sparse state needs none."""
         rows, row = [], 0
+        dense = self.dense_on(logits.device)
         for rid, n in owners:
             req = requests[rid]
             if req.sampling.penalized:
-                if n != 1 or req.num_pending:
-                    raise RuntimeError(f"request {rid}: a penalty needs one logits row and its output on "
-                                       f"the host, got {n} rows and {req.num_pending} pending tokens")
-                rows.append((row, rid, req.sampling, req.prompt_token_ids, req.output_token_ids))
+                if n != 1 or (req.num_pending and not dense):
+                    raise RuntimeError(f"request {rid}: a penalty needs one logits row and (on the sparse "
+                                       f"path) its output on the host, got {n} rows and {req.num_pending} "
+                                       f"pending tokens")
+                if self._epoch.setdefault(rid, req.num_preemptions) != req.num_preemptions:
+                    self.release(rid)
+                    self._epoch[rid] = req.num_preemptions
+                out = req.output_token_ids
+                rows.append((row, rid, req.sampling, req.prompt_token_ids, out[:len(out) - req.num_pending]))
             row += n
         if rows:
             with torch.inference_mode():  # the runner's logits are an inference tensor
@@ -73,7 +109,7 @@ class Penalties:
         rows = [r for r in rows if r[2].penalized]
         if not rows:
             return
-        if not (self.dense if self.dense is not None else logits.device.type == "cuda"):
+        if not self.dense_on(logits.device):
             for row in rows:
                 self._apply_sparse(logits, *row)
             return
@@ -92,7 +128,8 @@ class Penalties:
                                     torch.ones(len(new_tokens), device=dev), accumulate=True)
         index, slot_index = _on([r[0] for r in rows], dev), _on(slots, dev)
         per_row = torch.tensor([[sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty]
-                                for _, _, sp, _, _ in rows], dtype=torch.float32).to(dev, non_blocking=True)
+                                for _, _, sp, _, _ in rows], dtype=torch.float32)
+        per_row = (per_row.pin_memory() if dev.type == "cuda" else per_row).to(dev, non_blocking=True)
         rep, freq, pres = (per_row[:, i:i + 1] for i in range(3))
         x = logits[index].float()
         counts = self._counts[slot_index]
@@ -143,4 +180,6 @@ class Penalties:
 
 
 def _on(values: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+    """values as an int64 tensor on `dev`, copied from pinned memory on CUDA (no host wait)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)

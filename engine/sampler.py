@@ -100,14 +100,17 @@ class Sampler:
         return any(not sp.greedy and sp.seed is not None for _, sp in params)
 
     def sample_batch(self, logits: torch.Tensor, params: list[tuple[str, SamplingParams]]) -> torch.Tensor:
-        """logits [N, V] -> tokens [N] on the logits' device, without a host synchronisation.
-        Only for batches with no seeded sampled row (`needs_host`)."""
+        """logits [N, V] -> tokens [N] on the logits' device, without a host synchronisation
+        (penalized rows' tokens counted there too: Penalties.count_sampled). Only for batches with
+        no seeded sampled row (`needs_host`)."""
         dev = logits.device
         g = self.device_generators.get(dev)
         if g is None:
             g = self.device_generators[dev] = torch.Generator(dev)
             g.manual_seed(int(torch.randint(0, 2**62, ()).item()))
-        return sample_rows(logits, params, g)
+        tokens = sample_rows(logits, params, g)
+        self.penalties.count_sampled(params, tokens)
+        return tokens
 
     def sample(self, logits: torch.Tensor, params: list[tuple[str, SamplingParams]]) -> list[int]:
         """logits [N, V] (one row per request) -> one token per row. Seeded rows draw from their

@@ -128,3 +128,30 @@ def test_overlapped_steps_and_speculation_give_the_same_tokens(tiny, make_engine
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
     assert all(r["usage"]["draft_tokens"] == 0 for r in spec[1::2])
     assert sum(r["usage"]["draft_tokens"] for r in spec[0::2]) > 0
+
+
+@pytest.mark.parametrize("num_blocks", [512, 6], ids=["roomy", "preempting"])
+def test_the_dense_state_keeps_the_step_overlapped(tiny, make_engine, num_blocks):
+    """With the dense state (a GPU's; set here on the CPU) a penalized request needs none of its
+    tokens on the host: its sampled tokens are counted where they are drawn, so the overlapped step
+    keeps a step in flight while it runs, with the plain engine's tokens. With few KV blocks
+    requests are preempted with a token in flight (counted, then dropped): the state is rebuilt from
+    the host's output, and the tokens stay the same."""
+    model, tok, _ = tiny
+    reqs = [{"prompt": p, "max_tokens": 20, "ignore_eos": True, "request_id": f"r{i}",
+             **(PENALTIES["all"] if i % 2 else PENALTIES["frequency"])} for i, p in enumerate(TINY_PROMPTS[:4])]
+    plain = make_engine(model, tok).generate(reqs)
+    e = make_engine(model, tok, num_blocks=num_blocks)
+    e.overlap = True
+    e.sampler.penalties.dense = True
+    in_flight, step = [], e.step
+
+    def spy(*args, **kwargs):
+        out = step(*args, **kwargs)
+        in_flight.append(e._inflight is not None and any(r.sampling.penalized for r in e.scheduler.running))
+        return out
+
+    e.step = spy
+    assert [r["token_ids"] for r in e.generate(reqs)] == [r["token_ids"] for r in plain]
+    assert sum(in_flight) > 10, in_flight
+    assert (e.stats.preemptions > 0) == (num_blocks < 100), e.stats.preemptions
