@@ -147,14 +147,15 @@ def test_sparse_moe_takes_it_within_the_limit(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_norm_folded_into_launch_one_gives_rms_norm_then_the_layer(tokens, dtype):
+@pytest.mark.parametrize("tokens,kind", [(1, "v2-greedy"), (3, "v2-greedy"), (2, "qwen3")])
+def test_norm_folded_into_launch_one_gives_rms_norm_then_the_layer(tokens, kind, dtype):
     """moe_decode's `norm`: the layer on rms_norm(x, weight, eps, residual) with the norm worked out
     inside launch 1 gives that launch pair's bits: the new residual stream and the normalised input
-    as rms_norm writes them, and the same routing and output."""
+    as rms_norm writes them, and the same routing and output; with shared experts and without
+    (Qwen3's: launch 1 is the router alone)."""
     from tandem.engine.kernels.fused import rms_norm
 
-    moe = ROUTINGS["v2-greedy"]
+    moe = ROUTINGS[kind]
     x, wr, bias, w13, w2, sg, sd = _layer(moe, tokens, dtype, seed=5)
     gen = torch.Generator().manual_seed(6)
     residual = torch.randn(tokens, H, generator=gen).to(dtype)
