@@ -34,8 +34,11 @@ class Penalties:
     it). On a CPU those dense ops cost ~1 ms a row (docs/benchmarks.md), so each row is penalized
     sparsely instead, over its distinct tokens."""
 
-    def __init__(self, initial_slots: int = 8, dense: bool | None = None):
+    def __init__(self, initial_slots: int = 8, dense: bool | None = None, fused: bool | None = None):
         self.dense = dense  # None: on CUDA devices
+        # the dense state's penalties in one Triton launch (engine.kernels.penalties) instead of the
+        # torch ops; None: on CUDA devices (the CPU tests set it under Triton's interpreter)
+        self.fused = fused
         self._prompt_seen: dict[str, torch.Tensor] = {}  # sparse: the distinct prompt tokens
         self._slot: dict[str, int] = {}
         self._counted: dict[str, int] = {}  # output tokens already in the counts
@@ -130,6 +133,11 @@ class Penalties:
         per_row = torch.tensor([[sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty]
                                 for _, _, sp, _, _ in rows], dtype=torch.float32)
         per_row = (per_row.pin_memory() if dev.type == "cuda" else per_row).to(dev, non_blocking=True)
+        if self.fused if self.fused is not None else dev.type == "cuda":
+            from tandem.engine.kernels.penalties import penalize  # noqa: PLC0415 (triton loads only where kernels run)
+
+            penalize(logits, index, slot_index, per_row, self._counts, self._in_prompt)
+            return
         rep, freq, pres = (per_row[:, i:i + 1] for i in range(3))
         x = logits[index].float()
         counts = self._counts[slot_index]
