@@ -27,12 +27,12 @@ class Penalties:
 
     On a GPU (`dense`), one table row (slot) per request on the device holds its output tokens'
     counts and which tokens its prompt holds, over the vocabulary (5 bytes a token: 0.6 MiB a
-    request at a 128k vocabulary). A step adds only the tokens output since the last one (one
-    scatter for the batch) and penalizes every penalized row with a few dense ops over [rows,
-    vocab]: its host work does not grow with the outputs' lengths (at 64 rows of a 128k vocabulary
-    the ops move ~300 MB: tens of microseconds at HBM rates, by the bytes; bench/penalties.py times
-    it). On a CPU those dense ops cost ~1 ms a row (docs/benchmarks.md), so each row is penalized
-    sparsely instead, over its distinct tokens."""
+    request at a 128k vocabulary). Each sampled token is added where it is drawn (one scatter for
+    the batch, count_sampled) and every penalized row is penalized in one launch over [rows, vocab]
+    (engine.kernels.penalties; `fused`, else the same math as torch ops): host work that does not
+    grow with the outputs' lengths, and on an H100 a step 1-2% slower with one or all of 64
+    requests penalized (docs/benchmarks.md, "Penalties"). On a CPU the dense ops cost ~1 ms a row,
+    so each row is penalized sparsely instead, over its distinct tokens."""
 
     def __init__(self, initial_slots: int = 8, dense: bool | None = None, fused: bool | None = None):
         self.dense = dense  # None: on CUDA devices
