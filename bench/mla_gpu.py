@@ -187,17 +187,19 @@ class MLABench(Bench):
         """Batch-1 decode steps (context 1k) under each variant of the latent attention's and the MoE
         layer's launches, interleaved `repeats` times, each on an engine of its own (its own graph): a
         variant is `+`-joined tokens, `splitsN` (mla_decode.MAX_SPLITS: context slices of a batch-1
-        token), `uv` (W_UV in the merge, LatentAttention.fused_uv), `mergeN` (mla_decode.MERGE_RANK_BLOCK:
+        token), `uv` (W_UV in the merge, LatentAttention.fused_uv), `bmm` (W_UV as torch.bmm, not its own
+        Triton GEMV: LatentAttention.uv_gemv off), `uvrowsN` (that GEMV's outputs per program), `mergeN` (mla_decode.MERGE_RANK_BLOCK:
         the plain merge's rank columns per program), `nopdl-mla` / `nopdl-moe` / `nopdl` (plain launches
         for the latent attention's kernels, the MoE decode kernels, both), `nonorm` (the post-attention
         norm in its own launch: moe_decode.NORM_FOLD off), `base` (the defaults)."""
         from tandem.engine.kernels import mla_decode, mla_prepare, moe_decode  # noqa: PLC0415 (Triton, after the env is set)
         from tandem.engine.mla import LatentAttention  # noqa: PLC0415 (as above)
 
-        knobs = [(mla_decode, "MAX_SPLITS"), (LatentAttention, "fused_uv"), (mla_decode, "MERGE_RANK_BLOCK"),
+        knobs = [(mla_decode, "MAX_SPLITS"), (LatentAttention, "fused_uv"), (LatentAttention, "uv_gemv"),
+                 (mla_decode, "MERGE_RANK_BLOCK"), (mla_decode, "UV_GEMV_ROWS"),
                  (mla_decode, "PDL"), (mla_prepare, "PDL"), (moe_decode, "PDL"), (moe_decode, "NORM_FOLD")]
         default = [getattr(obj, name) for obj, name in knobs]
-        tokens = {"uv": [(LatentAttention, "fused_uv", True)],
+        tokens = {"uv": [(LatentAttention, "fused_uv", True)], "bmm": [(LatentAttention, "uv_gemv", False)],
                   "nopdl-mla": [(mla_decode, "PDL", False), (mla_prepare, "PDL", False)],
                   "nopdl-moe": [(moe_decode, "PDL", False)], "nonorm": [(moe_decode, "NORM_FOLD", False)], "base": []}
         tokens["nopdl"] = tokens["nopdl-mla"] + tokens["nopdl-moe"]
@@ -212,6 +214,8 @@ class MLABench(Bench):
                         mla_decode.MAX_SPLITS = int(tok[6:])
                     elif tok.startswith("merge"):
                         mla_decode.MERGE_RANK_BLOCK = int(tok[5:])
+                    elif tok.startswith("uvrows"):
+                        mla_decode.UV_GEMV_ROWS = int(tok[6:])
                     elif tok in tokens:
                         for obj, name, value in tokens[tok]:
                             setattr(obj, name, value)
@@ -342,7 +346,7 @@ def main() -> None:
                     help="PDL launches for the small kernels (engine.kernels.pdl.ENABLED; default: per model)")
     ap.add_argument("--step-variants", default=None,
                     help="only time batch-1 decode steps under these launch variants, comma-separated "
-                         "(splitsN, mergeN, uv, nopdl, nopdl-mla, nopdl-moe, nonorm, base, joined by +; see MLABench.step_variants)")
+                         "(splitsN, mergeN, uv, bmm, uvrowsN, nopdl, nopdl-mla, nopdl-moe, nonorm, base, joined by +; see MLABench.step_variants)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --step-variants")
     args = ap.parse_args()
     set_options(args)

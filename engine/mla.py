@@ -194,6 +194,10 @@ class LatentAttention(nn.Module):
     # checked, but its 64 programs at batch 1 (each re-merging its head's 32 slices per block of 32
     # outputs) made the step 2.76 ms against 2.52 on the H200, so it stays off
     fused_uv = False
+    # otherwise W_UV as a Triton GEMV of its own after the merge (mla_decode's uv_in_merge False;
+    # engine.kernels.mla_decode.apply_uv): a PDL launch that loads its weights while the merge runs,
+    # where torch.bmm's cuBLAS launch could not overlap with the kernels around it. False: torch.bmm
+    uv_gemv = True
 
     def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         q_a, kv_a = self.qkv_a_proj.weight.detach().split([self.q_a_out, self.rank + self.rope], 0)
@@ -283,19 +287,20 @@ class LatentAttention(nn.Module):
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _absorbed_fused(self, q, kv, positions, cos_sin, cache, meta, kernel) -> torch.Tensor:
-        """-> [T, H, v]: _prepare and _absorbed in two launches, W_UK folded into the prepare kernel
-        and W_UV into the decode kernel's merge (engine.kernels.mla_prepare.mla_prepare_uk; `kernel`
-        is mla_decode), each product rounded to the model dtype as torch.bmm's output."""
+        """-> [T, H, v]: _prepare and _absorbed with W_UK folded into the prepare kernel
+        (engine.kernels.mla_prepare.mla_prepare_uk; `kernel` is mla_decode) and W_UV as a GEMV of
+        its own after the merge (uv_gemv), inside the merge (fused_uv) or torch.bmm (neither), each
+        product rounded to the model dtype as torch.bmm's output."""
         from tandem.engine.kernels.mla_prepare import mla_prepare_uk  # noqa: PLC0415 (as forward_fused's)
 
         w_uk, w_uv = self._w_uk_uv()
         q_lat, q_pe = mla_prepare_uk(q, kv, positions, cos_sin, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
                                      cache, meta.slot_mapping, self.nope, self.interleave, w_uk)
-        if not self.fused_uv:
+        if not (self.fused_uv or self.uv_gemv):
             o_lat = kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe)
             return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return kernel(q_lat, cache, meta, self.rank, self.scale, reuse_positions=self.layer > 0, q_pe=q_pe,
-                      w_uv=w_uv)
+                      w_uv=w_uv, uv_in_merge=self.fused_uv)
 
     def _expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
         """-> [T, H, v]: each sequence's latents expanded to per-head K and V, causal with its offset."""

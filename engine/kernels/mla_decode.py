@@ -37,6 +37,9 @@ LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 # own wait) be scheduled before it waits itself, as the split attention's merge does (few programs).
 # False: plain launches (bench/mla_gpu.py's `nopdl` variant compares)
 PDL = True
+# W_UV's own GEMV (apply_uv, engine.mla.LatentAttention.uv_gemv): outputs per program; at V2-Lite's
+# sizes (v 128, rank 512) 8 programs per head, 128 in a batch-1 step, each reading 16 KB of W_UV
+UV_GEMV_ROWS = 16
 # the plain merge's rank columns per program (a power of two; None: the whole rank, one program per
 # (token, head)); bench/mla_gpu.py --step-variants mergeN times others
 MERGE_RANK_BLOCK: int | None = None
@@ -124,9 +127,11 @@ def _split_weights(ml_ptr, base, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
 @triton.jit
 def _mla_merge_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
                       RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_RM: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # program (token, head, block of BLOCK_RM rank columns)
-    pdl.enter(USE_PDL)
+                      BLOCK_RM: tl.constexpr, USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+    # program (token, head, block of BLOCK_RM rank columns). EARLY: the kernel after this one (W_UV's
+    # GEMV, which loads its weights before its own wait) is scheduled before this one waits
+    pdl.release(USE_PDL, EARLY)
+    pdl.enter_released(USE_PDL, EARLY)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * num_heads + h) * SPLITS
@@ -167,6 +172,48 @@ def _mla_merge_uv_kernel(acc_ptr, ml_ptr, w_ptr, out_ptr, num_heads, stride_wh, 
     tl.store(out_ptr + t * stride_ot + h * stride_oh + v, o.to(dtype), mask=vm)
 
 
+@triton.jit
+def _uv_kernel(o_ptr, w_ptr, out_ptr, stride_ot, stride_oh, stride_wh, stride_wv, stride_out_t, stride_out_h,
+               RANK: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+               USE_PDL: tl.constexpr = False):
+    """W_UV's product alone: program (token, head, block of BLOCK_V outputs) takes the rows
+    W_UV[h][block] (before the PDL wait: no kernel writes weights), then o_lat[t, h] from the merge:
+    out[t, h, block] = W_UV[h][block] @ o_lat[t, h], summed in fp32 and rounded once (as torch.bmm)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vm = v < V
+    r = tl.arange(0, BLOCK_R)
+    rm = r < RANK
+    w = tl.load(w_ptr + h * stride_wh + v[:, None] * stride_wv + r[None, :], mask=vm[:, None] & rm[None, :], other=0.0)
+    pdl.enter(USE_PDL)
+    o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=rm, other=0.0).to(tl.float32)
+    out = tl.sum(w.to(tl.float32) * o[None, :], 1)
+    tl.store(out_ptr + t * stride_out_t + h * stride_out_h + v, out.to(out_ptr.dtype.element_ty), mask=vm)
+
+
+def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, rank] (any strides with the rank contiguous: the merge's [H, T, rank] layout)
+    and w_uv [H, v, rank] -> [T, H, v] contiguous, o_lat[t, h] @ w_uv[h].T in o_lat's dtype: the
+    absorbed form's torch.bmm as a Triton launch (a PDL launch where the forward asks for them)."""
+    require_tensor("o_lat", o_lat, ndim=3, dtypes=FLOAT_DTYPES)
+    require_tensor("w_uv", w_uv, ndim=3, dtypes=FLOAT_DTYPES)
+    require_same("w_uv", w_uv, "o_lat", o_lat)
+    require_runnable(o_lat, _uv_kernel)
+    T, H, rank = o_lat.shape
+    if w_uv.shape[0] != H or w_uv.shape[2] != rank:
+        raise ValueError(f"w_uv {tuple(w_uv.shape)} must be [heads ({H}), v, rank ({rank})] for o_lat {tuple(o_lat.shape)}")
+    v = w_uv.shape[1]
+    out = torch.empty(T, H, v, dtype=o_lat.dtype, device=o_lat.device)
+    if T == 0:
+        return out
+    block_v = min(UV_GEMV_ROWS, next_power_of_2(v))
+    _uv_kernel[(T, H, triton.cdiv(v, block_v))](
+        o_lat, w_uv, out, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
+        out.stride(1), RANK=rank, V=v, BLOCK_V=block_v, BLOCK_R=next_power_of_2(rank), **_launch(o_lat.device))
+    return out
+
+
 def choose_splits(num_tokens: int, num_heads: int, num_sms: int) -> int:
     """Context slices per token: enough programs to fill the GPU once (a power of two, at most
     MAX_SPLITS). Measured on an H200 (bench/mla_gpu.py --sweep): at 64 tokens x 1k, 4 slices 46.6 us
@@ -196,13 +243,14 @@ _last_positions: list = [None, 0, None]  # [metadata, num_tokens, (seq, kv_len)]
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, rank: int, scale: float,
                splits: int | None = None, reuse_positions: bool = False, q_pe: torch.Tensor | None = None,
-               w_uv: torch.Tensor | None = None) -> torch.Tensor:
+               w_uv: torch.Tensor | None = None, uv_in_merge: bool = True) -> torch.Tensor:
     """q [T, H, rank + rope] against one layer's latent cache [num_blocks, block_size, 1, rank + rope]
     (the new tokens' latents already written) -> [T, H, rank] in q's dtype, laid out as [H, T, rank]
     (so W_UV's batched GEMM over the heads reads it without a copy). With `q_pe` [T, H, rope], q is
     the latent part alone, [T, H, rank] (views allowed: the W_UK product's [H, T, rank] transposed).
     With `w_uv` [H, v, rank] (kv_b_proj's V rows per head, a view: rows contiguous) the merge applies
-    it too: -> [T, H, v] contiguous, o_lat[t, h] @ w_uv[h].T.
+    it too: -> [T, H, v] contiguous, o_lat[t, h] @ w_uv[h].T; with `uv_in_merge` False a launch of
+    its own does (apply_uv, scheduled before the merge waits).
     `splits`: None chooses. `reuse_positions`: see token_positions (the model sets it past its first layer)."""
     q, q_pe = _check(q, cache, meta, rank, q_pe, w_uv)
     T, H = q.shape[:2]
@@ -222,15 +270,18 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
         **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"], **_pdl(q.device)}
            if q.is_cuda else {}))
+    if w_uv is not None and not uv_in_merge:
+        return apply_uv(merge_partials(acc, ml, rank, q.dtype, release=True), w_uv)
     return merge_partials(acc, ml, rank, q.dtype, w_uv)
 
 
 def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.dtype,
-                   w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                   w_uv: torch.Tensor | None = None, release: bool = False) -> torch.Tensor:
     """The context slices' partial sums acc [T, H, splits, block_r] fp32 and (max, sum) ml [T, H,
     splits, 2] -> o_lat [T, H, rank] in `dtype` laid out as [H, T, rank]; or with w_uv [H, v, rank],
     o_lat @ w_uv.T per head, [T, H, v] contiguous. mla_decode's second launch, a function of its own
-    so tests can feed it partial sums."""
+    so tests can feed it partial sums. `release`: the plain merge lets the next kernel be scheduled
+    before it waits (apply_uv's launch follows)."""
     T, H, splits, block_r = acc.shape
     block_s = max(2, next_power_of_2(splits))
     if w_uv is None:
@@ -238,7 +289,8 @@ def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.
         block_rm = min(block_r, MERGE_RANK_BLOCK or block_r)
         _mla_merge_kernel[(T, H, block_r // block_rm)](acc, ml, out, H, out.stride(0), out.stride(1), RANK=rank,
                                                        SPLITS=splits, BLOCK_S=block_s, BLOCK_R=block_r,
-                                                       BLOCK_RM=block_rm, **_launch(acc.device))
+                                                       BLOCK_RM=block_rm, **_launch(acc.device),
+                                                       **({"EARLY": True} if release and acc.is_cuda else {}))
         return out
     v = w_uv.shape[1]
     out = torch.empty(T, H, v, dtype=dtype, device=acc.device)

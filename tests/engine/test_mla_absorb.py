@@ -35,6 +35,7 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(prepare_mod, "UK_BLOCK", 16)
     monkeypatch.setitem(decode_mod.UV_LAUNCH, "block_v", 8)
     monkeypatch.setitem(decode_mod.UV_LAUNCH, "chunk_r", 16)
+    monkeypatch.setattr(decode_mod, "UV_GEMV_ROWS", 8)
 
 
 def _prepare_inputs(gen, tokens, heads, nope, rank, rope, v, dtype):
@@ -115,6 +116,24 @@ def test_merge_by_rank_blocks_matches_whole_rank(block, monkeypatch):
     blocked = decode_mod.merge_partials(acc, ml, 24, torch.float32)
     assert blocked.shape == whole.shape == (3, 4, 24)
     assert torch.equal(blocked, whole)
+
+
+@pytest.mark.parametrize("dtype,bound", KERNEL_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens,heads,rank,v,rows", [(1, 4, 32, 12, 16), (3, 3, 24, 20, 8)])
+def test_uv_gemv_matches_bmm(tokens, heads, rank, v, rows, dtype, bound, monkeypatch):
+    """apply_uv (W_UV's own launch after the merge) on the merge's [H, T, rank] layout against
+    torch.bmm in fp64, blocks of `rows` outputs (the last partial where v is not a multiple)."""
+    monkeypatch.setattr(decode_mod, "UV_GEMV_ROWS", rows)
+    gen = torch.Generator().manual_seed(tokens + rank)
+    o_lat = torch.randn(heads, tokens, rank, generator=gen).to(DEVICE, dtype).transpose(0, 1)  # [T, H, rank] view
+    w = (torch.randn(heads * (16 + v), rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    w_uv = w.view(heads, 16 + v, rank)[:, 16:]  # kv_b_proj's V rows per head: a view, rows contiguous
+    out = decode_mod.apply_uv(o_lat, w_uv)
+    ref = torch.bmm(o_lat.double().transpose(0, 1), w_uv.double().transpose(1, 2)).transpose(0, 1)
+    assert out.shape == (tokens, heads, v) and out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out.cpu(), ref.cpu()) < bound
+    with pytest.raises(ValueError, match="w_uv"):
+        decode_mod.apply_uv(o_lat, w_uv[:, :, :8])
 
 
 def test_merge_rounds_o_lat_before_w_uv():
@@ -201,19 +220,26 @@ def _step(gen, query_lens, ctx_lens, pad, latent_dim, dtype, block_size=8):
 def _spy(monkeypatch) -> list[str]:
     """Wraps the fused kernels' wrappers: -> the names of those called, in order."""
     calls = []
-    real_uk, real_merge = prepare_mod.mla_prepare_uk, decode_mod.merge_partials
+    real_uk, real_merge, real_uv = prepare_mod.mla_prepare_uk, decode_mod.merge_partials, decode_mod.apply_uv
     monkeypatch.setattr(prepare_mod, "mla_prepare_uk", lambda *a, **kw: calls.append("prepare_uk") or real_uk(*a, **kw))
-    monkeypatch.setattr(decode_mod, "merge_partials", lambda acc, ml, rank, dtype, w_uv=None: calls.append(
-        "merge" if w_uv is None else "merge_uv") or real_merge(acc, ml, rank, dtype, w_uv))
+    monkeypatch.setattr(decode_mod, "merge_partials", lambda acc, ml, rank, dtype, w_uv=None, **kw: calls.append(
+        "merge" if w_uv is None else "merge_uv") or real_merge(acc, ml, rank, dtype, w_uv, **kw))
+    monkeypatch.setattr(decode_mod, "apply_uv", lambda *a: calls.append("uv") or real_uv(*a))
     return calls
 
 
-@pytest.mark.parametrize("uv", [True, False], ids=["uv-in-merge", "uv-bmm"])
+UV_MODES = {"uv-in-merge": (True, True, ["prepare_uk", "merge_uv"]), "uv-gemv": (False, True, ["prepare_uk", "merge", "uv"]),
+            "uv-bmm": (False, False, ["prepare_uk", "merge"])}
+
+
+@pytest.mark.parametrize("uv", list(UV_MODES))
 @pytest.mark.parametrize("dtype,bound", LAYER_DTYPES, ids=[str(d).removeprefix("torch.") for d, _ in LAYER_DTYPES])
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_fused_absorbed_layer_matches_the_torch_path(case, dtype, bound, uv, monkeypatch):
     query_lens, ctx_lens, pad, heads, rank, v, interleave, splits, small = LAYER_CASES[case]
-    monkeypatch.setattr(LatentAttention, "fused_uv", uv)
+    in_merge, gemv, want_calls = UV_MODES[uv]
+    monkeypatch.setattr(LatentAttention, "fused_uv", in_merge)
+    monkeypatch.setattr(LatentAttention, "uv_gemv", gemv)
     if small:
         _small_blocks(monkeypatch)
     attn, cos_sin = _layer(heads, rank, v, interleave, dtype)
@@ -227,7 +253,7 @@ def test_fused_absorbed_layer_matches_the_torch_path(case, dtype, bound, uv, mon
     calls = _spy(monkeypatch)
     out = attn._attend(x, positions, cos_sin, kv_cache, meta, kernel=functools.partial(decode_mod.mla_decode,
                                                                                        splits=splits))
-    assert calls == ["prepare_uk", "merge_uv" if uv else "merge"]
+    assert calls == want_calls
     assert out.shape == (n + pad, attn.o_proj.out_features) and not out.isnan().any()
     assert rel_err(out[:n].cpu(), ref.cpu()) < bound
     assert rel_err(kv_cache.cpu(), ref_cache.cpu()) < bound  # the new latents written, nothing else touched

@@ -49,8 +49,8 @@ def _spy_fused_absorb(monkeypatch) -> dict[str, list]:
 
     monkeypatch.setattr(LatentAttention, "_absorbed_fused", absorbed_fused)
     monkeypatch.setattr(mla_prepare, "mla_prepare_uk", lambda *a, **kw: seen["prepare_uk"].append(1) or uk(*a, **kw))
-    monkeypatch.setattr(mla_decode, "merge_partials", lambda acc, ml, rank, dtype, w_uv=None: (
-        w_uv is not None and seen["merge_uv"].append(1)) or merge(acc, ml, rank, dtype, w_uv))
+    monkeypatch.setattr(mla_decode, "merge_partials", lambda acc, ml, rank, dtype, w_uv=None, **kw: (
+        w_uv is not None and seen["merge_uv"].append(1)) or merge(acc, ml, rank, dtype, w_uv, **kw))
     return seen
 
 

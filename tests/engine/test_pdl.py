@@ -53,7 +53,11 @@ KERNELS.update({
     "mla_prepare_uk": (mla_prepare._prepare_uk_kernel, dict(prepare, NOPE_PAD=128, BLOCK_UK=64)),
     "mla_partial": (mla_decode._mla_partial_kernel, dict(RANK=512, ROPE=64, SPLITS=32, IEEE=False, BLOCK_HEADS=16,
                                                          BLOCK_N=32, BLOCK_R=512, BLOCK_P=64)),
-    "mla_merge": (mla_decode._mla_merge_kernel, dict(RANK=512, SPLITS=32, BLOCK_S=32, BLOCK_R=512, BLOCK_RM=128)),
+    "mla_merge": (mla_decode._mla_merge_kernel, dict(RANK=512, SPLITS=32, BLOCK_S=32, BLOCK_R=512, BLOCK_RM=128,
+                                                     EARLY=False)),
+    "mla_merge_early": (mla_decode._mla_merge_kernel, dict(RANK=512, SPLITS=32, BLOCK_S=32, BLOCK_R=512,
+                                                           BLOCK_RM=512, EARLY=True)),
+    "mla_uv": (mla_decode._uv_kernel, dict(RANK=512, V=128, BLOCK_V=16, BLOCK_R=512)),
     "mla_merge_uv": (mla_decode._mla_merge_uv_kernel, dict(RANK=512, V=128, SPLITS=32, BLOCK_S=32, BLOCK_R=512,
                                                            CHUNK_R=64, BLOCK_V=32)),
     "moe_router_shared": (moe_decode._router_shared_kernel, dict(moe_tile, NORM=True, BLOCK_H=2048)),
@@ -111,7 +115,7 @@ _BEFORE_WAIT.update(decode_whole=_BEFORE_WAIT["decode"], decode_merge=_BEFORE_WA
     "positions_ptr", "cos_sin_ptr", "slot_ptr"})
 _BEFORE_WAIT["decode_rope"] = _BEFORE_WAIT["decode_early"] = _BEFORE_WAIT["decode_merge"]
 # weights, which no kernel writes: W_UK's slice, the router's and the shared experts' first tile
-_BEFORE_WAIT.update(mla_prepare_uk={"w_ptr"}, moe_router_shared={"wr_ptr", "ws_ptr"})
+_BEFORE_WAIT.update(mla_prepare_uk={"w_ptr"}, mla_uv={"w_ptr"}, moe_router_shared={"wr_ptr", "ws_ptr"})
 
 
 def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
@@ -132,12 +136,13 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
     assert launches == dict.fromkeys(("rms_norm", "silu_and_mul", "rotary_write_kv", "decode", "decode_whole",
                                       "decode_rope", "decode_merge", "reduce_partitions", "merge_partitions",
                                       "merge_partitions_early", "decode_early", "mla_prepare", "mla_prepare_uk",
-                                      "mla_partial", "mla_merge", "mla_merge_uv", "moe_router_shared",
+                                      "mla_partial", "mla_merge", "mla_merge_early", "mla_uv", "mla_merge_uv",
+                                      "moe_router_shared",
                                       "moe_routed_gate_up", "moe_down_sum"), True)
     # only the kernels asked to (SplitPolicy.early_release, paged_attention.EARLY_RELEASE, the latent
-    # merge with W_UV) let the next kernel start before their wait
+    # merges before W_UV's launch or with W_UV) let the next kernel start before their wait
     assert {name for name, yes in early.items() if yes} == {"merge_partitions_early", "decode_early",
-                                                             "mla_merge_uv"}, early
+                                                             "mla_merge_early", "mla_merge_uv"}, early
     for name in launches:  # nothing the kernel before may be writing is read before the wait
         assert reads.get(name, set()) <= _BEFORE_WAIT.get(name, set()), (name, reads.get(name))
     # and the decode kernel's metadata and rotary angles are in flight before it
@@ -145,7 +150,7 @@ def test_small_kernels_compile_for_hopper_with_pdl_and_wait_before_loading():
     assert {"cos_sin_ptr", "positions_ptr", "slot_ptr"} <= reads["decode_rope"], reads["decode_rope"]
     # and the weight tiles that stream before the wait do (the MoE launch's router branch: the PTX up to
     # the first wait; its shared-experts branch runs the same _dot_rows)
-    assert reads["mla_prepare_uk"] == {"w_ptr"} and "wr_ptr" in reads["moe_router_shared"], reads
+    assert reads["mla_prepare_uk"] == reads["mla_uv"] == {"w_ptr"} and "wr_ptr" in reads["moe_router_shared"], reads
 
 
 def test_launch_options(monkeypatch):

@@ -158,12 +158,15 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("uv", [False, True], ids=["uv-bmm", "uv-in-merge"])
+UV_MODES = {"uv-gemv": (False, True), "uv-in-merge": (True, False), "uv-bmm": (False, False)}
+
+
+@pytest.mark.parametrize("uv", list(UV_MODES))
 @pytest.mark.parametrize("query_lens,ctx_lens", [([1], [4000]), ([4], [1500]), ([1] * 4, [17, 300, 2048, 5])],
                          ids=["decode-1x4k", "verify-1-plus-3", "decode-4"])
 def test_fused_absorbed_form_bf16(query_lens, ctx_lens, uv):
     """The layer's attention with W_UK in the prepare launch (mla_prepare_uk, the partial kernel,
-    the merge, W_UV's bmm: the default), or in 3 launches (`uv`: the merge applying W_UV too),
+    the merge, W_UV's own GEMV: the default; or W_UV as torch.bmm), or in 3 launches (the merge applying W_UV too),
     against the bmm form's 5 on the same bf16 inputs (2e-3: the same rounding points, the sums'
     order apart; on an H200 0 at one token, 3.3e-4 and 4.5e-4 at four) and a float32 reference (2e-2,
     as test_mla_decode_bf16's; measured 5.4e-3 to 6.3e-3, the bmm form's to the digit); then
@@ -171,7 +174,7 @@ def test_fused_absorbed_form_bf16(query_lens, ctx_lens, uv):
     import copy
 
     attn, x, positions, cos_sin, kv_cache, meta = _layer_step(query_lens, ctx_lens, len(query_lens))
-    attn.fused_uv = uv
+    attn.fused_uv, attn.uv_gemv = UV_MODES[uv]
     assert attn.absorbs_in_kernels(x.shape[0], meta)
     bmm = copy.deepcopy(attn)
     bmm.fused_absorb = False
@@ -196,10 +199,10 @@ def test_fused_absorbed_form_bf16(query_lens, ctx_lens, uv):
         assert _rel(static_out, want) < 1e-3, (i, _rel(static_out, want))
 
 
-@pytest.mark.parametrize("uv", [False, True], ids=["uv-bmm", "uv-in-merge"])
+@pytest.mark.parametrize("uv", list(UV_MODES))
 @pytest.mark.parametrize("merge_block", [None, 128], ids=["merge-whole-rank", "merge-128"])
 def test_pdl_launches_give_the_plain_launches_bits(uv, merge_block, monkeypatch):
-    """The fused absorbed form's kernels (prepare with W_UK, partial, merge, with or without W_UV)
+    """The fused absorbed form's kernels (prepare with W_UK, partial, merge, W_UV after it or in it)
     launched with PDL, eager and from a CUDA graph of three layers' calls back to back (each kernel's
     programs scheduled while the one before runs), give the plain launches' bits: PDL moves when a
     kernel starts, never what it reads (tests/engine/test_pdl.py checks the waits in the PTX)."""
@@ -208,7 +211,7 @@ def test_pdl_launches_give_the_plain_launches_bits(uv, merge_block, monkeypatch)
 
     monkeypatch.setattr(decode_mod, "MERGE_RANK_BLOCK", merge_block)
     attn, x, positions, cos_sin, kv_cache, meta = _layer_step([1], [4000], 3)
-    attn.fused_uv = uv
+    attn.fused_uv, attn.uv_gemv = UV_MODES[uv]
     run = lambda x, cache: attn._attend(x, positions, cos_sin, cache, meta, kernel=mla_decode)  # noqa: E731
     chain = lambda x, cache: run(run(run(x, cache) @ torch.ones(2048, 2048, device="cuda").bfloat16() / 2048, cache)  # noqa: E731
                                  .contiguous(), cache)
