@@ -254,6 +254,7 @@ class GemvBench(FP8Bench):
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
                     paged_mod.EARLY_RELEASE = "early2" in tokens
+                    gemv_mod.EARLY_EPILOGUE = "noepi" not in tokens
                     rows_mod.ROWS, rows_mod.ROWS_DEFAULT = ({}, {}) if "norows" in tokens else (rows_table, rows_default)
                     split_mod.set_split_policy(
                         fused_merge="fmerge" in tokens or (split_policy.fused_merge and "nofmerge" not in tokens),
@@ -351,6 +352,7 @@ def parse_variants(spec: str) -> dict:
     "early" or "noearly" (the merge lets the o GEMV be scheduled before it waits, SplitPolicy.early_release),
     "early2" (the decode kernel releases the kernel after it early too, paged_attention.EARLY_RELEASE),
     "norows" (steps of a few tokens keep cuBLAS / the FP8 GEMM: no engine.kernels.gemv_rows),
+    "noepi" (the GEMV epilogue's reads after its K loop, not before: gemv.EARLY_EPILOGUE off),
     "minpartN" (split decode attention's partitions at least N keys, SplitPolicy.min_partition),
     "ppsN" (split until N programs per SM, SplitPolicy.programs_per_sm), "longpartN" (partitions at
     least min(N, plan / long_parts) keys, SplitPolicy.long_partition; 0: no such floor),

@@ -70,25 +70,42 @@ def _products(w, h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.conste
 
 
 @triton.jit
-def _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # the per-output-channel scale of FP8 weights, then the bias
+def _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                row_scale, LOADED: tl.constexpr):
+    # the per-output-channel scale of FP8 weights (LOADED: `row_scale`, read before the loop), then the bias
     if ROW_SCALE:
-        out *= tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+        if not LOADED:
+            row_scale = tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+        out *= row_scale
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     return out
 
 
 @triton.jit
-def _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr):
+def _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr, res, next_g,
+                   LOADED: tl.constexpr):
     # the output joins the residual stream (rounded as rms_norm rounds the sum): write this program's
     # rows of the new stream and their sum of squares; -> the stream times the next norm's weight
+    # (LOADED: `res`, `next_g`, the stream's rows and that weight's, read before the loop)
     dt = out_ptr.dtype.element_ty
-    s_new = (out.to(dt).to(tl.float32) + tl.load(er_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)).to(dt)
+    if not LOADED:
+        res = tl.load(er_ptr + rn, mask=n_mask, other=0.0)
+        next_g = tl.load(eg_ptr + rn, mask=n_mask, other=0.0)
+    s_new = (out.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
     tl.store(enew_r_ptr + rn, s_new, mask=n_mask)
     sf = s_new.to(tl.float32)
     tl.store(ss_ptr + pid_n, tl.sum(sf * sf, axis=0))
-    return sf * tl.load(eg_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    return sf * next_g.to(tl.float32)
+
+
+@triton.jit
+def _early_load(ptr, offsets, mask, EARLY: tl.constexpr):
+    # EARLY_EPILOGUE: an epilogue read issued before the K loop (-> the values in fp32, exactly),
+    # else nothing yet (-> zeros, unused: the epilogue loads after the loop)
+    if EARLY:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return tl.zeros(offsets.shape, tl.float32)
 
 
 @triton.jit
@@ -111,7 +128,7 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, VEC: tl.constexpr, RESIDUAL_NORM: tl.constexpr, BLOCK_SS: tl.constexpr,
-    SILU_OUT: tl.constexpr,
+    SILU_OUT: tl.constexpr, EARLY_EPILOGUE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     rn, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_OUT)
@@ -121,17 +138,14 @@ def _gemv_kernel(
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
     start = 0
-    if USE_PDL == 1:  # launched as a programmatic dependent: wait for the kernel before, then let
-        tl.extra.cuda.gdc_wait()  # the next one be scheduled
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL == 2:
-        # as 1, and no kernel writes weights, so the first weight tile streams in while the kernel
-        # before finishes (its output, the input vector, is read after gdc_wait); the raw tile is
-        # what waits (FP8: a quarter of the registers the widened one would hold)
-        k_mask = rk < K
+    # weights no kernel writes (FP8 rows' scales, the next norm's): before any PDL wait
+    row_scale = _early_load(s_ptr, rn * stride_sn, n_mask, EARLY_EPILOGUE and SCALED and GROUP_K == 0)
+    next_g = _early_load(eg_ptr, rn, n_mask, EARLY_EPILOGUE and RESIDUAL_NORM)
+    pdl.enter(USE_PDL == 1)  # a programmatic dependent: wait for the kernel before, let the next one be scheduled
+    if USE_PDL == 2:  # as 1, the first weight tile (no kernel writes weights) loaded before the wait, raw
+        k_mask = rk < K  # (FP8: a quarter of the registers the widened tile would hold)
         w_raw = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl.enter(True)
         w = w_raw.to(tl.float32)
         if GROUP_K != 0:
             w = w * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[:, None]
@@ -141,6 +155,7 @@ def _gemv_kernel(
         start = BLOCK_K
     if PROLOGUE == 3:  # the norm's sums of squares are the producer's (read after the wait)
         ss = tl.load(ss_ptr + tl.arange(0, BLOCK_SS), mask=tl.arange(0, BLOCK_SS) < NUM_SS, other=0.0)
+    res = _early_load(er_ptr, rn, n_mask, EARLY_EPILOGUE and RESIDUAL_NORM)  # a kernel before wrote it
     for k0 in range(start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
@@ -159,9 +174,11 @@ def _gemv_kernel(
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if PROLOGUE == 1 or PROLOGUE == 3:
         out *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    out = _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, SCALED and GROUP_K == 0, HAS_BIAS)
+    out = _scale_bias(out, rn, n_mask, s_ptr, stride_sn, b_ptr, SCALED and GROUP_K == 0, HAS_BIAS, row_scale,
+                      EARLY_EPILOGUE)
     if RESIDUAL_NORM:
-        out = _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr)
+        out = _residual_norm(out, rn, n_mask, pid_n, out_ptr, ss_ptr, er_ptr, eg_ptr, enew_r_ptr, res, next_g,
+                             EARLY_EPILOGUE)
     _store_out(out, rn, n_mask, pid_n, N, out_ptr, BLOCK_N, SILU_OUT)
 
 
@@ -336,9 +353,15 @@ def _launch(prologue: int, x, residual, norm_weight, new_residual, eps, weight, 
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, GROUP_K=group_k,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         USE_PDL=pdl, VEC=vec, RESIDUAL_NORM=fold is not None, BLOCK_SS=triton.next_power_of_2(num_ss),
-        SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        SILU_OUT=silu_out, EARLY_EPILOGUE=EARLY_EPILOGUE, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     return out, sums if fold is not None else None
 
+
+# The epilogue's reads (FP8 row scales, the residual rows and the next norm's weight of the
+# residual-norm epilogue) issued before the K loop instead of after it (_gemv_kernel's
+# EARLY_EPILOGUE); tests compare both orders under the interpreter
+EARLY_EPILOGUE = True
 
 # Programmatic dependent launch (Hopper on): each GEMV is launched so that it may start while the
 # kernel before it finishes (_gemv_kernel): "prefetch" (its first weight tile loaded before it

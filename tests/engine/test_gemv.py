@@ -142,6 +142,27 @@ def test_a_norm_folded_between_two_gemvs_is_the_separate_launches(dtype, kind, s
         assert rel_err(scaled_gemv(row4, w2, s2, bias2, group_k=gk2), h.double() @ ref_w2.T + bias2.double()) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
+def test_epilogue_reads_before_the_loop_give_the_same_bits(kind, monkeypatch):
+    """EARLY_EPILOGUE (the FP8 rows' scales, the residual rows and the next norm's weight read
+    before the K loop) against the reads after it: the same output, residual stream and sums of
+    squares, bit for bit, for a plain GEMV and a residual-norm one, in bf16."""
+    import tandem.engine.kernels.gemv as gemv_mod
+
+    gen = torch.Generator().manual_seed(5)
+    w, s, gk, _ = weights(kind, 64, 96, gen, torch.bfloat16)
+    x = torch.randn(1, 96, generator=gen).bfloat16().to(DEVICE)
+    residual = (torch.randn(1, 64, generator=gen) * 3).bfloat16().to(DEVICE)
+    g = (torch.rand(64, generator=gen) + 0.5).bfloat16().to(DEVICE)
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(gemv_mod, "EARLY_EPILOGUE", early)
+        row, stream = residual_gemv(x, w, s, residual=residual, norm_weight=g, eps=1e-5, group_k=gk)
+        got[early] = (gemv(x, w, s, group_k=gk), stream, row.sums, row.finish())
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["model", "fp8", "fp8-block"])
 def test_silu_out_is_the_gemv_then_silu_and_mul(dtype, kind):
@@ -402,10 +423,11 @@ sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "new_r_ptr": "*bf16
 for prologue, pdl, vec, fold, act in ((0, 1, 1, 0, 0), (0, 2, 1, 0, 0), (1, 2, 16, 0, 0), (2, 2, 16, 0, 0),
                                       (1, 1, 1, 0, 0), (0, 2, 16, 0, 0), (3, 2, 16, 0, 0), (3, 1, 1, 0, 0),
                                       (0, 2, 16, 1, 0), (2, 2, 16, 1, 0), (3, 2, 16, 0, 1), (1, 2, 16, 0, 1)):
-    for w, group_k in (("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0)):
+    for i, (w, group_k) in enumerate((("*fp8e4nv", 0), ("*fp8e4nv", 128), ("*bf16", 0))):
         const = dict(PROLOGUE=prologue, HAS_RESIDUAL=True, SCALED=w != "*bf16", GROUP_K=group_k, HAS_BIAS=True,
                      BLOCK_N=4, BLOCK_K=128, EVEN_K=False, USE_PDL=pdl, VEC=vec if w != "*bf16" else max(1, vec // 2),
-                     RESIDUAL_NORM=bool(fold), BLOCK_SS=1024, SILU_OUT=bool(act))
+                     RESIDUAL_NORM=bool(fold), BLOCK_SS=1024, SILU_OUT=bool(act),
+                     EARLY_EPILOGUE=(i + prologue + fold) % 2 == 0)  # the epilogue's reads before the loop, or after
         src = ASTSource(_gemv_kernel, {**sig, "w_ptr": w, **{k: "constexpr" for k in const}}, constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True})
         assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
