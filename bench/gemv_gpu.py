@@ -253,8 +253,7 @@ class GemvBench(FP8Bench):
                     gemv_mod.ACT_KINDS = next((act_kinds[t] for t in tokens if t in act_kinds), acting)
                     rope_kv.IN_ATTENTION = (1 << 30 if "inattn" in tokens else 0 if "noinattn" in tokens
                                             else in_attention)
-                    paged_mod.EARLY_RELEASE = "early2" in tokens
-                    gemv_mod.EARLY_EPILOGUE = "noepi" not in tokens
+                    paged_mod.EARLY_RELEASE, gemv_mod.EARLY_EPILOGUE = "early2" in tokens, "noepi" not in tokens
                     rows_mod.ROWS, rows_mod.ROWS_DEFAULT = ({}, {}) if "norows" in tokens else (rows_table, rows_default)
                     split_mod.set_split_policy(
                         fused_merge="fmerge" in tokens or (split_policy.fused_merge and "nofmerge" not in tokens),
