@@ -63,6 +63,8 @@ class Penalties:
         """Add one step's sampled tokens [N] (on the device, row i is params[i]'s) to the counts of
         the penalized rows that have a slot, on the device and without a host synchronisation; the
         host's output lists then have those positions counted already (`apply` skips them)."""
+        if not self._slot:  # no penalized request holds a slot: nothing to count (the usual step)
+            return
         rows = [(i, self._slot[rid]) for i, (rid, sp) in enumerate(params) if sp.penalized and rid in self._slot]
         if not rows or self._counts is None:
             return
