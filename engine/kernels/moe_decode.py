@@ -5,6 +5,9 @@ GEMVs, the routed experts' gate/up, down and slot sum) and pays each launch's ra
 1. `_router_shared_kernel`: the router's logits [T, E] in fp32 (programs [0, R) by pid; model-dtype
    operands, whose products are exact in fp32, summed in fp32 as Router.logits sums them), and the
    shared experts' SiLU(gate) * up [T, Is] (programs from R on; none without shared experts).
+   With `norm` (SparseMoE.norm_forward_fused) it also does the post-attention RMSNorm that would be
+   a launch before it: each program normalises its input tiles itself, and the first program of
+   each token writes the new residual stream and the normalised row that launches 2 and 3 read.
 2. `_routed_gate_up_kernel`: a program per ((token, slot), channel block) routes its token itself
    from the fp32 logits (engine.kernels.moe_route._route_token, the code route_fused runs: the same
    choice, ties to the lower expert) and computes its slot's expert's SiLU(gate) * up [T * k, I];
