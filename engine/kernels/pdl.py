@@ -6,7 +6,9 @@ scheduled while the kernel before it still runs: it calls `enter` first, which w
 (`griddepcontrol.wait`) until the kernel before has finished and its writes are visible, then lets
 the kernel after it be scheduled in turn (`griddepcontrol.launch_dependents`). So a chain of PDL
 launches (norm, rotary + KV write, decode attention, merge, SiLU, and engine.kernels.gemv's GEMVs,
-which load a weight tile before their wait) overlaps each kernel's launch with the one before it.
+which load a weight tile before their wait; for latent attention and mixtures of experts, the
+prepare, decode, merge and W_UV kernels of engine.kernels.mla_prepare / mla_decode and the three
+launches of engine.kernels.moe_decode) overlaps each kernel's launch with the one before it.
 A kernel that reads nothing another wrote before `enter` is always safe; every kernel here calls it
 before any load.
 
