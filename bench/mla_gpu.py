@@ -13,6 +13,10 @@
 
     python3 bench/mla_gpu.py --out DIR      # on the GPU
     python3 bench/mla_gpu.py --dry-run      # CPU, a tiny DeepSeek, Triton's interpreter: checks the script
+
+`--step-variants "base,nopdl,bmm,..."` times only batch-1 decode steps (context 1k), each variant of
+the latent attention's and the MoE layer's launches on an engine of its own, interleaved
+`--repeats` times (MLABench.step_variants names the tokens).
 """
 
 from __future__ import annotations
