@@ -196,10 +196,7 @@ class SparseMoE(nn.Module):
         from tandem.engine.kernels.moe_route import route_fused  # noqa: PLC0415 (as above)
 
         if moe_decode.takes(x.shape[0]) and self._plain_shared():  # a decode step: the layer in 3 launches
-            s = self.shared_experts
-            return self.reduce_output(moe_decode.moe_decode(
-                x, self.gate.weight, self.gate.moe, self.gate.e_score_correction_bias, self.w13, self.w2,
-                s.gate_up_proj.weight if s is not None else None, s.down_proj.weight if s is not None else None).out)
+            return self.reduce_output(self._decode(x).out)
         # router: one GEMM + one routing launch; experts: 2 launches (few tokens) or 4; the shared
         # experts' output is added inside the experts' last launch
         weights, ids = route_fused(self.gate.logits(x), self.gate.moe, self.gate.e_score_correction_bias)
@@ -214,14 +211,20 @@ class SparseMoE(nn.Module):
 
         if (moe_decode.NORM_FOLD and residual is not None and moe_decode.takes(x.shape[0]) and self._plain_shared()
                 and x.is_contiguous() and residual.is_contiguous()):
-            s = self.shared_experts
-            got = moe_decode.moe_decode(
-                x, self.gate.weight, self.gate.moe, self.gate.e_score_correction_bias, self.w13, self.w2,
-                s.gate_up_proj.weight if s is not None else None, s.down_proj.weight if s is not None else None,
-                norm=(residual, norm.weight, norm.eps))
+            got = self._decode(x, (residual, norm.weight, norm.eps))
             return self.reduce_output(got.out), got.residual
         h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
         return self.forward_fused(h, ops), residual
+
+    def _decode(self, x: torch.Tensor, norm=None):
+        """engine.kernels.moe_decode.moe_decode on this layer's weights (-> its DecodedMoE)."""
+        from tandem.engine.kernels import moe_decode  # noqa: PLC0415 (triton loads only where kernels run)
+
+        s = self.shared_experts
+        return moe_decode.moe_decode(
+            x, self.gate.weight, self.gate.moe, self.gate.e_score_correction_bias, self.w13, self.w2,
+            s.gate_up_proj.weight if s is not None else None, s.down_proj.weight if s is not None else None,
+            norm=norm)
 
     def _plain_shared(self) -> bool:
         """Whether the shared experts (if any) are two bias-free model-dtype projections with no

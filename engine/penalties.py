@@ -69,9 +69,9 @@ class Penalties:
         if not rows or self._counts is None:
             return
         dev = self._counts.device
-        index, slots = _on([r for r, _ in rows], dev), _on([slot for _, slot in rows], dev)
+        index = _on([r for r, _ in rows], dev)
         with torch.inference_mode():  # the counts were made under it (apply_to_step)
-            self._counts.index_put_((slots, tokens[index]), torch.ones(len(rows), device=dev), accumulate=True)
+            self._add_counts(_on([slot for _, slot in rows], dev), tokens[index])
         for i, _ in rows:
             self._counted[params[i][0]] += 1
 
@@ -129,12 +129,10 @@ class Penalties:
                 self._counted[rid] = len(output)
             slots.append(slot)
         if new_tokens:
-            self._counts.index_put_((_on(new_slots, dev), _on(new_tokens, dev)),
-                                    torch.ones(len(new_tokens), device=dev), accumulate=True)
+            self._add_counts(_on(new_slots, dev), _on(new_tokens, dev))
         index, slot_index = _on([r[0] for r in rows], dev), _on(slots, dev)
-        per_row = torch.tensor([[sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty]
-                                for _, _, sp, _, _ in rows], dtype=torch.float32)
-        per_row = (per_row.pin_memory() if dev.type == "cuda" else per_row).to(dev, non_blocking=True)
+        per_row = _on([[sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty] for _, _, sp, _, _ in rows],
+                      dev, torch.float32)
         if self.fused if self.fused is not None else dev.type == "cuda":
             from tandem.engine.kernels.penalties import penalize  # noqa: PLC0415 (triton loads only where kernels run)
 
@@ -147,6 +145,11 @@ class Penalties:
         seen = (self._in_prompt[slot_index] | said) & (rep != 1.0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         logits[index] = (x - freq * counts - pres * said).to(logits.dtype)
+
+    def _add_counts(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """counts[slots[i], tokens[i]] += 1 for every i (a token twice in one slot counts twice)."""
+        self._counts.index_put_((slots, tokens), torch.ones(len(tokens), device=self._counts.device),
+                                accumulate=True)
 
     def _apply_sparse(self, logits: torch.Tensor, row: int, rid: str, sp: SamplingParams, prompt: list[int],
                       output: list[int]) -> None:
@@ -189,7 +192,7 @@ class Penalties:
         self._free.extend(range(size - 1, old - 1, -1))
 
 
-def _on(values: list[int], dev: torch.device) -> torch.Tensor:
-    """values as an int64 tensor on `dev`, copied from pinned memory on CUDA (no host wait)."""
-    t = torch.tensor(values, dtype=torch.long)
+def _on(values: list, dev: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """values as a tensor on `dev`, copied from pinned memory on CUDA (no host wait)."""
+    t = torch.tensor(values, dtype=dtype)
     return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)

@@ -268,7 +268,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ra
         meta.block_tables.stride(0),
         RANK=rank, ROPE=D - rank, SPLITS=splits, IEEE=q.dtype == torch.float32,
         BLOCK_HEADS=BLOCK_H, BLOCK_N=LAUNCH["block_n"], BLOCK_R=block_r, BLOCK_P=block_p,
-        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"], **_pdl(q.device)}
+        **({"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"], **pdl.launch_options(q.device, PDL)}
            if q.is_cuda else {}))
     if w_uv is not None and not uv_in_merge:
         return apply_uv(merge_partials(acc, ml, rank, q.dtype, release=True), w_uv)
@@ -301,13 +301,9 @@ def merge_partials(acc: torch.Tensor, ml: torch.Tensor, rank: int, dtype: torch.
     return out
 
 
-def _pdl(device: torch.device) -> dict:
-    return pdl.launch_options(device) if PDL else {"USE_PDL": False}
-
-
 def _launch(device: torch.device) -> dict:
     """A merge kernel's launch keywords: 4 warps and the PDL options on a GPU (the interpreter: none)."""
-    return {"num_warps": 4, **_pdl(device)} if device.type == "cuda" else {}
+    return {"num_warps": 4, **pdl.launch_options(device, PDL)} if device.type == "cuda" else {}
 
 
 def _check(q, cache, meta, rank, q_pe, w_uv) -> tuple[torch.Tensor, torch.Tensor]:

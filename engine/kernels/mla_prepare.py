@@ -209,4 +209,4 @@ def _launch(device: torch.device) -> dict:
     """The launch keywords of both kernels: 4 warps and the PDL options on a GPU (the interpreter: none)."""
     if device.type != "cuda":
         return {}
-    return {"num_warps": 4, **(pdl.launch_options(device) if PDL else {"USE_PDL": False})}
+    return {"num_warps": 4, **pdl.launch_options(device, PDL)}

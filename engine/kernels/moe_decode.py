@@ -348,7 +348,7 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, moe: MoEConfig, sco
     cfg = _tiles(x, tiles, experts, inter, inter_s)
     vec = 16 // x.element_size()
     launch = ({"num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
-               **(pdl.launch_options(dev) if PDL else {"USE_PDL": False})} if dev.type == "cuda" else {})
+               **pdl.launch_options(dev, PDL)} if dev.type == "cuda" else {})
     k1, k3 = cfg["k1"], cfg["k3"]
     router_programs = triton.cdiv(experts, cfg["rows1"])
     shared_programs = triton.cdiv(inter_s, cfg["rows1"] // 2)

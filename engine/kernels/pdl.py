@@ -69,10 +69,10 @@ def supported(device: torch.device) -> bool:
     return ok
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, allowed: bool = True) -> dict:
     """Keyword arguments for a small kernel's launch: its USE_PDL constexpr, and Triton's
-    launch_pdl where PDL is on."""
-    use = on() and supported(device)
+    launch_pdl where PDL is on. `allowed`: the kernel's own switch (False: a plain launch)."""
+    use = allowed and on() and supported(device)
     return {"USE_PDL": use, "launch_pdl": True} if use else {"USE_PDL": False}
 
 

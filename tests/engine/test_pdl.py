@@ -181,6 +181,7 @@ def test_launch_options(monkeypatch):
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}  # never off Hopper
     monkeypatch.setattr(pdl, "supported", lambda device: True)
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(torch.device("cpu"), allowed=False) == {"USE_PDL": False}  # the kernel's own switch
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
 
