@@ -54,6 +54,10 @@ class Penalties:
         """Whether penalties on `device` keep the dense state (the default on CUDA)."""
         return self.dense if self.dense is not None else device.type == "cuda"
 
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether the dense state's penalties on `device` run as one Triton launch (the default on CUDA)."""
+        return self.fused if self.fused is not None else device.type == "cuda"
+
     def needs_host(self, running, device: torch.device) -> bool:
         """Whether the next step's penalties read output tokens on the host (some running request
         is penalized and the state is sparse): LLMEngine.step settles an overlapped step first."""
@@ -133,7 +137,7 @@ class Penalties:
         index, slot_index = _on([r[0] for r in rows], dev), _on(slots, dev)
         per_row = _on([[sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty] for _, _, sp, _, _ in rows],
                       dev, torch.float32)
-        if self.fused if self.fused is not None else dev.type == "cuda":
+        if self.fused_on(dev):
             from tandem.engine.kernels.penalties import penalize  # noqa: PLC0415 (triton loads only where kernels run)
 
             penalize(logits, index, slot_index, per_row, self._counts, self._in_prompt)
