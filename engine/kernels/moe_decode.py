@@ -93,24 +93,28 @@ class DecodedMoE:
 
 
 @triton.jit
+def _stream_tile(x_ptr, r_ptr, ks, k_mask):
+    # the new residual stream at ks, round(x + r) in the model dtype, as rms_norm rounds the sum
+    return (tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _input_tile(x_ptr, r_ptr, g_ptr, ks, k_mask, rstd, NORM: tl.constexpr):
     # x[ks] in fp32; NORM: RMSNorm(x + r)[ks] * g with rms_norm's roundings (engine.kernels.fused)
-    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if NORM:
         dt = x_ptr.dtype.element_ty
-        s = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        s = _stream_tile(x_ptr, r_ptr, ks, k_mask).to(tl.float32)
         g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         return ((s * rstd).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
-    return x.to(tl.float32)
+    return tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _norm_rstd(x_ptr, r_ptr, K, eps, BLOCK_H: tl.constexpr):
     # 1 / rms of round(x + r) over the whole row, as rms_norm computes it
     cols = tl.arange(0, BLOCK_H)
-    cm = cols < K
-    s = (tl.load(x_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-         + tl.load(r_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    s = _stream_tile(x_ptr, r_ptr, cols, cols < K).to(tl.float32)
     return tl.rsqrt(tl.sum(s * s, axis=0) / K + eps)
 
 
@@ -185,9 +189,7 @@ def _router_shared_kernel(x_ptr, wr_ptr, logits_ptr, ws_ptr, hs_ptr, r_ptr, g_pt
             if block == 0:
                 cols = tl.arange(0, BLOCK_H)
                 cm = cols < H
-                s = (tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
-                     + tl.load(r_row + cols, mask=cm, other=0.0).to(tl.float32)).to(xn_ptr.dtype.element_ty)
-                tl.store(new_r_ptr + row + cols, s, mask=cm)
+                tl.store(new_r_ptr + row + cols, _stream_tile(x_row, r_row, cols, cm), mask=cm)
                 tl.store(xn_ptr + row + cols, _input_tile(x_row, r_row, g_ptr, cols, cm, rstd, NORM)
                          .to(xn_ptr.dtype.element_ty), mask=cm)
     else:  # the shared experts' gate and up, each rounded as their GEMV's output is, then SiLU * up
